@@ -1,0 +1,36 @@
+// Shared helpers for the FFI handlers: the CUDA error macro and the handler declarations.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace pk_ffi {
+
+namespace ffi = xla::ffi;
+
+// NOTES: every CUDA call in a handler goes through PK_CUDA_CHECK so that a failure becomes an
+// ffi::Error (a Python exception naming the call) instead of a crash or a silent wrong answer.
+inline ffi::Error CudaError(cudaError_t err, const char* expr, const char* file, int line) {
+  return ffi::Error::Internal(std::string("pk_jax CUDA error: ") + cudaGetErrorString(err) +
+                              " in " + expr + " at " + file + ":" + std::to_string(line));
+}
+
+}  // namespace pk_ffi
+
+#define PK_CUDA_CHECK(expr)                                                   \
+  do {                                                                        \
+    cudaError_t pk_err_ = (expr);                                             \
+    if (pk_err_ != cudaSuccess) {                                             \
+      return ::pk_ffi::CudaError(pk_err_, #expr, __FILE__, __LINE__);         \
+    }                                                                         \
+  } while (0)
+
+// Checks the launch that was just issued on the current thread.
+#define PK_CUDA_CHECK_LAUNCH() PK_CUDA_CHECK(cudaGetLastError())
+
+// Handler symbols, one block per op; module.cc registers them.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(PkPing);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(PkPingCpu);

@@ -1,0 +1,91 @@
+"""Choosing, per op call, between the CUDA kernel and the `jax.lax` reference.
+
+The kernel runs when all of these hold: the extension is built (`HAS_CUDA`), the mesh given to
+`pk.init` is on sm_90 GPUs, the op has a registered FFI target, the axis lies on one host, and
+`PK_JAX_BACKEND` is not `reference`. Otherwise the reference runs: silently on CPU, where that
+is the design, and with one warning per reason on a GPU, where the user expected kernels.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+from pk_jax import _ffi
+from pk_jax.runtime import state
+
+BACKENDS = ("auto", "reference", "cuda")
+_warned: set[str] = set()
+
+
+def requested() -> str:
+    """The backend asked for with PK_JAX_BACKEND (auto, reference or cuda)."""
+    value = os.environ.get("PK_JAX_BACKEND", "auto").strip().lower() or "auto"
+    if value not in BACKENDS:
+        raise ValueError(f"PK_JAX_BACKEND={value!r} is not one of {', '.join(BACKENDS)}.")
+    return value
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(f"pk_jax: {message} Falling back to the jax.lax reference.", stacklevel=4)
+
+
+def _fallback(key: str, message: str, *, warn: bool) -> bool:
+    if requested() == "cuda":
+        raise ValueError(f"pk_jax: PK_JAX_BACKEND=cuda, but {message} Unset PK_JAX_BACKEND to "
+                         "fall back to the jax.lax reference.")
+    if warn:
+        _warn_once(key, message)
+    return False
+
+
+def mesh_is_hopper(mesh: jax.sharding.Mesh) -> bool:
+    devices = list(mesh.devices.flat)
+    return all(d.platform == "gpu" and getattr(d, "compute_capability", "") == "9.0"
+               for d in devices)
+
+
+def use_kernel(stem: str, axis_name: str | None = None) -> bool:
+    """Whether op `stem` (e.g. "gemm_rs") runs its CUDA kernel in the current trace."""
+    if requested() == "reference":
+        return False
+    mesh = state.mesh_or_none()
+    if mesh is None:
+        return False
+    platform = next(iter(mesh.devices.flat)).platform
+    if platform != "gpu":
+        return _fallback("platform", f"the mesh is on {platform}, not on GPUs.", warn=False)
+    if not _ffi.HAS_CUDA:
+        return _fallback("no-ext", f"the CUDA extension is not built ({_ffi.IMPORT_ERROR}); "
+                         "reinstall with nvcc on the PATH or PK_JAX_CUDA=ON.", warn=True)
+    if not mesh_is_hopper(mesh):
+        return _fallback("arch", "the kernels need sm_90 (Hopper) GPUs and this mesh has "
+                         f"{sorted({d.device_kind for d in mesh.devices.flat})}.", warn=True)
+    if f"pk_{stem}" not in _ffi.targets("CUDA"):
+        return _fallback(f"target-{stem}", f"op {stem} has no CUDA kernel in this build.",
+                         warn=False)
+    if axis_name is not None and not state.axis_on_one_host(axis_name):
+        return _fallback(f"hosts-{axis_name}", f"axis {axis_name!r} spans several hosts, "
+                         "outside one NVLink domain.", warn=True)
+    _ffi.register("CUDA")
+    return True
+
+
+def backend_name(stem: str = "matmul", axis_name: str | None = None) -> str:
+    """"cuda" or "reference": what op `stem` would run now (for examples and logs)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            return "cuda" if use_kernel(stem, axis_name) else "reference"
+        except ValueError:
+            return "reference"
+
+
+def rank_operand(axis_name: str) -> jax.Array:
+    """This device's index along `axis_name`, as the int32[1] operand the handlers take."""
+    return jax.lax.axis_index(axis_name).astype(jnp.int32).reshape(1)

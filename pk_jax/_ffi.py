@@ -1,0 +1,88 @@
+"""Loading the CUDA extension and registering its FFI targets with XLA.
+
+`HAS_CUDA` is True when the compiled module `pk_jax._pk_ffi` imports; pk_jax works without it,
+every op then lowers to its `jax.lax` reference.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+
+try:
+    from pk_jax import _pk_ffi  # type: ignore[attr-defined]
+
+    HAS_CUDA = True
+    IMPORT_ERROR: Exception | None = None
+except ImportError as e:  # pure-Python install, or a module built for another Python/jaxlib
+    _pk_ffi = None
+    HAS_CUDA = False
+    IMPORT_ERROR = e
+
+_lock = threading.Lock()
+_registered_platforms: set[str] = set()
+
+
+def registrations() -> list[tuple[str, str, object]]:
+    """(target, platform, capsule) for every handler in the module; empty without it."""
+    return list(_pk_ffi.registrations()) if HAS_CUDA else []
+
+
+def targets(platform: str = "CUDA") -> set[str]:
+    """Names of the FFI targets the module provides for `platform` ("CUDA" or "cpu")."""
+    return {name for name, plat, _ in registrations() if plat == platform}
+
+
+def register(platform: str) -> bool:
+    """Registers every handler of `platform` with XLA, once per process.
+
+    Returns whether the module had any handler for that platform.
+    """
+    if not HAS_CUDA:
+        return False
+    with _lock:
+        if platform not in _registered_platforms:
+            for name, plat, capsule in registrations():
+                if plat == platform:
+                    jax.ffi.register_ffi_target(name, capsule, platform=plat)
+            _registered_platforms.add(platform)
+    return bool(targets(platform))
+
+
+def vma(x) -> frozenset:
+    """The mesh axes along which `x` varies inside shard_map (empty outside)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def _pcast_to(x, axes: frozenset):
+    missing = tuple(sorted(axes - vma(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def call(target: str, results, *args, out_vma: frozenset | None = None, **attributes):
+    """`jax.ffi.ffi_call(target, results)(*args, **attributes)` inside shard_map.
+
+    Operands are cast to the union of their varying axes (the FFI call's typing rule wants them
+    equal), and the results are typed as varying along `out_vma` (default: that union). Callers
+    wrap this in a custom VJP, so the casts never reach autodiff.
+
+    Args:
+        target: the FFI target name, pk_<stem>.
+        results: a ShapeDtypeStruct or a sequence of them.
+        *args: the operands.
+        out_vma: the varying axes of the results.
+        **attributes: static attributes passed to the handler.
+    """
+    union = frozenset().union(*(vma(a) for a in args))
+    args = [_pcast_to(a, union) for a in args]
+    single = not isinstance(results, (list, tuple))
+    plain = [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in ([results] if single else results)]
+    outs = jax.ffi.ffi_call(target, plain)(*args, **attributes)
+    axes = union if out_vma is None else frozenset(out_vma)
+    outs = [_pcast_to(o, axes) for o in outs]
+    return outs[0] if single else outs

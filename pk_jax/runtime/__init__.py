@@ -1,0 +1,1 @@
+"""Runtime: the mesh registry, communicators and symmetric memory."""
