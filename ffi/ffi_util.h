@@ -34,3 +34,11 @@ inline ffi::Error CudaError(cudaError_t err, const char* expr, const char* file,
 // Handler symbols, one block per op; module.cc registers them.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PkPing);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PkPingCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(PkAllReduce);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(PkAllGather);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(PkReduceScatter);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(PkAllToAll);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(PkMatmul);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(PkGemmRs);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(PkAgGemm);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(PkGemmAr);

@@ -12,6 +12,12 @@ from pk_jax.ops.all_reduce import all_reduce
 from pk_jax.ops.all_gather import all_gather
 from pk_jax.ops.reduce_scatter import reduce_scatter
 from pk_jax.ops.all_to_all import all_to_all
+from pk_jax.ops.matmul import matmul
+from pk_jax.ops.gemm_rs import gemm_reduce_scatter
+from pk_jax.ops.ag_gemm import all_gather_gemm
+from pk_jax.ops.gemm_ar import gemm_all_reduce
+from pk_jax.ops.ring_attn import ring_attention
+from pk_jax.ops.ulysses_attn import ulysses_attention
 
 __version__ = "0.1.0"
 
@@ -19,10 +25,16 @@ __all__ = [
     "HAS_CUDA",
     "__version__",
     "all_gather",
+    "all_gather_gemm",
     "all_reduce",
     "all_to_all",
     "backend_name",
+    "gemm_all_reduce",
+    "gemm_reduce_scatter",
     "init",
+    "matmul",
     "reduce_scatter",
+    "ring_attention",
     "shutdown",
+    "ulysses_attention",
 ]

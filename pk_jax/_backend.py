@@ -44,8 +44,7 @@ def _fallback(key: str, message: str, *, warn: bool) -> bool:
     return False
 
 
-def mesh_is_hopper(mesh: jax.sharding.Mesh) -> bool:
-    devices = list(mesh.devices.flat)
+def all_hopper(devices) -> bool:
     return all(d.platform == "gpu" and getattr(d, "compute_capability", "") == "9.0"
                for d in devices)
 
@@ -55,17 +54,21 @@ def use_kernel(stem: str, axis_name: str | None = None) -> bool:
     if requested() == "reference":
         return False
     mesh = state.mesh_or_none()
-    if mesh is None:
+    if mesh is not None:
+        devices = list(mesh.devices.flat)
+    elif axis_name is None:  # a local op (matmul) needs no pk.init: the default devices
+        devices = jax.devices()
+    else:
         return False
-    platform = next(iter(mesh.devices.flat)).platform
+    platform = devices[0].platform
     if platform != "gpu":
         return _fallback("platform", f"the mesh is on {platform}, not on GPUs.", warn=False)
     if not _ffi.HAS_CUDA:
         return _fallback("no-ext", f"the CUDA extension is not built ({_ffi.IMPORT_ERROR}); "
                          "reinstall with nvcc on the PATH or PK_JAX_CUDA=ON.", warn=True)
-    if not mesh_is_hopper(mesh):
+    if not all_hopper(devices):
         return _fallback("arch", "the kernels need sm_90 (Hopper) GPUs and this mesh has "
-                         f"{sorted({d.device_kind for d in mesh.devices.flat})}.", warn=True)
+                         f"{sorted({d.device_kind for d in devices})}.", warn=True)
     if f"pk_{stem}" not in _ffi.targets("CUDA"):
         return _fallback(f"target-{stem}", f"op {stem} has no CUDA kernel in this build.",
                          warn=False)

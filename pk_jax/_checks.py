@@ -14,6 +14,7 @@ from pk_jax.runtime import state
 FLOAT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 MOVE_DTYPES = FLOAT_DTYPES + (jnp.int32,)
 MATMUL_DTYPES = (jnp.bfloat16, jnp.float16)
+MATMUL_DTYPES_NP = tuple(np.dtype(d) for d in MATMUL_DTYPES)
 
 
 def _names(dtypes: Sequence) -> str:
@@ -116,3 +117,44 @@ def matmul_operands(op: str, x, w, *, p: int = 1, k_local: bool = False) -> None
     kname = "K/P (the local K)" if k_local else "K"
     divisible(op, f"{kname} (x.shape[1])", k, 8,
               "Pad K to a multiple of 8 (zeros in x and w do not change x @ w).")
+
+
+def attention_operands(op: str, q, k, v) -> None:
+    """Checks attention's q, k, v: each [B, S_local, H, D], one shape, one float dtype."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(
+                f"pk.{op}: {name} must have rank 4, [batch, seq_local, heads, head_dim], got "
+                f"shape {x.shape}. Reshape it (e.g. {name}[None] for a missing batch axis)."
+            )
+    dtype_in(op, "q", q, FLOAT_DTYPES)
+    same_dtype(op, "q", q, "k", k)
+    same_dtype(op, "q", q, "v", v)
+    for name, x in (("k", k), ("v", v)):
+        if x.shape != q.shape:
+            raise ValueError(
+                f"pk.{op}: q and {name} must have the same shape [batch, seq_local, heads, "
+                f"head_dim], got q {q.shape} and {name} {x.shape}. Repeat k/v heads for "
+                "grouped-query attention and shard q, k, v alike along the sequence."
+            )
+
+
+def is_bool(op: str, arg: str, value) -> bool:
+    """Checks a static flag is a bool (not an array), and returns it as one."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"pk.{op}: {arg} must be a Python bool, got {value!r} "
+                        f"({type(value).__name__}). Pass {arg}=True or {arg}=False.")
+    return bool(value)
+
+
+def positive_float(op: str, arg: str, value) -> float:
+    """Checks a static scalar is a finite positive number (not an array), and returns it."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
+                                                                     np.floating)):
+        raise TypeError(f"pk.{op}: {arg} must be a positive Python float (static, not a jax "
+                        f"array), got {value!r} ({type(value).__name__}). Pass e.g. "
+                        f"{arg}=0.125, or float(...) of a concrete value.")
+    if not (np.isfinite(value) and value > 0):
+        raise ValueError(f"pk.{op}: {arg} must be a finite positive number, got {value!r}. "
+                         "Leave it None for 1/sqrt(head_dim).")
+    return float(value)

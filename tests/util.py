@@ -62,4 +62,79 @@ def product(*axes):
 
 
 __all__ = ["P", "cpu_mesh", "run", "rand", "tol", "assert_close", "product", "WORLD_SIZES",
-           "FLOAT_DTYPES", "MATMUL_DTYPES"]
+           "FLOAT_DTYPES", "MATMUL_DTYPES", "small_ints", "vjp_both", "assert_same",
+           "check_grads_sharded"]
+
+
+def small_ints(key, shape, dtype, *, lo: int = -2, hi: int = 2):
+    """Integers in [lo, hi]: products and sums of a few dozen of them stay exact in bf16."""
+    return jax.random.randint(key, shape, lo, hi + 1).astype(dtype)
+
+
+def vjp_both(fn, ref, mesh, in_specs, out_spec, args, dy, *, check_vma: bool = True,
+             init: bool = True):
+    """Runs fn and ref with their VJPs in one jit(shard_map) and returns both results.
+
+    The cotangent `dy` is placed with `out_spec` (and cast to the output's varying axes). Inside
+    the trace it asserts that fn's output and cotangents have the varying axes of ref's, and
+    that each cotangent has the varying axes of its primal.
+
+    Returns:
+        ((y, *grads) of fn, (y, *grads) of ref), as global arrays.
+    """
+    from pk_jax import _ffi
+    from pk_jax.ops import _vjp
+
+    n = len(args)
+
+    def body(*a):
+        xs, g = a[:n], a[n]
+        y, pull = jax.vjp(fn, *xs)
+        yr, pullr = jax.vjp(ref, *xs)
+        assert _ffi.vma(y) == _ffi.vma(yr), (_ffi.vma(y), _ffi.vma(yr))
+        assert y.dtype == yr.dtype and y.shape == yr.shape, (y, yr)
+        grads = pull(_vjp.vary(g.astype(y.dtype), _ffi.vma(y)))
+        gradsr = pullr(_vjp.vary(g.astype(yr.dtype), _ffi.vma(yr)))
+        for x, d, dr in zip(xs, grads, gradsr):
+            assert _ffi.vma(d) == _ffi.vma(dr) == _ffi.vma(x), (_ffi.vma(d), _ffi.vma(dr),
+                                                                _ffi.vma(x))
+            assert d.dtype == x.dtype and d.shape == x.shape, (d, x)
+        return (y, *grads, yr, *gradsr)
+
+    specs = tuple(in_specs)
+    outs = run(body, mesh, specs + (out_spec,), (out_spec, *specs) * 2, *args, dy,
+               check_vma=check_vma, init=init)
+    return outs[:n + 1], outs[n + 1:]
+
+
+def assert_same(actual, expected):
+    """Bit-for-bit equality (as float32 for bf16/fp16)."""
+    if jnp.issubdtype(actual.dtype, jnp.floating):
+        actual, expected = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
+    np.testing.assert_array_equal(np.asarray(actual), np.asarray(expected))
+
+
+def check_grads_sharded(fn, mesh, in_specs, out_spec, args, *, check_vma: bool = True):
+    """jax.test_util.check_grads (reverse mode, order 1) of jit(shard_map(fn)) on global args."""
+    from jax.sharding import NamedSharding
+    from jax.test_util import check_grads
+
+    pk.init(mesh)
+    in_specs = tuple(in_specs)
+    shardings = [NamedSharding(mesh, s) for s in in_specs]
+    g = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec,
+                              check_vma=check_vma))
+
+    def f(*a):  # check_grads perturbs the inputs with unsharded arrays: place them again
+        return g(*(jax.device_put(x, s) for x, s in zip(a, shardings)))
+
+    check_grads(f, args, order=1, modes=["rev"], atol=1e-2, rtol=1e-2)
+
+
+def assert_error_within_xla(actual, xla_same_dtype, exact, *, atol: float = 1e-3):
+    """DESIGN.md's tolerance: max |actual - exact| <= 2 * max |xla - exact| + atol, where `xla` is
+    XLA's own computation in the same dtype and `exact` a float64/float32 result."""
+    exact = np.asarray(exact, np.float64)
+    err = np.max(np.abs(np.asarray(actual, np.float64) - exact))
+    err_xla = np.max(np.abs(np.asarray(xla_same_dtype, np.float64) - exact))
+    assert err <= 2 * err_xla + atol, f"error {err} > 2 * {err_xla} (XLA's) + {atol}"

@@ -3,9 +3,14 @@
 
 from __future__ import annotations
 
-import jax
+import math
 
-from pk_jax import _checks
+import jax
+import numpy as np
+
+from pk_jax import _backend, _checks, _ffi
+from pk_jax.ops import _vjp
+from pk_jax.runtime import state
 
 STEM = "all_gather"
 
@@ -22,6 +27,10 @@ def all_gather(x: jax.Array, axis_name: str, *, axis: int = 0) -> jax.Array:
         `x` with dimension `axis` P times larger, equal to
         `lax.all_gather(x, axis_name, axis=axis, tiled=True)`.
 
+    On the CUDA path a peer that never arrives within pk.init's timeout_s stops the kernel: the
+    call fails with a launch error and `pk_jax.runtime.errors.check()` raises a RuntimeError
+    naming the op, this rank and the missing peer.
+
     Raises:
         ValueError: `pk.init` not called, a bad `axis_name` or `axis`.
         TypeError: an unsupported dtype.
@@ -30,7 +39,39 @@ def all_gather(x: jax.Array, axis_name: str, *, axis: int = 0) -> jax.Array:
     _checks.dtype_in(STEM, "x", x, _checks.MOVE_DTYPES)
     _checks.ndim_at_least(STEM, "x", x, 1)
     axis = _checks.axis_index(STEM, "axis", axis, x.ndim)
+    if _backend.use_kernel(STEM, axis_name):
+        return _kernel(x, axis_name, axis)
     return reference(x, axis_name, axis=axis)
+
+
+def _call(x: jax.Array, axis_name: str, axis: int) -> jax.Array:
+    p = jax.lax.axis_size(axis_name)
+    shape = x.shape[:axis] + (x.shape[axis] * p,) + x.shape[axis + 1:]
+    run = max(1, math.prod(x.shape[axis:]))  # y[a, p, :] = x_p[a, :] with rows of `run`
+    return _ffi.call(f"pk_{STEM}", jax.ShapeDtypeStruct(shape, x.dtype), x,
+                     _backend.rank_operand(axis_name), out_vma=_ffi.vma(x) | {axis_name},
+                     comm_id=np.int64(state.comm_id(axis_name)), run=np.int64(run))
+
+
+def _kernel(x: jax.Array, axis_name: str, axis: int) -> jax.Array:
+    """The CUDA kernel; its VJP is the reduce-scatter kernel along the same axis."""
+    from pk_jax.ops import reduce_scatter as rs
+
+    if x.dtype == np.int32:  # data movement only; integers have no cotangent
+        return _call(x, axis_name, axis)
+
+    @jax.custom_vjp
+    def f(x):
+        return _call(x, axis_name, axis)
+
+    def fwd(x):
+        return _call(x, axis_name, axis), _vjp.like((0,), x.dtype, _ffi.vma(x))
+
+    def bwd(x0, dy):
+        return (_vjp.fit(rs._kernel(dy, axis_name, axis), x0),)
+
+    f.defvjp(fwd, bwd)
+    return f(x)
 
 
 def reference(x: jax.Array, axis_name: str, *, axis: int = 0) -> jax.Array:

@@ -3,9 +3,14 @@ concatenated along `concat_axis` (reference: `lax.all_to_all(..., tiled=True)`).
 
 from __future__ import annotations
 
-import jax
+import math
 
-from pk_jax import _checks
+import jax
+import numpy as np
+
+from pk_jax import _backend, _checks, _ffi
+from pk_jax.ops import _vjp
+from pk_jax.runtime import state
 
 STEM = "all_to_all"
 
@@ -22,6 +27,10 @@ def all_to_all(x: jax.Array, axis_name: str, split_axis: int, concat_axis: int) 
     Returns:
         Equal to `lax.all_to_all(x, axis_name, split_axis, concat_axis, tiled=True)`.
 
+    On the CUDA path a peer that never arrives within pk.init's timeout_s stops the kernel: the
+    call fails with a launch error and `pk_jax.runtime.errors.check()` raises a RuntimeError
+    naming the op, this rank and the missing peer.
+
     Raises:
         ValueError: `pk.init` not called, a bad axis, or `split_axis` not divisible by P.
         TypeError: an unsupported dtype.
@@ -33,7 +42,44 @@ def all_to_all(x: jax.Array, axis_name: str, split_axis: int, concat_axis: int) 
     concat_axis = _checks.axis_index(STEM, "concat_axis", concat_axis, x.ndim)
     _checks.divisible(STEM, f"x.shape[{split_axis}] (the split axis)", x.shape[split_axis], p,
                       f"Pad it to a multiple of the size of axis {axis_name!r}.")
+    if _backend.use_kernel(STEM, axis_name):
+        return _kernel(x, axis_name, split_axis, concat_axis)
     return reference(x, axis_name, split_axis, concat_axis)
+
+
+def _call(x: jax.Array, axis_name: str, split_axis: int, concat_axis: int) -> jax.Array:
+    p = jax.lax.axis_size(axis_name)
+    block = list(x.shape)
+    block[split_axis] //= p  # the block each rank receives from each peer
+    shape = list(block)
+    shape[concat_axis] *= p
+    split_run = max(1, math.prod(block[split_axis:]))   # x viewed as [A1, P, split_run]
+    concat_run = max(1, math.prod(block[concat_axis:]))  # y viewed as [A2, P, concat_run]
+    return _ffi.call(f"pk_{STEM}", jax.ShapeDtypeStruct(tuple(shape), x.dtype), x,
+                     _backend.rank_operand(axis_name), out_vma=_ffi.vma(x) | {axis_name},
+                     comm_id=np.int64(state.comm_id(axis_name)),
+                     split_run=np.int64(split_run), concat_run=np.int64(concat_run))
+
+
+def _kernel(x: jax.Array, axis_name: str, split_axis: int, concat_axis: int) -> jax.Array:
+    """The CUDA kernel; its VJP is the kernel with split and concat axes swapped."""
+
+    if x.dtype == np.int32:  # data movement only; integers have no cotangent
+        return _call(x, axis_name, split_axis, concat_axis)
+
+    @jax.custom_vjp
+    def f(x):
+        return _call(x, axis_name, split_axis, concat_axis)
+
+    def fwd(x):
+        return _call(x, axis_name, split_axis, concat_axis), _vjp.like((0,), x.dtype,
+                                                                         _ffi.vma(x))
+
+    def bwd(x0, dy):
+        return (_vjp.fit(_kernel(dy, axis_name, concat_axis, split_axis), x0),)
+
+    f.defvjp(fwd, bwd)
+    return f(x)
 
 
 def reference(x: jax.Array, axis_name: str, split_axis: int, concat_axis: int) -> jax.Array:

@@ -3,9 +3,14 @@
 
 from __future__ import annotations
 
-import jax
+import math
 
-from pk_jax import _checks
+import jax
+import numpy as np
+
+from pk_jax import _backend, _checks, _ffi
+from pk_jax.ops import _vjp
+from pk_jax.runtime import state
 
 STEM = "reduce_scatter"
 
@@ -22,6 +27,10 @@ def reduce_scatter(x: jax.Array, axis_name: str, *, scatter_dimension: int = 0) 
         `x` with dimension `scatter_dimension` P times smaller, equal to
         `lax.psum_scatter(x, axis_name, scatter_dimension=..., tiled=True)`.
 
+    On the CUDA path a peer that never arrives within pk.init's timeout_s stops the kernel: the
+    call fails with a launch error and `pk_jax.runtime.errors.check()` raises a RuntimeError
+    naming the op, this rank and the missing peer.
+
     Raises:
         ValueError: `pk.init` not called, a bad `axis_name`, or a dimension not divisible by P.
         TypeError: an unsupported dtype.
@@ -32,7 +41,36 @@ def reduce_scatter(x: jax.Array, axis_name: str, *, scatter_dimension: int = 0) 
     dim = _checks.axis_index(STEM, "scatter_dimension", scatter_dimension, x.ndim)
     _checks.divisible(STEM, f"x.shape[{dim}] (the scatter dimension)", x.shape[dim], p,
                       f"Pad it to a multiple of the size of axis {axis_name!r}.")
+    if _backend.use_kernel(STEM, axis_name):
+        return _kernel(x, axis_name, dim)
     return reference(x, axis_name, scatter_dimension=dim)
+
+
+def _call(x: jax.Array, axis_name: str, dim: int) -> jax.Array:
+    p = jax.lax.axis_size(axis_name)
+    shape = x.shape[:dim] + (x.shape[dim] // p,) + x.shape[dim + 1:]
+    run = max(1, math.prod(shape[dim:]))  # x viewed as [A, P, run], y as [A, run]
+    return _ffi.call(f"pk_{STEM}", jax.ShapeDtypeStruct(shape, x.dtype), x,
+                     _backend.rank_operand(axis_name), out_vma=_ffi.vma(x) | {axis_name},
+                     comm_id=np.int64(state.comm_id(axis_name)), run=np.int64(run))
+
+
+def _kernel(x: jax.Array, axis_name: str, dim: int) -> jax.Array:
+    """The CUDA kernel; its VJP is the all-gather kernel along the same dimension."""
+    from pk_jax.ops import all_gather as ag
+
+    @jax.custom_vjp
+    def f(x):
+        return _call(x, axis_name, dim)
+
+    def fwd(x):
+        return _call(x, axis_name, dim), _vjp.like((0,), x.dtype, _ffi.vma(x))
+
+    def bwd(x0, dy):
+        return (_vjp.fit(ag._kernel(dy, axis_name, dim), x0),)
+
+    f.defvjp(fwd, bwd)
+    return f(x)
 
 
 def reference(x: jax.Array, axis_name: str, *, scatter_dimension: int = 0) -> jax.Array:

@@ -15,6 +15,7 @@ import jax
 _lock = threading.Lock()
 _mesh: jax.sharding.Mesh | None = None
 _options: dict = {}
+_runtime = None  # comm.Runtime while communicators exist (GPU meshes with the extension)
 
 DEFAULT_TIMEOUT_S = 60.0
 
@@ -45,7 +46,8 @@ def init(mesh: jax.sharding.Mesh, *, workspace_bytes: int | None = None,
 
     Args:
         mesh: the mesh that the shard_maps calling pk ops use.
-        workspace_bytes: size of each symmetric workspace; default: sized for the ops.
+        workspace_bytes: bytes of each symmetric workspace (one per device and mesh axis);
+            default 64 MiB. The ops' errors say how many they need.
         timeout_s: how long a kernel waits for a peer before it fails (default 60 s, or the
             environment variable PK_JAX_TIMEOUT_S).
 
@@ -58,8 +60,10 @@ def init(mesh: jax.sharding.Mesh, *, workspace_bytes: int | None = None,
         raise TypeError(f"pk.init: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
     if workspace_bytes is not None and (not isinstance(workspace_bytes, int)
                                         or workspace_bytes <= 0):
-        raise ValueError(f"pk.init: workspace_bytes must be a positive int, got {workspace_bytes!r}.")
+        raise ValueError("pk.init: workspace_bytes must be a positive int, got "
+                         f"{workspace_bytes!r}.")
     opts = {"workspace_bytes": workspace_bytes, "timeout_s": resolve_timeout(timeout_s)}
+    global _runtime
     with _lock:
         if _mesh is not None:
             if _mesh == mesh and opts == _options:
@@ -69,17 +73,89 @@ def init(mesh: jax.sharding.Mesh, *, workspace_bytes: int | None = None,
                 f"(axes {tuple(_mesh.axis_names)}, shape {dict(_mesh.shape)}). Call "
                 "pk.shutdown() first."
             )
+        if uses_symmetric_memory(mesh):
+            from pk_jax.runtime import comm
+
+            _runtime = comm.Runtime.create(mesh, workspace_bytes=workspace_bytes,
+                                           timeout_s=opts["timeout_s"])
+            _hosts.clear()
+            _hosts.update(_runtime.hosts)
         _mesh, _options = mesh, opts
 
 
+def uses_symmetric_memory(mesh: jax.sharding.Mesh) -> bool:
+    """Whether pk.init builds communicators for `mesh`: it is on GPUs, the extension is built
+    and PK_JAX_BACKEND is not "reference". Otherwise pk.init is bookkeeping only."""
+    from pk_jax import _ffi
+
+    if os.environ.get("PK_JAX_BACKEND", "auto").strip().lower() == "reference":
+        return False
+    if not _ffi.HAS_CUDA or not hasattr(_ffi._pk_ffi, "comm_register"):
+        return False
+    return all(d.platform == "gpu" for d in mesh.devices.flat)
+
+
+def runtime():
+    """The communicators of the current pk.init (a comm.Runtime), or None on CPU meshes."""
+    return _runtime
+
+
+def comm_id(axis_name: str) -> int:
+    """The static id the ops pass to their handlers for `axis_name` (an FFI attribute).
+
+    Every group along the axis has the same id; a handler finds its own group's communicator by
+    (comm_id, DeviceOrdinal).
+
+    Raises:
+        ValueError: pk.init was not called, or `axis_name` is not an axis of its mesh.
+    """
+    mesh = _mesh
+    if mesh is None:
+        raise ValueError(f"pk_jax: pk.init(mesh) must be called before using axis "
+                         f"{axis_name!r}.")
+    if axis_name not in mesh.axis_names:
+        raise ValueError(f"pk_jax: axis {axis_name!r} is not an axis of the mesh given to "
+                         f"pk.init (axes {tuple(mesh.axis_names)}).")
+    return mesh.axis_names.index(axis_name)
+
+
+def workspace_bytes() -> int:
+    """Bytes of each symmetric workspace: pk.init's workspace_bytes, else the default."""
+    from pk_jax.runtime import comm
+
+    return _options.get("workspace_bytes") or comm.DEFAULT_WORKSPACE_BYTES
+
+
+def signal_count() -> int:
+    """uint64 counters in each signal pad."""
+    from pk_jax.runtime import comm
+
+    return _runtime.signal_count if _runtime is not None else comm.DEFAULT_SIGNAL_COUNT
+
+
 def shutdown() -> None:
-    """Releases every communicator and forgets the mesh. Safe to call more than once."""
-    global _mesh, _options
+    """Releases every communicator and forgets the mesh. Safe to call more than once.
+
+    Local only (no rendezvous): it unmaps this process's views of its peers' memory and
+    releases its own; memory a peer still maps stays alive until that peer shuts down too.
+    """
+    global _mesh, _options, _runtime
     with _lock:
+        rt, _runtime = _runtime, None
         _mesh, _options = None, {}
+        _hosts.clear()
+        if rt is not None:
+            rt.close()
 
 
-atexit.register(shutdown)
+def _shutdown_at_exit() -> None:
+    try:
+        shutdown()
+    except Exception:  # the driver may already be going away; the OS reclaims the rest
+        pass
+
+
+atexit.register(_shutdown_at_exit)
 
 
 def axis_on_one_host(axis_name: str) -> bool:

@@ -1,0 +1,10 @@
+"""Benchmark of pk.all_gather_gemm: see bench_tp.py (same options; P = 1 against pk.matmul and XLA, or
+under `python -m pk_jax.launch -n N --share-gpu bench/bench_ag_gemm.py` for P = N, functional
+only)."""
+
+import sys
+
+from bench_tp import main
+
+if __name__ == "__main__":
+    sys.exit(main(["--ops", "ag_gemm", *sys.argv[1:]]))

@@ -1,0 +1,9 @@
+"""Benchmark of pk.reduce_scatter: see bench_collectives.py (same options; P = 1 against XLA, or under
+`python -m pk_jax.launch -n N --share-gpu bench/bench_reduce_scatter.py` for P = N)."""
+
+import sys
+
+from bench_collectives import main
+
+if __name__ == "__main__":
+    sys.exit(main(["--op", "reduce_scatter", *sys.argv[1:]]))

@@ -1,0 +1,179 @@
+/**
+ * @file comm_ops.cuh
+ * @brief The data-moving primitives of the P2P backend (signal/wait/barrier are in sync.cuh):
+ *
+ * - `store_async` / `store_add_async`: bulk copies (cp.async.bulk, UBLKCP in SASS) of a
+ *   contiguous tile from shared memory into global memory, local or a peer's mapping; the add
+ *   variant reduces into the destination (cp.reduce.async.bulk .add).
+ * - `load_async`: the bulk copy in the other direction, completing on an mbarrier.
+ * - `p2p::reduce` / `p2p::all_reduce`: 16-byte vector loads of the same offset from every peer, summed in
+ *   fp32 registers; all_reduce also stores the sum back to every peer.
+ *
+ * Bulk copies need 16-byte aligned addresses and sizes that are multiples of 16 bytes.
+ */
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "pk/mbarrier.cuh"
+#include "pk/sync.cuh"
+
+namespace pk {
+
+// ---------------------------------------------------------------------------------------------
+// Bulk copies (1-D, contiguous bytes)
+
+/** @brief Shared -> global bulk copy of `bytes`, part of this thread's open bulk group. */
+__device__ inline void store_async(void* dst, const void* src_smem, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
+               "r"(smem_addr(src_smem)), "r"(bytes)
+               : "memory");
+}
+
+/** @brief Shared -> global bulk reduce-add of `bytes` (elements of T), into dst. */
+template <typename T>
+__device__ inline void store_add_async(T* dst, const T* src_smem, uint32_t bytes);
+
+template <>
+__device__ inline void store_add_async<float>(float* dst, const float* src, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(
+                   dst),
+               "r"(smem_addr(src)), "r"(bytes)
+               : "memory");
+}
+template <>
+__device__ inline void store_add_async<__nv_bfloat16>(__nv_bfloat16* dst, const __nv_bfloat16* src,
+                                                      uint32_t bytes) {
+  asm volatile(
+      "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.noftz.bf16 [%0], [%1], %2;" ::"l"(
+          dst),
+      "r"(smem_addr(src)), "r"(bytes)
+      : "memory");
+}
+template <>
+__device__ inline void store_add_async<__half>(__half* dst, const __half* src, uint32_t bytes) {
+  asm volatile(
+      "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.noftz.f16 [%0], [%1], %2;" ::"l"(dst),
+      "r"(smem_addr(src)), "r"(bytes)
+      : "memory");
+}
+
+/** @brief Global -> shared bulk copy of `bytes`; completes `bytes` transactions on `bar`. */
+__device__ inline void load_async(void* dst_smem, const void* src, uint32_t bytes, mbarrier* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+          smem_addr(dst_smem)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+}
+
+/** @brief Closes this thread's open bulk group. */
+__device__ inline void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+
+/** @brief Waits until every bulk group of this thread has completed (writes visible). */
+__device__ inline void bulk_wait_all() {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+/** @brief Waits until every bulk group of this thread has finished reading shared memory. */
+__device__ inline void bulk_wait_read_all() {
+  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
+
+/** @brief Orders generic-proxy shared-memory writes before later bulk-copy reads of them. */
+__device__ inline void fence_proxy_async_smem() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+/** @brief Orders generic-proxy global writes and async-proxy (bulk copy) accesses. */
+__device__ inline void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+// ---------------------------------------------------------------------------------------------
+// 16-byte vectors and register reductions (namespace p2p: the P2P backend of reduce/all_reduce)
+
+namespace p2p {
+
+/** @brief Loads 16 bytes, bypassing L1 (peer data written during this kernel). */
+__device__ inline uint4 ld16(const void* p) { return __ldcg(reinterpret_cast<const uint4*>(p)); }
+
+/** @brief Stores 16 bytes. */
+__device__ inline void st16(void* p, uint4 v) { *reinterpret_cast<uint4*>(p) = v; }
+
+/** @brief Number of T in a 16-byte vector. */
+template <typename T>
+constexpr int VEC_ELEMS = 16 / sizeof(T);
+
+/** @brief fp32 accumulator of one 16-byte vector of T. */
+template <typename T>
+struct acc16 {
+  float v[VEC_ELEMS<T>];
+  __device__ void zero() {
+#pragma unroll
+    for (int i = 0; i < VEC_ELEMS<T>; ++i) v[i] = 0.f;
+  }
+  __device__ void add(uint4 raw) {
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < VEC_ELEMS<T>; ++i) v[i] += static_cast<float>(e[i]);
+  }
+  __device__ uint4 pack() const {
+    uint4 raw;
+    T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < VEC_ELEMS<T>; ++i) e[i] = static_cast<T>(v[i]);
+    return raw;
+  }
+};
+
+/**
+ * @brief Sum over the first `world` peers of the 16-byte vector at byte offset `off` of each
+ * peer's buffer (peer loads + register reduction, in fp32). All loads issue before any add.
+ * `bases` should live in the kernel's parameters (constant bank), not in local memory.
+ */
+template <typename T, int MAX_PEERS>
+__device__ inline uint4 reduce(void* const (&bases)[MAX_PEERS], int world, uint64_t off) {
+  acc16<T> acc;
+  acc.zero();
+  uint4 raw[MAX_PEERS];
+#pragma unroll
+  for (int p = 0; p < MAX_PEERS; ++p) {
+    if (p < world) raw[p] = ld16(static_cast<const char*>(bases[p]) + off);
+  }
+#pragma unroll
+  for (int p = 0; p < MAX_PEERS; ++p) {
+    if (p < world) acc.add(raw[p]);
+  }
+  return acc.pack();
+}
+
+/** @brief reduce(), then the sum stored at `off` of every peer's buffer `dst`. */
+template <typename T, int MAX_PEERS>
+__device__ inline uint4 all_reduce(void* const (&bases)[MAX_PEERS], void* const (&dst)[MAX_PEERS],
+                                   int world, uint64_t off) {
+  const uint4 s = reduce<T, MAX_PEERS>(bases, world, off);
+#pragma unroll
+  for (int p = 0; p < MAX_PEERS; ++p) {
+    if (p < world) st16(static_cast<char*>(dst[p]) + off, s);
+  }
+  return s;
+}
+
+/** @brief Scalar sum over peers of the T at byte offset `off` (tails). */
+template <typename T, int MAX_PEERS>
+__device__ inline T reduce_scalar(void* const (&bases)[MAX_PEERS], int world, uint64_t off) {
+  float acc = 0.f;
+#pragma unroll
+  for (int p = 0; p < MAX_PEERS; ++p) {
+    if (p < world) {
+      acc += static_cast<float>(
+          __ldcg(reinterpret_cast<const T*>(static_cast<const char*>(bases[p]) + off)));
+    }
+  }
+  return static_cast<T>(acc);
+}
+
+}  // namespace p2p
+}  // namespace pk

@@ -1,0 +1,198 @@
+/**
+ * @file lcsc.cuh
+ * @brief The Load-Compute-Store-Communicate (LCSC) kernel template.
+ *
+ * A kernel author describes one kernel as a struct K with four roles and a few constants; the
+ * template owns everything else: the launch configuration (a persistent grid sized from the
+ * device's SM count), the shared-memory carve-up, the full/empty mbarrier ring between the
+ * loader and the consumers, the producer/consumer warpgroup split with setmaxnreg, the
+ * storer's staging buffers and their reuse, and the split of SMs into compute SMs and
+ * communication SMs (`comm_blocks`, 0 allowed).
+ *
+ * Compute block (1 + K::CONSUMERS warpgroups):
+ *
+ *   warpgroup 0 (producer, K::PRODUCER_REGS registers), one thread:
+ *     for each tile, for k in k_iters: wait empty[s]; expect STAGE_BYTES on full[s];
+ *                                      K::loader(g, stage[s], &full[s], tile, k)
+ *   warpgroup 1..C (consumers, K::CONSUMER_REGS registers), consumer c:
+ *     for each tile: for k: wait full[s]; K::consumer(g, acc, stage[s], c, k);
+ *                           release stage s (one step late when K::ASYNC_MMA: wgmma reads it)
+ *                    K::storer(g, acc, out[c], c, tile, sync)
+ *
+ * Communication block (the last comm_blocks blocks of the grid): K::communicator(g, info).
+ *
+ * What K provides:
+ *   types    globals, stage_t (one pipeline stage of inputs), out_t (a consumer's staging
+ *            buffer for stores), acc_t (a consumer's register state for one tile)
+ *   consts   STAGES, CONSUMERS, STAGE_BYTES (TMA bytes per stage), PRODUCER_REGS,
+ *            CONSUMER_REGS, ASYNC_MMA
+ *   hooks    scheduler(g) -> tile_scheduler; k_iters(g) -> int (>= 1); setup(g, info) (one
+ *            thread, before the roles start); loader; consumer; storer; communicator
+ */
+#pragma once
+
+#include <atomic>
+
+#include "pk/common.cuh"
+#include "pk/mbarrier.cuh"
+#include "pk/scheduler.cuh"
+#include "pk/tma.cuh"
+#include "pk/warpgroup.cuh"
+#include "pk/wgmma.cuh"
+
+namespace pk::lcsc {
+
+/** @brief Where a block sits in the SM split; passed to setup and the communicator. */
+struct block_info {
+  int compute_blocks;  // blocks running loader / consumers / storer
+  int comm_blocks;     // blocks running the communicator
+  int index;           // this block's index among its kind
+};
+
+/** @brief Shared memory of one compute block. */
+template <class K>
+struct shared_storage {
+  typename K::stage_t stages[K::STAGES];
+  typename K::out_t out[K::CONSUMERS];
+  mbarrier full[K::STAGES];
+  mbarrier empty[K::STAGES];
+};
+
+/**
+ * @brief Hand-off of a consumer's staging buffer to TMA stores. The storer brackets every
+ * write of the buffer with acquire() (the previous stores from it have finished reading) and
+ * publish() (writes visible to TMA; true on the one thread that then issues the stores).
+ */
+struct storer_sync {
+  int barrier_id;
+  bool leader;
+
+  __device__ void acquire() const {
+    if (leader) tma::store_wait_read<0>();
+    warpgroup::sync(barrier_id);
+  }
+  __device__ bool publish() const {
+    tma::fence_smem_to_async();
+    warpgroup::sync(barrier_id);
+    return leader;
+  }
+};
+
+/** @brief The template kernel. The last `comm_blocks` blocks run the communicator. */
+template <class K>
+__global__ void __launch_bounds__((K::CONSUMERS + 1) * WARPGROUP_THREADS, 1)
+    kernel(const __grid_constant__ typename K::globals g, const int comm_blocks) {
+  extern __shared__ unsigned char smem_raw[];
+  auto& s = *reinterpret_cast<shared_storage<K>*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const int compute_blocks = gridDim.x - comm_blocks;
+  if (static_cast<int>(blockIdx.x) >= compute_blocks) {
+    K::communicator(g, block_info{compute_blocks, comm_blocks,
+                                  static_cast<int>(blockIdx.x) - compute_blocks});
+    return;
+  }
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < K::STAGES; ++i) {
+      mbar_init(&s.full[i], 1);
+      mbar_init(&s.empty[i], K::CONSUMERS);
+    }
+    fence_mbar_init();
+    K::setup(g, block_info{compute_blocks, comm_blocks, static_cast<int>(blockIdx.x)});
+  }
+  __syncthreads();
+
+  const tile_scheduler sched = K::scheduler(g);
+  const int num_tiles = sched.num_tiles();
+  const int iters = K::k_iters(g);
+  const int wg = warpgroup::index();
+
+  if (wg == 0) {
+    // Loader: one thread issues every copy.
+    warpgroup::decrease_registers<K::PRODUCER_REGS>();
+    if (warpgroup::thread() != 0) return;
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int id = blockIdx.x; id < num_tiles; id += compute_blocks) {
+      const tile_coord t = sched.coord(id);
+      for (int k = 0; k < iters; ++k) {
+        mbar_wait(&s.empty[stage], phase ^ 1);
+        mbar_arrive_expect_tx(&s.full[stage], K::STAGE_BYTES);
+        K::loader(g, s.stages[stage], &s.full[stage], t, k);
+        if (++stage == K::STAGES) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+    }
+    return;
+  }
+
+  // Consumers and storer.
+  warpgroup::increase_registers<K::CONSUMER_REGS>();
+  const int c = wg - 1;
+  const bool leader = warpgroup::thread() == 0;
+  const storer_sync sync{1 + c, leader};
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int id = blockIdx.x; id < num_tiles; id += compute_blocks) {
+    const tile_coord t = sched.coord(id);
+    typename K::acc_t acc;
+    int prev = 0;
+    for (int k = 0; k < iters; ++k) {
+      mbar_wait(&s.full[stage], phase);
+      K::consumer(g, acc, s.stages[stage], c, k);
+      if constexpr (K::ASYNC_MMA) {
+        // The MMAs of step k may still read stage s; those of step k-1 are done now.
+        wgmma::wait<1>();
+        if (k > 0 && leader) mbar_arrive(&s.empty[prev]);
+      } else {
+        if (leader) mbar_arrive(&s.empty[stage]);
+      }
+      prev = stage;
+      if (++stage == K::STAGES) {
+        stage = 0;
+        phase ^= 1;
+      }
+    }
+    if constexpr (K::ASYNC_MMA) {
+      wgmma::wait<0>();
+      if (leader) mbar_arrive(&s.empty[prev]);
+    }
+    K::storer(g, acc, s.out[c], c, t, sync);
+  }
+  if (leader) tma::store_wait<0>();
+}
+
+/** @brief Dynamic shared memory the template kernel of K needs (with alignment slack). */
+template <class K>
+constexpr size_t smem_bytes() {
+  return sizeof(shared_storage<K>) + 1024;
+}
+
+/**
+ * @brief Launches K on `stream`: min(num_sms - comm_blocks, tiles) compute blocks plus
+ * `comm_blocks` communication blocks, one block per SM, all resident.
+ * @param device the CUDA device ordinal (the smem opt-in is set once per device).
+ */
+template <class K>
+inline cudaError_t launch(const typename K::globals& g, cudaStream_t stream, int device,
+                          int num_sms, int comm_blocks, int tiles) {
+  static std::atomic<uint64_t> configured{0};
+  constexpr size_t SMEM = smem_bytes<K>();
+  static_assert(SMEM <= 232448, "lcsc: shared memory over the sm_90 limit of 227 KiB");
+  const uint64_t bit = uint64_t(1) << (device & 63);
+  if (!(configured.load(std::memory_order_acquire) & bit)) {
+    cudaError_t err = cudaFuncSetAttribute(kernel<K>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(SMEM));
+    if (err != cudaSuccess) return err;
+    configured.fetch_or(bit, std::memory_order_acq_rel);
+  }
+  if (comm_blocks < 0 || comm_blocks >= num_sms) return cudaErrorInvalidValue;
+  int compute = num_sms - comm_blocks;
+  if (tiles < compute) compute = tiles > 0 ? tiles : 1;
+  kernel<K><<<compute + comm_blocks, (K::CONSUMERS + 1) * WARPGROUP_THREADS, SMEM, stream>>>(
+      g, comm_blocks);
+  return cudaGetLastError();
+}
+
+}  // namespace pk::lcsc

@@ -1,0 +1,42 @@
+/**
+ * @file smem.cuh
+ * @brief Shared-memory tiles in the 128-byte-swizzled panel layout that TMA
+ * (CU_TENSOR_MAP_SWIZZLE_128B) and wgmma descriptors use.
+ *
+ * A panel holds ROWS rows of 128 bytes (64 bf16/fp16 elements); 16-byte chunk c of row r sits
+ * at chunk position c ^ (r % 8). Panels start on 1024-byte boundaries. A tile wider than 64
+ * elements is COLS / 64 panels side by side in memory, PANEL_BYTES apart.
+ */
+#pragma once
+
+#include "pk/common.cuh"
+
+namespace pk {
+
+/** @brief Byte offset of element (row, col) in a 128B-swizzled panel of 2-byte elements. */
+__device__ __host__ constexpr uint32_t swizzle128_offset(int row, int col) {
+  return row * 128 + ((((col * 2) >> 4) ^ (row & 7)) << 4) + ((col * 2) & 15);
+}
+
+/**
+ * @brief A ROWS x COLS tile of 2-byte elements stored as COLS/64 swizzled panels.
+ * @tparam T bf16 or fp16.
+ */
+template <typename T, int ROWS, int COLS>
+struct alignas(1024) st_panels {
+  static_assert(sizeof(T) == 2, "st_panels: 2-byte element types only");
+  static_assert(COLS % 64 == 0 && ROWS % 8 == 0, "st_panels: COLS % 64 and ROWS % 8");
+  static constexpr int PANELS = COLS / 64;
+  static constexpr uint32_t PANEL_BYTES = ROWS * 128;
+  static constexpr uint32_t BYTES = PANELS * PANEL_BYTES;
+  T data[ROWS * COLS];
+
+  __device__ T* panel(int p) { return data + p * (PANEL_BYTES / sizeof(T)); }
+  __device__ const T* panel(int p) const { return data + p * (PANEL_BYTES / sizeof(T)); }
+  /** @brief Address of element (row, col), col across panels. */
+  __device__ char* at(int row, int col) {
+    return reinterpret_cast<char*>(panel(col / 64)) + swizzle128_offset(row, col % 64);
+  }
+};
+
+}  // namespace pk

@@ -1,0 +1,149 @@
+/*
+ * ag_gemm: y = all_gather(x) @ w and x_full = all_gather(x) (reference: lax.all_gather(x, axis,
+ * axis=0, tiled=True) @ w; x_full is kept for the backward pass). Inter-SM overlap on the LCSC
+ * template: num_comm_sms communication blocks gather the row shards into x_full while the
+ * compute blocks multiply, starting on the local rows, which need no communication.
+ *
+ * Shardings: x: [Mp, K] per rank (rank p holds rows [p Mp, (p+1) Mp) of the M = P Mp rows),
+ * w: [K, N] per rank, y: [M, N], x_full: [M, K]. No cross-rank arithmetic (fp32 accumulation
+ * inside each tile, as pk.matmul).
+ *
+ * Schedule of rank r (row block j = rows [128 j, 128 j + 128) of x_full and of y; "own" =
+ * every row of the block is in my shard; m0 = first own block, m_end = first block after them):
+ *
+ *     comm block cb (of C)                         compute blocks (persistent, grouped order)
+ *     barrier 0 with peers' block cb               tiles with rows rotated to start at m0:
+ *     stage x[cb-th 1/C] -> ws_r, signal           own block: TMA A from x itself, no wait
+ *       staged[cb][r] on every peer                other block j: wait flag[j] >= e, then
+ *     for row blocks j = m_end, m_end + 1, ...       TMA A from x_full
+ *       (u-th block to comm block u % C):          storer: y tiles (TMA store), as matmul
+ *       wait staged[*][owner] >= e for the
+ *       owners of j's rows; x_full[j] <- ws_owner
+ *       (peer loads); flag[j] = e (local)
+ *     barrier 2 with peers' block cb
+ *
+ * Signal protocol (e = this call's epoch, pk/tp.cuh): barrier 0 (slot bar_row(0, cb) + r on
+ * every peer) proves every peer's earlier kernels are over, so none still reads my workspace
+ * when I restage it; staged: comm block cb of rank s raises bar_row(1, cb) + s on every peer
+ * after its share of x_s is in ws_s; flag[j] (slot FLAGS + j, local pad) is raised to e by the
+ * comm block that wrote row block j of x_full; barrier 2 keeps my kernel alive until every
+ * peer has pulled what it needs from my workspace.
+ *
+ * Pitfalls: the comm blocks write x_full with generic stores and the compute blocks read it
+ * with TMA (the async proxy): both sides fence.proxy.async.global around the release/acquire.
+ * Compute blocks spin on flags written by comm blocks of the same grid, so the grid must be
+ * fully resident (one block per SM, at most num_sms blocks; lcsc::launch guarantees the size).
+ * The staging buffer takes Mp K sizeof(T) bytes of workspace.
+ */
+#pragma once
+
+#include "kernels/matmul.cuh"
+#include "pk/tp.cuh"
+
+namespace pk::ag_gemm {
+
+/** @brief matmul's globals (x = x_full map, w, y) plus the local shard and the communicator. */
+struct globals : matmul::globals {
+  CUtensorMap xl;     // x: dims {K, Mp}, box {64, BM}
+  tp::comm c;
+  const void* x_local;
+  void* x_full;
+  int rows_per_rank;  // Mp
+};
+
+template <class C>
+struct kernel_def : matmul::kernel_def<C> {
+  using base = matmul::kernel_def<C>;
+  using globals = ag_gemm::globals;
+  using typename base::acc_t, typename base::out_t, typename base::stage_t;
+  static constexpr int BM = C::BM, BN = C::BN, BK = C::BK;
+
+  __device__ static bool own(const globals& g, int m) {
+    const int64_t lo = int64_t(m) * BM, hi = lo + BM < g.m ? lo + BM : g.m;
+    const int64_t first = int64_t(g.c.rank) * g.rows_per_rank;
+    return lo >= first && hi <= first + g.rows_per_rank;
+  }
+  __device__ static tile_coord place(const globals& g, tile_coord t) {
+    const int tiles_m = ceil_div(g.m, BM);
+    t.m = (t.m + ceil_div(g.c.rank * g.rows_per_rank, BM)) % tiles_m;
+    return t;
+  }
+  __device__ static void setup(const globals& g, lcsc::block_info) {
+    const CUtensorMap* maps[] = {&g.x, &g.xl, &g.w, &g.y};
+    for (const CUtensorMap* m : maps) tma::prefetch(m);
+  }
+
+  __device__ static void loader(const globals& g, stage_t& s, mbarrier* full, tile_coord t,
+                                int k) {
+    t = place(g, t);
+    if (own(g, t.m)) {
+      tma::load_2d(s.a.data, &g.xl, full, k * BK, t.m * BM - g.c.rank * g.rows_per_rank);
+    } else {
+      if (k == 0) {
+        wait(g.c.sig[g.c.rank] + tp::FLAGS + t.m, g.c.epoch(), g.c.timeout_ns, g.c.fail(),
+             g.c.rank);
+        fence_proxy_async_global();
+      }
+      tma::load_2d(s.a.data, &g.x, full, k * BK, t.m * BM);
+    }
+#pragma unroll
+    for (int p = 0; p < base::b_tile::PANELS; ++p) {
+      tma::load_2d(s.b.panel(p), &g.w, full, t.n * BN + p * 64, k * BK);
+    }
+  }
+
+  __device__ static void storer(const globals& g, acc_t& acc, out_t& out, int c, tile_coord t,
+                                const lcsc::storer_sync& sync) {
+    base::storer(g, acc, out, c, place(g, t), sync);
+  }
+
+  __device__ static void communicator(const globals& g, lcsc::block_info info) {
+    const tp::comm& c = g.c;
+    const int nc = info.comm_blocks, cb = info.index, r = c.rank;
+    const uint64_t e = c.epoch();
+    const int64_t mp = g.rows_per_rank, units_per_row = g.k / 8;
+    const uint64_t shard_units = uint64_t(mp) * units_per_row;
+    c.barrier(0, cb, e);
+    const uint4* x = static_cast<const uint4*>(g.x_local);
+    tp::copy_units(static_cast<uint4*>(c.ws[r]), [&](uint64_t i) { return x + i; },
+                   shard_units * cb / nc + threadIdx.x, blockDim.x, shard_units * (cb + 1) / nc);
+    tp::publish(c, tp::bar_row(1, cb) + r, e, /*local=*/false);  // staged[cb][r]
+    const int tiles_m = ceil_div(g.m, BM);
+    const int m_end = int64_t(r + 1) * mp >= g.m ? 0 : static_cast<int>((r + 1) * mp / BM);
+    uint4* dst = static_cast<uint4*>(g.x_full);
+    uint32_t staged = 0;  // owners whose whole shard is staged (uniform across the block)
+    for (int u = cb; u < tiles_m; u += nc) {
+      const int j = (u + m_end) % tiles_m;
+      const int64_t lo = int64_t(j) * BM, hi = lo + BM < g.m ? lo + BM : g.m;
+      for (int o = static_cast<int>(lo / mp); o <= static_cast<int>((hi - 1) / mp); ++o) {
+        if (!((staged >> o) & 1u)) {
+          if (static_cast<int>(threadIdx.x) < nc) {
+            wait(c.sig[r] + tp::bar_row(1, threadIdx.x) + o, e, c.timeout_ns, c.fail(), o);
+          }
+          staged |= 1u << o;
+        }
+      }
+      __syncthreads();
+      tp::copy_units(dst,
+                     [&](uint64_t i) {
+                       const uint64_t o = i / shard_units;
+                       return static_cast<const uint4*>(c.ws[o]) + (i - o * shard_units);
+                     },
+                     lo * units_per_row + threadIdx.x, blockDim.x, uint64_t(hi) * units_per_row);
+      tp::publish(c, tp::FLAGS + j, e, /*local=*/true);  // flag[j]
+    }
+    c.barrier(2, cb, e);
+  }
+};
+
+/** @brief Launches one call: the epoch kernel, then the LCSC grid with `comm_blocks`. */
+template <class C>
+inline cudaError_t launch(const globals& g, cudaStream_t stream, int device, int num_sms,
+                          int comm_blocks) {
+  tp::epoch_kernel<<<1, 1, 0, stream>>>(g.c);
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  const int tiles = ceil_div(g.m, C::BM) * ceil_div(g.n, C::BN);
+  return lcsc::launch<kernel_def<C>>(g, stream, device, num_sms, comm_blocks, tiles);
+}
+
+}  // namespace pk::ag_gemm

@@ -1,0 +1,136 @@
+/*
+ * gemm_rs: y = rows [r Mp, (r+1) Mp) of sum over ranks p of x_p @ w_p, on rank r (reference:
+ * lax.psum_scatter(x @ w, axis, scatter_dimension=0, tiled=True)). Intra-SM overlap: the GEMM's
+ * own storer pushes every finished tile into its owner's symmetric workspace with a TMA
+ * reduce-add, so the traffic drains while the next tile's main loop runs.
+ *
+ * Shardings: x: [M, K/P], w: [K/P, N] per rank, y: [Mp, N] with Mp = M / P. Cross-rank
+ * accumulation is in T (bf16/fp16: TMA .add on the owner's buffer; each rank's tile is fp32
+ * accumulated and rounded once before the add), like XLA's own reduce-scatter in T.
+ *
+ * Tiles: the output is cut per owner: owner o's rows are tiles_per_owner = ceil(Mp / 128)
+ * row blocks starting at row o Mp (the last block of an owner reads rows of the next owner or
+ * zeros and its extra rows are dropped by the owner's tensor-map bounds), so no tile straddles
+ * two owners and the stores never use negative coordinates. Rank r walks the tile rows rotated
+ * by (r + 1) owners, so at any time the P ranks push to P different owners:
+ *
+ *     step (tile rows)   rank 0        rank 1        rank 2        rank 3      (P = 4)
+ *     first quarter      add -> ws1    add -> ws2    add -> ws3    add -> ws0
+ *     second quarter     add -> ws2    add -> ws3    add -> ws0    add -> ws1
+ *     ...                ...           ...           ...           ...
+ *     last quarter       add -> ws0    add -> ws1    add -> ws2    add -> ws3
+ *
+ * Kernels of one call (XLA's stream; at P = 1 without mode=fused only the matmul kernel):
+ *   epoch   (1 thread)   EPOCH += 1 (the epoch e of this call's signals), rank operand check
+ *   enter   (G blocks)   barrier 0; zero my buffer ws_r[Mp, N]; barrier 1
+ *   gemm    (LCSC)       tiles of x @ w, reduce-added into ws_owner (tensor maps of the peers)
+ *   leave   (G blocks)   barrier 2; y <- ws_r                     (pk/tp.cuh)
+ *
+ * Signal protocol: barrier i of helper block b raises slot bar_row(i, b) + r to e on every
+ * peer and waits for bar_row(i, b) + s >= e for every s. Barrier 0 proves that every peer's
+ * earlier kernels (collectives may still read my workspace when their kernel ends) are over
+ * before I zero; barrier 1 that every owner buffer is zero before any add; barrier 2 that every
+ * peer's GEMM (all of its adds) completed before I read my buffer. The next call's adds into my
+ * buffer wait for its barrier 1, which I join only after this call's leave kernel.
+ *
+ * Pitfalls: bf16 adds from P ranks land in an order that varies from run to run, so results
+ * can differ in the last bit between runs (exact for integer-valued data in range). The
+ * buffer lives at workspace offset 0: Mp * N * sizeof(T) bytes must fit (the handler and the
+ * Python op check). Zeroing at the start (not the end) is required because the collectives
+ * reuse the same workspace between calls.
+ */
+#pragma once
+
+#include "kernels/matmul.cuh"
+#include "pk/tp.cuh"
+
+namespace pk::gemm_rs {
+
+/** @brief matmul's globals (x, w maps; y unused) plus the owners' buffers and the split. */
+struct globals : matmul::globals {
+  CUtensorMap acc[tp::MAX_PEERS];  // owner o's buffer: dims {N, Mp}, box {64, 64}
+  int rows_per_owner;              // Mp
+  int tiles_per_owner;             // ceil(Mp / BM)
+  int world, rank;
+};
+
+/** @brief matmul's pipeline with the owner split of the tile rows and a reduce-add storer. */
+template <class C>
+struct kernel_def : matmul::kernel_def<C> {
+  using T = typename C::dtype;
+  using base = matmul::kernel_def<C>;
+  using globals = gemm_rs::globals;
+  using typename base::acc_t, typename base::out_t, typename base::stage_t;
+  static constexpr int BM = C::BM, BN = C::BN, BK = C::BK;
+
+  __device__ static tile_scheduler scheduler(const globals& g) {
+    return tile_scheduler(g.world * g.tiles_per_owner, ceil_div(g.n, BN), g.group_m);
+  }
+  /** @brief Rank r starts on owner r + 1's rows (see the table). */
+  __device__ static tile_coord place(const globals& g, tile_coord t) {
+    t.m = (t.m + ((g.rank + 1) % g.world) * g.tiles_per_owner) % (g.world * g.tiles_per_owner);
+    return t;
+  }
+  __device__ static void setup(const globals& g, lcsc::block_info) {
+    tma::prefetch(&g.x);
+    tma::prefetch(&g.w);
+    for (int o = 0; o < g.world; ++o) tma::prefetch(&g.acc[o]);
+  }
+
+  __device__ static void loader(const globals& g, stage_t& s, mbarrier* full, tile_coord t,
+                                int k) {
+    t = place(g, t);
+    const int o = t.m / g.tiles_per_owner, i = t.m % g.tiles_per_owner;
+    tma::load_2d(s.a.data, &g.x, full, k * BK, o * g.rows_per_owner + i * BM);
+#pragma unroll
+    for (int p = 0; p < base::b_tile::PANELS; ++p) {
+      tma::load_2d(s.b.panel(p), &g.w, full, t.n * BN + p * 64, k * BK);
+    }
+  }
+
+  __device__ static void storer(const globals& g, acc_t& acc, out_t& out, int c, tile_coord t,
+                                const lcsc::storer_sync& sync) {
+    t = place(g, t);
+    const int o = t.m / g.tiles_per_owner;
+    const int row0 = (t.m % g.tiles_per_owner) * BM + c * 64;  // row in owner o's buffer
+    if (row0 >= g.rows_per_owner) return;  // uniform per warpgroup
+    const int lane = threadIdx.x % 32;
+    const int r = 16 * ((threadIdx.x % WARPGROUP_THREADS) / 32) + lane / 4;
+#pragma unroll
+    for (int e = 0; e < BN / C::EPI_N; ++e) {
+      const int col0 = t.n * BN + e * C::EPI_N;
+      if (col0 >= g.n) break;
+      sync.acquire();
+#pragma unroll
+      for (int j = 0; j < C::EPI_N / 8; ++j) {
+        const int jj = e * (C::EPI_N / 8) + j;
+        const int col = 8 * j + 2 * (lane % 4);
+        tp::store_pair<T>(out.at(r, col), acc[4 * jj], acc[4 * jj + 1]);
+        tp::store_pair<T>(out.at(r + 8, col), acc[4 * jj + 2], acc[4 * jj + 3]);
+      }
+      if (sync.publish()) {
+#pragma unroll
+        for (int p = 0; p < out_t::PANELS; ++p) {
+          if (col0 + p * 64 < g.n) tma::store_add_2d(&g.acc[o], out.panel(p), col0 + p * 64, row0);
+        }
+        tma::store_commit();
+      }
+    }
+  }
+};
+
+/**
+ * @brief The epoch, enter and GEMM kernels of one call (gemm_rs and gemm_ar); the caller then
+ * launches its leave kernel with `a`. `g` has x, w, m, n, k, group_m and the owner fields.
+ */
+template <class C>
+inline cudaError_t launch_front(const globals& g, const tp::rows_args& a, int helper_grid,
+                                cudaStream_t stream, int device, int num_sms) {
+  tp::epoch_kernel<<<1, 1, 0, stream>>>(a.c);
+  tp::enter_kernel<<<helper_grid, tp::THREADS, 0, stream>>>(a);
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  const int tiles = g.world * g.tiles_per_owner * ceil_div(g.n, C::BN);
+  return lcsc::launch<kernel_def<C>>(g, stream, device, num_sms, /*comm_blocks=*/0, tiles);
+}
+
+}  // namespace pk::gemm_rs

@@ -1,0 +1,103 @@
+// The communicator table (see comm.h). NOTES: views live in unique_ptrs so the pointer
+// FindComm returns stays valid while other keys are added or removed; a handler copies the
+// view into its kernel's arguments at launch, so no lock is held across a launch.
+#include "comm.h"
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+namespace pk_ffi {
+namespace {
+
+using Key = std::pair<int64_t, int>;
+
+std::mutex& TableMutex() {
+  static std::mutex mu;
+  return mu;
+}
+
+std::map<Key, std::unique_ptr<CommView>>& Table() {
+  static auto* table = new std::map<Key, std::unique_ptr<CommView>>();  // never destroyed
+  return *table;
+}
+
+std::string KeyName(int64_t comm_id, int device_ordinal) {
+  return "communicator " + std::to_string(comm_id) + " on device " +
+         std::to_string(device_ordinal);
+}
+
+}  // namespace
+
+const CommView* FindComm(int64_t comm_id, int device_ordinal) {
+  std::lock_guard<std::mutex> lock(TableMutex());
+  auto it = Table().find({comm_id, device_ordinal});
+  return it == Table().end() ? nullptr : it->second.get();
+}
+
+void RegisterComm(int64_t comm_id, int device_ordinal, int rank, int world,
+                  const std::vector<uint64_t>& workspace_ptrs,
+                  const std::vector<uint64_t>& signal_ptrs, uint64_t workspace_bytes,
+                  uint64_t signal_count, uint64_t timeout_ns, uint64_t error_ptr) {
+  const std::string name = KeyName(comm_id, device_ordinal);
+  if (world < 1 || world > kMaxPeers) {
+    throw std::invalid_argument("pk_jax comm_register: " + name + " has world " +
+                                std::to_string(world) + ", outside 1.." +
+                                std::to_string(kMaxPeers));
+  }
+  if (rank < 0 || rank >= world) {
+    throw std::invalid_argument("pk_jax comm_register: " + name + " has rank " +
+                                std::to_string(rank) + " outside 0.." +
+                                std::to_string(world - 1));
+  }
+  if (workspace_ptrs.size() != static_cast<size_t>(world) ||
+      signal_ptrs.size() != static_cast<size_t>(world)) {
+    throw std::invalid_argument("pk_jax comm_register: " + name + " needs " +
+                                std::to_string(world) + " workspace and signal pointers, got " +
+                                std::to_string(workspace_ptrs.size()) + " and " +
+                                std::to_string(signal_ptrs.size()));
+  }
+  for (int p = 0; p < world; ++p) {
+    if (workspace_ptrs[p] == 0 || signal_ptrs[p] == 0) {
+      throw std::invalid_argument("pk_jax comm_register: " + name + " has a null pointer for peer " +
+                                  std::to_string(p));
+    }
+  }
+  if (error_ptr == 0) {
+    throw std::invalid_argument("pk_jax comm_register: " + name + " has no error record");
+  }
+  auto view = std::make_unique<CommView>();
+  view->rank = rank;
+  view->world = world;
+  view->timeout_ns = timeout_ns;
+  for (int p = 0; p < kMaxPeers; ++p) {
+    view->workspace[p] = p < world ? reinterpret_cast<void*>(workspace_ptrs[p]) : nullptr;
+    view->signals[p] = p < world ? reinterpret_cast<uint64_t*>(signal_ptrs[p]) : nullptr;
+  }
+  view->workspace_bytes = workspace_bytes;
+  view->signal_count = signal_count;
+  view->error = reinterpret_cast<int32_t*>(error_ptr);
+
+  std::lock_guard<std::mutex> lock(TableMutex());
+  auto [it, inserted] = Table().emplace(Key{comm_id, device_ordinal}, nullptr);
+  if (!inserted) {
+    throw std::invalid_argument("pk_jax comm_register: " + name +
+                                " is already registered; unregister it first");
+  }
+  it->second = std::move(view);
+}
+
+bool UnregisterComm(int64_t comm_id, int device_ordinal) {
+  std::lock_guard<std::mutex> lock(TableMutex());
+  return Table().erase({comm_id, device_ordinal}) > 0;
+}
+
+int CommCount() {
+  std::lock_guard<std::mutex> lock(TableMutex());
+  return static_cast<int>(Table().size());
+}
+
+}  // namespace pk_ffi

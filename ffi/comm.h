@@ -1,0 +1,50 @@
+// The communicator table: per (communicator id, device ordinal), the symmetric workspaces and
+// signal pads of every peer as mapped in this process. pk_jax/runtime/comm.py fills it at
+// pk.init (comm_register) and empties it at pk.shutdown (comm_unregister); FFI handlers look
+// their communicator up by the comm_id attribute and Ctx<DeviceOrdinal> and pass the view to
+// their kernels by value.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace pk_ffi {
+
+constexpr int kMaxPeers = 16;
+
+struct CommView {                  // passed to kernels by value
+  int32_t rank, world;
+  uint64_t timeout_ns;             // spin-wait bound
+  void* workspace[kMaxPeers];      // peer p's symmetric workspace, as mapped in this process
+  uint64_t* signals[kMaxPeers];    // peer p's signal pad (zeroed at creation), mapped here
+  uint64_t workspace_bytes;
+  uint64_t signal_count;           // number of uint64 counters in each pad
+  int32_t* error;                  // device pointer to a host-mapped int32[8] error record
+};
+
+// nullptr when no communicator comm_id is registered for this device ordinal.
+const CommView* FindComm(int64_t comm_id, int device_ordinal);
+
+// Fields of the int32[8] error record (see pk_jax/runtime/errors.py).
+namespace comm_error {
+constexpr int kCode = 0;   // 0 ok, then one of the codes below; the first error wins
+constexpr int kOp = 1;     // op id (errors.OP_NAMES)
+constexpr int kRank = 2;   // the rank that stopped waiting
+constexpr int kPeer = 3;   // the peer it waited for
+constexpr int kNone = 0;
+constexpr int kTimeout = 1;
+constexpr int kRankMismatch = 2;
+}  // namespace comm_error
+
+// Host side, called from the nanobind module. Both throw std::invalid_argument (ValueError in
+// Python) on bad arguments; register refuses a key that is already taken.
+void RegisterComm(int64_t comm_id, int device_ordinal, int rank, int world,
+                  const std::vector<uint64_t>& workspace_ptrs,
+                  const std::vector<uint64_t>& signal_ptrs, uint64_t workspace_bytes,
+                  uint64_t signal_count, uint64_t timeout_ns, uint64_t error_ptr);
+// Returns whether a communicator was registered under the key.
+bool UnregisterComm(int64_t comm_id, int device_ordinal);
+// Number of registered communicators (for tests).
+int CommCount();
+
+}  // namespace pk_ffi

@@ -1,0 +1,30 @@
+// FFI handler for pk_gemm_ar: y = the sum over ranks of x @ w, on every rank (see
+// cuda/kernels/gemm_ar.cuh). Launches on XLA's stream; no host synchronisation.
+#include "kernels/gemm_ar.cuh"
+#include "tp_rows.h"
+
+namespace pk_ffi {
+namespace {
+
+ffi::Error GemmArCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                      ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> y, int64_t comm_id,
+                      int64_t config, int64_t group_m, int64_t mode) {
+  return tp::RowSplitGemm<true>("gemm_all_reduce", tp::kOpGemmAr, tp::kIndexGemmAr, stream,
+                                device, x, w, rank, *y, comm_id, config, group_m, mode);
+}
+
+}  // namespace
+}  // namespace pk_ffi
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PkGemmAr, pk_ffi::GemmArCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .Ctx<xla::ffi::DeviceOrdinal>()                 // device
+                                  .Arg<xla::ffi::AnyBuffer>()                     // x [M, K/P]
+                                  .Arg<xla::ffi::AnyBuffer>()                     // w [K/P, N]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // rank
+                                  .Ret<xla::ffi::AnyBuffer>()                     // y [M, N]
+                                  .Attr<int64_t>("comm_id")                       // comm_id
+                                  .Attr<int64_t>("config")                        // tile config
+                                  .Attr<int64_t>("group_m")  // block-rows per band
+                                  .Attr<int64_t>("mode"));   // 1: fused kernels even at P = 1

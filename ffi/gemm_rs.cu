@@ -1,0 +1,29 @@
+// FFI handler for pk_gemm_rs: y = my rows of the sum over ranks of x @ w (see
+// cuda/kernels/gemm_rs.cuh). Launches on XLA's stream; no host synchronisation.
+#include "tp_rows.h"
+
+namespace pk_ffi {
+namespace {
+
+ffi::Error GemmRsCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                      ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> y, int64_t comm_id,
+                      int64_t config, int64_t group_m, int64_t mode) {
+  return tp::RowSplitGemm<false>("gemm_reduce_scatter", tp::kOpGemmRs, tp::kIndexGemmRs, stream,
+                                 device, x, w, rank, *y, comm_id, config, group_m, mode);
+}
+
+}  // namespace
+}  // namespace pk_ffi
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PkGemmRs, pk_ffi::GemmRsCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .Ctx<xla::ffi::DeviceOrdinal>()                 // device
+                                  .Arg<xla::ffi::AnyBuffer>()                     // x [M, K/P]
+                                  .Arg<xla::ffi::AnyBuffer>()                     // w [K/P, N]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // rank
+                                  .Ret<xla::ffi::AnyBuffer>()                     // y [M/P, N]
+                                  .Attr<int64_t>("comm_id")                       // comm_id
+                                  .Attr<int64_t>("config")                        // tile config
+                                  .Attr<int64_t>("group_m")  // block-rows per band
+                                  .Attr<int64_t>("mode"));   // 1: fused kernels even at P = 1

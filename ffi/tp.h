@@ -1,0 +1,182 @@
+// Shared glue for the fused tensor-parallel GEMM handlers (gemm_rs, ag_gemm, gemm_ar): operand
+// checks, tensor maps (encoded through the driver entry point, cached per buffer address), the
+// communicator view and the workspace-too-small error.
+#pragma once
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+#include <array>
+#include <atomic>
+#include <mutex>
+#include <string>
+
+#include "comm.h"
+#include "ffi_util.h"
+#include "pk/tp.cuh"
+
+namespace pk_ffi::tp {
+
+// Op ids of the error record (pk_jax/runtime/errors.py) and each op's slot range index.
+constexpr int kOpGemmRs = 5, kOpAgGemm = 6, kOpGemmAr = 7;
+constexpr int kIndexGemmRs = 0, kIndexAgGemm = 1, kIndexGemmAr = 2;
+// Tile configurations the fused kernels instantiate (cuda/kernels/matmul.cuh, enum config_id).
+constexpr int kTile128x128 = 1, kTile128x256 = 2;
+
+inline PFN_cuTensorMapEncodeTiled_v12000 EncodeFn() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault,
+                                         &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      p = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+struct MapKey {
+  const void* ptr;
+  uint64_t rows, cols;
+  uint32_t box_rows, box_cols;
+  int dtype;  // 0 bf16, 1 fp16
+  bool operator==(const MapKey& o) const {
+    return ptr == o.ptr && rows == o.rows && cols == o.cols && box_rows == o.box_rows &&
+           box_cols == o.box_cols && dtype == o.dtype;
+  }
+};
+
+// A 128B-swizzled tensor map over a row-major [rows, cols] matrix of 2-byte elements; a small
+// round-robin cache keyed by address and shape (XLA may move buffers between calls; peers'
+// workspaces never move while the communicator lives).
+inline ffi::Error Map(const char* op, const MapKey& key, CUtensorMap* out) {
+  static std::mutex mu;
+  constexpr int kSize = 128;
+  static std::array<MapKey, kSize> keys{};
+  static std::array<CUtensorMap, kSize> maps{};
+  static std::array<bool, kSize> valid{};
+  static int next = 0;
+  std::lock_guard<std::mutex> lock(mu);
+  for (int i = 0; i < kSize; ++i) {
+    if (valid[i] && keys[i] == key) {
+      *out = maps[i];
+      return ffi::Error::Success();
+    }
+  }
+  PFN_cuTensorMapEncodeTiled_v12000 encode = EncodeFn();
+  if (encode == nullptr) {
+    return ffi::Error::Internal(std::string("pk.") + op +
+                                ": cuTensorMapEncodeTiled is not available from the CUDA driver.");
+  }
+  const cuuint64_t dims[2] = {key.cols, key.rows};
+  const cuuint64_t strides[1] = {key.cols * 2};
+  const cuuint32_t box[2] = {key.box_cols, key.box_rows};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  CUtensorMap map;
+  CUresult r = encode(&map,
+                      key.dtype == 0 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                     : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                      2, const_cast<void*>(key.ptr), dims, strides, box, elem_strides,
+                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    return ffi::Error::Internal(std::string("pk.") + op +
+                                ": cuTensorMapEncodeTiled failed with CUresult " +
+                                std::to_string(static_cast<int>(r)) + " for a [" +
+                                std::to_string(key.rows) + ", " + std::to_string(key.cols) +
+                                "] operand.");
+  }
+  keys[next] = key;
+  maps[next] = map;
+  valid[next] = true;
+  next = (next + 1) % kSize;
+  *out = map;
+  return ffi::Error::Success();
+}
+
+inline ffi::Error NumSms(int device, int* out) {
+  static std::array<std::atomic<int>, 64> sms{};
+  const int slot = device & 63;
+  int v = sms[slot].load(std::memory_order_relaxed);
+  if (v == 0) {
+    PK_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device));
+    sms[slot].store(v, std::memory_order_relaxed);
+  }
+  *out = v;
+  return ffi::Error::Success();
+}
+
+// x [M, K] and w [K, N] of one 2-byte float dtype (0 bf16, 1 fp16), K and N multiples of 8.
+inline ffi::Error GemmOperands(const char* op, const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
+                               int64_t* m, int64_t* k, int64_t* n, int* dtype) {
+  const ffi::DataType dt = x.element_type();
+  if ((dt != ffi::DataType::BF16 && dt != ffi::DataType::F16) || w.element_type() != dt) {
+    return ffi::Error::InvalidArgument(std::string("pk.") + op +
+                                       ": x and w must both be bf16 or both fp16.");
+  }
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0]) {
+    return ffi::Error::InvalidArgument(std::string("pk.") + op +
+                                       ": expected x [M, K] and w [K, N].");
+  }
+  *m = xd[0];
+  *k = xd[1];
+  *n = wd[1];
+  if (*k % 8 != 0 || *n % 8 != 0) {
+    return ffi::Error::InvalidArgument(std::string("pk.") + op +
+                                       ": K and N must be multiples of 8 (pk_jax pads N).");
+  }
+  if (*m > INT32_MAX || *n > INT32_MAX || *k > INT32_MAX) {
+    return ffi::Error::InvalidArgument(std::string("pk.") + op +
+                                       ": dimensions must be below 2^31.");
+  }
+  *dtype = dt == ffi::DataType::BF16 ? 0 : 1;
+  return ffi::Error::Success();
+}
+
+// The kernel's view of communicator `comm_id` on `device`, pads offset to op `index`'s range.
+inline ffi::Error Comm(const char* op, int op_id, int index, int64_t comm_id, int32_t device,
+                       const int32_t* rank_ptr, pk::tp::comm* c, uint64_t* ws_bytes) {
+  const CommView* v = FindComm(comm_id, device);
+  if (v == nullptr) {
+    return ffi::Error::InvalidArgument(
+        std::string("pk.") + op + ": no communicator " + std::to_string(comm_id) +
+        " on device " + std::to_string(device) +
+        "; call pk.init(mesh) on every process before using the op.");
+  }
+  if (v->signal_count < pk::tp::SLOTS_NEEDED) {
+    return ffi::Error::InvalidArgument(
+        std::string("pk.") + op + ": the signal pad has " + std::to_string(v->signal_count) +
+        " slots, the fused GEMM ops need " + std::to_string(pk::tp::SLOTS_NEEDED));
+  }
+  if (v->world > pk::tp::MAX_PEERS) {
+    return ffi::Error::InvalidArgument(std::string("pk.") + op + ": at most " +
+                                       std::to_string(pk::tp::MAX_PEERS) + " ranks.");
+  }
+  *c = pk::tp::comm{};
+  const uint64_t base = pk::tp::SLOT_BASE + uint64_t(index) * pk::tp::OP_SLOTS;
+  for (int p = 0; p < v->world; ++p) {
+    c->ws[p] = v->workspace[p];
+    c->sig[p] = v->signals[p] + base;
+  }
+  c->error = v->error;
+  c->timeout_ns = v->timeout_ns;
+  c->world = v->world;
+  c->rank = v->rank;
+  c->op = op_id;
+  c->rank_ptr = rank_ptr;
+  *ws_bytes = v->workspace_bytes;
+  return ffi::Error::Success();
+}
+
+inline ffi::Error WorkspaceCheck(const char* op, uint64_t need, uint64_t have) {
+  if (need <= have) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(
+      std::string("pk.") + op + ": the symmetric workspace has " + std::to_string(have) +
+      " bytes and this call needs " + std::to_string(need) +
+      "; call pk.init(mesh, workspace_bytes=...) with at least that.");
+}
+
+}  // namespace pk_ffi::tp

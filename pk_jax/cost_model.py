@@ -1,0 +1,210 @@
+"""Cost model of the fused tensor-parallel GEMM ops (gemm_rs, ag_gemm, gemm_ar).
+
+For one call it predicts, in microseconds,
+
+    T = T_launch + max(T_comp, T_mem, T_comm) + T_non_overlap + T_sync
+
+and picks how the op runs:
+
+- `mode`: "fused" (the overlapped kernel), "serial" (pk.matmul, then the pk collective: the
+  fallback when overlap cannot pay for its fixed costs) or "local" (P = 1: gemm_rs and gemm_ar
+  are one matmul kernel writing the output, ag_gemm is pk.matmul and returns x as the gather).
+- `num_comm_sms`: communication SMs of ag_gemm (0 for gemm_rs / gemm_ar, whose storers push
+  their own tiles), chosen to minimise T: more SMs pull faster but leave fewer for the GEMM.
+
+Terms (every byte count uses the dtype's itemsize; M = rows of the whole product, K = the
+contraction length each device multiplies, N = output columns):
+
+- T_comp: 2 M N K / (peak x GEMM efficiency x compute SMs / SMs).
+- T_mem: the GEMM's HBM traffic (A, B once, C once) / HBM bandwidth.
+- T_comm: what crosses NVLink while the GEMM runs: gemm_rs and gemm_ar push (P-1)/P of the
+  M x N partial product to its owners; ag_gemm pulls (P-1) M/P x K rows, at the slower of the
+  NVLink bandwidth and num_comm_sms x per-SM pull bandwidth.
+- T_non_overlap: work before the first or after the last tile: gemm_rs zeroes its owner buffer
+  and copies it out (3 M/P N bytes of HBM) plus the last wave's pushes; gemm_ar also gathers
+  every owner's rows ((P-1)/P M N over NVLink, M N of HBM writes); ag_gemm stages its shard
+  (2 M/P K of HBM) and waits for the first remote row block.
+- T_sync: barriers x one NVLink round trip; T_launch: kernels x launch cost.
+
+"serial" is T_launch + max(T_comp, T_mem) at all SMs + the collective's time at its bandwidth.
+
+Overrides (trace time; a jitted function keeps what it was traced with): the context manager
+`override(mode=..., num_comm_sms=...)`, or PK_JAX_TP_MODE / PK_JAX_TP_COMM_SMS in the
+environment. The constants below are from the data sheets, and the H200 GEMM efficiency from
+bench/results/matmul_notes.md (pk.matmul at about 680 TFLOP/s of 989).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import threading
+
+OPS = ("gemm_rs", "ag_gemm", "gemm_ar")
+MODES = ("auto", "fused", "serial", "local")
+
+
+@dataclasses.dataclass(frozen=True)
+class GPU:
+    """Throughputs and latencies of one GPU model (dense bf16/fp16)."""
+
+    name: str
+    sms: int
+    peak_tflops: float        # dense bf16 tensor-core peak
+    gemm_efficiency: float    # achieved / peak for large GEMMs
+    hbm_gbps: float
+    nvlink_gbps: float        # per direction, per GPU (NVLink 4: 18 links x 25 GB/s)
+    pull_gbps_per_sm: float   # peer loads of one SM of 384 threads (16-byte vectors)
+    launch_us: float          # one more kernel on the stream
+    barrier_us: float         # one signal round trip over NVLink
+
+
+H100 = GPU("H100", 132, 989.0, 0.66, 3350.0, 450.0, 40.0, 3.0, 3.0)
+H200 = GPU("H200", 132, 989.0, 0.69, 4800.0, 450.0, 40.0, 3.0, 3.0)
+
+COMM_SMS_CANDIDATES = (2, 4, 8, 12, 16, 20, 24, 32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How one call runs, and what the model predicts for it."""
+
+    mode: str
+    num_comm_sms: int
+    predicted_us: float
+    terms: dict
+
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def override(*, mode: str | None = None, num_comm_sms: int | None = None):
+    """Forces the mode and/or num_comm_sms of the fused ops traced inside the block.
+
+    Args:
+        mode: "fused", "serial", "local" (only at P = 1) or "auto".
+        num_comm_sms: communication SMs of ag_gemm (1..128).
+
+    Raises:
+        ValueError: an unknown mode or a num_comm_sms out of range.
+    """
+    _validate(mode, num_comm_sms, "pk_jax.cost_model.override")
+    prev = getattr(_local, "stack", [])
+    _local.stack = prev + [(mode, num_comm_sms)]
+    try:
+        yield
+    finally:
+        _local.stack = prev
+
+
+def _validate(mode, num_comm_sms, where: str) -> None:
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"{where}: mode={mode!r} is not one of {', '.join(MODES)}.")
+    if num_comm_sms is not None and (not isinstance(num_comm_sms, int) or
+                                     not 1 <= num_comm_sms <= 128):
+        raise ValueError(f"{where}: num_comm_sms={num_comm_sms!r} must be an int in 1..128.")
+
+
+def _overrides() -> tuple[str | None, int | None]:
+    mode = os.environ.get("PK_JAX_TP_MODE", "").strip().lower() or None
+    sms = os.environ.get("PK_JAX_TP_COMM_SMS", "").strip()
+    sms = int(sms) if sms else None
+    _validate(mode, sms, "PK_JAX_TP_MODE / PK_JAX_TP_COMM_SMS")
+    for m, s in getattr(_local, "stack", []):
+        mode = m if m is not None else mode
+        sms = s if s is not None else sms
+    return (None if mode == "auto" else mode), sms
+
+
+def gpu_for(device_kind: str) -> GPU:
+    """The constants for a JAX device_kind string (H200, else H100)."""
+    return H200 if "H200" in device_kind else H100
+
+
+def predict(op: str, m: int, n: int, k: int, p: int, *, mode: str, num_comm_sms: int = 0,
+            itemsize: int = 2, gpu: GPU = H200) -> Plan:
+    """The predicted time of one call in `mode` (see the module docstring for the terms)."""
+    if op not in OPS:
+        raise ValueError(f"pk_jax.cost_model: op={op!r} is not one of {OPS}.")
+    us = 1e6
+    flops = 2.0 * m * n * k
+    rate = gpu.peak_tflops * 1e12 * gpu.gemm_efficiency
+    hbm, nvl = gpu.hbm_gbps * 1e9, gpu.nvlink_gbps * 1e9
+    mp = -(-m // p)
+    gemm_bytes = itemsize * (m * k + k * n + m * n)
+    out_bytes = itemsize * m * n
+    t = {"launch": 0.0, "comp": 0.0, "mem": gemm_bytes / hbm * us, "comm": 0.0,
+         "non_overlap": 0.0, "sync": 0.0}
+    if mode == "local" or p == 1 and mode != "fused":
+        t["launch"] = gpu.launch_us
+        t["comp"] = flops / rate * us
+    elif mode == "serial":
+        t["launch"] = 2 * gpu.launch_us
+        t["comp"] = flops / rate * us
+        coll = {"gemm_rs": (p - 1) / p * out_bytes,
+                "ag_gemm": (p - 1) * mp * k * itemsize,
+                "gemm_ar": 2 * (p - 1) / p * out_bytes}[op]
+        t["non_overlap"] = coll / nvl * us
+        t["sync"] = 2 * gpu.barrier_us
+    elif mode == "fused":
+        c = num_comm_sms if op == "ag_gemm" else 0
+        t["comp"] = flops / (rate * (gpu.sms - c) / gpu.sms) * us
+        tile_wave = gpu.sms * 128 * 256 * itemsize
+        if op in ("gemm_rs", "gemm_ar"):
+            pushed = (p - 1) / p * out_bytes
+            t["comm"] = pushed / nvl * us
+            t["non_overlap"] = (3 * mp * n * itemsize / hbm + min(pushed, tile_wave) / nvl) * us
+            t["launch"] = 4 * gpu.launch_us
+            t["sync"] = 3 * gpu.barrier_us
+            if op == "gemm_ar":
+                t["non_overlap"] += ((p - 1) / p * out_bytes / nvl + out_bytes / hbm) * us
+                t["sync"] += gpu.barrier_us
+        else:
+            pull = min(nvl, max(c, 1) * gpu.pull_gbps_per_sm * 1e9)
+            t["comm"] = (p - 1) * mp * k * itemsize / pull * us
+            stage = 2 * mp * k * itemsize / hbm
+            first_block = 128 * k * itemsize / (gpu.pull_gbps_per_sm * 1e9)
+            t["non_overlap"] = (stage + first_block) * us
+            t["launch"] = 2 * gpu.launch_us
+            t["sync"] = 3 * gpu.barrier_us
+    else:
+        raise ValueError(f"pk_jax.cost_model: mode={mode!r} is not fused, serial or local.")
+    total = (t["launch"] + max(t["comp"], t["mem"], t["comm"]) + t["non_overlap"] + t["sync"])
+    return Plan(mode, num_comm_sms if mode == "fused" and op == "ag_gemm" else 0, total, t)
+
+
+def plan(op: str, m: int, n: int, k: int, p: int, *, itemsize: int = 2,
+         gpu: GPU = H200) -> Plan:
+    """The fastest predicted way to run one call, after the overrides.
+
+    Args:
+        op: "gemm_rs", "ag_gemm" or "gemm_ar".
+        m: rows of the whole product (M; ag_gemm: P x the local rows).
+        n: output columns.
+        k: the contraction length each device multiplies (K/P for gemm_rs and gemm_ar).
+        p: the axis size.
+        itemsize: bytes per element.
+        gpu: the GPU constants.
+
+    Returns:
+        A Plan: mode, num_comm_sms, predicted microseconds and the terms.
+    """
+    mode, sms = _overrides()
+    if mode == "local" and p != 1:
+        mode = None  # "local" exists only at P = 1; a forced local means "auto" elsewhere
+    if mode is None:
+        modes = ("local",) if p == 1 else ("fused", "serial")
+    else:
+        modes = (mode,)
+    best = None
+    for md in modes:
+        cands = (sms,) if sms is not None else COMM_SMS_CANDIDATES
+        for c in (cands if md == "fused" and op == "ag_gemm" else (0,)):
+            pl = predict(op, m, n, k, p, mode=md, num_comm_sms=c, itemsize=itemsize, gpu=gpu)
+            if best is None or pl.predicted_us < best.predicted_us:
+                best = pl
+    if best.mode == "fused" and op == "ag_gemm" and best.num_comm_sms == 0:
+        best = dataclasses.replace(best, num_comm_sms=sms or 8)
+    return best

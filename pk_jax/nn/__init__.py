@@ -1,0 +1,211 @@
+"""Tensor-parallel layers (Megatron naming) built on pk_jax's fused ops.
+
+Framework modules: `pk_jax.nn.flax` (flax.nnx) and `pk_jax.nn.equinox` (Equinox), each with
+`ColumnParallelLinear`, `RowParallelLinear` and `ParallelMLP`. This module holds what they
+share: the functional forms of the three layers and an unsharded reference MLP for tests.
+
+How the layers are used
+=======================
+
+A layer is created once, outside any transform, with the FULL logical weights of the layer
+(`w: [K, N]`, initialised from one key), and declares how each weight is split over the
+tensor-parallel mesh axis (default `"tp"`, of size P):
+
+=========================  ==================  ========================  ===================
+layer                      weight              shard per device          bias
+=========================  ==================  ========================  ===================
+ColumnParallelLinear       [K, N]              [K, N/P]   P(None, tp)    [N/P]  P(tp)
+RowParallelLinear          [K, N]              [K/P, N]   P(tp, None)    [N]    P() (replicated)
+=========================  ==================  ========================  ===================
+
+The user's step function is `jax.shard_map`-ped over the mesh, with the layers' partition specs
+(`partition_specs(model)` in either framework module) as the in_specs of the parameters. Inside
+the shard_map every device sees only its shard, so the layers hold their LOCAL weights there and
+call pk_jax's per-device ops on them. Outside, the parameters are ordinary global `jax.Array`s
+sharded with `NamedSharding`s: each device stores only its slice of the one logical weight,
+optimisers (optax) update them like any array, and the global arrays are exactly the weights of
+the equivalent unsharded model (`reference_mlp` computes that model).
+
+Two modes, picked per layer with `sequence_parallel`:
+
+- Plain tensor parallelism (default). Activations between blocks are replicated over the axis.
+  Column: `x @ w_local` (`pk.matmul`; its VJP all-reduces dx, Megatron's "f"). Row:
+  `pk.gemm_all_reduce(h_local, w_local)`: the output is replicated again.
+- Sequence parallelism (`sequence_parallel=True`). Activations between blocks are sharded by
+  their FIRST dimension (use the sequence-first layout `[S, B, D]`, as Megatron does). Column:
+  `pk.all_gather_gemm(x_rows, w_local)` gathers the rows while it multiplies; row:
+  `pk.gemm_reduce_scatter(h, w_local)` reduces and scatters the rows back. The first dimension
+  of a block's input is then S/P per device, and the MLP's output has the same sharding.
+
+The row layer adds its bias once, after the reduction. Matmuls run in `dtype` (bf16 or fp16,
+fp32 accumulation), parameters are kept in `param_dtype` (default fp32) and cast on use.
+
+Gradients can be taken outside the shard_map (as in the examples: `jax.grad` of a function
+that calls it) or inside it. Inside, keep shard_map's default `check_vma=True`: the varying-axes
+types are what make JAX and pk_jax's VJPs sum the gradient of a replicated input over the axis
+(Megatron's "f" and "g" operators). With `check_vma=False`, gradients taken inside the
+shard_map are wrong for replicated values, as they are for any `jax.lax` code there.
+
+Parameters never need per-rank initialisation: one key initialises each full weight, and
+`shard` (or flax's eager sharding under `jax.set_mesh(mesh)`) gives every device its slice. To
+avoid materialising a large weight on one device, build the model under `jax.jit` with the
+shardings as `out_shardings`.
+
+Example (flax.nnx; Equinox is the same with `eqx.partition`/`eqx.combine`)::
+
+    import jax, jax.numpy as jnp, pk_jax as pk
+    from flax import nnx
+    from jax.sharding import PartitionSpec as P
+    from pk_jax.nn import flax as pkn
+
+    mesh = jax.make_mesh((8,), ("tp",))
+    pk.init(mesh)
+    model = pkn.ParallelMLP(256, 1024, rngs=nnx.Rngs(0))   # full logical weights
+    pkn.shard(model, mesh)                                  # each device keeps its shard
+    graphdef, params = nnx.split(model)
+    specs = pkn.partition_specs(params)
+
+    @jax.jit
+    def forward(params, x):
+        def local(params, x):                               # per device: local shards
+            return nnx.merge(graphdef, params)(x)
+        return jax.shard_map(local, mesh=mesh, in_specs=(specs, P()), out_specs=P())(params, x)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pk_jax as pk
+from pk_jax import _checks
+
+DEFAULT_AXIS = "tp"
+
+
+def check_dtype(layer: str, dtype: Any) -> Any:
+    """The compute dtype of a layer: bf16 or fp16 (pk_jax's GEMMs take nothing else)."""
+    dt = np.dtype(dtype)
+    if dt not in _checks.MATMUL_DTYPES_NP:
+        raise TypeError(
+            f"pk_jax.nn.{layer}: dtype={dt.name} is not supported; the tensor-parallel GEMMs run "
+            "in bfloat16 or float16 (with fp32 accumulation). Pass dtype=jnp.bfloat16 and keep "
+            "fp32 parameters with param_dtype=jnp.float32."
+        )
+    return dt
+
+
+def check_local_shape(layer: str, name: str, w: jax.Array, full: tuple[int, int], dim: int,
+                      axis_name: str) -> int:
+    """Checks that `w` is this device's shard of a [K, N] weight split along `dim`.
+
+    Returns:
+        P, the size of `axis_name`.
+    """
+    p = _checks.axis_size(f"nn.{layer}", axis_name)
+    want = list(full)
+    if want[dim] % p:
+        raise ValueError(
+            f"pk.nn.{layer}: {name} has {'in' if dim == 0 else 'out'}_features={full[dim]}, "
+            f"which the size {p} of axis {axis_name!r} does not divide. Pick a multiple of {p}."
+        )
+    want[dim] //= p
+    if tuple(w.shape) != tuple(want):
+        hint = ("It holds the FULL weight: pass the model's partition specs "
+                "(partition_specs(params)) as the shard_map in_specs of the parameters."
+                if tuple(w.shape) == tuple(full) and p > 1 else
+                f"Its partition spec must split dimension {dim} over {axis_name!r}.")
+        raise ValueError(
+            f"pk.nn.{layer}: inside shard_map, {name} should be this device's shard of shape "
+            f"{tuple(want)} (full {tuple(full)}, split over {axis_name!r} of size {p}), but has "
+            f"shape {tuple(w.shape)}. {hint}"
+        )
+    return p
+
+
+def _rows(x: jax.Array) -> jax.Array:
+    return x.reshape(-1, x.shape[-1])
+
+
+def column_parallel_linear(x: jax.Array, w: jax.Array, b: jax.Array | None, *, axis_name: str,
+                           sequence_parallel: bool = False,
+                           dtype: Any = jnp.bfloat16) -> jax.Array:
+    """The column-parallel linear layer on local shards (call inside shard_map).
+
+    Args:
+        x: plain mode: [..., K], replicated over `axis_name`. Sequence-parallel: [S/P, ..., K],
+            this device's block of the first dimension.
+        w: [K, N/P], this device's column block of the weight.
+        b: [N/P] or None.
+        axis_name: the tensor-parallel mesh axis.
+        sequence_parallel: whether `x` is sharded by its first dimension.
+        dtype: the compute dtype (bf16 or fp16).
+
+    Returns:
+        plain: [..., N/P]; sequence-parallel: [S, ..., N/P] (the first dimension gathered).
+    """
+    lead = x.shape[:-1]
+    x2, w = _rows(x.astype(dtype)), w.astype(dtype)
+    if sequence_parallel:
+        p = jax.lax.axis_size(axis_name)
+        y = pk.all_gather_gemm(x2, w, axis_name)
+        y = y.reshape(p * lead[0], *lead[1:], y.shape[-1])
+    else:
+        y = pk.matmul(x2, w).reshape(*lead, w.shape[-1])
+    return y if b is None else y + b.astype(dtype)
+
+
+def row_parallel_linear(h: jax.Array, w: jax.Array, b: jax.Array | None, *, axis_name: str,
+                        sequence_parallel: bool = False, dtype: Any = jnp.bfloat16) -> jax.Array:
+    """The row-parallel linear layer on local shards (call inside shard_map).
+
+    Args:
+        h: [..., K/P] (this device's column block of the hidden activation); sequence-parallel:
+            [S, ..., K/P] with S divisible by P.
+        w: [K/P, N], this device's row block of the weight.
+        b: [N] (replicated) or None; added once, after the reduction over `axis_name`.
+        axis_name: the tensor-parallel mesh axis.
+        sequence_parallel: reduce-scatter the first dimension instead of all-reducing.
+        dtype: the compute dtype (bf16 or fp16).
+
+    Returns:
+        plain: [..., N], replicated; sequence-parallel: [S/P, ..., N], this device's block.
+    """
+    lead = h.shape[:-1]
+    h2, w = _rows(h.astype(dtype)), w.astype(dtype)
+    if sequence_parallel:
+        p = jax.lax.axis_size(axis_name)
+        if not lead or lead[0] % p:
+            raise ValueError(
+                f"pk.nn.RowParallelLinear: with sequence_parallel=True the first dimension of "
+                f"the input is reduce-scattered over {axis_name!r} of size {p}, but the input "
+                f"has shape {tuple(h.shape)}. Make its first dimension (the sequence, in the "
+                f"[S, B, D] layout) a multiple of {p}."
+            )
+        y = pk.gemm_reduce_scatter(h2, w, axis_name)
+        y = y.reshape(lead[0] // p, *lead[1:], y.shape[-1])
+    else:
+        y = pk.gemm_all_reduce(h2, w, axis_name).reshape(*lead, w.shape[-1])
+    return y if b is None else y + b.astype(dtype)
+
+
+def reference_mlp(x: jax.Array, w1: jax.Array, b1: jax.Array | None, w2: jax.Array,
+                  b2: jax.Array | None, *, activation: Callable = jax.nn.gelu,
+                  dtype: Any = jnp.bfloat16) -> jax.Array:
+    """The unsharded MLP that a ParallelMLP with these FULL weights computes (for tests).
+
+    `activation(x @ w1 + b1) @ w2 + b2` in `dtype` with fp32 accumulation, on one device.
+    """
+    def dense(a, w, b):
+        y = jnp.dot(a.astype(dtype), w.astype(dtype),
+                    preferred_element_type=jnp.float32).astype(dtype)
+        return y if b is None else y + b.astype(dtype)
+
+    return dense(activation(dense(x, w1, b1)), w2, b2)
+
+
+__all__ = ["DEFAULT_AXIS", "column_parallel_linear", "reference_mlp", "row_parallel_linear"]

@@ -1,0 +1,212 @@
+"""Tensor-parallel layers for Equinox: ColumnParallelLinear, RowParallelLinear, ParallelMLP.
+
+The layers are created with the full logical weights (from one key). `shard(model, mesh)` places
+every array on the mesh (each device keeps its slice); `partition_specs(params)` gives the
+in_specs for the `jax.shard_map` around the step function, inside which the layers see and use
+their local shards::
+
+    model = pkq.shard(pkq.ParallelMLP(256, 1024, key=key), mesh)
+    params, static = eqx.partition(model, eqx.is_array)
+    specs = pkq.partition_specs(params)
+    f = jax.shard_map(lambda p, x: eqx.combine(p, static)(x), mesh=mesh,
+                      in_specs=(specs, P()), out_specs=P())
+
+Weights are stored `[in, out]` (the pk_jax GEMM layout), not Equinox's `[out, in]`. See
+`pk_jax.nn` for the two modes; `examples/02_tp_mlp_equinox.py` trains one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from pk_jax import nn as _nn
+
+Initializer = Callable[..., jax.Array]
+default_kernel_init = jax.nn.initializers.lecun_normal()
+default_bias_init = jax.nn.initializers.zeros
+
+
+class ColumnParallelLinear(eqx.Module):
+    """`y = x @ weight + bias` with `weight: [in, out]` split by columns over `axis_name`.
+
+    Inside shard_map each device holds `weight: [in, out/P]` and `bias: [out/P]` and returns its
+    column block of `y`. Plain mode: `x` replicated, `[..., in]` -> `[..., out/P]`.
+    Sequence-parallel: `x` sharded by its first dimension, `[S/P, ..., in]` -> `[S, ..., out/P]`.
+
+    Args:
+        in_features: K, a multiple of 8.
+        out_features: N, a multiple of P.
+        key: PRNG key for the FULL weight [in, out] (and bias).
+        axis_name: the tensor-parallel mesh axis.
+        sequence_parallel: activations sharded by their first dimension (see `pk_jax.nn`).
+        use_bias: whether to add a bias.
+        dtype: compute dtype, bf16 or fp16.
+        param_dtype: dtype of the stored parameters.
+        kernel_init, bias_init: initialisers `(key, shape, dtype) -> array`.
+    """
+
+    weight: jax.Array
+    bias: jax.Array | None
+    in_features: int = eqx.field(static=True)
+    out_features: int = eqx.field(static=True)
+    axis_name: str = eqx.field(static=True)
+    sequence_parallel: bool = eqx.field(static=True)
+    dtype: Any = eqx.field(static=True)
+
+    def __init__(self, in_features: int, out_features: int, *, key: jax.Array,
+                 axis_name: str = _nn.DEFAULT_AXIS, sequence_parallel: bool = False,
+                 use_bias: bool = True, dtype: Any = jnp.bfloat16,
+                 param_dtype: Any = jnp.float32, kernel_init: Initializer = default_kernel_init,
+                 bias_init: Initializer = default_bias_init):
+        wkey, bkey = jax.random.split(key)
+        self.in_features, self.out_features = in_features, out_features
+        self.axis_name, self.sequence_parallel = axis_name, sequence_parallel
+        self.dtype = _nn.check_dtype("equinox.ColumnParallelLinear", dtype)
+        self.weight = kernel_init(wkey, (in_features, out_features), param_dtype)
+        self.bias = bias_init(bkey, (out_features,), param_dtype) if use_bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        _nn.check_local_shape("ColumnParallelLinear", "weight", self.weight,
+                              (self.in_features, self.out_features), 1, self.axis_name)
+        return _nn.column_parallel_linear(x, self.weight, self.bias, axis_name=self.axis_name,
+                                          sequence_parallel=self.sequence_parallel,
+                                          dtype=self.dtype)
+
+    def partition_spec(self) -> ColumnParallelLinear:
+        """This layer with a PartitionSpec in place of each array."""
+        return _with_specs(self, P(None, self.axis_name), P(self.axis_name))
+
+
+class RowParallelLinear(eqx.Module):
+    """`y = h @ weight + bias` with `weight: [in, out]` split by rows over `axis_name`.
+
+    Inside shard_map each device holds `weight: [in/P, out]` and the whole `bias: [out]`, takes
+    its column block `h: [..., in/P]`, and the partial products are summed over the axis: plain
+    mode all-reduces (`[..., out]`, replicated); sequence-parallel reduce-scatters the first
+    dimension (`[S/P, ..., out]`). The bias is added once, after the reduction.
+
+    Args: as for `ColumnParallelLinear` (here `in_features` must be a multiple of 8 * P).
+    """
+
+    weight: jax.Array
+    bias: jax.Array | None
+    in_features: int = eqx.field(static=True)
+    out_features: int = eqx.field(static=True)
+    axis_name: str = eqx.field(static=True)
+    sequence_parallel: bool = eqx.field(static=True)
+    dtype: Any = eqx.field(static=True)
+
+    def __init__(self, in_features: int, out_features: int, *, key: jax.Array,
+                 axis_name: str = _nn.DEFAULT_AXIS, sequence_parallel: bool = False,
+                 use_bias: bool = True, dtype: Any = jnp.bfloat16,
+                 param_dtype: Any = jnp.float32, kernel_init: Initializer = default_kernel_init,
+                 bias_init: Initializer = default_bias_init):
+        wkey, bkey = jax.random.split(key)
+        self.in_features, self.out_features = in_features, out_features
+        self.axis_name, self.sequence_parallel = axis_name, sequence_parallel
+        self.dtype = _nn.check_dtype("equinox.RowParallelLinear", dtype)
+        self.weight = kernel_init(wkey, (in_features, out_features), param_dtype)
+        self.bias = bias_init(bkey, (out_features,), param_dtype) if use_bias else None
+
+    def __call__(self, h: jax.Array) -> jax.Array:
+        _nn.check_local_shape("RowParallelLinear", "weight", self.weight,
+                              (self.in_features, self.out_features), 0, self.axis_name)
+        return _nn.row_parallel_linear(h, self.weight, self.bias, axis_name=self.axis_name,
+                                       sequence_parallel=self.sequence_parallel,
+                                       dtype=self.dtype)
+
+    def partition_spec(self) -> RowParallelLinear:
+        """This layer with a PartitionSpec in place of each array."""
+        return _with_specs(self, P(self.axis_name, None), P(None))
+
+
+class ParallelMLP(eqx.Module):
+    """Megatron's MLP block: ColumnParallelLinear -> activation -> RowParallelLinear.
+
+    `[..., features] -> [..., features]`; the hidden activation stays sharded over the axis and
+    only the row layer communicates (plus the column layer's all-gather in sequence-parallel
+    mode, where input and output are `[S/P, ..., features]`).
+
+    Args:
+        features: model width, a multiple of 8.
+        hidden: hidden width, a multiple of 8 * P.
+        key: PRNG key for both layers.
+        activation: applied between the layers (default `jax.nn.gelu`).
+        other arguments: as for `ColumnParallelLinear`, shared by both layers.
+    """
+
+    up: ColumnParallelLinear
+    down: RowParallelLinear
+    activation: Callable[[jax.Array], jax.Array] = eqx.field(static=True)
+
+    def __init__(self, features: int, hidden: int, *, key: jax.Array,
+                 axis_name: str = _nn.DEFAULT_AXIS, sequence_parallel: bool = False,
+                 use_bias: bool = True,
+                 activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
+                 dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32,
+                 kernel_init: Initializer = default_kernel_init,
+                 bias_init: Initializer = default_bias_init):
+        k1, k2 = jax.random.split(key)
+        common = {"axis_name": axis_name, "sequence_parallel": sequence_parallel,
+                  "use_bias": use_bias, "dtype": dtype, "param_dtype": param_dtype,
+                  "kernel_init": kernel_init, "bias_init": bias_init}
+        self.activation = activation
+        self.up = ColumnParallelLinear(features, hidden, key=k1, **common)
+        self.down = RowParallelLinear(hidden, features, key=k2, **common)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down(self.activation(self.up(x)))
+
+    def full_weights(self) -> dict[str, jax.Array | None]:
+        """The logical (global) weights w1, b1, w2, b2; call outside shard_map. With them,
+        `pk_jax.nn.reference_mlp` computes the same function on one device."""
+        return {"w1": self.up.weight, "b1": self.up.bias,
+                "w2": self.down.weight, "b2": self.down.bias}
+
+
+_LAYERS = (ColumnParallelLinear, RowParallelLinear)
+
+
+def _with_specs(layer, weight_spec: P, bias_spec: P):
+    bias = None if layer.bias is None else bias_spec
+    return eqx.tree_at(lambda m: (m.weight, m.bias), layer, (weight_spec, bias),
+                       is_leaf=lambda x: x is None)
+
+
+def partition_specs(tree: Any) -> Any:
+    """The PartitionSpecs of a model's arrays, for the in_specs of `jax.shard_map`.
+
+    Args:
+        tree: a model or any pytree holding the layers (e.g. `eqx.partition(model,
+            eqx.is_array)[0]`); arrays outside the parallel layers are replicated (P()).
+
+    Returns:
+        The same structure with a PartitionSpec in place of each array (non-array leaves,
+        which shard_map cannot take, become None: partition them out first).
+    """
+    def spec(node):
+        if isinstance(node, _LAYERS):
+            return node.partition_spec()
+        return P() if eqx.is_array(node) else None
+
+    return jax.tree.map(spec, tree, is_leaf=lambda n: isinstance(n, _LAYERS))
+
+
+def shard(tree: Any, mesh: jax.sharding.Mesh) -> Any:
+    """`tree` with every array placed on `mesh` by its partition spec (each device then stores
+    its own slice of each logical weight)."""
+    params, static = eqx.partition(tree, eqx.is_array)
+    specs = partition_specs(params)
+    placed = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
+    return eqx.combine(placed, static)
+
+
+__all__ = ["ColumnParallelLinear", "ParallelMLP", "RowParallelLinear", "partition_specs",
+           "shard"]

@@ -1,0 +1,102 @@
+"""gemm_ar: GEMM + all-reduce, the row-parallel linear layer with replicated output
+(reference: `lax.psum(x @ w, axis_name)`)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import numpy as np
+
+from pk_jax import _backend, _checks, _ffi
+from pk_jax.ops import _tp, _vjp
+from pk_jax.ops import matmul as _mm
+from pk_jax.runtime import state
+
+STEM = "gemm_ar"
+NAME = "gemm_all_reduce"  # the public name, used in error messages
+
+
+def gemm_all_reduce(x: jax.Array, w: jax.Array, axis_name: str) -> jax.Array:
+    """Multiplies the local shards and sums the product over `axis_name` on every device.
+
+    Args:
+        x: [M, K/P], bf16 or fp16, K/P a multiple of 8.
+        w: [K/P, N], same dtype as `x`.
+        axis_name: one axis of the mesh given to `pk.init`.
+
+    Returns:
+        [M, N] in the dtype of `x`, equal to `lax.psum(x @ w, axis_name)` (fp32 accumulation
+        within a device).
+
+    Raises:
+        ValueError: `pk.init` not called, a bad `axis_name`, not inside shard_map, operands not
+            rank 2, contraction dimensions that differ, K/P not a multiple of 8.
+        TypeError: an unsupported dtype, or `x` and `w` of different dtypes.
+    """
+    _checks.axis_size(NAME, axis_name)
+    _checks.matmul_operands(NAME, x, w, k_local=True)
+    return _gemm_ar(x, w, axis_name)
+
+
+def reference(x: jax.Array, w: jax.Array, axis_name: str) -> jax.Array:
+    return jax.lax.psum(_mm.reference(x, w), axis_name)
+
+
+def kernel_supports(x: jax.Array, w: jax.Array) -> bool:
+    return _mm.kernel_supports(x, w)
+
+
+def gemm_ar_impl(x: jax.Array, w: jax.Array, axis_name: str) -> jax.Array:
+    """The kernel when it applies, else the reference; no user-facing checks."""
+    if kernel_supports(x, w) and _backend.use_kernel(STEM, axis_name):
+        return _cuda_gemm_ar(x, w, axis_name)
+    return reference(x, w, axis_name)
+
+
+def _cuda_gemm_ar(x: jax.Array, w: jax.Array, axis_name: str) -> jax.Array:
+    """The CUDA path: the fused kernels (pk_gemm_ar), or pk.matmul + pk.all_reduce when the
+    cost model (pk_jax/cost_model.py, overridable) predicts that fusion does not pay."""
+    p = jax.lax.axis_size(axis_name)
+    m, k, n = x.shape[0], x.shape[1], w.shape[1]
+    pl = _tp.plan(STEM, m, n, k, p, x.dtype)
+    if pl.mode == "serial":
+        from pk_jax.ops.all_reduce import all_reduce
+
+        return all_reduce(_mm.matmul_impl(x, w), axis_name)
+    w, n_pad = _tp.pad_n(w)
+    if pl.mode == "fused" or p > 1:
+        mp = -(-m // p)
+        _tp.check_workspace(NAME, mp * n_pad * x.dtype.itemsize,
+                            f"its [{mp}, {n_pad}] accumulation buffer")
+    # NOTES: like psum, the result is invariant along axis_name.
+    y = _ffi.call("pk_gemm_ar", jax.ShapeDtypeStruct((m, n_pad), x.dtype), x, w,
+                  _backend.rank_operand(axis_name),
+                  out_vma=(_ffi.vma(x) | _ffi.vma(w)) - {axis_name},
+                  comm_id=np.int64(state.comm_id(axis_name)),
+                  config=np.int64(_mm.tile_config(m, n_pad)), group_m=np.int64(_mm._GROUP_M),
+                  mode=np.int64(1 if pl.mode == "fused" else 0))
+    return y[:, :n] if n_pad != n else y
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _gemm_ar(x: jax.Array, w: jax.Array, axis_name: str) -> jax.Array:
+    return gemm_ar_impl(x, w, axis_name)
+
+
+def _gemm_ar_fwd(x, w, axis_name):
+    return gemm_ar_impl(x, w, axis_name), (x, w)
+
+
+def _gemm_ar_bwd(axis_name, res, dy):
+    # y = psum(z), z = x @ w. The transpose of psum is JAX's own (a cast to varying with
+    # check_vma=True, a psum with check_vma=False); then dx = dz @ w^T, dw = x^T @ dz.
+    x, w = res
+    z_axes = _ffi.vma(x) | _ffi.vma(w)
+    dz = _vjp.transpose_psum(dy, (x.shape[0], w.shape[1]), dy.dtype, z_axes, axis_name)
+    dx = _mm.matmul_impl(dz, w.T)
+    dw = _mm.matmul_impl(x.T, dz)
+    return _vjp.fit(dx, x), _vjp.fit(dw, w)
+
+
+_gemm_ar.defvjp(_gemm_ar_fwd, _gemm_ar_bwd)

@@ -1,0 +1,113 @@
+"""gemm_rs: GEMM + reduce-scatter, the row-parallel linear layer (reference:
+`lax.psum_scatter(x @ w, axis_name, scatter_dimension=0, tiled=True)`).
+
+Its transpose is AG+GEMM (ops/ag_gemm.py) and the VJP is written with it, so the fused kernels
+serve the backward pass too.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import numpy as np
+
+from pk_jax import _backend, _checks, _ffi
+from pk_jax.ops import _tp, _vjp
+from pk_jax.ops import matmul as _mm
+from pk_jax.runtime import state
+
+STEM = "gemm_rs"
+NAME = "gemm_reduce_scatter"  # the public name, used in error messages
+
+
+def gemm_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: str) -> jax.Array:
+    """Multiplies the local shards and reduce-scatters the sum by rows over `axis_name`.
+
+    With K sharded over the axis, `x @ w` summed over the devices is the full product; rank r
+    keeps rows [r*M/P, (r+1)*M/P) of it.
+
+    Args:
+        x: [M, K/P], bf16 or fp16; M divisible by P, K/P a multiple of 8.
+        w: [K/P, N], same dtype as `x`.
+        axis_name: one axis of the mesh given to `pk.init`.
+
+    Returns:
+        [M/P, N] in the dtype of `x`, equal to
+        `lax.psum_scatter(x @ w, axis_name, scatter_dimension=0, tiled=True)` (fp32
+        accumulation within a device).
+
+    Raises:
+        ValueError: `pk.init` not called, a bad `axis_name`, not inside shard_map, operands not
+            rank 2, contraction dimensions that differ, M not divisible by P, K/P not a
+            multiple of 8.
+        TypeError: an unsupported dtype, or `x` and `w` of different dtypes.
+    """
+    p = _checks.axis_size(NAME, axis_name)
+    _checks.matmul_operands(NAME, x, w, k_local=True)
+    _checks.divisible(NAME, "M (x.shape[0])", x.shape[0], p,
+                      f"Pad the rows of x to a multiple of the size of axis {axis_name!r} ({p}).")
+    return _gemm_rs(x, w, axis_name)
+
+
+def reference(x: jax.Array, w: jax.Array, axis_name: str) -> jax.Array:
+    return jax.lax.psum_scatter(_mm.reference(x, w), axis_name, scatter_dimension=0, tiled=True)
+
+
+def kernel_supports(x: jax.Array, w: jax.Array, p: int) -> bool:
+    return _mm.kernel_supports(x, w) and x.shape[0] % p == 0
+
+
+def gemm_rs_impl(x: jax.Array, w: jax.Array, axis_name: str) -> jax.Array:
+    """The kernel when it applies, else the reference; no user-facing checks (used by the VJP of
+    all_gather_gemm with transposed operands)."""
+    p = jax.lax.axis_size(axis_name)
+    if kernel_supports(x, w, p) and _backend.use_kernel(STEM, axis_name):
+        return _cuda_gemm_rs(x, w, axis_name)
+    return reference(x, w, axis_name)
+
+
+def _cuda_gemm_rs(x: jax.Array, w: jax.Array, axis_name: str) -> jax.Array:
+    """The CUDA path: the fused kernel (pk_gemm_rs), or pk.matmul + pk.reduce_scatter when the
+    cost model (pk_jax/cost_model.py, overridable) predicts that overlap does not pay."""
+    p = jax.lax.axis_size(axis_name)
+    m, k, n = x.shape[0], x.shape[1], w.shape[1]
+    pl = _tp.plan(STEM, m, n, k, p, x.dtype)
+    if pl.mode == "serial":
+        from pk_jax.ops.reduce_scatter import reduce_scatter
+
+        return reduce_scatter(_mm.matmul_impl(x, w), axis_name, scatter_dimension=0)
+    w, n_pad = _tp.pad_n(w)
+    fused = pl.mode == "fused" or p > 1
+    if fused:
+        _tp.check_workspace(NAME, (m // p) * n_pad * x.dtype.itemsize,
+                            f"its [{m // p}, {n_pad}] accumulation buffer")
+    # NOTES: the result varies along axis_name and every axis x or w varies along, which is
+    # _ffi.call's default out_vma once the rank operand (varying along axis_name) is passed.
+    y = _ffi.call("pk_gemm_rs", jax.ShapeDtypeStruct((m // p, n_pad), x.dtype), x, w,
+                  _backend.rank_operand(axis_name), comm_id=np.int64(state.comm_id(axis_name)),
+                  config=np.int64(_mm.tile_config(m, n_pad)), group_m=np.int64(_mm._GROUP_M),
+                  mode=np.int64(1 if pl.mode == "fused" else 0))
+    return y[:, :n] if n_pad != n else y
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _gemm_rs(x: jax.Array, w: jax.Array, axis_name: str) -> jax.Array:
+    return gemm_rs_impl(x, w, axis_name)
+
+
+def _gemm_rs_fwd(x, w, axis_name):
+    return gemm_rs_impl(x, w, axis_name), (x, w)
+
+
+def _gemm_rs_bwd(axis_name, res, dy):
+    # y = RS(x @ w)  =>  dx = AG(dy) @ w^T (an AG+GEMM), dw = x^T @ AG(dy) reusing the gather.
+    from pk_jax.ops.ag_gemm import ag_gemm_impl
+
+    x, w = res
+    dx, dy_full = ag_gemm_impl(dy, w.T, axis_name, return_gathered=True)
+    dw = _mm.matmul_impl(x.T, dy_full)
+    return _vjp.fit(dx, x), _vjp.fit(dw, w)
+
+
+_gemm_rs.defvjp(_gemm_rs_fwd, _gemm_rs_bwd)

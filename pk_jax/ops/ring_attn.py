@@ -1,0 +1,186 @@
+"""ring_attention: softmax attention over a sequence sharded along a mesh axis, with K/V blocks
+passed around a ring (reference: a blockwise ring of `lax.ppermute` steps with an online
+softmax; never an all-gather of K/V).
+
+Shardings (per device, P = axis size, rank r): q, k, v, out: [B, S/P, H, D]; rank r holds
+sequence positions r*S/P ... (r+1)*S/P - 1.
+
+Schedule: P steps. At step t rank r holds the K/V block of rank j = (r - t) mod P, sends it on
+to rank r+1 while it folds it into its running softmax state, and receives the next block
+from rank r-1:
+
+    step    rank 0   rank 1   rank 2   rank 3      (block held, by owner)
+     0        0        1        2        3
+     1        3        0        1        2
+     2        2        3        0        1
+     3        1        2        3        0
+
+With causal=True, step 0 (the own block, j == r) is masked on the diagonal; at later steps
+j != r, and the block is either fully visible (j < r) or fully hidden and skipped (j > r), a
+lax.cond per rank.
+
+Backward (a custom VJP; the forward saves only out and the per-row log-sum-exp): the same
+ring once more. K/V travel as before and their gradient accumulators dK/dV travel right behind
+them, each rank adding its queries' contribution to the block it holds; after the P-th step
+one more send brings every dK/dV block home. dQ stays on its rank. Memory stays O(S/P).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pk_jax import _backend, _checks, _ffi
+from pk_jax.ops import _attention, _vjp
+
+STEM = "ring_attn"
+NAME = "ring_attention"  # the public name, used in error messages
+
+
+def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, *,
+                   causal: bool = False, scale: float | None = None) -> jax.Array:
+    """Attention of the local queries over the whole (sharded) sequence, by a ring of K/V.
+
+    Call inside `jax.shard_map` with q, k, v sharded alike along the sequence dimension over
+    `axis_name`. Each step holds the K/V block being used and the one arriving (S/P rows
+    each), so memory for K/V stays O(S/P); K/V are never all-gathered.
+
+    Args:
+        q: [B, S/P, H, D], this device's contiguous slice of the sequence; bf16, fp16 or fp32.
+        k: like q.
+        v: like q.
+        axis_name: the mesh axis the sequence is sharded over (an axis of the mesh given to
+            `pk.init`).
+        causal: mask keys at later global positions than the query.
+        scale: multiplies q . k before the softmax; default 1/sqrt(D).
+
+    Returns:
+        [B, S/P, H, D] in q's dtype: softmax(scale * q k^T) v over all S keys for the local
+        queries, computed with float32 statistics and accumulation.
+
+    Raises:
+        ValueError: `pk.init` not called, a bad axis, q/k/v not rank 4 or of different shapes,
+            a scale that is not positive.
+        TypeError: an unsupported or mismatched dtype, a non-bool causal, a non-number scale.
+    """
+    p = _checks.axis_size(NAME, axis_name)
+    _checks.attention_operands(NAME, q, k, v)
+    causal = _checks.is_bool(NAME, "causal", causal)
+    scale = (_attention.default_scale(q.shape[-1]) if scale is None
+             else _checks.positive_float(NAME, "scale", scale))
+    if _backend.use_kernel(STEM, axis_name):
+        return _cuda_ring_attn(q, k, v, axis_name, causal=causal, scale=scale, p=p)
+    return reference(q, k, v, axis_name, causal=causal, scale=scale, p=p)
+
+
+def _cuda_ring_attn(q, k, v, axis_name, **options):
+    # The fused kernel's FFI lowering (target pk_ring_attn) plugs in here. Unreachable until the
+    # extension registers pk_ring_attn, because _backend.use_kernel checks the target exists.
+    raise NotImplementedError("pk_jax: the CUDA ring_attn kernel is not wired yet.")
+
+
+def reference(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, *, causal: bool,
+              scale: float, p: int) -> jax.Array:
+    """The blockwise ring in `jax.lax`: P-1 ppermutes of K/V, an online softmax across steps,
+    and a ring-shaped custom VJP (module docstring)."""
+    return _ring_attention(q, k, v, axis_name, bool(causal), float(scale), int(p))
+
+
+def _ring(axis_name: str, p: int, visit, acc, blocks: tuple, travelling: tuple):
+    """Runs the P ring steps: `acc, travelling = visit(t, acc, blocks, travelling)` at step t.
+
+    `blocks` (K/V, read-only) go to rank+1 before each visit but the last, so the transfer can
+    overlap the math; `travelling` (per-block accumulators) go after every visit, the last
+    included, so after P steps they are back at the rank that owns the block.
+    """
+    if p == 1:
+        return visit(0, acc, blocks, travelling)
+    perm = [(i, (i + 1) % p) for i in range(p)]
+
+    def send(xs):
+        return tuple(lax.ppermute(x, axis_name, perm) for x in xs)
+
+    def one(t, acc, blocks, travelling, *, last):
+        following = () if last else send(blocks)
+        acc, travelling = visit(t, acc, blocks, travelling)
+        return acc, following, send(travelling)
+
+    acc, blocks, travelling = one(0, acc, blocks, travelling, last=False)
+    if p > 2:
+        def body(carry, t):
+            return one(t, *carry, last=False), None
+
+        (acc, blocks, travelling), _ = lax.scan(body, (acc, blocks, travelling),
+                                                jnp.arange(1, p - 1, dtype=jnp.int32))
+    acc, _, travelling = one(p - 1, acc, blocks, travelling, last=True)
+    return acc, travelling
+
+
+def _visit(causal: bool, t, owner, rank, fn, operands: tuple) -> tuple:
+    """`fn(masked, operands)` for the block of rank `owner` held at step t, or `operands`
+    unchanged when causal masking hides that whole block."""
+    if not causal:
+        return fn(False, operands)
+    if isinstance(t, int) and t == 0:
+        return fn(True, operands)  # the own, diagonal block
+    # Later steps hold another rank's block: all visible (owner < rank) or all hidden.
+    return lax.cond(owner < rank, functools.partial(fn, False), lambda ops: ops, operands)
+
+
+def _ring_fwd(q, k, v, axis_name, causal, scale, p):
+    rank = lax.axis_index(axis_name)
+    s_loc = q.shape[1]
+
+    def visit(t, state, blocks, travelling):
+        kb, vb = blocks
+        owner = (rank - t) % p
+
+        def fold(masked, ops):
+            return (_attention.blockwise(ops[0], q, kb, vb, scale=scale, causal=masked,
+                                         q_pos0=rank * s_loc, k_pos0=owner * s_loc),)
+
+        (state,) = _visit(causal, t, owner, rank, fold, (state,))
+        return state, travelling
+
+    state, _ = _ring(axis_name, p, visit, _attention.init_state(q, k, v), (k, v), ())
+    out = _attention.finalize(state, q.dtype)
+    return out, (q, k, v, out, _attention.log_sum_exp(state))
+
+
+def _ring_bwd(axis_name, causal, scale, p, res, do):
+    # The same ring again: K/V travel as in the forward pass, with their gradient accumulators
+    # (dk, dv) right behind them; dq stays home.
+    q, k, v, out, lse = res
+    rank = lax.axis_index(axis_name)
+    s_loc = q.shape[1]
+    do = do.astype(jnp.float32)
+    delta = jnp.sum(do * out.astype(jnp.float32), axis=-1)
+    axes = frozenset().union(*(_ffi.vma(x) for x in (q, k, v, do, lse)))
+    zeros = lambda x: _vjp.vary(jnp.zeros(x.shape, jnp.float32), axes)
+
+    def visit(t, dq, blocks, travelling):
+        kb, vb = blocks
+        owner = (rank - t) % p
+
+        def grads(masked, ops):
+            gq, gk, gv = _attention.blockwise_grads(
+                q, kb, vb, do, lse, delta, scale=scale, causal=masked, q_pos0=rank * s_loc,
+                k_pos0=owner * s_loc)
+            return ops[0] + gq, ops[1] + gk, ops[2] + gv
+
+        dq, dk, dv = _visit(causal, t, owner, rank, grads, (dq, *travelling))
+        return dq, (dk, dv)
+
+    dq, (dk, dv) = _ring(axis_name, p, visit, zeros(q), (k, v), (zeros(k), zeros(v)))
+    return tuple(_vjp.fit(g.astype(x.dtype), x) for g, x in ((dq, q), (dk, k), (dv, v)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _ring_attention(q, k, v, axis_name, causal, scale, p):
+    return _ring_fwd(q, k, v, axis_name, causal, scale, p)[0]
+
+
+_ring_attention.defvjp(_ring_fwd, _ring_bwd)

@@ -1,0 +1,87 @@
+"""The error record that kernels fill when a spin-wait times out, and `check()` to surface it.
+
+One record per process: int32[8] in pinned host memory mapped into every device
+(`cuMemHostAlloc` with DEVICEMAP|PORTABLE), so a kernel writes it with plain stores and the host
+reads it without a copy. Fields (ffi/comm.h, namespace comm_error):
+
+    0 code   0 ok, 1 timeout, 2 rank mismatch (the first error wins)
+    1 op     an id of OP_NAMES
+    2 rank   the rank that stopped waiting
+    3 peer   the peer it waited for (that never arrived)
+    4..7     op-specific detail (e.g. the signal slot and the value waited for)
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+OP_NAMES = {1: "all_reduce", 2: "all_gather", 3: "reduce_scatter", 4: "all_to_all",
+            5: "gemm_rs", 6: "ag_gemm", 7: "gemm_ar"}
+CODES = {0: "ok", 1: "timeout", 2: "rank mismatch"}
+RECORD_WORDS = 8
+RECORD_BYTES = 4 * RECORD_WORDS
+
+# Host address of the record, set by the runtime while communicators exist (0 otherwise).
+_host_ptr: int = 0
+_timeout_s: float = 0.0
+
+
+def _attach(host_ptr: int, timeout_s: float = 0.0) -> None:
+    """Points check() at a record (the runtime calls this; 0 detaches)."""
+    global _host_ptr, _timeout_s
+    _host_ptr, _timeout_s = int(host_ptr), float(timeout_s)
+
+
+def _words() -> ctypes.Array | None:
+    if not _host_ptr:
+        return None
+    return (ctypes.c_int32 * RECORD_WORDS).from_address(_host_ptr)
+
+
+def read() -> tuple[int, ...]:
+    """The record's eight words (all zero when no communicator exists)."""
+    words = _words()
+    return tuple(words) if words is not None else (0,) * RECORD_WORDS
+
+
+def describe(record: tuple[int, ...] | list[int]) -> str:
+    """A sentence naming the op, the rank and the peer of a non-zero record."""
+    code, op, rank, peer = (int(v) for v in record[:4])
+    op_name = OP_NAMES.get(op, f"op {op}")
+    detail = ", ".join(str(int(v)) for v in record[4:])
+    if code == 1:
+        waited = f" within {_timeout_s:g} s" if _timeout_s else ""
+        return (f"pk_jax: {op_name} timed out on rank {rank}: peer {peer} never arrived{waited} "
+                f"(detail {detail}). The peer's process may have died or never called the op; "
+                "raise pk.init(timeout_s=...) or PK_JAX_TIMEOUT_S if it is only slow.")
+    if code == 2:
+        return (f"pk_jax: {op_name} on rank {rank}: the rank operand does not match the "
+                f"communicator's rank (peer field {peer}, detail {detail}). The mesh passed to "
+                "the shard_map is not the one given to pk.init, or its device order differs.")
+    return (f"pk_jax: {op_name} failed on rank {rank} with error code {code} "
+            f"(peer {peer}, detail {detail}).")
+
+
+def check(*, reset: bool = False) -> None:
+    """Raises RuntimeError if a kernel has recorded an error since the last reset.
+
+    Args:
+        reset: clear the record after reading it (the error is still raised).
+
+    Raises:
+        RuntimeError: naming the op, the rank and the peer that never arrived.
+    """
+    record = read()
+    if record[0] == 0:
+        return
+    if reset:
+        clear()
+    raise RuntimeError(describe(record))
+
+
+def clear() -> None:
+    """Zeroes the record (after a reported error, before trying again)."""
+    words = _words()
+    if words is not None:
+        for i in range(RECORD_WORDS):
+            words[i] = 0

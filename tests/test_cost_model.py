@@ -1,0 +1,73 @@
+"""pk_jax.cost_model: the plan of the fused tensor-parallel GEMM ops (CPU only, no device)."""
+
+import pytest
+from util import product
+
+from pk_jax import cost_model as cm
+
+
+@pytest.mark.parametrize("op", cm.OPS)
+def test_p1_runs_local(op):
+    pl = cm.plan(op, 4096, 4096, 4096, 1)
+    assert pl.mode == "local" and pl.num_comm_sms == 0
+
+
+@pytest.mark.parametrize("op,n,p", product(cm.OPS, (4096, 16384), (2, 8)))
+def test_plan_is_the_fastest_prediction(op, n, p):
+    k = n if op == "ag_gemm" else n // p
+    pl = cm.plan(op, n, n, k, p)
+    assert pl.mode in ("fused", "serial")
+    for mode in ("fused", "serial"):
+        for c in (cm.COMM_SMS_CANDIDATES if op == "ag_gemm" and mode == "fused" else (0,)):
+            other = cm.predict(op, n, n, k, p, mode=mode, num_comm_sms=c)
+            assert pl.predicted_us <= other.predicted_us + 1e-9
+    if pl.mode == "fused" and op == "ag_gemm":
+        assert pl.num_comm_sms in cm.COMM_SMS_CANDIDATES
+
+
+def test_terms_add_up():
+    pl = cm.predict("gemm_rs", 8192, 8192, 1024, 8, mode="fused")
+    t = pl.terms
+    want = (t["launch"] + max(t["comp"], t["mem"], t["comm"]) + t["non_overlap"] + t["sync"])
+    assert pl.predicted_us == pytest.approx(want)
+
+
+def test_large_k_prefers_fused_gemm_rs():
+    # K well above the overlap bound: the GEMM hides the pushes.
+    assert cm.plan("gemm_rs", 16384, 16384, 16384 // 8, 8).mode == "fused"
+
+
+def test_override_context_and_nesting():
+    with cm.override(mode="serial"):
+        assert cm.plan("gemm_rs", 16384, 16384, 2048, 8).mode == "serial"
+        with cm.override(num_comm_sms=20):
+            pl = cm.plan("ag_gemm", 16384, 16384, 16384, 8)
+            assert pl.mode == "serial"
+        with cm.override(mode="fused", num_comm_sms=20):
+            pl = cm.plan("ag_gemm", 16384, 16384, 16384, 8)
+            assert (pl.mode, pl.num_comm_sms) == ("fused", 20)
+    with cm.override(mode="fused"):
+        assert cm.plan("gemm_ar", 256, 256, 64, 1).mode == "fused"
+    assert cm.plan("gemm_ar", 256, 256, 64, 1).mode == "local"
+
+
+def test_override_env(monkeypatch):
+    monkeypatch.setenv("PK_JAX_TP_MODE", "serial")
+    assert cm.plan("gemm_rs", 16384, 16384, 2048, 8).mode == "serial"
+    monkeypatch.setenv("PK_JAX_TP_MODE", "fused")
+    monkeypatch.setenv("PK_JAX_TP_COMM_SMS", "6")
+    pl = cm.plan("ag_gemm", 4096, 4096, 4096, 8)
+    assert (pl.mode, pl.num_comm_sms) == ("fused", 6)
+
+
+@pytest.mark.parametrize("kw,match", [({"mode": "fast"}, "mode='fast' is not one of"),
+                                      ({"num_comm_sms": 0}, "must be an int in 1..128"),
+                                      ({"num_comm_sms": 200}, "must be an int in 1..128")])
+def test_override_errors(kw, match):
+    with pytest.raises(ValueError, match=match), cm.override(**kw):
+        pass
+
+
+def test_gpu_constants():
+    assert cm.gpu_for("NVIDIA H200") is cm.H200
+    assert cm.gpu_for("NVIDIA H100 80GB HBM3") is cm.H100

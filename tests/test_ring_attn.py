@@ -1,0 +1,257 @@
+"""pk.ring_attention on host devices against dense softmax attention over the whole sequence:
+P in {1,2,3,4,8}, causal or not, every dtype, odd local lengths, B > 1, a 2-D mesh, blocks of
+keys smaller than the local length, gradients, and the error messages."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.test_util import check_grads
+from util import FLOAT_DTYPES, WORLD_SIZES, P, assert_close, cpu_mesh, product, run, vjp_both
+
+import pk_jax as pk
+from pk_jax.ops import _attention
+
+SEQ = P(None, "sp")
+
+
+def dense(q, k, v, *, causal, scale=None):
+    """Softmax attention over the full sequence in float64 numpy, [B, S, H, D]."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
+    s = np.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if causal:
+        s = np.where(np.tril(np.ones(s.shape[-2:], bool)), s, -np.inf)
+    e = np.exp(s - s.max(axis=-1, keepdims=True))
+    return np.einsum("bhqk,bkhd->bqhd", e / e.sum(axis=-1, keepdims=True), v)
+
+
+@functools.partial(jax.jit, static_argnames="causal")
+def dense_grads(q, k, v, w, *, causal):
+    """d/d(q, k, v) of sum(dense attention * w), float32 jnp on the full sequence."""
+    def loss(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision="highest") / np.sqrt(q.shape[-1])
+        if causal:
+            s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -jnp.inf)
+        o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v, precision="highest")
+        return jnp.sum(o * w)
+    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+
+def normal(shape, dtype, seed):
+    # numpy, not jax.random: no eager compilation for every new shape.
+    return np.random.default_rng(seed).standard_normal(shape, np.float32).astype(dtype)
+
+
+def qkv(shape, dtype, seed=0):
+    return [normal(shape, dtype, seed + i) for i in range(3)]
+
+
+def ring(mesh, q, k, v, spec=SEQ, **kw):
+    return run(lambda a, b, c: pk.ring_attention(a, b, c, "sp", **kw), mesh, (spec,) * 3, spec,
+               q, k, v)
+
+
+@pytest.mark.parametrize("p,causal", product(WORLD_SIZES, (False, True)))
+def test_matches_dense(p, causal):
+    q, k, v = qkv((2, 5 * p, 3, 4), jnp.float32)  # odd S/P = 5, B = 2, odd H
+    out = ring(cpu_mesh((p,), ("sp",)), q, k, v, causal=causal)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert_close(out, dense(q, k, v, causal=causal))
+
+
+@pytest.mark.parametrize("dtype,causal", product((jnp.bfloat16, jnp.float16), (False, True)))
+def test_dtypes(dtype, causal):
+    q, k, v = qkv((1, 4 * 7, 2, 8), dtype)
+    out = ring(cpu_mesh((4,), ("sp",)), q, k, v, causal=causal)
+    assert out.dtype == dtype
+    assert_close(out, dense(q, k, v, causal=causal), dtype)
+
+
+@pytest.mark.parametrize("p,causal", product((1, 3), (False, True)))
+def test_tiles_smaller_than_the_shard(monkeypatch, p, causal):
+    # S/P = 7 rows in query tiles of 4 and key blocks of 3, the last of each padded, at every
+    # ring step (and causally hidden blocks skipped on the diagonal).
+    monkeypatch.setattr(_attention, "QUERY_BLOCK", 4)
+    monkeypatch.setattr(_attention, "KEY_BLOCK", 3)
+    q, k, v = qkv((2, 7 * p, 2, 4), jnp.float32)
+    assert_close(ring(cpu_mesh((p,), ("sp",)), q, k, v, causal=causal),
+                 dense(q, k, v, causal=causal))
+
+
+@pytest.mark.parametrize("causal", (False, True))
+def test_2d_mesh_dp_sp(causal):
+    mesh = cpu_mesh((2, 4), ("dp", "sp"))
+    q, k, v = qkv((4, 4 * 5, 2, 4), jnp.float32)
+    out = ring(mesh, q, k, v, spec=P("dp", "sp"), causal=causal)
+    assert_close(out, dense(q, k, v, causal=causal))
+
+
+@pytest.mark.parametrize("explicit,check_vma", [(False, True), (True, False)])
+def test_auto_mesh_and_check_vma_off(explicit, check_vma):
+    mesh = cpu_mesh((4,), ("sp",), explicit=explicit)
+    q, k, v = qkv((1, 4 * 3, 2, 4), jnp.float32)
+    out = run(lambda a, b, c: pk.ring_attention(a, b, c, "sp", causal=True), mesh, (SEQ,) * 3,
+              SEQ, q, k, v, check_vma=check_vma)
+    assert_close(out, dense(q, k, v, causal=True))
+
+
+def test_scale():
+    q, k, v = qkv((1, 2 * 3, 2, 4), jnp.float32)
+    out = ring(cpu_mesh((2,), ("sp",)), q, k, v, causal=True, scale=0.3)
+    assert_close(out, dense(q, k, v, causal=True, scale=0.3))
+
+
+def test_ring_of_ppermutes_never_gathers_kv():
+    mesh = cpu_mesh((4,), ("sp",))
+    pk.init(mesh)
+    q, k, v = (jax.device_put(x, NamedSharding(mesh, SEQ)) for x in qkv((1, 8, 2, 4),
+                                                                        jnp.float32))
+    f = jax.shard_map(lambda a, b, c: pk.ring_attention(a, b, c, "sp", causal=True), mesh=mesh,
+                      in_specs=(SEQ,) * 3, out_specs=SEQ)
+    text = str(jax.make_jaxpr(f)(q, k, v))
+    assert "ppermute" in text
+    assert "all_gather" not in text and "all_to_all" not in text and "psum" not in text
+
+
+def test_core_fully_masked_block_is_a_no_op():
+    q, k, v = qkv((1, 3, 2, 4), np.float32)
+
+    def f(q, k, v):
+        st = _attention.init_state(q)
+        # Keys at positions 10.. come after every query (0..2): the whole block is masked.
+        st = _attention.blockwise(st, q, k, v, scale=0.5, causal=True, k_pos0=10)
+        hidden = _attention.finalize(st, q.dtype)
+        st = _attention.blockwise(st, q, k, v, scale=0.5, causal=True)
+        return hidden, _attention.finalize(st, q.dtype)
+
+    hidden, out = jax.jit(f)(q, k, v)
+    np.testing.assert_array_equal(np.asarray(hidden), 0)
+    assert_close(out, dense(q, k, v, causal=True, scale=0.5))
+    grads = jax.jit(jax.grad(lambda *x: jnp.sum(f(*x)[1]), argnums=(0, 1, 2)))(q, k, v)
+    assert all(np.all(np.isfinite(np.asarray(g))) for g in grads)
+
+
+def _sharded(mesh, fn, spec, **kw):
+    f = jax.shard_map(lambda a, b, c: fn(a, b, c, "sp", **kw), mesh=mesh, in_specs=(spec,) * 3,
+                      out_specs=spec)
+    return jax.jit(lambda *xs: f(*(jax.device_put(x, NamedSharding(mesh, spec)) for x in xs)))
+
+
+@pytest.mark.parametrize("p,causal,explicit", [
+    (3, True, True), (4, False, False), pytest.param(8, True, True, marks=pytest.mark.large)])
+def test_grad_matches_dense(monkeypatch, p, causal, explicit):
+    # S/P = 5: scans over padded tiles of 3 queries by 4 keys.
+    monkeypatch.setattr(_attention, "QUERY_BLOCK", 3)
+    monkeypatch.setattr(_attention, "KEY_BLOCK", 4)
+    mesh = cpu_mesh((p,), ("sp",), explicit=explicit)
+    pk.init(mesh)
+    q, k, v = qkv((2, 5 * p, 2, 4), jnp.float32)
+    w = normal(q.shape, np.float32, 9)
+    f = _sharded(mesh, pk.ring_attention, SEQ, causal=causal)
+    got = jax.jit(jax.grad(lambda *x: jnp.sum(f(*x) * w), argnums=(0, 1, 2)))(q, k, v)
+    want = dense_grads(q, k, v, w, causal=causal)
+    for g, h in zip(got, want):
+        assert np.all(np.isfinite(np.asarray(g)))
+        np.testing.assert_allclose(np.asarray(g), np.asarray(h), rtol=1e-4, atol=1e-5)
+
+
+def dense_in_shard_map(axis, causal):
+    """Dense attention inside shard_map: all-gather q, k, v along `axis`, keep own rows."""
+    def f(q, k, v):
+        qa, ka, va = (jax.lax.all_gather(x, axis, axis=1, tiled=True) for x in (q, k, v))
+        s = jnp.einsum("bqhd,bkhd->bhqk", qa, ka, precision="highest") / np.sqrt(q.shape[-1])
+        if causal:
+            s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -jnp.inf)
+        o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), va, precision="highest")
+        n = q.shape[1]
+        return jax.lax.dynamic_slice_in_dim(o, jax.lax.axis_index(axis) * n, n, axis=1)
+    return f
+
+
+@pytest.mark.parametrize("dtype", (jnp.bfloat16,))
+def test_grad_low_precision(dtype):
+    mesh = cpu_mesh((2,), ("sp",))
+    pk.init(mesh)
+    q, k, v = qkv((1, 2 * 4, 2, 8), dtype)
+    w = normal(q.shape, np.float32, 9)
+    f = _sharded(mesh, pk.ring_attention, SEQ, causal=True)
+    got = jax.jit(jax.grad(lambda *x: jnp.sum(f(*x).astype(jnp.float32) * w),
+                           argnums=(0, 1, 2)))(q, k, v)
+    want = dense_grads(*(x.astype(np.float32) for x in (q, k, v)), w, causal=True)
+    for g, h in zip(got, want):
+        assert g.dtype == dtype
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(h), rtol=5e-2,
+                                   atol=5e-2)
+
+
+@pytest.mark.parametrize("check_vma", (True, False))
+def test_vjp_typing_on_2d_mesh_with_q_replicated_over_dp(check_vma):
+    # q is shared by the dp replicas while k, v differ: dq must be summed over dp, and every
+    # cotangent must vary exactly like its primal (checked inside vjp_both).
+    mesh = cpu_mesh((2, 4), ("dp", "sp"))
+    q = normal((2, 4 * 3, 2, 4), np.float32, 0)
+    k, v, dy = (normal((4, 4 * 3, 2, 4), np.float32, i) for i in (1, 2, 3))
+    ours, ref = vjp_both(lambda *x: pk.ring_attention(*x, "sp", causal=True),
+                         dense_in_shard_map("sp", True), mesh,
+                         (P(None, "sp"), P("dp", "sp"), P("dp", "sp")), P("dp", "sp"),
+                         (q, k, v), dy, check_vma=check_vma)
+    for a, b in zip(ours, ref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+def test_check_grads():
+    mesh = cpu_mesh((3,), ("sp",))
+    pk.init(mesh)
+    f = _sharded(mesh, pk.ring_attention, SEQ, causal=True)
+    check_grads(f, qkv((1, 3 * 2, 2, 4), jnp.float32), order=1, modes=["rev"], eps=1e-3,
+                atol=1e-2, rtol=1e-2)
+
+
+BAD = [  # (q shape, k shape, v shape, dtype of v, options, error, message)
+    ((4, 2, 8), (4, 2, 8), (4, 2, 8), None, {}, ValueError, "q must have rank 4"),
+    ((1, 4, 2, 8), (1, 4, 2, 4), (1, 4, 2, 8), None, {}, ValueError,
+     "q and k must have the same shape"),
+    ((1, 4, 2, 8),) * 3 + (jnp.float16, {}, TypeError, "q and v must have the same dtype"),
+    ((1, 4, 2, 8),) * 3 + (None, {"causal": "yes"}, TypeError, "causal must be a Python bool"),
+    ((1, 4, 2, 8),) * 3 + (None, {"scale": -1.0}, ValueError, "scale must be a finite positive"),
+    ((1, 4, 2, 8),) * 3 + (None, {"scale": 0.0}, ValueError, "scale must be a finite positive"),
+    ((1, 4, 2, 8),) * 3 + (None, {"scale": jnp.float32(0.5)}, TypeError, "static, not a jax"),
+]
+
+
+@pytest.mark.parametrize("qs,ks,vs,vdtype,kw,err,msg", BAD)
+def test_errors(qs, ks, vs, vdtype, kw, err, msg):
+    mesh = cpu_mesh((2,), ("sp",))
+    q, k = np.zeros(qs, np.float32), np.zeros(ks, np.float32)
+    v = np.zeros(vs, vdtype or np.float32)
+    with pytest.raises(err, match=msg):
+        run(lambda a, b, c: pk.ring_attention(a, b, c, "sp", **kw), mesh, (P(),) * 3, P(),
+            q, k, v)
+
+
+def test_errors_dtype_axis_and_init():
+    mesh = cpu_mesh((2,), ("sp",))
+    x = np.zeros((1, 4, 2, 8), np.int32)
+    with pytest.raises(TypeError, match="ring_attention: q has dtype int32; supported"):
+        run(lambda a, b, c: pk.ring_attention(a, b, c, "sp"), mesh, (P(),) * 3, P(), x, x, x)
+    x = x.astype(jnp.float32)
+    with pytest.raises(ValueError, match="axis_name='tp' is not an axis"):
+        run(lambda a, b, c: pk.ring_attention(a, b, c, "tp"), mesh, (P(),) * 3, P(), x, x, x)
+    pk.shutdown()
+    with pytest.raises(ValueError, match=r"pk.init\(mesh\) has not been called"):
+        run(lambda a, b, c: pk.ring_attention(a, b, c, "sp"), mesh, (P(),) * 3, P(), x, x, x,
+            init=False)
+
+
+@pytest.mark.large
+@pytest.mark.parametrize("dtype,causal", product(FLOAT_DTYPES, (False, True)))
+def test_large(monkeypatch, dtype, causal):
+    monkeypatch.setattr(_attention, "QUERY_BLOCK", 32)
+    monkeypatch.setattr(_attention, "KEY_BLOCK", 24)
+    q, k, v = qkv((2, 8 * 61, 4, 32), dtype)
+    out = ring(cpu_mesh((8,), ("sp",)), q, k, v, causal=causal)
+    assert_close(out, dense(q, k, v, causal=causal), dtype)

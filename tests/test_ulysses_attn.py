@@ -1,0 +1,180 @@
+"""pk.ulysses_attention on host devices against dense softmax attention over the whole
+sequence: P in {1,2,3,4,8} with H divisible by P, causal or not, every dtype, odd local lengths,
+B > 1, a 2-D mesh, key blocks shorter than the sequence, gradients, and the error messages."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.test_util import check_grads
+from test_ring_attn import (  # the shared references
+    _sharded,
+    dense,
+    dense_grads,
+    dense_in_shard_map,
+    normal,
+    qkv,
+)
+from util import FLOAT_DTYPES, WORLD_SIZES, P, assert_close, cpu_mesh, product, run, vjp_both
+
+import pk_jax as pk
+from pk_jax.ops import _attention
+
+SEQ = P(None, "sp")
+
+
+def ulysses(mesh, q, k, v, spec=SEQ, **kw):
+    return run(lambda a, b, c: pk.ulysses_attention(a, b, c, "sp", **kw), mesh, (spec,) * 3,
+               spec, q, k, v)
+
+
+@pytest.mark.parametrize("p,causal", product(WORLD_SIZES, (False, True)))
+def test_matches_dense(p, causal):
+    q, k, v = qkv((2, 5 * p, 2 * p, 4), jnp.float32)  # odd S/P = 5, B = 2, H = 2P
+    out = ulysses(cpu_mesh((p,), ("sp",)), q, k, v, causal=causal)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert_close(out, dense(q, k, v, causal=causal))
+
+
+@pytest.mark.parametrize("dtype,causal", product((jnp.bfloat16, jnp.float16), (False, True)))
+def test_dtypes(dtype, causal):
+    q, k, v = qkv((1, 4 * 7, 4, 8), dtype)
+    out = ulysses(cpu_mesh((4,), ("sp",)), q, k, v, causal=causal)
+    assert out.dtype == dtype
+    assert_close(out, dense(q, k, v, causal=causal), dtype)
+
+
+@pytest.mark.parametrize("p,causal", product((1, 3), (False, True)))
+def test_tiles_shorter_than_the_sequence(monkeypatch, p, causal):
+    # S = 7P in query tiles of 5 and key blocks of 4, the last of each padded; causally hidden
+    # blocks skipped.
+    monkeypatch.setattr(_attention, "QUERY_BLOCK", 5)
+    monkeypatch.setattr(_attention, "KEY_BLOCK", 4)
+    q, k, v = qkv((2, 7 * p, p, 4), jnp.float32)
+    assert_close(ulysses(cpu_mesh((p,), ("sp",)), q, k, v, causal=causal),
+                 dense(q, k, v, causal=causal))
+
+
+@pytest.mark.parametrize("causal", (False, True))
+def test_2d_mesh_dp_sp(causal):
+    mesh = cpu_mesh((2, 4), ("dp", "sp"))
+    q, k, v = qkv((4, 4 * 5, 4, 4), jnp.float32)
+    out = ulysses(mesh, q, k, v, spec=P("dp", "sp"), causal=causal)
+    assert_close(out, dense(q, k, v, causal=causal))
+
+
+@pytest.mark.parametrize("explicit,check_vma", [(False, True), (True, False)])
+def test_auto_mesh_and_check_vma_off(explicit, check_vma):
+    mesh = cpu_mesh((2,), ("sp",), explicit=explicit)
+    q, k, v = qkv((1, 2 * 3, 2, 4), jnp.float32)
+    out = run(lambda a, b, c: pk.ulysses_attention(a, b, c, "sp", causal=True), mesh,
+              (SEQ,) * 3, SEQ, q, k, v, check_vma=check_vma)
+    assert_close(out, dense(q, k, v, causal=True))
+
+
+def test_scale():
+    q, k, v = qkv((1, 2 * 3, 2, 4), jnp.float32)
+    out = ulysses(cpu_mesh((2,), ("sp",)), q, k, v, causal=False, scale=2.5)
+    assert_close(out, dense(q, k, v, causal=False, scale=2.5))
+
+
+def test_all_to_all_around_local_attention():
+    mesh = cpu_mesh((4,), ("sp",))
+    pk.init(mesh)
+    q, k, v = (jax.device_put(x, NamedSharding(mesh, SEQ)) for x in qkv((1, 8, 4, 4),
+                                                                        np.float32))
+    f = jax.shard_map(lambda a, b, c: pk.ulysses_attention(a, b, c, "sp"), mesh=mesh,
+                      in_specs=(SEQ,) * 3, out_specs=SEQ)
+    text = str(jax.make_jaxpr(f)(q, k, v))
+    assert text.count("all_to_all") == 4  # q, k, v in; the output back
+    assert "all_gather" not in text and "ppermute" not in text
+
+
+@pytest.mark.parametrize("p,causal,explicit", [
+    (2, True, True), (4, False, False), pytest.param(8, True, True, marks=pytest.mark.large)])
+def test_grad_matches_dense(monkeypatch, p, causal, explicit):
+    # S = 5P: scans over padded tiles of 3 queries by 4 keys.
+    monkeypatch.setattr(_attention, "QUERY_BLOCK", 3)
+    monkeypatch.setattr(_attention, "KEY_BLOCK", 4)
+    mesh = cpu_mesh((p,), ("sp",), explicit=explicit)
+    pk.init(mesh)
+    q, k, v = qkv((2, 5 * p, p, 4), jnp.float32)
+    w = normal(q.shape, np.float32, 9)
+    f = _sharded(mesh, pk.ulysses_attention, SEQ, causal=causal)
+    got = jax.jit(jax.grad(lambda *x: jnp.sum(f(*x) * w), argnums=(0, 1, 2)))(q, k, v)
+    want = dense_grads(q, k, v, w, causal=causal)
+    for g, h in zip(got, want):
+        assert np.all(np.isfinite(np.asarray(g)))
+        np.testing.assert_allclose(np.asarray(g), np.asarray(h), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("check_vma", (True,))
+def test_vjp_typing_on_2d_mesh_with_q_replicated_over_dp(check_vma):
+    mesh = cpu_mesh((2, 2), ("dp", "sp"))
+    q = normal((2, 2 * 3, 4, 4), np.float32, 0)
+    k, v, dy = (normal((4, 2 * 3, 4, 4), np.float32, i) for i in (1, 2, 3))
+    ours, ref = vjp_both(lambda *x: pk.ulysses_attention(*x, "sp", causal=True),
+                         dense_in_shard_map("sp", True), mesh,
+                         (P(None, "sp"), P("dp", "sp"), P("dp", "sp")), P("dp", "sp"),
+                         (q, k, v), dy, check_vma=check_vma)
+    for a, b in zip(ours, ref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+def test_check_grads():
+    mesh = cpu_mesh((2,), ("sp",))
+    pk.init(mesh)
+    f = _sharded(mesh, pk.ulysses_attention, SEQ, causal=True)
+    check_grads(f, qkv((1, 2 * 3, 2, 4), np.float32), order=1, modes=["rev"], eps=1e-3,
+                atol=1e-2, rtol=1e-2)
+
+
+BAD = [  # (q shape, k shape, v shape, dtype of v, options, error, message)
+    ((4, 2, 8), (4, 2, 8), (4, 2, 8), None, {}, ValueError, "q must have rank 4"),
+    ((1, 4, 2, 8), (1, 4, 2, 8), (1, 4, 2, 4), None, {}, ValueError,
+     "q and v must have the same shape"),
+    ((1, 4, 2, 8),) * 3 + (jnp.bfloat16, {}, TypeError, "q and v must have the same dtype"),
+    ((1, 4, 3, 8),) * 3 + (None, {}, ValueError,
+                           r"heads H \(q.shape\[2\]\) = 3 is not divisible by 2"),
+    ((1, 4, 2, 8),) * 3 + (None, {"causal": 1}, TypeError, "causal must be a Python bool"),
+    ((1, 4, 2, 8),) * 3 + (None, {"scale": float("nan")}, ValueError,
+                           "scale must be a finite positive"),
+    ((1, 4, 2, 8),) * 3 + (None, {"scale": "0.5"}, TypeError, "scale must be a positive"),
+]
+
+
+@pytest.mark.parametrize("qs,ks,vs,vdtype,kw,err,msg", BAD)
+def test_errors(qs, ks, vs, vdtype, kw, err, msg):
+    mesh = cpu_mesh((2,), ("sp",))
+    q, k = np.zeros(qs, np.float32), np.zeros(ks, np.float32)
+    v = np.zeros(vs, vdtype or np.float32)
+    with pytest.raises(err, match="pk.ulysses_attention: .*" + msg):
+        run(lambda a, b, c: pk.ulysses_attention(a, b, c, "sp", **kw), mesh, (P(),) * 3, P(),
+            q, k, v)
+
+
+def test_errors_dtype_axis_and_init():
+    mesh = cpu_mesh((2,), ("sp",))
+    x = np.zeros((1, 4, 2, 8), np.int32)
+    with pytest.raises(TypeError, match="ulysses_attention: q has dtype int32; supported"):
+        run(lambda a, b, c: pk.ulysses_attention(a, b, c, "sp"), mesh, (P(),) * 3, P(),
+            x, x, x)
+    x = x.astype(np.float32)
+    with pytest.raises(ValueError, match="axis_name='tp' is not an axis"):
+        run(lambda a, b, c: pk.ulysses_attention(a, b, c, "tp"), mesh, (P(),) * 3, P(),
+            x, x, x)
+    pk.shutdown()
+    with pytest.raises(ValueError, match=r"pk.init\(mesh\) has not been called"):
+        run(lambda a, b, c: pk.ulysses_attention(a, b, c, "sp"), mesh, (P(),) * 3, P(),
+            x, x, x, init=False)
+
+
+@pytest.mark.large
+@pytest.mark.parametrize("dtype,causal", product(FLOAT_DTYPES, (False, True)))
+def test_large(monkeypatch, dtype, causal):
+    monkeypatch.setattr(_attention, "QUERY_BLOCK", 48)
+    monkeypatch.setattr(_attention, "KEY_BLOCK", 64)
+    q, k, v = qkv((2, 8 * 61, 8, 32), dtype)
+    out = ulysses(cpu_mesh((8,), ("sp",)), q, k, v, causal=causal)
+    assert_close(out, dense(q, k, v, causal=causal), dtype)
