@@ -31,7 +31,6 @@
  */
 #pragma once
 
-#include <atomic>
 
 #include "pk/common.cuh"
 #include "pk/mbarrier.cuh"
@@ -172,21 +171,22 @@ constexpr size_t smem_bytes() {
 /**
  * @brief Launches K on `stream`: min(num_sms - comm_blocks, tiles) compute blocks plus
  * `comm_blocks` communication blocks, one block per SM, all resident.
- * @param device the CUDA device ordinal (the smem opt-in is set once per device).
+ * @param device the CUDA device ordinal (unused; kept for the callers' signature).
+ *
+ * NOTES: the shared-memory opt-in is set before every launch, not cached. Without relocatable
+ * device code every .cu file that instantiates kernel<K> gets its own copy of the kernel, while
+ * a static "already set" flag in this inline template would be shared by all of them: a second
+ * file's copy then launched without the opt-in (cudaErrorInvalidValue, seen on the H200).
  */
 template <class K>
 inline cudaError_t launch(const typename K::globals& g, cudaStream_t stream, int device,
                           int num_sms, int comm_blocks, int tiles) {
-  static std::atomic<uint64_t> configured{0};
+  (void)device;
   constexpr size_t SMEM = smem_bytes<K>();
   static_assert(SMEM <= 232448, "lcsc: shared memory over the sm_90 limit of 227 KiB");
-  const uint64_t bit = uint64_t(1) << (device & 63);
-  if (!(configured.load(std::memory_order_acquire) & bit)) {
-    cudaError_t err = cudaFuncSetAttribute(kernel<K>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(SMEM));
-    if (err != cudaSuccess) return err;
-    configured.fetch_or(bit, std::memory_order_acq_rel);
-  }
+  cudaError_t err = cudaFuncSetAttribute(kernel<K>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(SMEM));
+  if (err != cudaSuccess) return err;
   if (comm_blocks < 0 || comm_blocks >= num_sms) return cudaErrorInvalidValue;
   int compute = num_sms - comm_blocks;
   if (tiles < compute) compute = tiles > 0 ? tiles : 1;
