@@ -107,7 +107,9 @@ def _validate(mode, num_comm_sms, where: str) -> None:
         raise ValueError(f"{where}: num_comm_sms={num_comm_sms!r} must be an int in 1..128.")
 
 
-def _overrides() -> tuple[str | None, int | None]:
+def overrides() -> tuple[str | None, int | None]:
+    """The forced (mode, num_comm_sms) in effect here: the innermost override, else the
+    environment; None where nothing is forced."""
     mode = os.environ.get("PK_JAX_TP_MODE", "").strip().lower() or None
     sms = os.environ.get("PK_JAX_TP_COMM_SMS", "").strip()
     sms = int(sms) if sms else None
@@ -191,7 +193,7 @@ def plan(op: str, m: int, n: int, k: int, p: int, *, itemsize: int = 2,
     Returns:
         A Plan: mode, num_comm_sms, predicted microseconds and the terms.
     """
-    mode, sms = _overrides()
+    mode, sms = overrides()
     if mode == "local" and p != 1:
         mode = None  # "local" exists only at P = 1; a forced local means "auto" elsewhere
     if mode is None:
