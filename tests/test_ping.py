@@ -25,6 +25,6 @@ def test_ping_cuda_handler_in_jit_shard_map():
     gpu = jax.devices("gpu")[:1]
     mesh = jax.make_mesh((1,), ("tp",), devices=gpu)
     x = jax.random.normal(jax.random.key(0), (1000, 3), jnp.float32)
-    for _ in range(2):
-        y = run(lambda a: ping(a, "tp"), mesh, (P(),), P(), x)
+    for _ in range(2):  # the output varies along "tp" (it holds the rank)
+        y = run(lambda a: ping(a, "tp"), mesh, (P("tp"),), P("tp"), x)
         np.testing.assert_array_equal(np.asarray(y), np.asarray(x))

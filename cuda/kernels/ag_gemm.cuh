@@ -64,8 +64,7 @@ struct kernel_def : matmul::kernel_def<C> {
     return lo >= first && hi <= first + g.rows_per_rank;
   }
   __device__ static tile_coord place(const globals& g, tile_coord t) {
-    const int tiles_m = ceil_div(g.m, BM);
-    t.m = (t.m + ceil_div(g.c.rank * g.rows_per_rank, BM)) % tiles_m;
+    t.m = (t.m + ceil_div(g.c.rank * g.rows_per_rank, BM)) % ceil_div(g.m, BM);
     return t;
   }
   __device__ static void setup(const globals& g, lcsc::block_info) {

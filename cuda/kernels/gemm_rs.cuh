@@ -81,7 +81,10 @@ struct kernel_def : matmul::kernel_def<C> {
                                 int k) {
     t = place(g, t);
     const int o = t.m / g.tiles_per_owner, i = t.m % g.tiles_per_owner;
-    tma::load_2d(s.a.data, &g.x, full, k * BK, o * g.rows_per_owner + i * BM);
+    // gemm_ar: an owner whose rows all lie past M loads row M - 1 instead of a box wholly out
+    // of bounds; its buffer rows are never gathered.
+    const int row = o * g.rows_per_owner + i * BM;
+    tma::load_2d(s.a.data, &g.x, full, k * BK, row < g.m ? row : g.m - 1);
 #pragma unroll
     for (int p = 0; p < base::b_tile::PANELS; ++p) {
       tma::load_2d(s.b.panel(p), &g.w, full, t.n * BN + p * 64, k * BK);

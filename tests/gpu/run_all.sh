@@ -1,46 +1,88 @@
 #!/usr/bin/env bash
-# Every GPU test, on the H200 machine: tests/gpu/run_all.sh [section ...] (default: all).
+# Every GPU test and benchmark, on the H200 machine: tests/gpu/run_all.sh [section ...]
+# Sections: install unit runtime collectives tp examples bench (default: all but bench).
 # Prints one PASSED/FAILED line per step and a summary; exits non-zero if any step failed.
+# Each pytest step is its own process: a kernel that times out traps, and a trapped CUDA
+# context is unusable for the rest of that process.
 set -u
 cd "$(dirname "$0")/../.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 PY=${PYTHON:-python3}
+LIMIT=${PK_JAX_STEP_TIMEOUT:-300}
+SIZES=${PK_JAX_MP_SIZES:-2 4 8}  # process counts for the multi-process steps
 failed=()
 passed=0
 
 step() {
   echo "=== $*"
-  if "$@"; then passed=$((passed + 1)); echo "PASSED: $*"; else failed+=("$*"); echo "FAILED: $*"; fi
+  if timeout "$LIMIT" "$@"; then passed=$((passed + 1)); echo "PASSED: $*"
+  else failed+=("$*"); echo "FAILED: $*"; fi
+}
+
+# The package imports with its extension, outside the source tree, on a Hopper GPU.
+section_install() {
+  step bash -c "cd / && $PY -c 'import jax, pk_jax; assert pk_jax.HAS_CUDA, pk_jax._ffi.IMPORT_ERROR;
+print(pk_jax.__file__, jax.devices()[0].device_kind)'"
+}
+
+# P = 1 kernels in one process: the FFI wiring, the runtime's VMM paths, the GEMM engine.
+section_unit() {
+  step "$PY" -m pytest -q -p no:cacheprovider -m "gpu and not large" tests/test_ping.py \
+    tests/test_runtime.py tests/test_api.py
+  step "$PY" -m pytest -q -p no:cacheprovider -m "gpu and not large" tests/test_matmul.py
+}
+
+# Symmetric memory across 2, 4 and 8 processes sharing the GPU (FD exchange, peer mappings).
+section_runtime() {
+  for n in $SIZES; do
+    step "$PY" -m pk_jax.launch -n "$n" --share-gpu --timeout 200 tests/gpu/test_runtime_mp.py
+  done
 }
 
 # Collectives (issue 3): P = 1 in one process, P = 2, 4, 8 processes sharing the GPU, and a
-# rank that dies before the call (the others must fail with the timeout error, not hang).
+# rank that dies (the others must fail with the timeout error, not hang).
 section_collectives() {
-  step "$PY" -m pytest -q -m gpu tests/test_all_reduce.py tests/test_all_gather.py \
-    tests/test_reduce_scatter.py tests/test_all_to_all.py
-  for n in 2 4 8; do
-    step "$PY" -m pk_jax.launch -n "$n" --share-gpu --timeout 400 \
+  step "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_all_reduce.py \
+    tests/test_all_gather.py tests/test_reduce_scatter.py tests/test_all_to_all.py
+  for n in $SIZES; do
+    step "$PY" -m pk_jax.launch -n "$n" --share-gpu --timeout 250 \
       tests/gpu/test_collectives_mp.py main
   done
-  for n in 2 4; do
+  for n in ${SIZES%% *}; do
     PK_JAX_TIMEOUT_S=5 step "$PY" -m pk_jax.launch -n "$n" --share-gpu --timeout 120 \
       tests/gpu/test_collectives_mp.py dead
   done
 }
 
-# Fused tensor-parallel GEMMs (issue 5): P = 1 in one process (every mode), then P = 2, 4, 8
+# Fused tensor-parallel GEMMs (issue 5): P = 1 in one process per op, then P = 2, 4, 8
 # processes sharing the GPU (tests/gpu/tp_mp.py: exact integer cases, stragglers, repeats).
 section_tp() {
-  step "$PY" -m pytest -q -m "gpu and not large" tests/test_gemm_rs.py tests/test_ag_gemm.py \
-    tests/test_gemm_ar.py
-  for n in 2 4 8; do
-    step "$PY" -m pk_jax.launch -n "$n" --share-gpu --timeout 500 tests/gpu/tp_mp.py
+  for op in gemm_rs ag_gemm gemm_ar; do
+    PK_JAX_TIMEOUT_S=20 step "$PY" -m pytest -q -p no:cacheprovider -m "gpu and not large" \
+      "tests/test_$op.py"
+  done
+  for n in $SIZES; do
+    PK_JAX_TIMEOUT_S=30 step "$PY" -m pk_jax.launch -n "$n" --share-gpu --timeout 250 \
+      tests/gpu/tp_mp.py
   done
 }
 
+# The tensor-parallel MLP examples on the CUDA path.
+section_examples() {
+  step "$PY" examples/01_tp_mlp_flax.py --steps 10
+  step "$PY" examples/02_tp_mlp_equinox.py --steps 10 --sequence-parallel
+}
+
+# Benchmarks (correctness first, XLA baseline in the same run); JSON lines in bench/results/.
+section_bench() {
+  step "$PY" bench/bench_ping.py
+  step "$PY" bench/bench_matmul.py
+  step "$PY" bench/bench_tp.py --quick
+}
+
 sections=("$@")
-[ ${#sections[@]} -eq 0 ] && sections=(collectives)
+[ ${#sections[@]} -eq 0 ] && sections=(install unit runtime collectives tp examples)
 for s in "${sections[@]}"; do "section_$s"; done
 echo "=== summary: $passed passed, ${#failed[@]} failed"
 for f in "${failed[@]}"; do echo "failed: $f"; done
