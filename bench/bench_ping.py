@@ -5,12 +5,12 @@ DESIGN.md target: one FFI call plus launch at P=1 stays within a few us of a bar
 Run on the GPU machine: python bench/bench_ping.py
 """
 
+import common
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-import common
 import pk_jax as pk
 from pk_jax.ops.ping import ping
 

@@ -62,7 +62,7 @@ ffi::Error AgGemmCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi
                                        std::to_string(pk::tp::MAX_FLAGS * 128) + " rows.");
   }
   int num_sms = 0;
-  if (ffi::Error e = tp::NumSms(device, &num_sms); e.failure()) return e;
+  if (ffi::Error e = NumSms(device, &num_sms); e.failure()) return e;
   const int comm_blocks = static_cast<int>(num_comm_sms);
   if (comm_blocks < 1 || comm_blocks > pk::tp::MAX_BLOCKS || comm_blocks >= num_sms) {
     return ffi::Error::InvalidArgument(std::string("pk.") + op + ": num_comm_sms must be in 1.." +
@@ -91,7 +91,7 @@ ffi::Error AgGemmCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi
       {y->untyped_data(), uint64_t(m), uint64_t(n), 64, 64, &g.y},
   };
   for (const auto& mm : maps) {
-    if (ffi::Error e = tp::Map(op, {mm.ptr, mm.rows, mm.cols, mm.box_rows, mm.box_cols, dtype},
+    if (ffi::Error e = TensorMap(op, {mm.ptr, mm.rows, mm.cols, mm.box_rows, mm.box_cols, dtype},
                                mm.out);
         e.failure()) {
       return e;

@@ -65,17 +65,17 @@ ffi::Error RowSplitGemm(const char* op, int op_id, int index, cudaStream_t strea
   base.n = static_cast<int>(n);
   base.k = static_cast<int>(k);
   base.group_m = static_cast<int>(group_m < 1 ? 1 : (group_m > 1024 ? 1024 : group_m));
-  if (ffi::Error e = Map(op, {x.untyped_data(), uint64_t(m), uint64_t(k), bm, 64, dtype}, &base.x);
+  if (ffi::Error e = TensorMap(op, {x.untyped_data(), uint64_t(m), uint64_t(k), bm, 64, dtype}, &base.x);
       e.failure()) {
     return e;
   }
-  if (ffi::Error e = Map(op, {w.untyped_data(), uint64_t(k), uint64_t(n), 64, 64, dtype}, &base.w);
+  if (ffi::Error e = TensorMap(op, {w.untyped_data(), uint64_t(k), uint64_t(n), 64, 64, dtype}, &base.w);
       e.failure()) {
     return e;
   }
 
   if (world == 1 && mode != 1) {  // P = 1: the matmul kernel, stores straight into y
-    if (ffi::Error e = Map(op, {y.untyped_data(), uint64_t(m), uint64_t(n), 64, 64, dtype},
+    if (ffi::Error e = TensorMap(op, {y.untyped_data(), uint64_t(m), uint64_t(n), 64, 64, dtype},
                            &base.y);
         e.failure()) {
       return e;
@@ -103,7 +103,7 @@ ffi::Error RowSplitGemm(const char* op, int op_id, int index, cudaStream_t strea
   std::memset(&g, 0, sizeof(g));
   static_cast<pk::matmul::globals&>(g) = base;
   for (int o = 0; o < world; ++o) {
-    if (ffi::Error e = Map(op, {c.ws[o], uint64_t(mp), uint64_t(n), 64, 64, dtype}, &g.acc[o]);
+    if (ffi::Error e = TensorMap(op, {c.ws[o], uint64_t(mp), uint64_t(n), 64, 64, dtype}, &g.acc[o]);
         e.failure()) {
       return e;
     }

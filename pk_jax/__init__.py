@@ -5,19 +5,19 @@ Fused multi-GPU compute+communication kernels for Hopper, called inside `jax.sha
 `jax.lax` reference.
 """
 
-from pk_jax._ffi import HAS_CUDA
 from pk_jax._backend import backend_name
-from pk_jax.runtime.state import init, shutdown
-from pk_jax.ops.all_reduce import all_reduce
-from pk_jax.ops.all_gather import all_gather
-from pk_jax.ops.reduce_scatter import reduce_scatter
-from pk_jax.ops.all_to_all import all_to_all
-from pk_jax.ops.matmul import matmul
-from pk_jax.ops.gemm_rs import gemm_reduce_scatter
+from pk_jax._ffi import HAS_CUDA
 from pk_jax.ops.ag_gemm import all_gather_gemm
+from pk_jax.ops.all_gather import all_gather
+from pk_jax.ops.all_reduce import all_reduce
+from pk_jax.ops.all_to_all import all_to_all
 from pk_jax.ops.gemm_ar import gemm_all_reduce
+from pk_jax.ops.gemm_rs import gemm_reduce_scatter
+from pk_jax.ops.matmul import matmul
+from pk_jax.ops.reduce_scatter import reduce_scatter
 from pk_jax.ops.ring_attn import ring_attention
 from pk_jax.ops.ulysses_attn import ulysses_attention
+from pk_jax.runtime.state import init, shutdown
 
 __version__ = "0.1.0"
 

@@ -6,10 +6,10 @@ _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import pytest
 
-import pk_jax  # noqa: E402
+import pk_jax
 
 
 def _hopper_gpus() -> list:

@@ -61,9 +61,22 @@ def product(*axes):
     return list(itertools.product(*axes))
 
 
-__all__ = ["P", "cpu_mesh", "run", "rand", "tol", "assert_close", "product", "WORLD_SIZES",
-           "FLOAT_DTYPES", "MATMUL_DTYPES", "small_ints", "vjp_both", "assert_same",
-           "check_grads_sharded"]
+__all__ = [
+    "FLOAT_DTYPES",
+    "MATMUL_DTYPES",
+    "WORLD_SIZES",
+    "P",
+    "assert_close",
+    "assert_same",
+    "check_grads_sharded",
+    "cpu_mesh",
+    "product",
+    "rand",
+    "run",
+    "small_ints",
+    "tol",
+    "vjp_both",
+]
 
 
 def small_ints(key, shape, dtype, *, lo: int = -2, hi: int = 2):

@@ -1,0 +1,108 @@
+// Host helpers shared by the GEMM handlers (matmul and the fused TP ops): TMA tensor maps and
+// the SM count.
+//
+// Tensor maps are encoded with cuTensorMapEncodeTiled, fetched once through
+// cudaGetDriverEntryPointByVersion so that the module never links libcuda (it must import on a
+// machine without a driver). A map embeds the buffer address, and XLA may hand a different
+// address on every call, so maps are cached per (address, shape, box, dtype): steady-state
+// calls on the same buffers (jitted loops, training steps) and the peers' workspaces (fixed
+// while the communicator lives) skip the encode.
+#pragma once
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+#include <array>
+#include <atomic>
+#include <mutex>
+#include <string>
+
+#include "ffi_util.h"
+
+namespace pk_ffi {
+
+inline PFN_cuTensorMapEncodeTiled_v12000 EncodeFn() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault,
+                                         &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      p = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+struct MapKey {
+  const void* ptr;
+  uint64_t rows, cols;
+  uint32_t box_rows, box_cols;
+  int dtype;  // 0 bf16, 1 fp16
+  bool operator==(const MapKey& o) const {
+    return ptr == o.ptr && rows == o.rows && cols == o.cols && box_rows == o.box_rows &&
+           box_cols == o.box_cols && dtype == o.dtype;
+  }
+};
+
+// A 128B-swizzled tensor map over a row-major [rows, cols] matrix of 2-byte elements, from a
+// small round-robin cache (a miss costs one encode, about a microsecond of host time).
+inline ffi::Error TensorMap(const char* op, const MapKey& key, CUtensorMap* out) {
+  static std::mutex mu;
+  constexpr int kSize = 128;
+  static std::array<MapKey, kSize> keys{};
+  static std::array<CUtensorMap, kSize> maps{};
+  static std::array<bool, kSize> valid{};
+  static int next = 0;
+  std::lock_guard<std::mutex> lock(mu);
+  for (int i = 0; i < kSize; ++i) {
+    if (valid[i] && keys[i] == key) {
+      *out = maps[i];
+      return ffi::Error::Success();
+    }
+  }
+  PFN_cuTensorMapEncodeTiled_v12000 encode = EncodeFn();
+  if (encode == nullptr) {
+    return ffi::Error::Internal(std::string("pk.") + op +
+                                ": cuTensorMapEncodeTiled is not available from the CUDA driver.");
+  }
+  const cuuint64_t dims[2] = {key.cols, key.rows};
+  const cuuint64_t strides[1] = {key.cols * 2};
+  const cuuint32_t box[2] = {key.box_cols, key.box_rows};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  CUtensorMap map;
+  CUresult r = encode(&map,
+                      key.dtype == 0 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                     : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                      2, const_cast<void*>(key.ptr), dims, strides, box, elem_strides,
+                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    return ffi::Error::Internal(std::string("pk.") + op +
+                                ": cuTensorMapEncodeTiled failed with CUresult " +
+                                std::to_string(static_cast<int>(r)) + " for a [" +
+                                std::to_string(key.rows) + ", " + std::to_string(key.cols) +
+                                "] operand.");
+  }
+  keys[next] = key;
+  maps[next] = map;
+  valid[next] = true;
+  next = (next + 1) % kSize;
+  *out = map;
+  return ffi::Error::Success();
+}
+
+inline ffi::Error NumSms(int device, int* out) {
+  static std::array<std::atomic<int>, 64> sms{};
+  const int slot = device & 63;
+  int v = sms[slot].load(std::memory_order_relaxed);
+  if (v == 0) {
+    PK_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, device));
+    sms[slot].store(v, std::memory_order_relaxed);
+  }
+  *out = v;
+  return ffi::Error::Success();
+}
+
+}  // namespace pk_ffi
