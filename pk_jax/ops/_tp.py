@@ -17,10 +17,11 @@ def gpu() -> cost_model.GPU:
     return cost_model.gpu_for(kind)
 
 
-# NOTES: the fused kernels have passed their GPU tests at P = 1 but have not yet run with P > 1
-# (tests/gpu/tp_mp.py awaits a GPU run). Until they pass there, "auto" runs the GPU-tested
-# pk.matmul + pk collective ("serial") when P > 1; the fused kernels are opt-in there with
-# PK_JAX_TP_MODE=fused or cost_model.override(mode="fused"). Flip this once tp_mp.py passes.
+# NOTES: the fused kernels passed tests/gpu/tp_mp.py's op cases with 2 processes sharing one
+# H200, where the ranks' kernels time-slice instead of running concurrently, so races between
+# ranks cannot show there. Until tp_mp.py passes on several GPUs, "auto" runs the pk.matmul +
+# pk collective ("serial") path when P > 1; the fused kernels are opt-in there with
+# PK_JAX_TP_MODE=fused or cost_model.override(mode="fused").
 FUSED_ACROSS_RANKS_BY_DEFAULT = False
 
 

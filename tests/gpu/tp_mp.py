@@ -19,7 +19,8 @@ inputs (XLA's collectives cannot run with two ranks on one GPU). Cases, each in 
 - a straggler: the last rank sleeps 1 s before its call;
 - the "serial" mode (pk.matmul + the pk collective) once per op;
 - gradients of a TP MLP (pk_jax.nn column + row layers, with and without sequence parallelism)
-  against the unsharded reference MLP on this process's device.
+  with respect to its sharded weights, against the unsharded reference MLP on this process's
+  device.
 
 On a machine without a GPU the same script runs on CPU processes, where the ops fall back to
 their references: a check of the script itself.
@@ -160,7 +161,12 @@ def main() -> None:
 
     def mlp_case(sequence_parallel: bool, seed: int):
         """Gradients of a TP MLP (pk_jax.nn layers, fused ops) against the unsharded reference
-        MLP computed on this process's device."""
+        MLP computed on this process's device.
+
+        NOTES: no XLA collective may run here (NCCL refuses two ranks on one GPU): the loss is
+        reduced inside the shard_map with pk.all_reduce, and only the sharded parameters (w1, b1,
+        w2) are differentiated; a replicated input's cotangent would need XLA's psum.
+        """
         from pk_jax import nn as pknn
 
         d, hdim, s = 128, 64 * n, 40 * n
@@ -171,23 +177,27 @@ def main() -> None:
         xs = P("x", None) if sequence_parallel else P()
         specs = (xs, P(None, "x"), P("x"), P("x", None), P())
 
-        def local_mlp(x, w1, b1, w2, b2):
+        def local_loss(x, w1, b1, w2, b2):
             h = pknn.column_parallel_linear(x, w1, b1, axis_name="x",
                                             sequence_parallel=sequence_parallel)
-            return pknn.row_parallel_linear(jax.nn.gelu(h), w2, b2, axis_name="x",
-                                            sequence_parallel=sequence_parallel)
-
-        def loss(fn):
-            return lambda *a: jnp.sum(fn(*a).astype(jnp.float32) ** 2)
+            y = pknn.row_parallel_linear(jax.nn.gelu(h), w2, b2, axis_name="x",
+                                         sequence_parallel=sequence_parallel)
+            part = jnp.sum(y.astype(jnp.float32) ** 2)
+            # Sequence-parallel rows are split over the ranks: sum the parts with pk's own
+            # all-reduce. Plain TP leaves y replicated, so every rank already has the loss.
+            return pk.all_reduce(part, "x") if sequence_parallel else part
 
         args = [jax.make_array_from_callback(a.shape, NamedSharding(mesh, sp),
                                              lambda i, a=a: a[i]) for a, sp in zip(full, specs)]
-        tp = jax.shard_map(local_mlp, mesh=mesh, in_specs=specs, out_specs=xs)
+        tp = jax.shard_map(local_loss, mesh=mesh, in_specs=specs, out_specs=P())
         with cost_model.override(mode="fused"):
-            val, grads = jax.jit(jax.value_and_grad(loss(tp), argnums=(0, 1, 2, 3, 4)))(*args)
+            val, grads = jax.jit(jax.value_and_grad(tp, argnums=(1, 2, 3)))(*args)
         dev = jax.local_devices()[0]
-        ref_val, ref_grads = jax.jit(jax.value_and_grad(loss(pknn.reference_mlp),
-                                                        argnums=(0, 1, 2, 3, 4)))(
+
+        def ref_loss(*a):
+            return jnp.sum(pknn.reference_mlp(*a).astype(jnp.float32) ** 2)
+
+        ref_val, ref_grads = jax.jit(jax.value_and_grad(ref_loss, argnums=(1, 2, 3)))(
             *[jax.device_put(a, dev) for a in full])
         what = f"tp mlp sequence_parallel={sequence_parallel}"
         got_val = float(np.asarray(val.addressable_shards[0].data))
