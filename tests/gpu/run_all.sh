@@ -11,12 +11,23 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
 PY=${PYTHON:-python3}
 LIMIT=${PK_JAX_STEP_TIMEOUT:-300}
 SIZES=${PK_JAX_MP_SIZES:-2 4 8}  # process counts for the multi-process steps
+GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+
+# Launches N processes: one per GPU where the host has enough, else all sharing GPU 0.
+launch() {
+  local n=$1; shift
+  local share=(--share-gpu)
+  [ "${GPUS:-0}" -ge "$n" ] && share=()
+  "$PY" -m pk_jax.launch -n "$n" "${share[@]}" "$@"
+}
 failed=()
 passed=0
 
 step() {
   echo "=== $*"
-  if timeout "$LIMIT" "$@"; then passed=$((passed + 1)); echo "PASSED: $*"
+  local run=(timeout "$LIMIT")
+  declare -F "$1" > /dev/null && run=()  # a shell function (launch) bounds itself (--timeout)
+  if "${run[@]}" "$@"; then passed=$((passed + 1)); echo "PASSED: $*"
   else failed+=("$*"); echo "FAILED: $*"; fi
 }
 
@@ -36,7 +47,7 @@ section_unit() {
 # Symmetric memory across 2, 4 and 8 processes sharing the GPU (FD exchange, peer mappings).
 section_runtime() {
   for n in $SIZES; do
-    step "$PY" -m pk_jax.launch -n "$n" --share-gpu --timeout 200 tests/gpu/test_runtime_mp.py
+    step launch "$n" --timeout 200 tests/gpu/test_runtime_mp.py
   done
 }
 
@@ -46,11 +57,11 @@ section_collectives() {
   step "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_all_reduce.py \
     tests/test_all_gather.py tests/test_reduce_scatter.py tests/test_all_to_all.py
   for n in $SIZES; do
-    step "$PY" -m pk_jax.launch -n "$n" --share-gpu --timeout 250 \
+    step launch "$n" --timeout 250 \
       tests/gpu/test_collectives_mp.py main
   done
   for n in ${SIZES%% *}; do
-    PK_JAX_TIMEOUT_S=5 step "$PY" -m pk_jax.launch -n "$n" --share-gpu --timeout 120 \
+    PK_JAX_TIMEOUT_S=5 step launch "$n" --timeout 120 \
       tests/gpu/test_collectives_mp.py dead
   done
 }
@@ -63,7 +74,7 @@ section_tp() {
       "tests/test_$op.py"
   done
   for n in $SIZES; do
-    PK_JAX_TIMEOUT_S=30 step "$PY" -m pk_jax.launch -n "$n" --share-gpu --timeout 250 \
+    PK_JAX_TIMEOUT_S=30 step launch "$n" --timeout 250 \
       tests/gpu/tp_mp.py
   done
 }
