@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark, on the H200 machine: tests/gpu/run_all.sh [section ...]
-# Sections: install unit runtime collectives tp examples bench (default: all but bench).
+# Sections: install unit runtime collectives collectives_mp tp tp_mp examples bench
+# (default: all but bench). The P = 1 sections (install unit collectives tp examples) may run
+# side by side in separate invocations; the multi-process ones and bench want the GPU alone.
 # Prints one PASSED/FAILED line per step and a summary; exits non-zero if any step failed.
 # Each pytest step is its own process: a kernel that times out traps, and a trapped CUDA
 # context is unusable for the rest of that process.
@@ -51,11 +53,14 @@ section_runtime() {
   done
 }
 
-# Collectives (issue 3): P = 1 in one process, P = 2, 4, 8 processes sharing the GPU, and a
-# rank that dies (the others must fail with the timeout error, not hang).
+# Collectives (issue 3): P = 1 in one process; then (collectives_mp) P = 2, 4, 8 processes
+# sharing the GPU, and a rank that dies (the others must fail with the timeout error, not hang).
 section_collectives() {
   step "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_all_reduce.py \
     tests/test_all_gather.py tests/test_reduce_scatter.py tests/test_all_to_all.py
+}
+
+section_collectives_mp() {
   for n in $SIZES; do
     step launch "$n" --timeout 250 \
       tests/gpu/test_collectives_mp.py main
@@ -66,23 +71,34 @@ section_collectives() {
   done
 }
 
-# Fused tensor-parallel GEMMs (issue 5): P = 1 in one process per op, then P = 2, 4, 8
+# Fused tensor-parallel GEMMs (issue 5): P = 1 in one process per op; then (tp_mp) P = 2, 4, 8
 # processes sharing the GPU (tests/gpu/tp_mp.py: exact integer cases, stragglers, repeats).
 section_tp() {
   for op in gemm_rs ag_gemm gemm_ar; do
     PK_JAX_TIMEOUT_S=20 step "$PY" -m pytest -q -p no:cacheprovider -m "gpu and not large" \
       "tests/test_$op.py"
   done
+}
+
+section_tp_mp() {
   for n in $SIZES; do
     PK_JAX_TIMEOUT_S=30 step launch "$n" --timeout 250 \
       tests/gpu/tp_mp.py
   done
 }
 
-# The tensor-parallel MLP examples on the CUDA path.
+# The tensor-parallel MLP examples on the CUDA path, their losses against the reference's.
 section_examples() {
-  step "$PY" examples/01_tp_mlp_flax.py --steps 10
-  step "$PY" examples/02_tp_mlp_equinox.py --steps 10 --sequence-parallel
+  local log=${PK_JAX_LOG_DIR:-/tmp}/pk_jax_examples
+  mkdir -p "$log"
+  for ex in "01_tp_mlp_flax.py" "02_tp_mlp_equinox.py --sequence-parallel"; do
+    for backend in cuda reference; do
+      PK_JAX_BACKEND=$backend step bash -c \
+        "$PY examples/$ex --steps 10 | tee $log/${ex%%.py*}-$backend.log"
+    done
+    step "$PY" tests/gpu/compare_losses.py "$log/${ex%%.py*}-cuda.log" \
+      "$log/${ex%%.py*}-reference.log"
+  done
 }
 
 # Benchmarks (correctness first, XLA baseline in the same run); JSON lines in bench/results/.
@@ -93,7 +109,7 @@ section_bench() {
 }
 
 sections=("$@")
-[ ${#sections[@]} -eq 0 ] && sections=(install unit runtime collectives tp examples)
+[ ${#sections[@]} -eq 0 ] && sections=(install unit runtime collectives collectives_mp tp tp_mp examples)
 for s in "${sections[@]}"; do "section_$s"; done
 echo "=== summary: $passed passed, ${#failed[@]} failed"
 for f in "${failed[@]}"; do echo "failed: $f"; done
