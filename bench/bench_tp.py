@@ -99,7 +99,8 @@ def single(args) -> int:
     dtype = jnp.dtype(args.dtype)
     reps = 5 if args.quick else 11
     mesh = jax.make_mesh((1,), ("x",), devices=jax.devices()[:1], axis_types=(AxisType.Auto,))
-    pk.init(mesh)
+    # The largest buffer the fused protocol needs here: gemm_ar's [M, N] at P = 1.
+    pk.init(mesh, workspace_bytes=max(SIZES) ** 2 * dtype.itemsize)
     ops = [o for o in args.ops.split(",") if o]
     for op in ops:
         if pk.backend_name(op, "x") != "cuda":
