@@ -3,9 +3,10 @@
     python bench/bench_collectives.py [--op all_reduce ...] [--quick]          # P = 1
     python -m pk_jax.launch -n 4 --share-gpu bench/bench_collectives.py        # P = 4
 
-P = 1 (one process): each pk op against XLA's own collective in the same run (at P = 1 XLA
-may turn its collective into a copy or nothing at all; the ratio says what the FFI call, the
-staging copy and the signal round trip cost). P > 1 (processes sharing one GPU through the
+P = 1 (one process): each pk kernel against XLA's own collective in the same run. Users get
+XLA's no-op there (pk's collectives take the reference over a 1-device axis); this benchmark
+sets PK_JAX_SINGLE_DEVICE_KERNELS=1 to time the kernel anyway: its staging copy, the copy out
+of the workspace, the FFI call and the signal round trip. P > 1 (processes sharing one GPU through the
 launcher): absolute numbers only. Kernels of different processes time-slice on the one GPU, so
 these numbers measure the protocol under time slicing, not NVLink; they are functional only.
 
@@ -18,6 +19,7 @@ line per (op, size) goes to bench/results/<op>.jsonl (rank 0 only).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -32,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run)")
     args = ap.parse_args(argv)
+    os.environ.setdefault("PK_JAX_SINGLE_DEVICE_KERNELS", "1")  # P = 1: the kernel, not a no-op
 
     import pk_jax.launch
 

@@ -27,10 +27,10 @@ ffi::Error AllGatherCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
   pk::coll::launch_status st;
   switch (ffi::ByteWidth(x.element_type())) {
     case 2:
-      st = pk::all_gather::launch<uint16_t>(g, run, ws_bytes, stream);
+      st = pk::all_gather::launch<uint16_t>(g, run, ws_bytes, stream, device);
       break;
     case 4:
-      st = pk::all_gather::launch<uint32_t>(g, run, ws_bytes, stream);
+      st = pk::all_gather::launch<uint32_t>(g, run, ws_bytes, stream, device);
       break;
     default:
       return ffi::Error::InvalidArgument(

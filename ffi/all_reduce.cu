@@ -27,13 +27,13 @@ ffi::Error AllReduceCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
   pk::coll::launch_status st;
   switch (x.element_type()) {
     case ffi::DataType::BF16:
-      st = pk::all_reduce::launch<__nv_bfloat16>(g, a, ws_bytes, stream);
+      st = pk::all_reduce::launch<__nv_bfloat16>(g, a, ws_bytes, stream, device);
       break;
     case ffi::DataType::F16:
-      st = pk::all_reduce::launch<__half>(g, a, ws_bytes, stream);
+      st = pk::all_reduce::launch<__half>(g, a, ws_bytes, stream, device);
       break;
     case ffi::DataType::F32:
-      st = pk::all_reduce::launch<float>(g, a, ws_bytes, stream);
+      st = pk::all_reduce::launch<float>(g, a, ws_bytes, stream, device);
       break;
     default:
       return ffi::Error::InvalidArgument("pk.all_reduce: dtype must be bf16, fp16 or fp32");

@@ -29,10 +29,12 @@ ffi::Error AllToAllCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
   pk::coll::launch_status st;
   switch (ffi::ByteWidth(x.element_type())) {
     case 2:
-      st = pk::all_to_all::launch<uint16_t>(g, split_run, concat_run, ws_bytes, stream);
+      st = pk::all_to_all::launch<uint16_t>(g, split_run, concat_run, ws_bytes, stream,
+                                            device);
       break;
     case 4:
-      st = pk::all_to_all::launch<uint32_t>(g, split_run, concat_run, ws_bytes, stream);
+      st = pk::all_to_all::launch<uint32_t>(g, split_run, concat_run, ws_bytes, stream,
+                                            device);
       break;
     default:
       return ffi::Error::InvalidArgument(

@@ -31,13 +31,13 @@ ffi::Error ReduceScatterCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer
   pk::coll::launch_status st;
   switch (x.element_type()) {
     case ffi::DataType::BF16:
-      st = pk::reduce_scatter::launch<__nv_bfloat16>(g, run, ws_bytes, stream);
+      st = pk::reduce_scatter::launch<__nv_bfloat16>(g, run, ws_bytes, stream, device);
       break;
     case ffi::DataType::F16:
-      st = pk::reduce_scatter::launch<__half>(g, run, ws_bytes, stream);
+      st = pk::reduce_scatter::launch<__half>(g, run, ws_bytes, stream, device);
       break;
     case ffi::DataType::F32:
-      st = pk::reduce_scatter::launch<float>(g, run, ws_bytes, stream);
+      st = pk::reduce_scatter::launch<float>(g, run, ws_bytes, stream, device);
       break;
     default:
       return ffi::Error::InvalidArgument("pk.reduce_scatter: dtype must be bf16, fp16 or fp32");

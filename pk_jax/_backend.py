@@ -3,7 +3,8 @@
 The kernel runs when all of these hold: the extension is built (`HAS_CUDA`), the mesh given to
 `pk.init` is on sm_90 GPUs, the op has a registered FFI target, the axis lies on one host, and
 `PK_JAX_BACKEND` is not `reference`. Otherwise the reference runs: silently on CPU, where that
-is the design, and with one warning per reason on a GPU, where the user expected kernels.
+is the design, and with one warning per reason on a GPU, where the user expected kernels. The
+collectives also take the reference (a no-op) over a 1-device axis (`collective_kernel`).
 """
 
 from __future__ import annotations
@@ -77,6 +78,19 @@ def use_kernel(stem: str, axis_name: str | None = None) -> bool:
                          "outside one NVLink domain.", warn=True)
     _ffi.register("CUDA")
     return True
+
+
+def collective_kernel(stem: str, axis_name: str) -> bool:
+    """use_kernel for a collective (all_reduce, all_gather, reduce_scatter, all_to_all).
+
+    Over a 1-device axis every collective is the identity, which the reference gives XLA as a
+    no-op, so the reference runs there unless PK_JAX_SINGLE_DEVICE_KERNELS=1 asks for the
+    kernel (the GPU tests and benchmarks use it to run the kernels on one GPU).
+    """
+    if not use_kernel(stem, axis_name):
+        return False
+    return (jax.lax.axis_size(axis_name) > 1
+            or os.environ.get("PK_JAX_SINGLE_DEVICE_KERNELS", "0").strip() == "1")
 
 
 def backend_name(stem: str = "matmul", axis_name: str | None = None) -> str:

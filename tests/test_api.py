@@ -4,7 +4,10 @@ benchmark, and the package imports and registers cleanly."""
 import inspect
 import pathlib
 
+import jax
+import jax.numpy as jnp
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import pk_jax as pk
 from pk_jax import _ffi
@@ -68,3 +71,16 @@ def test_backend_env_is_checked(monkeypatch):
     with pytest.raises(ValueError, match="PK_JAX_BACKEND"):
         from pk_jax import _backend
         _backend.requested()
+
+
+@pytest.mark.parametrize("env,size,want", [("0", 1, False), ("1", 1, True), ("0", 2, True)])
+def test_collectives_skip_the_kernel_on_a_one_device_axis(monkeypatch, env, size, want):
+    from pk_jax import _backend
+    monkeypatch.setattr(_backend, "use_kernel", lambda stem, axis_name=None: True)
+    monkeypatch.setenv("PK_JAX_SINGLE_DEVICE_KERNELS", env)
+    mesh = jax.make_mesh((size,), ("x",), devices=jax.devices()[:size],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    got = []
+    jax.shard_map(lambda a: got.append(_backend.collective_kernel("all_reduce", "x")) or a,
+                  mesh=mesh, in_specs=P("x"), out_specs=P("x"))(jnp.zeros(size))
+    assert got == [want]

@@ -33,12 +33,12 @@ struct config {
 /** @brief `g` needs the communicator fields, x, y, rank_ptr and n; `run_b` is B above. */
 template <typename T>
 inline coll::launch_status launch(coll::globals g, int64_t run_b, uint64_t ws_bytes,
-                                  cudaStream_t stream) {
+                                  cudaStream_t stream, int device) {
   g.n_out = g.n * g.world;
   g.L = g.S = g.n;
   g.B = run_b > 0 ? run_b : 1;
   const int vec = coll::vec_bytes_for(sizeof(T), true, {g.B}, {g.x, g.y});
-  return coll::run<T, coll::GATHER>(g, ws_bytes, vec, stream);
+  return coll::run<T, coll::GATHER>(g, ws_bytes, vec, stream, device);
 }
 
 }  // namespace pk::all_gather

@@ -56,18 +56,18 @@ inline int choose(int requested, int64_t bytes, int world) {
 /** @brief `g` needs the communicator fields, x, y, rank_ptr and n. */
 template <typename T>
 inline coll::launch_status launch(coll::globals g, int requested, uint64_t ws_bytes,
-                                  cudaStream_t stream) {
+                                  cudaStream_t stream, int device) {
   const int a = choose(requested, g.n * int64_t(sizeof(T)), g.world);
   g.n_out = g.n;
   const int vec = coll::vec_bytes_for(sizeof(T), false, {}, {g.x, g.y});
   if (a == ONESHOT) {
     g.L = g.S = g.B = g.n;
-    return coll::run<T, coll::AR_ONESHOT>(g, ws_bytes, vec, stream);
+    return coll::run<T, coll::AR_ONESHOT>(g, ws_bytes, vec, stream, device);
   }
   const int64_t unit = 16 / sizeof(T);
   g.L = ceil_div<int64_t>(ceil_div<int64_t>(g.n, g.world), unit) * unit;
   g.S = g.B = g.L;
-  return coll::run<T, coll::AR_TWOSHOT>(g, ws_bytes, vec, stream);
+  return coll::run<T, coll::AR_TWOSHOT>(g, ws_bytes, vec, stream, device);
 }
 
 }  // namespace pk::all_reduce

@@ -35,13 +35,13 @@ struct config {
 /** @brief `g` needs the communicator fields, x, y, rank_ptr and n; C1, C2 as above. */
 template <typename T>
 inline coll::launch_status launch(coll::globals g, int64_t c1, int64_t c2, uint64_t ws_bytes,
-                                  cudaStream_t stream) {
+                                  cudaStream_t stream, int device) {
   g.L = g.n / g.world;
   g.n_out = g.n;
   g.S = c1 > 0 ? c1 : 1;
   g.B = c2 > 0 ? c2 : 1;
   const int vec = coll::vec_bytes_for(sizeof(T), true, {g.S, g.B}, {g.x, g.y});
-  return coll::run<T, coll::ALL_TO_ALL>(g, ws_bytes, vec, stream);
+  return coll::run<T, coll::ALL_TO_ALL>(g, ws_bytes, vec, stream, device);
 }
 
 }  // namespace pk::all_to_all

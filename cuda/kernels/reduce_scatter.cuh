@@ -34,12 +34,12 @@ struct config {
 /** @brief `g` needs the communicator fields, x, y, rank_ptr and n; `run_c` is C above. */
 template <typename T>
 inline coll::launch_status launch(coll::globals g, int64_t run_c, uint64_t ws_bytes,
-                                  cudaStream_t stream) {
+                                  cudaStream_t stream, int device) {
   g.L = g.n_out = g.n / g.world;
   g.S = run_c > 0 ? run_c : 1;
   g.B = g.L > 0 ? g.L : 1;
   const int vec = coll::vec_bytes_for(sizeof(T), false, {g.S}, {g.x, g.y});
-  return coll::run<T, coll::SCATTER_SUM>(g, ws_bytes, vec, stream);
+  return coll::run<T, coll::SCATTER_SUM>(g, ws_bytes, vec, stream, device);
 }
 
 }  // namespace pk::reduce_scatter

@@ -39,7 +39,7 @@ def all_gather(x: jax.Array, axis_name: str, *, axis: int = 0) -> jax.Array:
     _checks.dtype_in(STEM, "x", x, _checks.MOVE_DTYPES)
     _checks.ndim_at_least(STEM, "x", x, 1)
     axis = _checks.axis_index(STEM, "axis", axis, x.ndim)
-    if _backend.use_kernel(STEM, axis_name):
+    if _backend.collective_kernel(STEM, axis_name):
         return _kernel(x, axis_name, axis)
     return reference(x, axis_name, axis=axis)
 

@@ -39,7 +39,7 @@ def all_reduce(x: jax.Array, axis_name: str, *, algorithm: str | None = None) ->
     _checks.axis_size(STEM, axis_name)
     _checks.dtype_in(STEM, "x", x, _checks.FLOAT_DTYPES)
     algo = _algorithm(algorithm)
-    if _backend.use_kernel(STEM, axis_name):
+    if _backend.collective_kernel(STEM, axis_name):
         return _kernel(x, axis_name, algo)
     return reference(x, axis_name)
 

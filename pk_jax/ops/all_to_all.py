@@ -42,7 +42,7 @@ def all_to_all(x: jax.Array, axis_name: str, split_axis: int, concat_axis: int) 
     concat_axis = _checks.axis_index(STEM, "concat_axis", concat_axis, x.ndim)
     _checks.divisible(STEM, f"x.shape[{split_axis}] (the split axis)", x.shape[split_axis], p,
                       f"Pad it to a multiple of the size of axis {axis_name!r}.")
-    if _backend.use_kernel(STEM, axis_name):
+    if _backend.collective_kernel(STEM, axis_name):
         return _kernel(x, axis_name, split_axis, concat_axis)
     return reference(x, axis_name, split_axis, concat_axis)
 

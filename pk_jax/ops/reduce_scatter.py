@@ -41,7 +41,7 @@ def reduce_scatter(x: jax.Array, axis_name: str, *, scatter_dimension: int = 0) 
     dim = _checks.axis_index(STEM, "scatter_dimension", scatter_dimension, x.ndim)
     _checks.divisible(STEM, f"x.shape[{dim}] (the scatter dimension)", x.shape[dim], p,
                       f"Pad it to a multiple of the size of axis {axis_name!r}.")
-    if _backend.use_kernel(STEM, axis_name):
+    if _backend.collective_kernel(STEM, axis_name):
         return _kernel(x, axis_name, dim)
     return reference(x, axis_name, scatter_dimension=dim)
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark, on the H200 machine: tests/gpu/run_all.sh [section ...]
-# Sections: install unit runtime collectives collectives_mp tp tp_mp examples bench
+# Sections: install sass unit runtime collectives collectives_mp tp tp_mp examples bench
 # (default: all but bench). The P = 1 sections (install unit collectives tp examples) may run
 # side by side in separate invocations; the multi-process ones and bench want the GPU alone.
 # Prints one PASSED/FAILED line per step and a summary; exits non-zero if any step failed.
@@ -37,6 +37,11 @@ step() {
 section_install() {
   step bash -c "cd / && $PY -c 'import jax, pk_jax; assert pk_jax.HAS_CUDA, pk_jax._ffi.IMPORT_ERROR;
 print(pk_jax.__file__, jax.devices()[0].device_kind)'"
+}
+
+# The kernels' SASS: bulk/TMA copies where data moves, no local memory (spills).
+section_sass() {
+  step "$PY" tests/gpu/sass_report.py
 }
 
 # P = 1 kernels in one process: the FFI wiring, the runtime's VMM paths, the GEMM engine.
@@ -109,7 +114,7 @@ section_bench() {
 }
 
 sections=("$@")
-[ ${#sections[@]} -eq 0 ] && sections=(install unit runtime collectives collectives_mp tp tp_mp examples)
+[ ${#sections[@]} -eq 0 ] && sections=(install sass unit runtime collectives collectives_mp tp tp_mp examples)
 for s in "${sections[@]}"; do "section_$s"; done
 echo "=== summary: $passed passed, ${#failed[@]} failed"
 for f in "${failed[@]}"; do echo "failed: $f"; done

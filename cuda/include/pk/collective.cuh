@@ -13,6 +13,15 @@
  * all_reduce one-shot = D 1 + SUM; two-shot = D P + SUM into a second buffer, barrier, GATHER
  * from it; all_gather = D 1 + GATHER; reduce_scatter = D P + SUM; all_to_all = D P + GATHER.
  *
+ * Data path. When every run and pointer is 16-byte aligned (the common case) data moves in bulk
+ * copies (cp.async.bulk, the TMA engine's 1-D form) through a ring of STAGES shared-memory
+ * stages per block: moves (stage-in, GATHER) are runs of up to STAGE_BYTES loaded global ->
+ * shared and stored shared -> global by one thread, STAGES - 1 loads ahead of the stores; SUM
+ * loads the same piece from all P peers into one stage and every thread adds the P copies in
+ * fp32 registers. Only the last < 16 bytes of an array go through plain loads and stores.
+ * Otherwise (odd runs or pointers) the same schedule runs on per-thread vector loads and
+ * stores of the widest unit that divides every run (8, 4 bytes or one element).
+ *
  * Blocks are independent: block b owns region (parity, b) of every workspace and its own
  * signal slots, so there is no grid-wide synchronisation and the grid needs no residency
  * guarantee beyond "block b of every rank eventually runs".
@@ -46,6 +55,8 @@ namespace pk::coll {
 constexpr int MAX_PEERS = 16;
 constexpr int MAX_BLOCKS = 128;
 constexpr int THREADS = 256;
+constexpr int STAGES = 4;                     ///< bulk path: shared-memory stages per block
+constexpr uint32_t STAGE_BYTES = 32 * 1024;  ///< bulk path: bytes of one stage
 
 constexpr uint64_t SLOT_BASE = 0;
 constexpr uint64_t SLOT_COUNTER = SLOT_BASE;
@@ -153,24 +164,254 @@ struct engine {
   }
 };
 
+/** @brief The bulk path's dynamic shared memory. */
+struct bulk_smem {
+  mbarrier bar[STAGES];   ///< stage s loaded (transaction bytes)
+  char* dst[STAGES];      ///< move path: where stage s's piece goes
+  uint32_t bytes[STAGES];
+  uint32_t phase;         ///< bit s: parity of stage s's next completion (thread 0 writes)
+  alignas(128) char buf[STAGES][STAGE_BYTES];
+};
+
+/** @brief Walks lanes d < D over f in [lo, hi) in runs cut at multiples of R and at `max`. */
+struct run_walker {
+  int D;
+  int64_t lo, hi, R, max;
+  int d = 0;
+  int64_t f;
+
+  __device__ run_walker(int D_, int64_t lo_, int64_t hi_, int64_t R_, int64_t max_)
+      : D(D_), lo(lo_), hi(hi_), R(R_), max(max_), f(lo_) {}
+  /** @brief The next run [*f0, *f1) of lane *lane; false when every lane is done. */
+  __device__ bool next(int* lane, int64_t* f0, int64_t* f1) {
+    if (d >= D || lo >= hi) return false;
+    int64_t e = (f / R + 1) * R;
+    e = e < hi ? e : hi;
+    e = e < f + max ? e : f + max;
+    *lane = d;
+    *f0 = f;
+    *f1 = e;
+    f = e;
+    if (f >= hi) {
+      f = lo;
+      ++d;
+    }
+    return true;
+  }
+};
+
+/** @brief A contiguous copy of `bytes` (a multiple of 16) from `src` to `dst`. */
+struct piece {
+  const char* src;
+  char* dst;
+  uint32_t bytes;
+};
+
+/** @brief Parity bits of the stages after `n` more completions starting at stage 0. */
+__device__ inline uint32_t advance_phase(uint32_t phase, int n) {
+#pragma unroll
+  for (int s = 0; s < STAGES; ++s) {
+    const int uses = n > s ? (n - 1 - s) / STAGES + 1 : 0;
+    phase ^= uint32_t(uses & 1) << s;
+  }
+  return phase;
+}
+
+/**
+ * @brief Thread 0 only: copies every piece `next(&piece)` yields, global -> shared -> global,
+ * STAGES - 1 loads ahead of the stores. Returns with every store complete.
+ */
+template <class Next>
+__device__ inline void bulk_move(bulk_smem& sm, Next next) {
+  uint32_t phase = sm.phase;
+  int issued = 0;
+  bool more = true;
+  auto issue = [&]() {
+    piece pc;
+    if (!next(&pc)) return false;
+    const int s = issued % STAGES;
+    sm.dst[s] = pc.dst;
+    sm.bytes[s] = pc.bytes;
+    mbar_arrive_expect_tx(&sm.bar[s], pc.bytes);
+    load_async(sm.buf[s], pc.src, pc.bytes, &sm.bar[s]);
+    ++issued;
+    return true;
+  };
+  while (more && issued < STAGES) more = issue();
+  for (int i = 0; i < issued; ++i) {
+    const int s = i % STAGES;
+    mbar_wait(&sm.bar[s], (phase >> s) & 1);
+    phase ^= 1u << s;
+    store_async(sm.dst[s], sm.buf[s], sm.bytes[s]);
+    bulk_commit();
+    if (more) {
+      bulk_wait_read_all();  // stage s is free once its store has read it
+      more = issue();
+    }
+  }
+  bulk_wait_all();
+  sm.phase = phase;
+}
+
+/** @brief Copies the bytes of [src, src + n) past the 16-byte multiple with plain accesses. */
+__device__ inline uint32_t split_tail(const char* src, char* dst, int64_t bytes) {
+  const int64_t bulk = bytes / 16 * 16;
+  for (int64_t i = bulk; i < bytes; ++i) dst[i] = __ldcg(reinterpret_cast<const char*>(src) + i);
+  return static_cast<uint32_t>(bulk);
+}
+
+/** @brief The 16-byte (bulk-copy) data path of the engine; same maps as `engine`. */
+template <typename T>
+struct bulk {
+  static constexpr int64_t UNIT = 16 / sizeof(T);
+  static constexpr int64_t MOVE_MAX = STAGE_BYTES / sizeof(T);
+
+  /** @brief ws_me[d][f - lo] = x[...] (thread 0). Elements past n are left as they are. */
+  __device__ static void stage(const globals& g, bulk_smem& sm, T* mine, int D, int64_t lo,
+                               int64_t hi) {
+    const T* x = static_cast<const T*>(g.x);
+    run_walker w(D, lo, hi, g.S, MOVE_MAX);
+    bulk_move(sm, [&](piece* pc) {
+      int d;
+      int64_t f0, f1;
+      while (w.next(&d, &f0, &f1)) {
+        const int64_t idx = (f0 / g.S) * g.world * g.S + d * g.S + f0 % g.S;
+        const int64_t len = f1 - f0 < g.n - idx ? f1 - f0 : g.n - idx;
+        if (len <= 0) continue;
+        pc->src = reinterpret_cast<const char*>(x + idx);
+        pc->dst = reinterpret_cast<char*>(mine + d * g.chunk + (f0 - lo));
+        pc->bytes = split_tail(pc->src, pc->dst, len * int64_t(sizeof(T)));
+        if (pc->bytes > 0) return true;
+      }
+      return false;
+    });
+  }
+
+  /** @brief y[(f / B) P B + p B + f % B] = src_p[f - lo] for every peer p (thread 0). */
+  __device__ static void gather(const globals& g, bulk_smem& sm, uint64_t src_off, int64_t lo,
+                                int64_t hi) {
+    T* y = static_cast<T*>(g.y);
+    run_walker w(g.world, lo, hi, g.B, MOVE_MAX);
+    bulk_move(sm, [&](piece* pc) {
+      int p;
+      int64_t f0, f1;
+      while (w.next(&p, &f0, &f1)) {
+        const int64_t o = (f0 / g.B) * g.world * g.B + p * g.B + f0 % g.B;
+        const int64_t len = f1 - f0 < g.n_out - o ? f1 - f0 : g.n_out - o;
+        if (len <= 0) continue;
+        pc->src = static_cast<const char*>(g.ws[p]) + src_off + (f0 - lo) * sizeof(T);
+        pc->dst = reinterpret_cast<char*>(y + o);
+        pc->bytes = split_tail(pc->src, pc->dst, len * int64_t(sizeof(T)));
+        if (pc->bytes > 0) return true;
+      }
+      return false;
+    });
+  }
+
+  /**
+   * @brief dst[f] = sum over peers of src_p[f - lo], f in [lo, hi) (all threads): each piece
+   * is loaded from the P peers into one stage, then summed from shared memory in fp32.
+   */
+  __device__ static void sum(const globals& g, bulk_smem& sm, uint64_t src_off, T* dst,
+                             int64_t lo, int64_t hi) {
+    const int P = g.world;
+    const int64_t piece_elems = (STAGE_BYTES / P) / 16 * UNIT;  // per peer
+    const int64_t bulk_hi = lo + (hi - lo) / UNIT * UNIT;
+    const int n = static_cast<int>(ceil_div<int64_t>(bulk_hi - lo, piece_elems));
+    const uint32_t phase = sm.phase;
+    auto issue = [&](int i) {
+      const int s = i % STAGES;
+      const int64_t f = lo + i * piece_elems;
+      const int64_t len = bulk_hi - f < piece_elems ? bulk_hi - f : piece_elems;
+      const uint32_t bytes = static_cast<uint32_t>(len * sizeof(T));
+      mbar_arrive_expect_tx(&sm.bar[s], bytes * P);
+      for (int p = 0; p < P; ++p) {
+        load_async(sm.buf[s] + p * piece_elems * sizeof(T),
+                   static_cast<const char*>(g.ws[p]) + src_off + (f - lo) * sizeof(T), bytes,
+                   &sm.bar[s]);
+      }
+    };
+    if (threadIdx.x == 0) {
+      for (int i = 0; i < n && i < STAGES; ++i) issue(i);
+    }
+    for (int i = 0; i < n; ++i) {
+      const int s = i % STAGES;
+      mbar_wait(&sm.bar[s], ((phase >> s) ^ (i / STAGES)) & 1);
+      const int64_t f = lo + i * piece_elems;
+      const int64_t units = (bulk_hi - f < piece_elems ? bulk_hi - f : piece_elems) / UNIT;
+      for (int64_t u = threadIdx.x; u < units; u += THREADS) {
+        p2p::acc16<T> acc;
+        acc.zero();
+#pragma unroll 4
+        for (int p = 0; p < P; ++p) {
+          acc.add(*reinterpret_cast<const uint4*>(sm.buf[s] + (p * piece_elems + u * UNIT) *
+                                                                   sizeof(T)));
+        }
+        p2p::st16(dst + f + u * UNIT, acc.pack());
+      }
+      __syncthreads();  // stage s read by every thread
+      if (threadIdx.x == 0 && i + STAGES < n) issue(i + STAGES);
+    }
+    for (int64_t f = bulk_hi + threadIdx.x; f < hi; f += THREADS) {
+      dst[f] = p2p::reduce_scalar<T, MAX_PEERS>(g.ws, P, src_off + (f - lo) * sizeof(T));
+    }
+    if (threadIdx.x == 0) sm.phase = advance_phase(phase, n);
+  }
+};
+
+/** @brief Whether kernel<T, VEC, KIND> runs the bulk-copy path (16-byte units). */
+template <typename T, int VEC>
+constexpr bool BULK = VEC * sizeof(T) == 16;
+
 /** @brief One collective; see the file comment. */
 template <typename T, int VEC, int KIND>
 __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ globals g) {
   using E = engine<T, VEC>;
+  using X = bulk<T>;
+  constexpr bool B16 = BULK<T, VEC>;
+  extern __shared__ __align__(128) char dyn_smem[];  // bulk_smem when B16, else empty
+  bulk_smem& sm = *reinterpret_cast<bulk_smem*>(dyn_smem);
   const int P = g.world;
   const int r = g.rank;
   const int b = blockIdx.x;
+  const bool lead = threadIdx.x == 0;
   const fail_ctx fc{g.error, g.op, r};
   __shared__ uint64_t s_base;
-  if (threadIdx.x == 0) {
+  if (lead) {
     const int32_t got = *g.rank_ptr;
     if (got != r) fail(fc, ERR_RANK_MISMATCH, got);
     s_base = g.sig[r][SLOT_COUNTER + b];  // only this block of this device writes it
+    if constexpr (B16) {
+      for (int s = 0; s < STAGES; ++s) mbar_init(&sm.bar[s], 1);
+      sm.phase = 0;
+      fence_mbar_init();
+    }
   }
   __syncthreads();
   const int D = (KIND == AR_ONESHOT || KIND == GATHER) ? 1 : P;
   const int slot = (KIND == AR_ONESHOT || KIND == GATHER) ? 0 : r;
   const int64_t c = g.chunk;
+  // The barriers' signals are generic-proxy releases and acquires; bulk copies are the async
+  // proxy, so the thread issuing them fences between the two (both directions).
+  auto peer_barrier = [&](uint64_t row, uint64_t e) {
+    if (B16 && lead) fence_proxy_async_global();
+    barrier<MAX_PEERS>(g.sig, P, r, row + b * MAX_PEERS, e, g.timeout_ns, fc);
+    if (B16 && lead) fence_proxy_async_global();
+  };
+  auto gather = [&](uint64_t src_off, int64_t lo, int64_t hi) {
+    if constexpr (B16) {
+      if (lead) X::gather(g, sm, src_off, lo, hi);
+    } else {
+      E::gather(g, src_off, lo, hi);
+    }
+  };
+  auto sum = [&](uint64_t src_off, T* dst, int64_t lo, int64_t hi) {
+    if constexpr (B16) {
+      X::sum(g, sm, src_off, dst, lo, hi);
+    } else {
+      E::sum(g, src_off, dst, lo, hi);
+    }
+  };
   uint64_t q = s_base;
   for (int64_t lo = int64_t(b) * c; lo < g.L; lo += c * gridDim.x, ++q) {
     const int64_t hi = lo + c < g.L ? lo + c : g.L;
@@ -183,29 +424,32 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ glo
            threadIdx.x);
     }
     __syncthreads();
-    E::stage(g, mine, D, lo, hi);
-    barrier<MAX_PEERS>(g.sig, P, r, SLOT_READY + b * MAX_PEERS, q + 1, g.timeout_ns, fc);
+    if constexpr (B16) {
+      if (lead) X::stage(g, sm, mine, D, lo, hi);
+    } else {
+      E::stage(g, mine, D, lo, hi);
+    }
+    peer_barrier(SLOT_READY, q + 1);
 
     const uint64_t src_off = roff + uint64_t(slot) * c * sizeof(T);
     if constexpr (KIND == AR_ONESHOT || KIND == SCATTER_SUM) {
-      E::sum(g, src_off, static_cast<T*>(g.y), lo, hi);
+      sum(src_off, static_cast<T*>(g.y), lo, hi);
     } else if constexpr (KIND == AR_TWOSHOT) {
       // Reduce my slice into buffer B of my region, then gather every rank's slice from theirs.
       const uint64_t red_off = roff + uint64_t(D) * c * sizeof(T);
-      E::sum(g, src_off, reinterpret_cast<T*>(static_cast<char*>(g.ws[r]) + red_off) - lo,
-                         lo, hi);
-      barrier<MAX_PEERS>(g.sig, P, r, SLOT_READY2 + b * MAX_PEERS, q + 1, g.timeout_ns, fc);
-      E::gather(g, red_off, lo, hi);
+      sum(src_off, reinterpret_cast<T*>(static_cast<char*>(g.ws[r]) + red_off) - lo, lo, hi);
+      peer_barrier(SLOT_READY2, q + 1);
+      gather(red_off, lo, hi);
     } else {
-      E::gather(g, src_off, lo, hi);
+      gather(src_off, lo, hi);
     }
 
     __syncthreads();
-    if (threadIdx.x == 0) {
+    if (lead) {
       for (int p = 0; p < P; ++p) signal(g.sig[p] + SLOT_DONE + b * MAX_PEERS + r, q + 1);
     }
   }
-  if (threadIdx.x == 0) g.sig[r][SLOT_COUNTER + b] = q;
+  if (lead) g.sig[r][SLOT_COUNTER + b] = q;
 }
 
 /** @brief Host-side plan of one call: grid, chunk and vector width. */
@@ -246,30 +490,29 @@ inline bool make_plan(int64_t L, int esize, int D, bool twoshot, uint64_t ws_byt
   return true;
 }
 
+/** @brief Launches kernel<T, VEC, KIND> with the shared memory its path needs. */
+template <typename T, int VEC, int KIND>
+inline cudaError_t launch_vec(const globals& g, const plan& pl, cudaStream_t stream, int device) {
+  const void* fn = reinterpret_cast<const void*>(&kernel<T, VEC, KIND>);
+  const int smem = BULK<T, VEC> ? int(sizeof(bulk_smem)) : 0;
+  if (smem > 0) {
+    if (cudaError_t err = opt_in_smem(fn, device, smem); err != cudaSuccess) return err;
+  }
+  kernel<T, VEC, KIND><<<pl.grid, THREADS, smem, stream>>>(g);
+  return cudaGetLastError();
+}
+
 /** @brief Launches kernel<T, VEC, KIND> for the plan's vector width. */
 template <typename T, int KIND>
-inline cudaError_t launch(const globals& g, const plan& pl, cudaStream_t stream) {
-  const dim3 grid(pl.grid), block(THREADS);
-  switch (pl.vec_bytes / int(sizeof(T))) {
-    case 16 / sizeof(T):
-      kernel<T, 16 / sizeof(T), KIND><<<grid, block, 0, stream>>>(g);
-      break;
-    default:
-      if constexpr (KIND == GATHER || KIND == ALL_TO_ALL) {
-        if (pl.vec_bytes == 8) {
-          kernel<T, 8 / sizeof(T), KIND><<<grid, block, 0, stream>>>(g);
-          break;
-        }
-        if constexpr (sizeof(T) <= 2) {
-          if (pl.vec_bytes == 4) {
-            kernel<T, 4 / sizeof(T), KIND><<<grid, block, 0, stream>>>(g);
-            break;
-          }
-        }
-      }
-      kernel<T, 1, KIND><<<grid, block, 0, stream>>>(g);
+inline cudaError_t launch(const globals& g, const plan& pl, cudaStream_t stream, int device) {
+  if (pl.vec_bytes == 16) return launch_vec<T, 16 / sizeof(T), KIND>(g, pl, stream, device);
+  if constexpr (KIND == GATHER || KIND == ALL_TO_ALL) {
+    if (pl.vec_bytes == 8) return launch_vec<T, 8 / sizeof(T), KIND>(g, pl, stream, device);
+    if constexpr (sizeof(T) <= 2) {
+      if (pl.vec_bytes == 4) return launch_vec<T, 4 / sizeof(T), KIND>(g, pl, stream, device);
+    }
   }
-  return cudaGetLastError();
+  return launch_vec<T, 1, KIND>(g, pl, stream, device);
 }
 
 /** @brief Largest unit (16, 8, 4 bytes or the element) dividing every run and aligned. */
@@ -301,7 +544,8 @@ struct launch_status {
  * n, n_out, L, S and B filled in; chunk and region_bytes are set here.
  */
 template <typename T, int KIND>
-inline launch_status run(globals g, uint64_t ws_bytes, int vec_bytes, cudaStream_t stream) {
+inline launch_status run(globals g, uint64_t ws_bytes, int vec_bytes, cudaStream_t stream,
+                         int device) {
   launch_status st;
   const int D = (KIND == AR_ONESHOT || KIND == GATHER) ? 1 : g.world;
   plan pl;
@@ -313,7 +557,7 @@ inline launch_status run(globals g, uint64_t ws_bytes, int vec_bytes, cudaStream
   if (g.L == 0) return st;
   g.chunk = pl.chunk;
   g.region_bytes = pl.region_bytes;
-  st.err = launch<T, KIND>(g, pl, stream);
+  st.err = launch<T, KIND>(g, pl, stream, device);
   return st;
 }
 

@@ -32,10 +32,6 @@
 #pragma once
 
 
-#include <mutex>
-#include <set>
-#include <utility>
-
 #include "pk/common.cuh"
 #include "pk/mbarrier.cuh"
 #include "pk/scheduler.cuh"
@@ -173,27 +169,6 @@ constexpr size_t smem_bytes() {
 }
 
 /**
- * @brief Raises kernel<K>'s dynamic shared-memory limit once per (kernel copy, device).
- *
- * NOTES: without relocatable device code every .cu file that instantiates kernel<K> gets its
- * own copy, with its own host entry point. A plain static "done" flag in this inline template
- * is shared by all of them, so a second file's copy once launched without the opt-in
- * (cudaErrorInvalidValue, seen on the H200); keying by the entry point keeps them apart.
- */
-template <class K>
-inline cudaError_t opt_in_smem(int device, int bytes) {
-  static std::mutex mu;
-  static std::set<std::pair<const void*, int>> done;
-  const auto key = std::make_pair(reinterpret_cast<const void*>(&kernel<K>), device);
-  std::lock_guard<std::mutex> lock(mu);
-  if (done.count(key)) return cudaSuccess;
-  cudaError_t err = cudaFuncSetAttribute(kernel<K>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         bytes);
-  if (err == cudaSuccess) done.insert(key);
-  return err;
-}
-
-/**
  * @brief Launches K on `stream`: min(num_sms - comm_blocks, tiles) compute blocks plus
  * `comm_blocks` communication blocks, one block per SM, all resident.
  * @param device the CUDA device ordinal (the smem opt-in is per device).
@@ -203,7 +178,9 @@ inline cudaError_t launch(const typename K::globals& g, cudaStream_t stream, int
                           int num_sms, int comm_blocks, int tiles) {
   constexpr size_t SMEM = smem_bytes<K>();
   static_assert(SMEM <= 232448, "lcsc: shared memory over the sm_90 limit of 227 KiB");
-  if (cudaError_t err = opt_in_smem<K>(device, static_cast<int>(SMEM)); err != cudaSuccess) {
+  if (cudaError_t err = opt_in_smem(reinterpret_cast<const void*>(&kernel<K>), device,
+                                     static_cast<int>(SMEM));
+      err != cudaSuccess) {
     return err;
   }
   if (comm_blocks < 0 || comm_blocks >= num_sms) return cudaErrorInvalidValue;
