@@ -19,7 +19,7 @@ CHAIN = 100
 
 def main():
     dev = jax.devices()[:1]
-    mesh = jax.make_mesh((1,), ("tp",), devices=dev)
+    mesh = jax.make_mesh((1,), ("tp",), devices=dev, axis_types=(jax.sharding.AxisType.Auto,))
     pk.init(mesh)
 
     def chained(step):

@@ -64,6 +64,9 @@ def machine() -> str:
 
 
 def commit() -> str:
+    """PK_JAX_COMMIT if set (a copied tree's .git may be stale), else git's HEAD."""
+    if os.environ.get("PK_JAX_COMMIT"):
+        return os.environ["PK_JAX_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"],
                                        cwd=RESULTS.parent, stderr=subprocess.DEVNULL,
