@@ -18,12 +18,13 @@ contraction length each device multiplies, N = output columns):
 - T_comp: 2 M N K / (peak x GEMM efficiency x compute SMs / SMs).
 - T_mem: the GEMM's HBM traffic (A, B once, C once) / HBM bandwidth.
 - T_comm: what crosses NVLink while the GEMM runs: gemm_rs and gemm_ar push (P-1)/P of the
-  M x N partial product to its owners; ag_gemm pulls (P-1) M/P x K rows, at the slower of the
-  NVLink bandwidth and num_comm_sms x per-SM pull bandwidth.
+  M x N partial product to its owners; ag_gemm's communication SMs copy M/P x K rows into the
+  workspace and all M x K rows into the gathered x, (P-1) M/P x K of them over NVLink: the
+  slower of that over NVLink and everything at num_comm_sms x the per-SM copy bandwidth.
 - T_non_overlap: work before the first or after the last tile: gemm_rs zeroes its owner buffer
   and copies it out (3 M/P N bytes of HBM) plus the last wave's pushes; gemm_ar also gathers
-  every owner's rows ((P-1)/P M N over NVLink, M N of HBM writes); ag_gemm stages its shard
-  (2 M/P K of HBM) and waits for the first remote row block.
+  every owner's rows ((P-1)/P M N over NVLink, M N of HBM writes); ag_gemm waits for the
+  first remote row block.
 - T_sync: barriers x one NVLink round trip; T_launch: kernels x launch cost.
 
 "serial" is T_launch + max(T_comp, T_mem) at all SMs + the collective's time at its bandwidth.
@@ -55,7 +56,7 @@ class GPU:
     gemm_efficiency: float    # achieved / peak for large GEMMs
     hbm_gbps: float
     nvlink_gbps: float        # per direction, per GPU (NVLink 4: 18 links x 25 GB/s)
-    pull_gbps_per_sm: float   # peer loads of one SM of 384 threads (16-byte vectors)
+    pull_gbps_per_sm: float   # bulk copies of one communication SM (ag_gemm), bytes written
     launch_us: float          # one more kernel on the stream
     barrier_us: float         # one signal round trip over NVLink
 
@@ -164,11 +165,11 @@ def predict(op: str, m: int, n: int, k: int, p: int, *, mode: str, num_comm_sms:
                 t["non_overlap"] += ((p - 1) / p * out_bytes / nvl + out_bytes / hbm) * us
                 t["sync"] += gpu.barrier_us
         else:
-            pull = min(nvl, max(c, 1) * gpu.pull_gbps_per_sm * 1e9)
-            t["comm"] = (p - 1) * mp * k * itemsize / pull * us
-            stage = 2 * mp * k * itemsize / hbm
+            copy = max(c, 1) * gpu.pull_gbps_per_sm * 1e9
+            moved = (mp + m) * k * itemsize  # my shard staged, then every row of the gather
+            t["comm"] = max((p - 1) * mp * k * itemsize / nvl, moved / copy) * us
             first_block = 128 * k * itemsize / (gpu.pull_gbps_per_sm * 1e9)
-            t["non_overlap"] = (stage + first_block) * us
+            t["non_overlap"] = first_block * us
             t["launch"] = 2 * gpu.launch_us
             t["sync"] = 3 * gpu.barrier_us
     else:

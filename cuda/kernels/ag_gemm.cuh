@@ -13,13 +13,13 @@
  *
  *     comm block cb (of C)                         compute blocks (persistent, grouped order)
  *     barrier 0 with peers' block cb               tiles with rows rotated to start at m0:
- *     stage x[cb-th 1/C] -> ws_r, signal           own block: TMA A from x itself, no wait
+ *     stage x[cb-th 1/C] -> ws_r (bulk), signal    own block: TMA A from x itself, no wait
  *       staged[cb][r] on every peer                other block j: wait flag[j] >= e, then
  *     for row blocks j = m_end, m_end + 1, ...       TMA A from x_full
  *       (u-th block to comm block u % C):          storer: y tiles (TMA store), as matmul
  *       wait staged[*][owner] >= e for the
  *       owners of j's rows; x_full[j] <- ws_owner
- *       (peer loads); flag[j] = e (local)
+ *       (bulk copies); flag[j] = e (local)
  *     barrier 2 with peers' block cb
  *
  * Signal protocol (e = this call's epoch, pk/tp.cuh): barrier 0 (slot bar_row(0, cb) + r on
@@ -29,8 +29,12 @@
  * comm block that wrote row block j of x_full; barrier 2 keeps my kernel alive until every
  * peer has pulled what it needs from my workspace.
  *
- * Pitfalls: the comm blocks write x_full with generic stores and the compute blocks read it
- * with TMA (the async proxy): both sides fence.proxy.async.global around the release/acquire.
+ * Data movement: one thread of each comm block moves whole rows with bulk copies (global ->
+ * shared -> global through pk/comm_ops.cuh's bulk_ring in the block's otherwise unused shared
+ * memory), four 32 KiB stages in flight, instead of 16-byte loads and stores by every thread.
+ *
+ * Pitfalls: bulk copies and TMA loads are the async proxy, the signals the generic proxy, so
+ * the copying thread and the loader fence.proxy.async.global around the release/acquire.
  * Compute blocks spin on flags written by comm blocks of the same grid, so the grid must be
  * fully resident (one block per SM, at most num_sms blocks; lcsc::launch guarantees the size).
  * The staging buffer takes Mp K sizeof(T) bytes of workspace.
@@ -96,25 +100,34 @@ struct kernel_def : matmul::kernel_def<C> {
     base::storer(g, acc, out, c, place(g, t), sync);
   }
 
-  __device__ static void communicator(const globals& g, lcsc::block_info info) {
+  /** @brief One block of the gather: thread 0 moves the data with bulk copies (see above). */
+  __device__ static void communicator(const globals& g, lcsc::block_info info, void* smem) {
+    static_assert(sizeof(bulk_ring) <= sizeof(lcsc::shared_storage<kernel_def>),
+                  "ag_gemm: the bulk-copy ring must fit in the block's shared memory");
+    bulk_ring& ring = *static_cast<bulk_ring*>(smem);
+    const bool lead = threadIdx.x == 0;
     const tp::comm& c = g.c;
     const int nc = info.comm_blocks, cb = info.index, r = c.rank;
     const uint64_t e = c.epoch();
-    const int64_t mp = g.rows_per_rank, units_per_row = g.k / 8;
-    const uint64_t shard_units = uint64_t(mp) * units_per_row;
+    const int64_t mp = g.rows_per_rank;
+    const uint64_t row_bytes = uint64_t(g.k) * sizeof(typename C::dtype);
+    const uint64_t shard_units = uint64_t(mp) * row_bytes / 16;
+    if (lead) ring.init();
     c.barrier(0, cb, e);
-    const uint4* x = static_cast<const uint4*>(g.x_local);
-    tp::copy_units(static_cast<uint4*>(c.ws[r]), [&](uint64_t i) { return x + i; },
-                   shard_units * cb / nc + threadIdx.x, blockDim.x, shard_units * (cb + 1) / nc);
+    if (lead) {  // my share of x -> ws_r
+      const uint64_t lo = shard_units * cb / nc * 16, hi = shard_units * (cb + 1) / nc * 16;
+      bulk_copy(ring, static_cast<char*>(c.ws[r]) + lo,
+                static_cast<const char*>(g.x_local) + lo, hi - lo);
+    }
     tp::publish(c, tp::bar_row(1, cb) + r, e, /*local=*/false);  // staged[cb][r]
     const int tiles_m = ceil_div(g.m, BM);
     const int m_end = int64_t(r + 1) * mp >= g.m ? 0 : static_cast<int>((r + 1) * mp / BM);
-    uint4* dst = static_cast<uint4*>(g.x_full);
     uint32_t staged = 0;  // owners whose whole shard is staged (uniform across the block)
     for (int u = cb; u < tiles_m; u += nc) {
       const int j = (u + m_end) % tiles_m;
       const int64_t lo = int64_t(j) * BM, hi = lo + BM < g.m ? lo + BM : g.m;
-      for (int o = static_cast<int>(lo / mp); o <= static_cast<int>((hi - 1) / mp); ++o) {
+      const int o_lo = static_cast<int>(lo / mp), o_hi = static_cast<int>((hi - 1) / mp);
+      for (int o = o_lo; o <= o_hi; ++o) {
         if (!((staged >> o) & 1u)) {
           if (static_cast<int>(threadIdx.x) < nc) {
             wait(c.sig[r] + tp::bar_row(1, threadIdx.x) + o, e, c.timeout_ns, c.fail(), o);
@@ -123,12 +136,16 @@ struct kernel_def : matmul::kernel_def<C> {
         }
       }
       __syncthreads();
-      tp::copy_units(dst,
-                     [&](uint64_t i) {
-                       const uint64_t o = i / shard_units;
-                       return static_cast<const uint4*>(c.ws[o]) + (i - o * shard_units);
-                     },
-                     lo * units_per_row + threadIdx.x, blockDim.x, uint64_t(hi) * units_per_row);
+      if (lead) {  // rows [lo, hi) of x_full from their owners' workspaces
+        fence_proxy_async_global();  // the staged acquires before the bulk loads
+        for (int o = o_lo; o <= o_hi; ++o) {
+          const int64_t a = lo > o * mp ? lo : o * mp;
+          const int64_t b = hi < (o + 1) * mp ? hi : (o + 1) * mp;
+          bulk_copy(ring, static_cast<char*>(g.x_full) + a * row_bytes,
+                    static_cast<const char*>(c.ws[o]) + (a - o * mp) * row_bytes,
+                    (b - a) * row_bytes);
+        }
+      }
       tp::publish(c, tp::FLAGS + j, e, /*local=*/true);  // flag[j]
     }
     c.barrier(2, cb, e);

@@ -147,7 +147,7 @@ struct kernel_def {
     }
   }
 
-  __device__ static void communicator(const globals&, lcsc::block_info) {}
+  __device__ static void communicator(const globals&, lcsc::block_info, void*) {}
 
  private:
   __device__ static void store_pair(char* dst, float lo, float hi) {

@@ -14,9 +14,9 @@
  * from it; all_gather = D 1 + GATHER; reduce_scatter = D P + SUM; all_to_all = D P + GATHER.
  *
  * Data path. When every run and pointer is 16-byte aligned (the common case) data moves in bulk
- * copies (cp.async.bulk, the TMA engine's 1-D form) through a ring of STAGES shared-memory
- * stages per block: moves (stage-in, GATHER) are runs of up to STAGE_BYTES loaded global ->
- * shared and stored shared -> global by one thread, STAGES - 1 loads ahead of the stores; SUM
+ * copies (cp.async.bulk, the TMA engine's 1-D form) through the shared-memory ring of
+ * pk/comm_ops.cuh (bulk_ring): moves (stage-in, GATHER) are runs of up to one stage loaded
+ * global -> shared and stored shared -> global by one thread, loads running ahead of stores; SUM
  * loads the same piece from all P peers into one stage and every thread adds the P copies in
  * fp32 registers. Only the last < 16 bytes of an array go through plain loads and stores.
  * Otherwise (odd runs or pointers) the same schedule runs on per-thread vector loads and
@@ -55,8 +55,6 @@ namespace pk::coll {
 constexpr int MAX_PEERS = 16;
 constexpr int MAX_BLOCKS = 128;
 constexpr int THREADS = 256;
-constexpr int STAGES = 4;                     ///< bulk path: shared-memory stages per block
-constexpr uint32_t STAGE_BYTES = 32 * 1024;  ///< bulk path: bytes of one stage
 
 constexpr uint64_t SLOT_BASE = 0;
 constexpr uint64_t SLOT_COUNTER = SLOT_BASE;
@@ -164,15 +162,6 @@ struct engine {
   }
 };
 
-/** @brief The bulk path's dynamic shared memory. */
-struct bulk_smem {
-  mbarrier bar[STAGES];   ///< stage s loaded (transaction bytes)
-  char* dst[STAGES];      ///< move path: where stage s's piece goes
-  uint32_t bytes[STAGES];
-  uint32_t phase;         ///< bit s: parity of stage s's next completion (thread 0 writes)
-  alignas(128) char buf[STAGES][STAGE_BYTES];
-};
-
 /** @brief Walks lanes d < D over f in [lo, hi) in runs cut at multiples of R and at `max`. */
 struct run_walker {
   int D;
@@ -200,78 +189,18 @@ struct run_walker {
   }
 };
 
-/** @brief A contiguous copy of `bytes` (a multiple of 16) from `src` to `dst`. */
-struct piece {
-  const char* src;
-  char* dst;
-  uint32_t bytes;
-};
-
-/** @brief Parity bits of the stages after `n` more completions starting at stage 0. */
-__device__ inline uint32_t advance_phase(uint32_t phase, int n) {
-#pragma unroll
-  for (int s = 0; s < STAGES; ++s) {
-    const int uses = n > s ? (n - 1 - s) / STAGES + 1 : 0;
-    phase ^= uint32_t(uses & 1) << s;
-  }
-  return phase;
-}
-
-/**
- * @brief Thread 0 only: copies every piece `next(&piece)` yields, global -> shared -> global,
- * STAGES - 1 loads ahead of the stores. Returns with every store complete.
- */
-template <class Next>
-__device__ inline void bulk_move(bulk_smem& sm, Next next) {
-  uint32_t phase = sm.phase;
-  int issued = 0;
-  bool more = true;
-  auto issue = [&]() {
-    piece pc;
-    if (!next(&pc)) return false;
-    const int s = issued % STAGES;
-    sm.dst[s] = pc.dst;
-    sm.bytes[s] = pc.bytes;
-    mbar_arrive_expect_tx(&sm.bar[s], pc.bytes);
-    load_async(sm.buf[s], pc.src, pc.bytes, &sm.bar[s]);
-    ++issued;
-    return true;
-  };
-  while (more && issued < STAGES) more = issue();
-  for (int i = 0; i < issued; ++i) {
-    const int s = i % STAGES;
-    mbar_wait(&sm.bar[s], (phase >> s) & 1);
-    phase ^= 1u << s;
-    store_async(sm.dst[s], sm.buf[s], sm.bytes[s]);
-    bulk_commit();
-    if (more) {
-      bulk_wait_read_all();  // stage s is free once its store has read it
-      more = issue();
-    }
-  }
-  bulk_wait_all();
-  sm.phase = phase;
-}
-
-/** @brief Copies the bytes of [src, src + n) past the 16-byte multiple with plain accesses. */
-__device__ inline uint32_t split_tail(const char* src, char* dst, int64_t bytes) {
-  const int64_t bulk = bytes / 16 * 16;
-  for (int64_t i = bulk; i < bytes; ++i) dst[i] = __ldcg(reinterpret_cast<const char*>(src) + i);
-  return static_cast<uint32_t>(bulk);
-}
-
 /** @brief The 16-byte (bulk-copy) data path of the engine; same maps as `engine`. */
 template <typename T>
 struct bulk {
   static constexpr int64_t UNIT = 16 / sizeof(T);
-  static constexpr int64_t MOVE_MAX = STAGE_BYTES / sizeof(T);
+  static constexpr int64_t MOVE_MAX = bulk_ring::STAGE_BYTES / sizeof(T);
 
   /** @brief ws_me[d][f - lo] = x[...] (thread 0). Elements past n are left as they are. */
-  __device__ static void stage(const globals& g, bulk_smem& sm, T* mine, int D, int64_t lo,
+  __device__ static void stage(const globals& g, bulk_ring& sm, T* mine, int D, int64_t lo,
                                int64_t hi) {
     const T* x = static_cast<const T*>(g.x);
     run_walker w(D, lo, hi, g.S, MOVE_MAX);
-    bulk_move(sm, [&](piece* pc) {
+    bulk_move(sm, [&](bulk_piece* pc) {
       int d;
       int64_t f0, f1;
       while (w.next(&d, &f0, &f1)) {
@@ -288,11 +217,11 @@ struct bulk {
   }
 
   /** @brief y[(f / B) P B + p B + f % B] = src_p[f - lo] for every peer p (thread 0). */
-  __device__ static void gather(const globals& g, bulk_smem& sm, uint64_t src_off, int64_t lo,
+  __device__ static void gather(const globals& g, bulk_ring& sm, uint64_t src_off, int64_t lo,
                                 int64_t hi) {
     T* y = static_cast<T*>(g.y);
     run_walker w(g.world, lo, hi, g.B, MOVE_MAX);
-    bulk_move(sm, [&](piece* pc) {
+    bulk_move(sm, [&](bulk_piece* pc) {
       int p;
       int64_t f0, f1;
       while (w.next(&p, &f0, &f1)) {
@@ -312,15 +241,15 @@ struct bulk {
    * @brief dst[f] = sum over peers of src_p[f - lo], f in [lo, hi) (all threads): each piece
    * is loaded from the P peers into one stage, then summed from shared memory in fp32.
    */
-  __device__ static void sum(const globals& g, bulk_smem& sm, uint64_t src_off, T* dst,
+  __device__ static void sum(const globals& g, bulk_ring& sm, uint64_t src_off, T* dst,
                              int64_t lo, int64_t hi) {
     const int P = g.world;
-    const int64_t piece_elems = (STAGE_BYTES / P) / 16 * UNIT;  // per peer
+    const int64_t piece_elems = (bulk_ring::STAGE_BYTES / P) / 16 * UNIT;  // per peer
     const int64_t bulk_hi = lo + (hi - lo) / UNIT * UNIT;
     const int n = static_cast<int>(ceil_div<int64_t>(bulk_hi - lo, piece_elems));
     const uint32_t phase = sm.phase;
     auto issue = [&](int i) {
-      const int s = i % STAGES;
+      const int s = i % bulk_ring::STAGES;
       const int64_t f = lo + i * piece_elems;
       const int64_t len = bulk_hi - f < piece_elems ? bulk_hi - f : piece_elems;
       const uint32_t bytes = static_cast<uint32_t>(len * sizeof(T));
@@ -332,11 +261,11 @@ struct bulk {
       }
     };
     if (threadIdx.x == 0) {
-      for (int i = 0; i < n && i < STAGES; ++i) issue(i);
+      for (int i = 0; i < n && i < bulk_ring::STAGES; ++i) issue(i);
     }
     for (int i = 0; i < n; ++i) {
-      const int s = i % STAGES;
-      mbar_wait(&sm.bar[s], ((phase >> s) ^ (i / STAGES)) & 1);
+      const int s = i % bulk_ring::STAGES;
+      mbar_wait(&sm.bar[s], ((phase >> s) ^ (i / bulk_ring::STAGES)) & 1);
       const int64_t f = lo + i * piece_elems;
       const int64_t units = (bulk_hi - f < piece_elems ? bulk_hi - f : piece_elems) / UNIT;
       for (int64_t u = threadIdx.x; u < units; u += THREADS) {
@@ -350,7 +279,7 @@ struct bulk {
         p2p::st16(dst + f + u * UNIT, acc.pack());
       }
       __syncthreads();  // stage s read by every thread
-      if (threadIdx.x == 0 && i + STAGES < n) issue(i + STAGES);
+      if (threadIdx.x == 0 && i + bulk_ring::STAGES < n) issue(i + bulk_ring::STAGES);
     }
     for (int64_t f = bulk_hi + threadIdx.x; f < hi; f += THREADS) {
       dst[f] = p2p::reduce_scalar<T, MAX_PEERS>(g.ws, P, src_off + (f - lo) * sizeof(T));
@@ -369,8 +298,8 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ glo
   using E = engine<T, VEC>;
   using X = bulk<T>;
   constexpr bool B16 = BULK<T, VEC>;
-  extern __shared__ __align__(128) char dyn_smem[];  // bulk_smem when B16, else empty
-  bulk_smem& sm = *reinterpret_cast<bulk_smem*>(dyn_smem);
+  extern __shared__ __align__(128) char dyn_smem[];  // bulk_ring when B16, else empty
+  bulk_ring& sm = *reinterpret_cast<bulk_ring*>(dyn_smem);
   const int P = g.world;
   const int r = g.rank;
   const int b = blockIdx.x;
@@ -382,9 +311,7 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ glo
     if (got != r) fail(fc, ERR_RANK_MISMATCH, got);
     s_base = g.sig[r][SLOT_COUNTER + b];  // only this block of this device writes it
     if constexpr (B16) {
-      for (int s = 0; s < STAGES; ++s) mbar_init(&sm.bar[s], 1);
-      sm.phase = 0;
-      fence_mbar_init();
+      sm.init();
     }
   }
   __syncthreads();
@@ -494,7 +421,7 @@ inline bool make_plan(int64_t L, int esize, int D, bool twoshot, uint64_t ws_byt
 template <typename T, int VEC, int KIND>
 inline cudaError_t launch_vec(const globals& g, const plan& pl, cudaStream_t stream, int device) {
   const void* fn = reinterpret_cast<const void*>(&kernel<T, VEC, KIND>);
-  const int smem = BULK<T, VEC> ? int(sizeof(bulk_smem)) : 0;
+  const int smem = BULK<T, VEC> ? int(sizeof(bulk_ring)) : 0;
   if (smem > 0) {
     if (cudaError_t err = opt_in_smem(fn, device, smem); err != cudaSuccess) return err;
   }

@@ -6,6 +6,9 @@
  *   contiguous tile from shared memory into global memory, local or a peer's mapping; the add
  *   variant reduces into the destination (cp.reduce.async.bulk .add).
  * - `load_async`: the bulk copy in the other direction, completing on an mbarrier.
+ * - `bulk_ring` / `bulk_move` / `bulk_copy`: one thread moving contiguous pieces global ->
+ *   shared -> global through a ring of shared-memory stages, loads running ahead of stores
+ *   (the collectives' data path and ag_gemm's communication blocks).
  * - `p2p::reduce` / `p2p::all_reduce`: 16-byte vector loads of the same offset from every peer, summed in
  *   fp32 registers; all_reduce also stores the sum back to every peer.
  *
@@ -89,6 +92,107 @@ __device__ inline void fence_proxy_async_smem() {
 /** @brief Orders generic-proxy global writes and async-proxy (bulk copy) accesses. */
 __device__ inline void fence_proxy_async_global() {
   asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bulk-copy ring: global -> shared -> global moves of contiguous pieces, loads running ahead
+
+/** @brief STAGES shared-memory stages with their mbarriers (dynamic shared memory). */
+struct bulk_ring {
+  static constexpr int STAGES = 4;
+  static constexpr uint32_t STAGE_BYTES = 32 * 1024;
+
+  mbarrier bar[STAGES];  ///< stage s loaded (transaction bytes)
+  char* dst[STAGES];     ///< bulk_move: where stage s's piece goes
+  uint32_t bytes[STAGES];
+  uint32_t phase;        ///< bit s: parity of stage s's next completion (one thread writes)
+  alignas(128) char buf[STAGES][STAGE_BYTES];
+
+  /** @brief One thread, before any use. */
+  __device__ void init() {
+    for (int s = 0; s < STAGES; ++s) mbar_init(&bar[s], 1);
+    phase = 0;
+    fence_mbar_init();
+  }
+};
+
+/** @brief A contiguous copy of `bytes` (a multiple of 16, at most one stage). */
+struct bulk_piece {
+  const char* src;
+  char* dst;
+  uint32_t bytes;
+};
+
+/** @brief Parity bits of the stages after `n` more completions starting at stage 0. */
+__device__ inline uint32_t advance_phase(uint32_t phase, int n) {
+#pragma unroll
+  for (int s = 0; s < bulk_ring::STAGES; ++s) {
+    const int uses = n > s ? (n - 1 - s) / bulk_ring::STAGES + 1 : 0;
+    phase ^= uint32_t(uses & 1) << s;
+  }
+  return phase;
+}
+
+/**
+ * @brief One thread: copies every piece `next(&piece)` yields, global -> shared -> global,
+ * STAGES - 1 loads ahead of the stores. Returns with every store complete (not yet fenced
+ * for generic-proxy readers: see fence_proxy_async_global).
+ */
+template <class Next>
+__device__ inline void bulk_move(bulk_ring& ring, Next next) {
+  uint32_t phase = ring.phase;
+  int issued = 0;
+  bool more = true;
+  auto issue = [&]() {
+    bulk_piece pc;
+    if (!next(&pc)) return false;
+    const int s = issued % bulk_ring::STAGES;
+    ring.dst[s] = pc.dst;
+    ring.bytes[s] = pc.bytes;
+    mbar_arrive_expect_tx(&ring.bar[s], pc.bytes);
+    load_async(ring.buf[s], pc.src, pc.bytes, &ring.bar[s]);
+    ++issued;
+    return true;
+  };
+  while (more && issued < bulk_ring::STAGES) more = issue();
+  for (int i = 0; i < issued; ++i) {
+    const int s = i % bulk_ring::STAGES;
+    mbar_wait(&ring.bar[s], (phase >> s) & 1);
+    phase ^= 1u << s;
+    store_async(ring.dst[s], ring.buf[s], ring.bytes[s]);
+    bulk_commit();
+    if (more) {
+      bulk_wait_read_all();  // stage s is free once its store has read it
+      more = issue();
+    }
+  }
+  bulk_wait_all();
+  ring.phase = phase;
+}
+
+/** @brief One thread: dst[0, bytes) = src[0, bytes) (16-byte aligned, bytes % 16 == 0). */
+__device__ inline void bulk_copy(bulk_ring& ring, void* dst, const void* src, uint64_t bytes) {
+  uint64_t done = 0;
+  bulk_move(ring, [&](bulk_piece* pc) {
+    if (done >= bytes) return false;
+    const uint64_t n = bytes - done < bulk_ring::STAGE_BYTES ? bytes - done
+                                                              : bulk_ring::STAGE_BYTES;
+    pc->src = static_cast<const char*>(src) + done;
+    pc->dst = static_cast<char*>(dst) + done;
+    pc->bytes = static_cast<uint32_t>(n);
+    done += n;
+    return true;
+  });
+}
+
+/**
+ * @brief Copies the bytes of [src, src + bytes) past the last 16-byte multiple with plain
+ * accesses; returns that multiple (the part left for bulk copies).
+ */
+__device__ inline uint32_t split_tail(const char* src, char* dst, int64_t bytes) {
+  const int64_t bulk = bytes / 16 * 16;
+  for (int64_t i = bulk; i < bytes; ++i) dst[i] = __ldcg(src + i);
+  return static_cast<uint32_t>(bulk);
 }
 
 // ---------------------------------------------------------------------------------------------

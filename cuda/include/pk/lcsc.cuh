@@ -19,7 +19,9 @@
  *                           release stage s (one step late when K::ASYNC_MMA: wgmma reads it)
  *                    K::storer(g, acc, out[c], c, tile, sync)
  *
- * Communication block (the last comm_blocks blocks of the grid): K::communicator(g, info).
+ * Communication block (the last comm_blocks blocks of the grid): K::communicator(g, info,
+ * smem), with the block's whole dynamic shared memory (sizeof(shared_storage<K>) bytes, 1024-
+ * byte aligned) free for its own use.
  *
  * What K provides:
  *   types    globals, stage_t (one pipeline stage of inputs), out_t (a consumer's staging
@@ -87,7 +89,8 @@ __global__ void __launch_bounds__((K::CONSUMERS + 1) * WARPGROUP_THREADS, 1)
   const int compute_blocks = gridDim.x - comm_blocks;
   if (static_cast<int>(blockIdx.x) >= compute_blocks) {
     K::communicator(g, block_info{compute_blocks, comm_blocks,
-                                  static_cast<int>(blockIdx.x) - compute_blocks});
+                                  static_cast<int>(blockIdx.x) - compute_blocks},
+                    static_cast<void*>(&s));
     return;
   }
   if (threadIdx.x == 0) {
