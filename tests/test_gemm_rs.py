@@ -14,8 +14,11 @@ from util import (
     P,
     assert_error_within_xla,
     assert_same,
+    check_gemm_p1,
     check_grads_sharded,
     cpu_mesh,
+    gpu_mesh,
+    poison,
     product,
     rand,
     run,
@@ -313,16 +316,9 @@ INT_CASES = [((1000, 64, 520), jnp.bfloat16, "fused"), ((333, 1024, 264), jnp.fl
              ((1000, 8192, 256), jnp.bfloat16, "fused")]
 
 
-def _gpu_mesh(ws=None):
-    mesh = jax.make_mesh((1,), ("tp",), devices=jax.devices("gpu")[:1])
-    pk.init(mesh, workspace_bytes=ws)
-    assert pk.backend_name(gemm_rs.STEM, "tp") == "cuda"
-    return mesh
-
-
 def _gpu_call(mesh, x, w, mode):
     in_specs, out_spec = _specs_1d()
-    jax.block_until_ready(jnp.full((x.shape[0], w.shape[1]), jnp.nan, x.dtype))  # poison
+    poison((x.shape[0], w.shape[1]), x.dtype)
     with cost_model.override(mode=mode):
         return run(_op, mesh, in_specs, out_spec, x, w, init=False)
 
@@ -330,59 +326,40 @@ def _gpu_call(mesh, x, w, mode):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape,dtype,mode", GPU_CASES)
 def test_gpu_p1_random_within_xla_error(shape, dtype, mode):
-    _check_random(shape, dtype, mode)
+    _check(shape, dtype, mode, integers=False)
 
 
 @pytest.mark.gpu
 @pytest.mark.large
 @pytest.mark.parametrize("shape,dtype,mode", product(GPU_SHAPES, MATMUL_DTYPES, GPU_MODES))
 def test_gpu_p1_random_within_xla_error_large(shape, dtype, mode):
-    _check_random(shape, dtype, mode)
-
-
-def _check_random(shape, dtype, mode):
-    m, k, n = shape
-    mesh = _gpu_mesh()
-    for call in range(2):  # two calls in a row: epochs and the zeroed buffer carry over
-        kx, kw = jax.random.split(jax.random.key(100 * call + k))
-        x, w = rand(kx, (m, k), dtype), rand(kw, (k, n), dtype)
-        exact = _global(x, w)
-        xla = jax.jit(lambda a, b: a @ b)(x, w)
-        y = _gpu_call(mesh, x, w, mode)
-        assert y.shape == (m, n) and y.dtype == dtype
-        assert not bool(jnp.any(jnp.isnan(y))), "output not fully written"
-        assert_error_within_xla(y, xla, exact, atol=1e-3 * np.sqrt(k))
+    _check(shape, dtype, mode, integers=False)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape,dtype,mode", INT_CASES)
 def test_gpu_p1_exact_on_integers(shape, dtype, mode):
-    _check_integers(shape, dtype, mode)
+    _check(shape, dtype, mode, integers=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.large
 @pytest.mark.parametrize("shape,dtype,mode", product(GPU_SHAPES[:3], MATMUL_DTYPES, GPU_MODES))
 def test_gpu_p1_exact_on_integers_large(shape, dtype, mode):
-    _check_integers(shape, dtype, mode)
+    _check(shape, dtype, mode, integers=True)
 
 
-def _check_integers(shape, dtype, mode):
-    m, k, n = shape
-    mesh = _gpu_mesh()
-    for call in range(2):
-        kx, kw = jax.random.split(jax.random.key(7 + call))
-        x, w = small_ints(kx, (m, k), dtype), small_ints(kw, (k, n), dtype)
-        y = _gpu_call(mesh, x, w, mode)
-        # fp32 sums of integers are exact; the one rounding to the dtype matches numpy's
-        assert_same(y, jnp.asarray(_global(x, w)).astype(dtype))
+def _check(shape, dtype, mode, *, integers):
+    mesh = gpu_mesh(gemm_rs.STEM)
+    check_gemm_p1(lambda x, w: _gpu_call(mesh, x, w, mode), _global, shape, dtype,
+                  integers=integers)
 
 
 @pytest.mark.gpu
 def test_gpu_p1_fused_after_a_collective_reused_the_workspace():
     """A collective between two calls scribbles on the workspace that holds the accumulation
     buffer: the fused op must zero it at the start of every call."""
-    mesh = _gpu_mesh()
+    mesh = gpu_mesh(gemm_rs.STEM)
     x, w = small_ints(KEYS[0], (300, 128), jnp.bfloat16), small_ints(KEYS[1], (128, 200),
                                                                        jnp.bfloat16)
     want = jnp.asarray(_global(x, w)).astype(jnp.bfloat16)
@@ -394,7 +371,7 @@ def test_gpu_p1_fused_after_a_collective_reused_the_workspace():
 
 @pytest.mark.gpu
 def test_gpu_p1_vjp_matches_reference():
-    mesh = _gpu_mesh()
+    mesh = gpu_mesh(gemm_rs.STEM)
     x, w = small_ints(KEYS[0], (256, 64), jnp.bfloat16), small_ints(KEYS[1], (64, 72),
                                                                       jnp.bfloat16)
     dy = small_ints(KEYS[2], (256, 72), jnp.bfloat16)
@@ -408,7 +385,7 @@ def test_gpu_p1_vjp_matches_reference():
 
 @pytest.mark.gpu
 def test_gpu_error_workspace_too_small():
-    mesh = _gpu_mesh(ws=1 << 20)
+    mesh = gpu_mesh(gemm_rs.STEM, 1 << 20)
     x, w = jnp.ones((1024, 64), jnp.bfloat16), jnp.ones((64, 1024), jnp.bfloat16)
     with pytest.raises(ValueError, match=r"needs 2097152 bytes of symmetric workspace.*"
                        r"workspace_bytes=2097152"):
@@ -422,7 +399,7 @@ def test_gpu_p1_tp_mlp_gradients_match_reference(sequence_parallel, mode):
     matmul + gemm_ar without) and its gradients against the unsharded reference MLP."""
     from pk_jax import nn as pknn
 
-    mesh = _gpu_mesh()
+    mesh = gpu_mesh(gemm_rs.STEM)
     d, hdim, s = 256, 512, 300
     ks = jax.random.split(jax.random.key(5), 6)
     x = rand(ks[0], (s, d), jnp.float32) * 0.5

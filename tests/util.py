@@ -45,10 +45,10 @@ def rand(key, shape, dtype, *, integer: bool = False):
 
 def tol(dtype) -> dict:
     """assert_allclose tolerances for a result computed in `dtype`."""
-    return {jnp.dtype(jnp.bfloat16): dict(rtol=2e-2, atol=2e-2),
-            jnp.dtype(jnp.float16): dict(rtol=2e-3, atol=2e-3),
-            jnp.dtype(jnp.float32): dict(rtol=1e-5, atol=1e-5)}.get(jnp.dtype(dtype),
-                                                                   dict(rtol=0, atol=0))
+    return {jnp.dtype(jnp.bfloat16): {"rtol": 2e-2, "atol": 2e-2},
+            jnp.dtype(jnp.float16): {"rtol": 2e-3, "atol": 2e-3},
+            jnp.dtype(jnp.float32): {"rtol": 1e-5, "atol": 1e-5}}.get(jnp.dtype(dtype),
+                                                                     {"rtol": 0, "atol": 0})
 
 
 def assert_close(actual, expected, dtype=None):
@@ -151,3 +151,42 @@ def assert_error_within_xla(actual, xla_same_dtype, exact, *, atol: float = 1e-3
     err = np.max(np.abs(np.asarray(actual, np.float64) - exact))
     err_xla = np.max(np.abs(np.asarray(xla_same_dtype, np.float64) - exact))
     assert err <= 2 * err_xla + atol, f"error {err} > 2 * {err_xla} (XLA's) + {atol}"
+
+
+def gpu_mesh(stem: str, workspace_bytes: int | None = None):
+    """A 1-device ("tp",) mesh on the first GPU, pk.init'ed; asserts op `stem` runs its kernel."""
+    mesh = jax.make_mesh((1,), ("tp",), devices=jax.devices("gpu")[:1])
+    pk.init(mesh, workspace_bytes=workspace_bytes)
+    assert pk.backend_name(stem, "tp") == "cuda"
+    return mesh
+
+
+def poison(shape, dtype) -> None:
+    """Fills fresh device memory of this size with NaN, so that an output the kernel forgets to
+    write shows up (XLA is likely to hand the same memory to the next call's output)."""
+    jax.block_until_ready(jnp.full(shape, jnp.nan, dtype))
+
+
+def check_gemm_p1(call, exact_fn, shape, dtype, *, integers: bool) -> None:
+    """Two calls in a row of a P = 1 GEMM op on the GPU, y = call(x, w) or (y, gathered x):
+    random normal inputs within XLA's error, or small integers exactly (fp32 sums of integers
+    are exact, and their one rounding to the dtype matches numpy's). A gathered x must be x."""
+    m, k, n = shape
+    for i in range(2):  # the second call finds the epochs, flags and buffers of the first
+        if integers:
+            kx, kw = jax.random.split(jax.random.key(7 + i))
+            x, w = small_ints(kx, (m, k), dtype), small_ints(kw, (k, n), dtype)
+        else:
+            kx, kw = jax.random.split(jax.random.key(100 * i + k))
+            x, w = rand(kx, (m, k), dtype), rand(kw, (k, n), dtype)
+        out = call(x, w)
+        y, gathered = out if isinstance(out, tuple) else (out, None)
+        if gathered is not None:
+            assert_same(gathered, x)
+        if integers:
+            assert_same(y, jnp.asarray(exact_fn(x, w)).astype(dtype))
+            continue
+        assert y.shape == (m, n) and y.dtype == dtype
+        assert not bool(jnp.any(jnp.isnan(y))), "output not fully written"
+        xla = jax.jit(lambda a, b: a @ b)(x, w)
+        assert_error_within_xla(y, xla, exact_fn(x, w), atol=1e-3 * np.sqrt(k))

@@ -314,7 +314,7 @@ class Runtime:
                     for (comm_id, dev_id), alloc in owned.items():
                         exported[f"{comm_id}/{dev_id}"] = (alloc.export_fd(), {"size": alloc.size})
                     server = exchange.FdServer(exported, timeout_s=init_timeout_s())
-                except Exception as e:
+                except Exception as e:  # noqa: BLE001 -- told to every peer, raised below
                     problem = str(e)
             values = kv.gather("sockets", {"path": server.path if server else "",
                                            "error": problem})
@@ -369,7 +369,7 @@ class Runtime:
             nonlocal first
             try:
                 fn(*args)
-            except BaseException as e:  # keep releasing the rest
+            except BaseException as e:  # noqa: BLE001 -- keep releasing the rest
                 if first is None:
                     first = e
 
@@ -391,7 +391,7 @@ class Runtime:
                         attempt(a.release)
                     if self.record is not None:
                         attempt(self.record.free)
-            except BaseException as e:
+            except BaseException as e:  # noqa: BLE001 -- raised after the rest is released
                 if first is None:
                     first = e
         self.mappings, self.allocations, self.record = [], [], None

@@ -181,7 +181,7 @@ class FdServer:
         self._sock.close()
         shutil.rmtree(self.directory, ignore_errors=True)
 
-    def __enter__(self) -> FdServer:
+    def __enter__(self) -> FdServer:  # noqa: PYI034 (typing.Self needs Python 3.11)
         return self
 
     def __exit__(self, *exc) -> None:

@@ -151,7 +151,7 @@ def shutdown() -> None:
 def _shutdown_at_exit() -> None:
     try:
         shutdown()
-    except Exception:  # the driver may already be going away; the OS reclaims the rest
+    except Exception:  # noqa: BLE001, S110 -- the driver may be going away; the OS reclaims it
         pass
 
 

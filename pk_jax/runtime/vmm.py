@@ -71,7 +71,7 @@ class Context:
         self.ctx = call("cuDevicePrimaryCtxRetain", self.device)
         self._released = False
 
-    def __enter__(self) -> Context:
+    def __enter__(self) -> Context:  # noqa: PYI034 (typing.Self needs Python 3.11)
         call("cuCtxPushCurrent", self.ctx)
         return self
 

@@ -14,7 +14,8 @@ import sys
 
 
 def read(path: str) -> tuple[str, dict[int, float]]:
-    text = open(path).read()
+    with open(path) as f:
+        text = f.read()
     losses = {int(m[1]): float(m[2]) for m in re.finditer(r"step\s+(\d+)\s+loss\s+(\S+)", text)}
     header = next((line for line in text.splitlines() if "backends:" in line), "")
     return header, losses

@@ -195,20 +195,31 @@ struct bulk {
   static constexpr int64_t UNIT = 16 / sizeof(T);
   static constexpr int64_t MOVE_MAX = bulk_ring::STAGE_BYTES / sizeof(T);
 
-  /** @brief ws_me[d][f - lo] = x[...] (thread 0). Elements past n are left as they are. */
-  __device__ static void stage(const globals& g, bulk_ring& sm, T* mine, int D, int64_t lo,
-                               int64_t hi) {
-    const T* x = static_cast<const T*>(g.x);
-    run_walker w(D, lo, hi, g.S, MOVE_MAX);
+  /** @brief Where run [f0, ...) of lane d goes: addresses and elements left in the array. */
+  struct run_at {
+    const T* src;
+    T* dst;
+    int64_t room;
+  };
+
+  /**
+   * @brief Thread 0: moves lanes d < D over [lo, hi) in runs cut at multiples of R; at(d, f0)
+   * places each run, which is clipped to its room (array ends; the last < 16 bytes go through
+   * plain accesses).
+   */
+  template <class At>
+  __device__ static void move_runs(bulk_ring& sm, int D, int64_t lo, int64_t hi, int64_t R,
+                                   At at) {
+    run_walker w(D, lo, hi, R, MOVE_MAX);
     bulk_move(sm, [&](bulk_piece* pc) {
       int d;
       int64_t f0, f1;
       while (w.next(&d, &f0, &f1)) {
-        const int64_t idx = (f0 / g.S) * g.world * g.S + d * g.S + f0 % g.S;
-        const int64_t len = f1 - f0 < g.n - idx ? f1 - f0 : g.n - idx;
+        const run_at r = at(d, f0);
+        const int64_t len = f1 - f0 < r.room ? f1 - f0 : r.room;
         if (len <= 0) continue;
-        pc->src = reinterpret_cast<const char*>(x + idx);
-        pc->dst = reinterpret_cast<char*>(mine + d * g.chunk + (f0 - lo));
+        pc->src = reinterpret_cast<const char*>(r.src);
+        pc->dst = reinterpret_cast<char*>(r.dst);
         pc->bytes = split_tail(pc->src, pc->dst, len * int64_t(sizeof(T)));
         if (pc->bytes > 0) return true;
       }
@@ -216,24 +227,24 @@ struct bulk {
     });
   }
 
+  /** @brief ws_me[d][f - lo] = x[...] (thread 0). Elements past n are left as they are. */
+  __device__ static void stage(const globals& g, bulk_ring& sm, T* mine, int D, int64_t lo,
+                               int64_t hi) {
+    const T* x = static_cast<const T*>(g.x);
+    move_runs(sm, D, lo, hi, g.S, [&](int d, int64_t f0) {
+      const int64_t idx = (f0 / g.S) * g.world * g.S + d * g.S + f0 % g.S;
+      return run_at{x + idx, mine + d * g.chunk + (f0 - lo), g.n - idx};
+    });
+  }
+
   /** @brief y[(f / B) P B + p B + f % B] = src_p[f - lo] for every peer p (thread 0). */
   __device__ static void gather(const globals& g, bulk_ring& sm, uint64_t src_off, int64_t lo,
                                 int64_t hi) {
     T* y = static_cast<T*>(g.y);
-    run_walker w(g.world, lo, hi, g.B, MOVE_MAX);
-    bulk_move(sm, [&](bulk_piece* pc) {
-      int p;
-      int64_t f0, f1;
-      while (w.next(&p, &f0, &f1)) {
-        const int64_t o = (f0 / g.B) * g.world * g.B + p * g.B + f0 % g.B;
-        const int64_t len = f1 - f0 < g.n_out - o ? f1 - f0 : g.n_out - o;
-        if (len <= 0) continue;
-        pc->src = static_cast<const char*>(g.ws[p]) + src_off + (f0 - lo) * sizeof(T);
-        pc->dst = reinterpret_cast<char*>(y + o);
-        pc->bytes = split_tail(pc->src, pc->dst, len * int64_t(sizeof(T)));
-        if (pc->bytes > 0) return true;
-      }
-      return false;
+    move_runs(sm, g.world, lo, hi, g.B, [&](int p, int64_t f0) {
+      const int64_t o = (f0 / g.B) * g.world * g.B + p * g.B + f0 % g.B;
+      const T* src = reinterpret_cast<const T*>(static_cast<const char*>(g.ws[p]) + src_off);
+      return run_at{src + (f0 - lo), y + o, g.n_out - o};
     });
   }
 
