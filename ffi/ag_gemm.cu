@@ -133,4 +133,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkAgGemm, pk_ffi::AgGemmCuda,
                                   .Attr<int64_t>("comm_id")                       // comm_id
                                   .Attr<int64_t>("config")                        // tile config
                                   .Attr<int64_t>("group_m")        // block-rows per band
-                                  .Attr<int64_t>("num_comm_sms"));  // communication blocks
+                                  .Attr<int64_t>("num_comm_sms"),  // communication blocks
+                              PK_FFI_CUDA_TRAITS);

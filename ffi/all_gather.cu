@@ -50,4 +50,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkAllGather, pk_ffi::AllGatherCuda,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // rank
                                   .Ret<xla::ffi::AnyBuffer>()                     // y
                                   .Attr<int64_t>("comm_id")                       // comm_id
-                                  .Attr<int64_t>("run"));  // run: x elements from axis on
+                                  .Attr<int64_t>("run"),  // run: x elements from axis on
+                              PK_FFI_CUDA_TRAITS);

@@ -52,4 +52,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkAllReduce, pk_ffi::AllReduceCuda,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // rank
                                   .Ret<xla::ffi::AnyBuffer>()                     // y
                                   .Attr<int64_t>("comm_id")                       // comm_id
-                                  .Attr<int64_t>("algo"));  // algo: 0 auto, 1 one-shot, 2 two-shot
+                                  .Attr<int64_t>("algo"),  // algo: 0 auto, 1 one-shot, 2 two-shot
+                              PK_FFI_CUDA_TRAITS);

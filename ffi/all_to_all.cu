@@ -55,4 +55,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkAllToAll, pk_ffi::AllToAllCuda,
                                   .Ret<xla::ffi::AnyBuffer>()                     // y
                                   .Attr<int64_t>("comm_id")                       // comm_id
                                   .Attr<int64_t>("split_run")    // C1: block row elements
-                                  .Attr<int64_t>("concat_run"));  // C2: received row elements
+                                  .Attr<int64_t>("concat_run"),  // C2: received row elements
+                              PK_FFI_CUDA_TRAITS);

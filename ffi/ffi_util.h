@@ -31,6 +31,11 @@ inline ffi::Error CudaError(cudaError_t err, const char* expr, const char* file,
 // Checks the launch that was just issued on the current thread.
 #define PK_CUDA_CHECK_LAUNCH() PK_CUDA_CHECK(cudaGetLastError())
 
+// Traits of every CUDA handler: it only enqueues work on XLA's stream (no host
+// synchronisation; epochs and counters live on the device), so XLA may record it into a
+// command buffer (CUDA graph) and replay it.
+#define PK_FFI_CUDA_TRAITS {xla::ffi::Traits::kCmdBufferCompatible}
+
 // Handler symbols, one block per op; module.cc registers them.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PkPing);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PkPingCpu);

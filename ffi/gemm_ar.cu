@@ -27,4 +27,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkGemmAr, pk_ffi::GemmArCuda,
                                   .Attr<int64_t>("comm_id")                       // comm_id
                                   .Attr<int64_t>("config")                        // tile config
                                   .Attr<int64_t>("group_m")  // block-rows per band
-                                  .Attr<int64_t>("mode"));   // 1: fused kernels even at P = 1
+                                  .Attr<int64_t>("mode"),   // 1: fused kernels even at P = 1
+                              PK_FFI_CUDA_TRAITS);

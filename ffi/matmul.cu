@@ -95,4 +95,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkMatmul, pk_ffi::MatmulCuda,
                                   .Arg<xla::ffi::AnyBuffer>()                     // w [K, N]
                                   .Ret<xla::ffi::AnyBuffer>()                     // y [M, N]
                                   .Attr<int64_t>("config")                        // tile config
-                                  .Attr<int64_t>("group_m"));  // block-rows per band
+                                  .Attr<int64_t>("group_m"),  // block-rows per band
+                              PK_FFI_CUDA_TRAITS);

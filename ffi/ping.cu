@@ -31,7 +31,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkPing, pk_ffi::PingCuda,
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()         // x
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // rank
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());       // y
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),       // y
+                              PK_FFI_CUDA_TRAITS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PkPingCpu, pk_ffi::PingCpu,
                               xla::ffi::Ffi::Bind()

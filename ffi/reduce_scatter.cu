@@ -56,4 +56,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkReduceScatter, pk_ffi::ReduceScatterCuda,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // rank
                                   .Ret<xla::ffi::AnyBuffer>()                     // y
                                   .Attr<int64_t>("comm_id")                       // comm_id
-                                  .Attr<int64_t>("run"));  // run: C, elements of one slice row
+                                  .Attr<int64_t>("run"),  // run: C, elements of one slice row
+                              PK_FFI_CUDA_TRAITS);
