@@ -8,15 +8,15 @@
  * Schedule (P2P engine, pk/collective.cuh; chunk k of block b covers x elements [lo, hi)):
  *
  *     step      rank r
- *     stage     ws_r <- x_r[lo:hi]                              (local copy, 16-byte units)
+ *     stage     ws_r <- x_r[lo:hi]                              (local bulk copies)
  *     barrier   ready[b][*] = q+1 on every peer
- *     pull      y[a, p, j] <- ws_p[f - lo], f = a B + j, every p  (peer loads, 16-byte units)
+ *     pull      y[a, p, j] <- ws_p[f - lo], f = a B + j, every p  (bulk copies from peers)
  *     signal    done[b][r] = q+1 on every peer
  *
  * Signal protocol: as all_reduce one-shot (ready, then done; a region is restaged only after
  * done[b][*] >= q - 1). Traffic per rank: (P - 1) n loaded over NVLink.
  *
- * Pitfalls: the 16-byte path needs B * itemsize % 16 == 0 (every row of y starts aligned);
+ * Pitfalls: the bulk-copy path needs B * itemsize % 16 == 0 (every row of y starts aligned);
  * otherwise the widest unit dividing it is used (down to one element), so odd shapes are
  * correct but slower. Data is moved as raw bits (int32 and floats alike).
  */

@@ -19,9 +19,9 @@
  *     step      rank r
  *     stage     ws_r[d] <- x_r slice d (chunk), d < P           (zero past n)
  *     barrier   ready
- *     reduce    red_r <- sum_p ws_p[r]                          (my slice, fp32 registers)
+ *     reduce    red_r <- sum_p ws_p[r]              (my slice: bulk loads, fp32 registers)
  *     barrier   ready2
- *     gather    y slice d <- red_d, every d                     (peer loads)
+ *     gather    y slice d <- red_d, every d                     (bulk copies from peers)
  *
  * Signal protocol (per block b, round q; values only grow): ready[b][r] and ready2[b][r] are
  * raised to q + 1 on every peer after staging / reducing; done[b][r] is raised to q + 1 on

@@ -13,13 +13,13 @@
  *     step      rank r
  *     stage     ws_r[d][f - lo] <- x_r[a1, d, j1], f = a1 C1 + j1, every d    (local)
  *     barrier   ready[b][*] = q+1 on every peer
- *     pull      y_r[a2, p, j2] <- ws_p[r][f - lo], f = a2 C2 + j2, every p   (peer loads)
+ *     pull      y_r[a2, p, j2] <- ws_p[r][f - lo], f = a2 C2 + j2, every p   (bulk copies)
  *     signal    done[b][r] = q+1 on every peer
  *
  * Signal protocol: as all_reduce one-shot. Traffic per rank: (P - 1) n / P over NVLink.
  *
  * Pitfalls: both index maps are pure index arithmetic, so no XLA transposes are needed for any
- * (split, concat) pair; the 16-byte path needs C1 and C2 (in bytes) to be multiples of 16,
+ * (split, concat) pair; the bulk-copy path needs C1 and C2 (in bytes) to be multiples of 16,
  * otherwise a narrower unit is used. Raw bits are moved (int32 and floats alike).
  */
 #pragma once

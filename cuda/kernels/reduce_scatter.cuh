@@ -11,14 +11,14 @@
  *     step      rank r
  *     stage     ws_r[d][f - lo] <- x_r[a, d, j], f = a C + j, every d   (local transpose)
  *     barrier   ready[b][*] = q+1 on every peer
- *     pull      y_r[f] <- sum_p ws_p[r][f - lo]                          (fp32 registers)
+ *     pull      y_r[f] <- sum_p ws_p[r][f - lo]          (bulk loads, fp32 registers)
  *     signal    done[b][r] = q+1 on every peer
  *
  * Signal protocol: as all_reduce one-shot. Traffic per rank: (P - 1) n / P loaded over NVLink,
  * the minimum for a reduce-scatter.
  *
  * Pitfalls: staging groups slice d of every row a together, so a peer's slice for me is
- * contiguous in its workspace; the 16-byte path needs C * itemsize % 16 == 0. Sums are fp32 in
+ * contiguous in its workspace; the bulk-copy path needs C * itemsize % 16 == 0. Sums are fp32 in
  * rank order (bit-identical across ranks, may differ from XLA in the last bit for bf16/fp16).
  */
 #pragma once
