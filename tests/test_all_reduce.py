@@ -13,6 +13,7 @@ from util import (
     assert_same,
     check_grads_sharded,
     cpu_mesh,
+    gpu_mesh,
     product,
     rand,
     run,
@@ -158,13 +159,6 @@ def test_error_bad_dtype(dtype):
 
 # GPU tests
 
-def _gpu_mesh(ws=None):
-    mesh = jax.make_mesh((1,), ("tp",), devices=jax.devices("gpu")[:1])
-    pk.init(mesh, workspace_bytes=ws)
-    assert pk.backend_name("all_reduce", "tp") == "cuda"
-    return mesh
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,case", product(FLOAT_DTYPES, (
     ((3, 5), "auto", None), ((1,), "one_shot", None), ((257, 33), "two_shot", None),
@@ -172,7 +166,7 @@ def _gpu_mesh(ws=None):
 def test_gpu_p1_kernel_equals_reference(dtype, case):
     shape, algorithm, ws = case
     # P = 1: the sum is x itself, bit for bit; the 1 MiB workspace forces many chunked rounds.
-    mesh = _gpu_mesh(ws)
+    mesh = gpu_mesh("all_reduce", ws)
     x = small_ints(KEYS[0], shape, dtype, lo=-8, hi=8)
     f = lambda a: pk.all_reduce(a, "tp", algorithm=algorithm)
     for i in range(2):  # two calls in a row: the epoch counters carry over
@@ -183,7 +177,7 @@ def test_gpu_p1_kernel_equals_reference(dtype, case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("check_vma", (True, False))
 def test_gpu_p1_vjp_matches_reference(check_vma):
-    mesh = _gpu_mesh()
+    mesh = gpu_mesh("all_reduce")
     x = small_ints(KEYS[1], (64, 24), jnp.float32, lo=-8, hi=8)
     dy = small_ints(KEYS[2], (64, 24), jnp.float32, lo=-8, hi=8)
     ours, ref = vjp_both(lambda a: pk.all_reduce(a, "tp"), lambda a: ar.reference(a, "tp"), mesh,

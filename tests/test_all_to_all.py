@@ -14,6 +14,7 @@ from util import (
     assert_same,
     check_grads_sharded,
     cpu_mesh,
+    gpu_mesh,
     product,
     rand,
     run,
@@ -183,13 +184,6 @@ def test_error_scalar():
 
 # GPU tests
 
-def _gpu_mesh(ws=None):
-    mesh = jax.make_mesh((1,), ("tp",), devices=jax.devices("gpu")[:1])
-    pk.init(mesh, workspace_bytes=ws)
-    assert pk.backend_name("all_to_all", "tp") == "cuda"
-    return mesh
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,case,ws",
                          product((jnp.bfloat16, jnp.float16, jnp.float32, jnp.int32),
@@ -197,7 +191,7 @@ def _gpu_mesh(ws=None):
                                  (1 << 20,)))
 def test_gpu_p1_kernel_equals_reference(dtype, case, ws):
     shape, split, concat = case
-    mesh = _gpu_mesh(ws)
+    mesh = gpu_mesh("all_to_all", ws)
     x = jax.random.randint(jax.random.key(0), shape, -1000, 1000).astype(dtype)
     f = lambda a: pk.all_to_all(a, "tp", split, concat)
     for i in range(2):
@@ -207,7 +201,7 @@ def test_gpu_p1_kernel_equals_reference(dtype, case, ws):
 
 @pytest.mark.gpu
 def test_gpu_p1_vjp_matches_reference():
-    mesh = _gpu_mesh()
+    mesh = gpu_mesh("all_to_all")
     x = rand(jax.random.key(1), (2, 8, 4, 8), jnp.float32)
     dy = rand(jax.random.key(2), (2, 8, 4, 8), jnp.float32)
     ours, ref = vjp_both(lambda a: pk.all_to_all(a, "tp", 2, 1),

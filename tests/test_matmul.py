@@ -16,6 +16,7 @@ from util import (
     assert_same,
     check_grads_sharded,
     cpu_mesh,
+    poison,
     product,
     rand,
     run,
@@ -213,10 +214,6 @@ def _gpu_operands(m, n, k, dtype, seed=0):
     return x, w
 
 
-def _poison(shape, dtype):
-    jax.block_until_ready(jnp.full(shape, jnp.nan, dtype))
-
-
 def _max_err(y, ref):
     return float(jnp.max(jnp.abs(y.astype(jnp.float32) - ref)))
 
@@ -230,7 +227,7 @@ def _check_gpu_matmul(m, n, k, dtype):
     f = jax.jit(pk.matmul)
     outs = []
     for _ in range(2):  # two calls in a row
-        _poison((m, n), dtype)
+        poison((m, n), dtype)
         outs.append(jax.block_until_ready(f(x, w)))
     for y in outs:
         assert y.shape == (m, n) and y.dtype == dtype
@@ -292,7 +289,7 @@ def test_gpu_matmul_each_tile_config(config):
     err_xla = _max_err(jax.jit(lambda a, b: a @ b)(x, w), ref)
     f = jax.jit(lambda a, b: _ffi.call("pk_matmul", jax.ShapeDtypeStruct((m, n), a.dtype), a, b,
                                        config=np.int64(config), group_m=np.int64(16)))
-    _poison((m, n), jnp.bfloat16)
+    poison((m, n), jnp.bfloat16)
     y = f(x, w)
     assert not bool(jnp.any(jnp.isnan(y)))
     assert _max_err(y, ref) <= 2 * err_xla + 1e-3 * np.sqrt(k)

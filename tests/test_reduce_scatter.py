@@ -14,6 +14,7 @@ from util import (
     assert_same,
     check_grads_sharded,
     cpu_mesh,
+    gpu_mesh,
     product,
     rand,
     run,
@@ -184,20 +185,13 @@ def test_error_scalar():
 
 # GPU tests
 
-def _gpu_mesh(ws=None):
-    mesh = jax.make_mesh((1,), ("tp",), devices=jax.devices("gpu")[:1])
-    pk.init(mesh, workspace_bytes=ws)
-    assert pk.backend_name("reduce_scatter", "tp") == "cuda"
-    return mesh
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,shape_dim,ws",
                          product(FLOAT_DTYPES, (((3, 5), 0), ((1,), 0), ((300, 257), 1)),
                                  (1 << 20,)))
 def test_gpu_p1_kernel_equals_reference(dtype, shape_dim, ws):
     shape, dim = shape_dim
-    mesh = _gpu_mesh(ws)
+    mesh = gpu_mesh("reduce_scatter", ws)
     x = small_ints(jax.random.key(0), shape, dtype, lo=-8, hi=8)
     f = lambda a: pk.reduce_scatter(a, "tp", scatter_dimension=dim)
     for i in range(2):
@@ -207,7 +201,7 @@ def test_gpu_p1_kernel_equals_reference(dtype, shape_dim, ws):
 
 @pytest.mark.gpu
 def test_gpu_p1_vjp_matches_reference():
-    mesh = _gpu_mesh()
+    mesh = gpu_mesh("reduce_scatter")
     x = rand(jax.random.key(1), (16, 24), jnp.float32)
     dy = rand(jax.random.key(2), (16, 24), jnp.float32)
     ours, ref = vjp_both(lambda a: pk.reduce_scatter(a, "tp", scatter_dimension=1),
