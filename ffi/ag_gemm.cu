@@ -1,8 +1,5 @@
 // FFI handler for pk_ag_gemm: y = all_gather(x) @ w and x_full = all_gather(x) (see
 // cuda/kernels/ag_gemm.cuh). Launches on XLA's stream; no host synchronisation.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <algorithm>
 #include <cstring>
 
@@ -11,12 +8,6 @@
 
 namespace pk_ffi {
 namespace {
-
-template <class C>
-cudaError_t Launch(const pk::ag_gemm::globals& g, cudaStream_t stream, int device, int num_sms,
-                   int comm_blocks) {
-  return pk::ag_gemm::launch<C>(g, stream, device, num_sms, comm_blocks);
-}
 
 ffi::Error AgGemmCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
                       ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> y,
@@ -101,20 +92,9 @@ ffi::Error AgGemmCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi
   g.x_local = x.untyped_data();
   g.x_full = x_full->untyped_data();
   g.rows_per_rank = static_cast<int>(mp);
-  const bool big = config == tp::kTile128x256;
-  cudaError_t err;
-  if (dtype == 0) {
-    err = big ? Launch<pk::matmul::config_128x256_s3<__nv_bfloat16>>(g, stream, device, num_sms,
-                                                                     comm_blocks)
-              : Launch<pk::matmul::config_128x128<__nv_bfloat16>>(g, stream, device, num_sms,
-                                                                  comm_blocks);
-  } else {
-    err = big ? Launch<pk::matmul::config_128x256_s3<__half>>(g, stream, device, num_sms,
-                                                              comm_blocks)
-              : Launch<pk::matmul::config_128x128<__half>>(g, stream, device, num_sms,
-                                                           comm_blocks);
-  }
-  PK_CUDA_CHECK(err);
+  PK_CUDA_CHECK(tp::WithConfig(dtype, config == tp::kTile128x256, [&](auto cfg) {
+    return pk::ag_gemm::launch<decltype(cfg)>(g, stream, device, num_sms, comm_blocks);
+  }));
   return ffi::Error::Success();
 }
 

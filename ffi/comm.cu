@@ -62,8 +62,8 @@ void RegisterComm(int64_t comm_id, int device_ordinal, int rank, int world,
   }
   for (int p = 0; p < world; ++p) {
     if (workspace_ptrs[p] == 0 || signal_ptrs[p] == 0) {
-      throw std::invalid_argument("pk_jax comm_register: " + name + " has a null pointer for peer " +
-                                  std::to_string(p));
+      throw std::invalid_argument("pk_jax comm_register: " + name +
+                                  " has a null pointer for peer " + std::to_string(p));
     }
   }
   if (error_ptr == 0) {

@@ -2,10 +2,14 @@
 // checks, the communicator view and the workspace-too-small error.
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include <string>
 
 #include "comm.h"
 #include "ffi_util.h"
+#include "kernels/matmul.cuh"
 #include "tensor_map.h"
 #include "pk/tp.cuh"
 
@@ -16,6 +20,18 @@ constexpr int kOpGemmRs = 5, kOpAgGemm = 6, kOpGemmAr = 7;
 constexpr int kIndexGemmRs = 0, kIndexAgGemm = 1, kIndexGemmAr = 2;
 // Tile configurations the fused kernels instantiate (cuda/kernels/matmul.cuh, enum config_id).
 constexpr int kTile128x128 = 1, kTile128x256 = 2;
+
+// Returns launch(C{}) for the kernel configuration C of `dtype` (0 bf16, 1 fp16) and tile
+// (`big`: kTile128x256, run as 128x256 with 3 stages; else 128x128): the one place mapping them.
+template <class F>
+cudaError_t WithConfig(int dtype, bool big, F&& launch) {
+  using pk::matmul::config_128x128, pk::matmul::config_128x256_s3;
+  if (dtype == 0) {
+    return big ? launch(config_128x256_s3<__nv_bfloat16>{})
+               : launch(config_128x128<__nv_bfloat16>{});
+  }
+  return big ? launch(config_128x256_s3<__half>{}) : launch(config_128x128<__half>{});
+}
 
 // x [M, K] and w [K, N] of one 2-byte float dtype (0 bf16, 1 fp16), K and N multiples of 8.
 inline ffi::Error GemmOperands(const char* op, const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,

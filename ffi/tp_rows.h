@@ -3,21 +3,12 @@
 // my rows, or gather every owner's rows).
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include <cstring>
 
 #include "kernels/gemm_rs.cuh"
 #include "tp.h"
 
 namespace pk_ffi::tp {
-
-template <typename T, class C>
-cudaError_t LaunchDirect(const pk::matmul::globals& g, cudaStream_t stream, int device,
-                         int num_sms) {
-  return pk::matmul::launch<C>(g, stream, device, num_sms);
-}
 
 // y = x @ w summed over ranks: rows [r Mp, (r+1) Mp) (GATHER = false, gemm_rs, Mp = M / P) or
 // all M rows (GATHER = true, gemm_ar, Mp = ceil(M / P)). mode 1 forces the fused kernels at
@@ -65,34 +56,26 @@ ffi::Error RowSplitGemm(const char* op, int op_id, int index, cudaStream_t strea
   base.n = static_cast<int>(n);
   base.k = static_cast<int>(k);
   base.group_m = static_cast<int>(group_m < 1 ? 1 : (group_m > 1024 ? 1024 : group_m));
-  if (ffi::Error e = TensorMap(op, {x.untyped_data(), uint64_t(m), uint64_t(k), bm, 64, dtype}, &base.x);
+  if (ffi::Error e =
+          TensorMap(op, {x.untyped_data(), uint64_t(m), uint64_t(k), bm, 64, dtype}, &base.x);
       e.failure()) {
     return e;
   }
-  if (ffi::Error e = TensorMap(op, {w.untyped_data(), uint64_t(k), uint64_t(n), 64, 64, dtype}, &base.w);
+  if (ffi::Error e =
+          TensorMap(op, {w.untyped_data(), uint64_t(k), uint64_t(n), 64, 64, dtype}, &base.w);
       e.failure()) {
     return e;
   }
 
   if (world == 1 && mode != 1) {  // P = 1: the matmul kernel, stores straight into y
-    if (ffi::Error e = TensorMap(op, {y.untyped_data(), uint64_t(m), uint64_t(n), 64, 64, dtype},
-                           &base.y);
+    if (ffi::Error e =
+            TensorMap(op, {y.untyped_data(), uint64_t(m), uint64_t(n), 64, 64, dtype}, &base.y);
         e.failure()) {
       return e;
     }
-    cudaError_t err;
-    if (dtype == 0) {
-      err = big ? LaunchDirect<__nv_bfloat16, pk::matmul::config_128x256_s3<__nv_bfloat16>>(
-                      base, stream, device, num_sms)
-                : LaunchDirect<__nv_bfloat16, pk::matmul::config_128x128<__nv_bfloat16>>(
-                      base, stream, device, num_sms);
-    } else {
-      err = big ? LaunchDirect<__half, pk::matmul::config_128x256_s3<__half>>(base, stream,
-                                                                              device, num_sms)
-                : LaunchDirect<__half, pk::matmul::config_128x128<__half>>(base, stream, device,
-                                                                           num_sms);
-    }
-    PK_CUDA_CHECK(err);
+    PK_CUDA_CHECK(WithConfig(dtype, big, [&](auto cfg) {
+      return pk::matmul::launch<decltype(cfg)>(base, stream, device, num_sms);
+    }));
     return ffi::Error::Success();
   }
 
@@ -103,7 +86,8 @@ ffi::Error RowSplitGemm(const char* op, int op_id, int index, cudaStream_t strea
   std::memset(&g, 0, sizeof(g));
   static_cast<pk::matmul::globals&>(g) = base;
   for (int o = 0; o < world; ++o) {
-    if (ffi::Error e = TensorMap(op, {c.ws[o], uint64_t(mp), uint64_t(n), 64, 64, dtype}, &g.acc[o]);
+    if (ffi::Error e =
+            TensorMap(op, {c.ws[o], uint64_t(mp), uint64_t(n), 64, 64, dtype}, &g.acc[o]);
         e.failure()) {
       return e;
     }
@@ -119,19 +103,9 @@ ffi::Error RowSplitGemm(const char* op, int op_id, int index, cudaStream_t strea
   a.out_units = y.size_bytes() / 16;
   const int grid = pk::tp::helper_grid(a.owner_units > a.out_units ? a.owner_units : a.out_units,
                                        num_sms);
-  cudaError_t err;
-  if (dtype == 0) {
-    err = big ? pk::gemm_rs::launch_front<pk::matmul::config_128x256_s3<__nv_bfloat16>>(
-                    g, a, grid, stream, device, num_sms)
-              : pk::gemm_rs::launch_front<pk::matmul::config_128x128<__nv_bfloat16>>(
-                    g, a, grid, stream, device, num_sms);
-  } else {
-    err = big ? pk::gemm_rs::launch_front<pk::matmul::config_128x256_s3<__half>>(
-                    g, a, grid, stream, device, num_sms)
-              : pk::gemm_rs::launch_front<pk::matmul::config_128x128<__half>>(
-                    g, a, grid, stream, device, num_sms);
-  }
-  PK_CUDA_CHECK(err);
+  PK_CUDA_CHECK(WithConfig(dtype, big, [&](auto cfg) {
+    return pk::gemm_rs::launch_front<decltype(cfg)>(g, a, grid, stream, device, num_sms);
+  }));
   pk::tp::leave_kernel<GATHER><<<grid, pk::tp::THREADS, 0, stream>>>(a);
   PK_CUDA_CHECK_LAUNCH();
   return ffi::Error::Success();
