@@ -97,28 +97,9 @@ struct kernel_def : matmul::kernel_def<C> {
     const int o = t.m / g.tiles_per_owner;
     const int row0 = (t.m % g.tiles_per_owner) * BM + c * 64;  // row in owner o's buffer
     if (row0 >= g.rows_per_owner) return;  // uniform per warpgroup
-    const int lane = threadIdx.x % 32;
-    const int r = 16 * ((threadIdx.x % WARPGROUP_THREADS) / 32) + lane / 4;
-#pragma unroll
-    for (int e = 0; e < BN / C::EPI_N; ++e) {
-      const int col0 = t.n * BN + e * C::EPI_N;
-      if (col0 >= g.n) break;
-      sync.acquire();
-#pragma unroll
-      for (int j = 0; j < C::EPI_N / 8; ++j) {
-        const int jj = e * (C::EPI_N / 8) + j;
-        const int col = 8 * j + 2 * (lane % 4);
-        tp::store_pair<T>(out.at(r, col), acc[4 * jj], acc[4 * jj + 1]);
-        tp::store_pair<T>(out.at(r + 8, col), acc[4 * jj + 2], acc[4 * jj + 3]);
-      }
-      if (sync.publish()) {
-#pragma unroll
-        for (int p = 0; p < out_t::PANELS; ++p) {
-          if (col0 + p * 64 < g.n) tma::store_add_2d(&g.acc[o], out.panel(p), col0 + p * 64, row0);
-        }
-        tma::store_commit();
-      }
-    }
+    base::epilogue(g, acc, out, t.n * BN, sync, [&](const T* panel, int col) {
+      tma::store_add_2d(&g.acc[o], panel, col, row0);
+    });
   }
 };
 

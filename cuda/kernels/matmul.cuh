@@ -123,11 +123,28 @@ struct kernel_def {
                                 const lcsc::storer_sync& sync) {
     const int row0 = t.m * BM + c * 64;
     if (row0 >= g.m) return;  // this consumer's half lies below y (uniform per warpgroup)
+    epilogue(g, acc, out, t.n * BN, sync, [&](const T* panel, int col) {
+      tma::store_2d(&g.y, panel, col, row0);
+    });
+  }
+
+  __device__ static void communicator(const globals&, lcsc::block_info, void*) {}
+
+ protected:
+  /**
+   * @brief The storers' epilogue: a consumer's 64 x BN fp32 accumulator -> T in its staging
+   * buffer, EPI_N columns a round from column `col_base`; after each round one thread calls
+   * store(panel, column) for every 64-column panel inside the output (the TMA store of the
+   * caller's choice), then commits the bulk group.
+   */
+  template <class Store>
+  __device__ static void epilogue(const globals& g, acc_t& acc, out_t& out, int col_base,
+                                  const lcsc::storer_sync& sync, Store store) {
     const int lane = threadIdx.x % 32;
     const int r = 16 * ((threadIdx.x % WARPGROUP_THREADS) / 32) + lane / 4;
 #pragma unroll
     for (int e = 0; e < BN / C::EPI_N; ++e) {
-      const int col0 = t.n * BN + e * C::EPI_N;
+      const int col0 = col_base + e * C::EPI_N;
       if (col0 >= g.n) break;
       sync.acquire();
 #pragma unroll
@@ -140,14 +157,12 @@ struct kernel_def {
       if (sync.publish()) {
 #pragma unroll
         for (int p = 0; p < out_t::PANELS; ++p) {
-          if (col0 + p * 64 < g.n) tma::store_2d(&g.y, out.panel(p), col0 + p * 64, row0);
+          if (col0 + p * 64 < g.n) store(out.panel(p), col0 + p * 64);
         }
         tma::store_commit();
       }
     }
   }
-
-  __device__ static void communicator(const globals&, lcsc::block_info, void*) {}
 
  private:
   __device__ static void store_pair(char* dst, float lo, float hi) {

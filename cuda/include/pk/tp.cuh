@@ -2,7 +2,7 @@
  * @file tp.cuh
  * @brief What the fused tensor-parallel GEMM kernels (kernels/{gemm_rs,ag_gemm,gemm_ar}.cuh)
  * share: each op's range of the signal pad, the per-call epoch, the communicator view passed
- * to kernels, flat 16-byte copy loops, and the fp32 -> T pair store of the GEMM epilogue.
+ * to kernels, and flat 16-byte copy loops.
  *
  * Epochs: every call of a fused op first runs `epoch_kernel` (one thread), which checks the
  * rank operand and raises the op's EPOCH slot in the local pad by one. Every later kernel of
@@ -15,11 +15,6 @@
  * pads already offset to that range, so device code uses the small offsets below.
  */
 #pragma once
-
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
-#include <type_traits>
 
 #include "pk/comm_ops.cuh"
 #include "pk/sync.cuh"
@@ -105,20 +100,6 @@ __device__ inline void copy_units(uint4* dst, Src src, uint64_t start, uint64_t 
     for (int u = 0; u < U; ++u) dst[i + u * step] = v[u];
   }
   for (; i < hi; i += step) dst[i] = p2p::ld16(src(i));
-}
-
-/** @brief Stores two fp32 values as a T pair (4 bytes) to shared memory. */
-template <typename T>
-__device__ inline void store_pair(char* dst, float lo, float hi) {
-  uint32_t v;
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    v = *reinterpret_cast<uint32_t*>(&h);
-  } else {
-    __half2 h = __floats2half2_rn(lo, hi);
-    v = *reinterpret_cast<uint32_t*>(&h);
-  }
-  asm volatile("st.shared.b32 [%0], %1;" ::"r"(smem_addr(dst)), "r"(v) : "memory");
 }
 
 /** @brief Arguments of the helper kernels around the GEMM of gemm_rs / gemm_ar. */
