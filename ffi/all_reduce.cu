@@ -1,44 +1,39 @@
-// FFI handler for pk_all_reduce: y = sum over the communicator's ranks of x (see
+// FFI handler and launcher of pk_all_reduce: y = sum over the communicator's ranks of x (see
 // cuda/kernels/all_reduce.cuh). Launches on XLA's stream; no host synchronisation.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include "collective.h"
+#include "ffi_util.h"
 #include "kernels/all_reduce.cuh"
 
 namespace pk_ffi {
+
+Status LaunchAllReduce(const Where& at, const CollArgs& a, const CommView& v) {
+  pk::coll::globals g;
+  if (Status s = CollectiveGlobals("all_reduce", kOpAllReduce, a, v, &g); !s.ok()) return s;
+  if (a.dtype == DType::kS32 || a.n_out != a.n) {
+    return Status::Invalid("pk.all_reduce: x and y must match, in bf16, fp16 or fp32");
+  }
+  pk::coll::launch_status st;
+  const int algo = static_cast<int>(a.p0);
+  switch (a.dtype) {
+    case DType::kBF16:
+      st = pk::all_reduce::launch<__nv_bfloat16>(g, algo, v.workspace_bytes, at.stream, at.device);
+      break;
+    case DType::kF16:
+      st = pk::all_reduce::launch<__half>(g, algo, v.workspace_bytes, at.stream, at.device);
+      break;
+    default:
+      st = pk::all_reduce::launch<float>(g, algo, v.workspace_bytes, at.stream, at.device);
+      break;
+  }
+  return CollectiveStatus("all_reduce", st, v.workspace_bytes);
+}
+
 namespace {
 
 ffi::Error AllReduceCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
-                         ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> y,
-                         int64_t comm_id, int64_t algo) {
-  if (x.element_type() != y->element_type() || x.element_count() != y->element_count()) {
-    return ffi::Error::InvalidArgument("pk.all_reduce: output must match x in dtype and size");
-  }
-  pk::coll::globals g;
-  uint64_t ws_bytes = 0;
-  if (ffi::Error e = CollectiveGlobals("all_reduce", kOpAllReduce, comm_id, device,
-                                       x.untyped_data(), y->untyped_data(), rank.typed_data(),
-                                       static_cast<int64_t>(x.element_count()), &g, &ws_bytes);
-      e.failure()) {
-    return e;
-  }
-  const int a = static_cast<int>(algo);
-  pk::coll::launch_status st;
-  switch (x.element_type()) {
-    case ffi::DataType::BF16:
-      st = pk::all_reduce::launch<__nv_bfloat16>(g, a, ws_bytes, stream, device);
-      break;
-    case ffi::DataType::F16:
-      st = pk::all_reduce::launch<__half>(g, a, ws_bytes, stream, device);
-      break;
-    case ffi::DataType::F32:
-      st = pk::all_reduce::launch<float>(g, a, ws_bytes, stream, device);
-      break;
-    default:
-      return ffi::Error::InvalidArgument("pk.all_reduce: dtype must be bf16, fp16 or fp32");
-  }
-  return CollectiveStatus("all_reduce", st, ws_bytes);
+                ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> y, int64_t comm_id,
+                int64_t algo) {
+  return RunCollective("all_reduce", LaunchAllReduce, stream, device, x, rank, *y, comm_id, algo, 0);
 }
 
 }  // namespace
@@ -52,5 +47,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkAllReduce, pk_ffi::AllReduceCuda,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // rank
                                   .Ret<xla::ffi::AnyBuffer>()                     // y
                                   .Attr<int64_t>("comm_id")                       // comm_id
-                                  .Attr<int64_t>("algo"),  // algo: 0 auto, 1 one-shot, 2 two-shot
+                                  .Attr<int64_t>("algo"),  // algo: 0 auto, 1 one-shot, 2 two-shot,
                               PK_FFI_CUDA_TRAITS);

@@ -34,6 +34,7 @@ constexpr int kPeer = 3;   // the peer it waited for
 constexpr int kNone = 0;
 constexpr int kTimeout = 1;
 constexpr int kRankMismatch = 2;
+constexpr int kMbarTimeout = 3;
 }  // namespace comm_error
 
 // Host side, called from the nanobind module. Both throw std::invalid_argument (ValueError in

@@ -5,11 +5,56 @@
 
 #include <string>
 
+#include "comm.h"
+#include "launch.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace pk_ffi {
 
 namespace ffi = xla::ffi;
+
+// A launch function's Status as the handler's ffi::Error.
+inline ffi::Error ToError(const Status& s) {
+  switch (s.code) {
+    case Status::kOk:
+      return ffi::Error::Success();
+    case Status::kInvalidArgument:
+      return ffi::Error::InvalidArgument(s.message);
+    default:
+      return ffi::Error::Internal(s.message);
+  }
+}
+
+// The launchers' element type of an XLA buffer; false for types no launcher takes.
+inline bool ToDType(ffi::DataType t, DType* out) {
+  switch (t) {
+    case ffi::DataType::BF16: *out = DType::kBF16; return true;
+    case ffi::DataType::F16: *out = DType::kF16; return true;
+    case ffi::DataType::F32: *out = DType::kF32; return true;
+    case ffi::DataType::S32: *out = DType::kS32; return true;
+    default: return false;
+  }
+}
+
+// Communicator `comm_id` of `device`, or an error naming the fix.
+inline ffi::Error LookupComm(const char* op, int64_t comm_id, int32_t device,
+                             const CommView** out) {
+  *out = FindComm(comm_id, device);
+  if (*out != nullptr) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(
+      std::string("pk.") + op + ": no communicator " + std::to_string(comm_id) + " on device " +
+      std::to_string(device) +
+      "; call pk.init(mesh) on every process before using the op (and not after "
+      "pk.shutdown()).");
+}
+
+// The body of the four collective handlers: binds XLA's x, rank and y into CollArgs (p0, p1:
+// the op's parameters, see launch.h), finds the communicator, and calls `launch`.
+ffi::Error RunCollective(const char* op, Status (*launch)(const Where&, const CollArgs&,
+                                                         const CommView&),
+                         cudaStream_t stream, int32_t device, const ffi::AnyBuffer& x,
+                         const ffi::Buffer<ffi::S32>& rank, ffi::AnyBuffer y, int64_t comm_id,
+                         int64_t p0, int64_t p1);
 
 // NOTES: every CUDA call in a handler goes through PK_CUDA_CHECK so that a failure becomes an
 // ffi::Error (a Python exception naming the call) instead of a crash or a silent wrong answer.

@@ -1,16 +1,21 @@
-// FFI handler for pk_gemm_ar: y = the sum over ranks of x @ w, on every rank (see
+// FFI handler and launcher of pk_gemm_ar: y = the sum over ranks of x @ w, on every rank (see
 // cuda/kernels/gemm_ar.cuh). Launches on XLA's stream; no host synchronisation.
 #include "kernels/gemm_ar.cuh"
 #include "tp_rows.h"
 
 namespace pk_ffi {
+
+Status LaunchGemmAr(const Where& at, const GemmArgs& a, const CommView& v) {
+  return tp::RowSplitGemm<true>("gemm_all_reduce", tp::kOpGemmAr, tp::kIndexGemmAr, at, a, v);
+}
+
 namespace {
 
 ffi::Error GemmArCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
                       ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> y, int64_t comm_id,
                       int64_t config, int64_t group_m, int64_t mode) {
-  return tp::RowSplitGemm<true>("gemm_all_reduce", tp::kOpGemmAr, tp::kIndexGemmAr, stream,
-                                device, x, w, rank, *y, comm_id, config, group_m, mode);
+  return tp::RunGemm("gemm_all_reduce", LaunchGemmAr, stream, device, x, w, rank, *y, nullptr, comm_id, config,
+                     group_m, mode, 0);
 }
 
 }  // namespace
@@ -23,7 +28,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkGemmAr, pk_ffi::GemmArCuda,
                                   .Arg<xla::ffi::AnyBuffer>()                     // x [M, K/P]
                                   .Arg<xla::ffi::AnyBuffer>()                     // w [K/P, N]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // rank
-                                  .Ret<xla::ffi::AnyBuffer>()                     // y [M, N]
+                                  .Ret<xla::ffi::AnyBuffer>()                     // y [M, N]  
                                   .Attr<int64_t>("comm_id")                       // comm_id
                                   .Attr<int64_t>("config")                        // tile config
                                   .Attr<int64_t>("group_m")  // block-rows per band

@@ -1,15 +1,20 @@
-// FFI handler for pk_gemm_rs: y = my rows of the sum over ranks of x @ w (see
+// FFI handler and launcher of pk_gemm_rs: y = my rows of the sum over ranks of x @ w (see
 // cuda/kernels/gemm_rs.cuh). Launches on XLA's stream; no host synchronisation.
 #include "tp_rows.h"
 
 namespace pk_ffi {
+
+Status LaunchGemmRs(const Where& at, const GemmArgs& a, const CommView& v) {
+  return tp::RowSplitGemm<false>("gemm_reduce_scatter", tp::kOpGemmRs, tp::kIndexGemmRs, at, a, v);
+}
+
 namespace {
 
 ffi::Error GemmRsCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
                       ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> y, int64_t comm_id,
                       int64_t config, int64_t group_m, int64_t mode) {
-  return tp::RowSplitGemm<false>("gemm_reduce_scatter", tp::kOpGemmRs, tp::kIndexGemmRs, stream,
-                                 device, x, w, rank, *y, comm_id, config, group_m, mode);
+  return tp::RunGemm("gemm_reduce_scatter", LaunchGemmRs, stream, device, x, w, rank, *y, nullptr, comm_id, config,
+                     group_m, mode, 0);
 }
 
 }  // namespace

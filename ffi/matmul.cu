@@ -1,9 +1,10 @@
-// FFI handler for pk_matmul: y = x @ w on XLA's stream (see cuda/kernels/matmul.cuh). Tensor
-// maps come from the cache in tensor_map.h.
+// FFI handler and launcher of pk_matmul: y = x @ w on one GPU (see cuda/kernels/matmul.cuh).
+// Tensor maps come from the cache in tensor_map.h.
 #include <string>
 
 #include "ffi_util.h"
 #include "kernels/matmul.cuh"
+#include "launch.h"
 #include "tensor_map.h"
 
 namespace pk_ffi {
@@ -22,66 +23,80 @@ cudaError_t Launch(int64_t config, const pk::matmul::globals& g, cudaStream_t st
   }
 }
 
-ffi::Error MatmulCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                      ffi::Result<ffi::AnyBuffer> y, int64_t config, int64_t group_m) {
-  const ffi::DataType dt = x.element_type();
-  if ((dt != ffi::DataType::BF16 && dt != ffi::DataType::F16) || w.element_type() != dt ||
-      y->element_type() != dt) {
-    return ffi::Error::InvalidArgument("pk_matmul: x, w and y must all be bf16 or all fp16.");
+}  // namespace
+
+Status LaunchMatmul(const Where& at, const GemmArgs& a) {
+  if (a.dtype != DType::kBF16 && a.dtype != DType::kF16) {
+    return Status::Invalid("pk_matmul: x, w and y must all be bf16 or all fp16.");
   }
-  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || xd[1] != wd[0] || yd[0] != xd[0] ||
-      yd[1] != wd[1]) {
-    return ffi::Error::InvalidArgument("pk_matmul: expected x [M, K], w [K, N], y [M, N].");
+  const int64_t m = a.m, k = a.k, n = a.n;
+  if (a.y_rows != m || a.y_cols != n) {
+    return Status::Invalid("pk_matmul: expected x [M, K], w [K, N], y [M, N].");
   }
-  const int64_t m = xd[0], k = xd[1], n = wd[1];
   if (k % 8 != 0 || n % 8 != 0) {
-    return ffi::Error::InvalidArgument(
+    return Status::Invalid(
         "pk_matmul: K and N must be multiples of 8 (16-byte TMA row strides); pk_jax pads N.");
   }
-  if (config < 0 || config >= pk::matmul::NUM_CONFIGS) {
-    return ffi::Error::InvalidArgument("pk_matmul: unknown tile config " + std::to_string(config));
+  if (a.config < 0 || a.config >= pk::matmul::NUM_CONFIGS) {
+    return Status::Invalid("pk_matmul: unknown tile config " + std::to_string(a.config));
   }
-  if (m == 0 || n == 0) return ffi::Error::Success();
+  if (m == 0 || n == 0) return Status::Ok();
   if (k == 0) {
-    PK_CUDA_CHECK(cudaMemsetAsync(y->untyped_data(), 0, y->size_bytes(), stream));
-    return ffi::Error::Success();
+    return CudaStatus(cudaMemsetAsync(a.y, 0, uint64_t(m) * uint64_t(n) * 2, at.stream),
+                      "cudaMemsetAsync");
   }
   if (m > INT32_MAX || n > INT32_MAX || k > INT32_MAX) {
-    return ffi::Error::InvalidArgument("pk_matmul: dimensions must be below 2^31.");
+    return Status::Invalid("pk_matmul: dimensions must be below 2^31.");
   }
   int bm, bn;
-  pk::matmul::tile_shape(static_cast<int>(config), &bm, &bn);
-  const int type = dt == ffi::DataType::BF16 ? 0 : 1;
+  pk::matmul::tile_shape(static_cast<int>(a.config), &bm, &bn);
+  const int type = a.dtype == DType::kBF16 ? 0 : 1;
   pk::matmul::globals g;
   g.m = static_cast<int>(m);
   g.n = static_cast<int>(n);
   g.k = static_cast<int>(k);
-  g.group_m = static_cast<int>(group_m < 1 ? 1 : (group_m > 1024 ? 1024 : group_m));
+  g.group_m = static_cast<int>(a.group_m < 1 ? 1 : (a.group_m > 1024 ? 1024 : a.group_m));
+  g.bound = pk::wait_bound{};  // no communicator: an mbarrier that never completes traps
   const char* op = "matmul";
-  if (ffi::Error e = TensorMap(op, {x.untyped_data(), uint64_t(m), uint64_t(k), uint32_t(bm), 64,
-                                    type}, &g.x);
-      e.failure()) {
-    return e;
+  const MapKey maps[] = {{a.x, uint64_t(m), uint64_t(k), uint32_t(bm), 64, type},
+                         {a.w, uint64_t(k), uint64_t(n), 64, 64, type},
+                         {a.y, uint64_t(m), uint64_t(n), 64, 64, type}};
+  CUtensorMap* outs[] = {&g.x, &g.w, &g.y};
+  for (int i = 0; i < 3; ++i) {
+    if (Status s = TensorMap(op, maps[i], outs[i]); !s.ok()) return s;
   }
-  if (ffi::Error e = TensorMap(op, {w.untyped_data(), uint64_t(k), uint64_t(n), 64, 64, type},
-                               &g.w);
-      e.failure()) {
-    return e;
+  return CudaStatus(type == 0 ? Launch<__nv_bfloat16>(a.config, g, at.stream, at.device,
+                                                      at.num_sms)
+                              : Launch<__half>(a.config, g, at.stream, at.device, at.num_sms),
+                    op);
+}
+
+namespace {
+
+ffi::Error MatmulCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                      ffi::Result<ffi::AnyBuffer> y, int64_t config, int64_t group_m) {
+  GemmArgs a{};
+  const ffi::DataType dt = x.element_type();
+  if (!ToDType(dt, &a.dtype) || w.element_type() != dt || y->element_type() != dt) {
+    return ffi::Error::InvalidArgument("pk_matmul: x, w and y must all be bf16 or all fp16.");
   }
-  if (ffi::Error e = TensorMap(op, {y->untyped_data(), uint64_t(m), uint64_t(n), 64, 64, type},
-                               &g.y);
-      e.failure()) {
-    return e;
+  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || xd[1] != wd[0]) {
+    return ffi::Error::InvalidArgument("pk_matmul: expected x [M, K], w [K, N], y [M, N].");
   }
+  a.x = x.untyped_data();
+  a.w = w.untyped_data();
+  a.y = y->untyped_data();
+  a.m = xd[0];
+  a.k = xd[1];
+  a.n = wd[1];
+  a.y_rows = yd[0];
+  a.y_cols = yd[1];
+  a.config = config;
+  a.group_m = group_m;
   int num_sms = 0;
   if (ffi::Error e = NumSms(device, &num_sms); e.failure()) return e;
-  if (type == 0) {
-    PK_CUDA_CHECK((Launch<__nv_bfloat16>(config, g, stream, device, num_sms)));
-  } else {
-    PK_CUDA_CHECK((Launch<__half>(config, g, stream, device, num_sms)));
-  }
-  return ffi::Error::Success();
+  return ToError(LaunchMatmul(Where{stream, device, num_sms}, a));
 }
 
 }  // namespace

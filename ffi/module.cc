@@ -3,10 +3,17 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/vector.h>
 
+#include <nanobind/stl/string.h>
+
+#include <cuda_runtime_api.h>
+
+#include <stdexcept>
+#include <string>
 #include <tuple>
 
 #include "comm.h"
 #include "ffi_util.h"
+#include "launch.h"
 
 namespace nb = nanobind;
 
@@ -53,6 +60,114 @@ nb::object CommInfo(int64_t comm_id, int device_ordinal) {
   return d;
 }
 
+// ---------------------------------------------------------------------------------------------
+// The rank emulator's entry points (pk_jax/testing/emulator.py): the same launch functions the
+// FFI handlers call, on an emulated rank's stream, SM partition and communicator.
+
+void Raise(const pk_ffi::Status& s) {
+  if (s.ok()) return;
+  if (s.code == pk_ffi::Status::kInvalidArgument) throw std::invalid_argument(s.message);
+  throw std::runtime_error(s.message);
+}
+
+int64_t Get(const nb::dict& d, const char* key, int64_t fallback = 0) {
+  return d.contains(key) ? nb::cast<int64_t>(d[key]) : fallback;
+}
+
+template <class T>
+T* Ptr(const nb::dict& d, const char* key) {
+  return reinterpret_cast<T*>(static_cast<uintptr_t>(Get(d, key)));
+}
+
+// Runs op `op` ("all_reduce", ..., "ag_gemm") for the communicator registered under
+// (comm_id, device) on `stream`, with `num_sms` SMs; `args` holds the launcher's fields
+// (ffi/launch.h: CollArgs or GemmArgs) by name, buffers as device addresses.
+void EmuLaunch(const std::string& op, int64_t comm_id, int device, uint64_t stream,
+               int num_sms, const nb::dict& args) {
+  const pk_ffi::Where at{reinterpret_cast<cudaStream_t>(stream), device, num_sms};
+  auto gemm_args = [&]() {
+    return pk_ffi::GemmArgs{static_cast<pk_ffi::DType>(Get(args, "dtype")),
+                            Ptr<const void>(args, "x"),
+                            Ptr<const void>(args, "w"),
+                            Ptr<void>(args, "y"),
+                            Ptr<void>(args, "x_full"),
+                            Ptr<const int32_t>(args, "rank"),
+                            Get(args, "m"),
+                            Get(args, "k"),
+                            Get(args, "n"),
+                            Get(args, "y_rows"),
+                            Get(args, "y_cols"),
+                            Get(args, "config", 1),
+                            Get(args, "group_m", 8),
+                            Get(args, "mode"),
+                            Get(args, "num_comm_sms")};
+  };
+  if (op == "matmul") {  // local: no communicator (the serial path's GEMM)
+    Raise(pk_ffi::LaunchMatmul(at, gemm_args()));
+    return;
+  }
+  const pk_ffi::CommView* v = pk_ffi::FindComm(comm_id, device);
+  if (v == nullptr) {
+    throw std::invalid_argument("pk_jax emulator: no communicator " + std::to_string(comm_id) +
+                                " on device " + std::to_string(device));
+  }
+  const auto dtype = static_cast<pk_ffi::DType>(Get(args, "dtype"));
+  using Coll = pk_ffi::Status (*)(const pk_ffi::Where&, const pk_ffi::CollArgs&,
+                                  const pk_ffi::CommView&);
+  using Gemm = pk_ffi::Status (*)(const pk_ffi::Where&, const pk_ffi::GemmArgs&,
+                                  const pk_ffi::CommView&);
+  Coll coll = op == "all_reduce"       ? pk_ffi::LaunchAllReduce
+              : op == "all_gather"     ? pk_ffi::LaunchAllGather
+              : op == "reduce_scatter" ? pk_ffi::LaunchReduceScatter
+              : op == "all_to_all"     ? pk_ffi::LaunchAllToAll
+                                       : nullptr;
+  Gemm gemm = op == "gemm_rs"   ? pk_ffi::LaunchGemmRs
+              : op == "gemm_ar" ? pk_ffi::LaunchGemmAr
+              : op == "ag_gemm" ? pk_ffi::LaunchAgGemm
+                                : nullptr;
+  if (coll != nullptr) {
+    const pk_ffi::CollArgs a{dtype,
+                             Ptr<const void>(args, "x"),
+                             Ptr<void>(args, "y"),
+                             Ptr<const int32_t>(args, "rank"),
+                             Get(args, "n"),
+                             Get(args, "n_out"),
+                             Get(args, "p0"),
+                             Get(args, "p1")};
+    Raise(coll(at, a, *v));
+    return;
+  }
+  if (gemm != nullptr) {
+    Raise(gemm(at, gemm_args(), *v));
+    return;
+  }
+  throw std::invalid_argument("pk_jax emulator: unknown op '" + op + "'");
+}
+
+void EmuDelay(uint64_t stream, uint64_t ns) {
+  Raise(pk_ffi::LaunchDelay(reinterpret_cast<cudaStream_t>(stream), ns));
+}
+
+void EmuOccupy(uint64_t stream, int blocks, int smem_bytes, uint64_t ns) {
+  Raise(pk_ffi::LaunchOccupy(reinterpret_cast<cudaStream_t>(stream), blocks, smem_bytes, ns));
+}
+
+void EmuMbarStall(uint64_t stream, uint64_t error_ptr, int op, int rank, uint64_t timeout_ns) {
+  Raise(pk_ffi::LaunchMbarStall(reinterpret_cast<cudaStream_t>(stream),
+                                reinterpret_cast<int32_t*>(error_ptr), op, rank, timeout_ns));
+}
+
+// Destroys the device's primary context and everything in it (after a kernel trapped, the
+// context is unusable); the next CUDA call creates a fresh one.
+void DeviceReset(int device) {
+  cudaError_t err = cudaSetDevice(device);
+  if (err == cudaSuccess) err = cudaDeviceReset();
+  if (err != cudaSuccess) {
+    throw std::runtime_error(std::string("pk_jax: cudaDeviceReset failed: ") +
+                             cudaGetErrorString(err));
+  }
+}
+
 nb::list Registrations() {
   nb::list out;
   for (const Registration& r : kRegistrations) {
@@ -77,4 +192,17 @@ NB_MODULE(_pk_ffi, m) {
   m.def("comm_count", &pk_ffi::CommCount, "Number of registered communicators.");
   m.def("comm_info", &CommInfo, nb::arg("comm_id"), nb::arg("device_ordinal"),
         "The registered view of (comm_id, device_ordinal) as a dict, or None.");
+  // The rank emulator (pk_jax/testing).
+  m.def("emu_launch", &EmuLaunch, nb::arg("op"), nb::arg("comm_id"), nb::arg("device"),
+        nb::arg("stream"), nb::arg("num_sms"), nb::arg("args"),
+        "Runs an op's launch function (the one its FFI handler calls) on a stream.");
+  m.def("emu_delay", &EmuDelay, nb::arg("stream"), nb::arg("ns"),
+        "Queues a kernel that spins for ns nanoseconds.");
+  m.def("emu_occupy", &EmuOccupy, nb::arg("stream"), nb::arg("blocks"), nb::arg("smem_bytes"),
+        nb::arg("ns"), "Queues blocks that each hold smem_bytes of shared memory for ns.");
+  m.def("emu_mbar_stall", &EmuMbarStall, nb::arg("stream"), nb::arg("error_ptr"),
+        nb::arg("op"), nb::arg("rank"), nb::arg("timeout_ns"),
+        "Queues a block whose mbarrier never completes (tests the bounded mbarrier wait).");
+  m.def("device_reset", &DeviceReset, nb::arg("device"),
+        "cudaDeviceReset of `device` (after a trap).");
 }

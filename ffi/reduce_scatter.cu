@@ -1,48 +1,42 @@
-// FFI handler for pk_reduce_scatter: y = slice `rank` of the sum over ranks of x (see
+// FFI handler and launcher of pk_reduce_scatter: y = my slice of the sum over ranks of x (see
 // cuda/kernels/reduce_scatter.cuh). Launches on XLA's stream; no host synchronisation.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include "collective.h"
+#include "ffi_util.h"
 #include "kernels/reduce_scatter.cuh"
 
 namespace pk_ffi {
-namespace {
 
-ffi::Error ReduceScatterCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
-                             ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> y,
-                             int64_t comm_id, int64_t run) {
+Status LaunchReduceScatter(const Where& at, const CollArgs& a, const CommView& v) {
   pk::coll::globals g;
-  uint64_t ws_bytes = 0;
-  if (ffi::Error e = CollectiveGlobals("reduce_scatter", kOpReduceScatter, comm_id, device,
-                                       x.untyped_data(), y->untyped_data(), rank.typed_data(),
-                                       static_cast<int64_t>(x.element_count()), &g, &ws_bytes);
-      e.failure()) {
-    return e;
-  }
-  const size_t n = x.element_count();
-  if (x.element_type() != y->element_type() || n % g.world != 0 ||
-      y->element_count() != n / g.world ||
-      (n > 0 && (run <= 0 || n % (run * g.world) != 0))) {
-    return ffi::Error::InvalidArgument(
-        "pk.reduce_scatter: output must be x's dtype with 1/P of its elements, and P * run "
+  if (Status s = CollectiveGlobals("reduce_scatter", kOpReduceScatter, a, v, &g); !s.ok()) return s;
+  if (a.dtype == DType::kS32 || a.n % v.world != 0 || a.n_out != a.n / v.world ||
+      (a.n > 0 && (a.p0 <= 0 || a.n % (a.p0 * v.world) != 0))) {
+    return Status::Invalid(
+        "pk.reduce_scatter: bf16, fp16 or fp32 output with 1/P of x's elements, and P * run "
         "must divide x's size");
   }
   pk::coll::launch_status st;
-  switch (x.element_type()) {
-    case ffi::DataType::BF16:
-      st = pk::reduce_scatter::launch<__nv_bfloat16>(g, run, ws_bytes, stream, device);
+  switch (a.dtype) {
+    case DType::kBF16:
+      st = pk::reduce_scatter::launch<__nv_bfloat16>(g, a.p0, v.workspace_bytes, at.stream,
+                                                     at.device);
       break;
-    case ffi::DataType::F16:
-      st = pk::reduce_scatter::launch<__half>(g, run, ws_bytes, stream, device);
-      break;
-    case ffi::DataType::F32:
-      st = pk::reduce_scatter::launch<float>(g, run, ws_bytes, stream, device);
+    case DType::kF16:
+      st = pk::reduce_scatter::launch<__half>(g, a.p0, v.workspace_bytes, at.stream, at.device);
       break;
     default:
-      return ffi::Error::InvalidArgument("pk.reduce_scatter: dtype must be bf16, fp16 or fp32");
+      st = pk::reduce_scatter::launch<float>(g, a.p0, v.workspace_bytes, at.stream, at.device);
+      break;
   }
-  return CollectiveStatus("reduce_scatter", st, ws_bytes);
+  return CollectiveStatus("reduce_scatter", st, v.workspace_bytes);
+}
+
+namespace {
+
+ffi::Error ReduceScatterCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> y, int64_t comm_id,
+                int64_t run) {
+  return RunCollective("reduce_scatter", LaunchReduceScatter, stream, device, x, rank, *y, comm_id, run, 0);
 }
 
 }  // namespace
@@ -56,5 +50,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkReduceScatter, pk_ffi::ReduceScatterCuda,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // rank
                                   .Ret<xla::ffi::AnyBuffer>()                     // y
                                   .Attr<int64_t>("comm_id")                       // comm_id
-                                  .Attr<int64_t>("run"),  // run: C, elements of one slice row
+                                  .Attr<int64_t>("run"),  // run: elements of one slice row,
                               PK_FFI_CUDA_TRAITS);

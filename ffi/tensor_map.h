@@ -48,7 +48,7 @@ struct MapKey {
 
 // A 128B-swizzled tensor map over a row-major [rows, cols] matrix of 2-byte elements, from a
 // small round-robin cache (a miss costs one encode, about a microsecond of host time).
-inline ffi::Error TensorMap(const char* op, const MapKey& key, CUtensorMap* out) {
+inline Status TensorMap(const char* op, const MapKey& key, CUtensorMap* out) {
   static std::mutex mu;
   constexpr int kSize = 128;
   static std::array<MapKey, kSize> keys{};
@@ -59,13 +59,13 @@ inline ffi::Error TensorMap(const char* op, const MapKey& key, CUtensorMap* out)
   for (int i = 0; i < kSize; ++i) {
     if (valid[i] && keys[i] == key) {
       *out = maps[i];
-      return ffi::Error::Success();
+      return Status::Ok();
     }
   }
   PFN_cuTensorMapEncodeTiled_v12000 encode = EncodeFn();
   if (encode == nullptr) {
-    return ffi::Error::Internal(std::string("pk.") + op +
-                                ": cuTensorMapEncodeTiled is not available from the CUDA driver.");
+    return Status::Internal(std::string("pk.") + op +
+                            ": cuTensorMapEncodeTiled is not available from the CUDA driver.");
   }
   const cuuint64_t dims[2] = {key.cols, key.rows};
   const cuuint64_t strides[1] = {key.cols * 2};
@@ -79,18 +79,18 @@ inline ffi::Error TensorMap(const char* op, const MapKey& key, CUtensorMap* out)
                       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) {
-    return ffi::Error::Internal(std::string("pk.") + op +
-                                ": cuTensorMapEncodeTiled failed with CUresult " +
-                                std::to_string(static_cast<int>(r)) + " for a [" +
-                                std::to_string(key.rows) + ", " + std::to_string(key.cols) +
-                                "] operand.");
+    return Status::Internal(std::string("pk.") + op +
+                            ": cuTensorMapEncodeTiled failed with CUresult " +
+                            std::to_string(static_cast<int>(r)) + " for a [" +
+                            std::to_string(key.rows) + ", " + std::to_string(key.cols) +
+                            "] operand.");
   }
   keys[next] = key;
   maps[next] = map;
   valid[next] = true;
   next = (next + 1) % kSize;
   *out = map;
-  return ffi::Error::Success();
+  return Status::Ok();
 }
 
 inline ffi::Error NumSms(int device, int* out) {

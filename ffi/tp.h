@@ -1,5 +1,6 @@
-// Shared glue for the fused tensor-parallel GEMM handlers (gemm_rs, ag_gemm, gemm_ar): operand
-// checks, the communicator view and the workspace-too-small error.
+// Shared glue for the fused tensor-parallel GEMM launchers (gemm_rs, ag_gemm, gemm_ar): operand
+// checks, the kernels' communicator view, the epoch, the workspace-too-small error, and the
+// body of their FFI handlers.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -7,9 +8,9 @@
 
 #include <string>
 
-#include "comm.h"
 #include "ffi_util.h"
 #include "kernels/matmul.cuh"
+#include "launch.h"
 #include "tensor_map.h"
 #include "pk/tp.cuh"
 
@@ -21,87 +22,131 @@ constexpr int kIndexGemmRs = 0, kIndexAgGemm = 1, kIndexGemmAr = 2;
 // Tile configurations the fused kernels instantiate (cuda/kernels/matmul.cuh, enum config_id).
 constexpr int kTile128x128 = 1, kTile128x256 = 2;
 
-// Returns launch(C{}) for the kernel configuration C of `dtype` (0 bf16, 1 fp16) and tile
-// (`big`: kTile128x256, run as 128x256 with 3 stages; else 128x128): the one place mapping them.
+// Returns launch(C{}) for the kernel configuration C of `dtype` and tile (`big`: kTile128x256,
+// run as 128x256 with 3 stages; else 128x128): the one place mapping them.
 template <class F>
-cudaError_t WithConfig(int dtype, bool big, F&& launch) {
+cudaError_t WithConfig(DType dtype, bool big, F&& launch) {
   using pk::matmul::config_128x128, pk::matmul::config_128x256_s3;
-  if (dtype == 0) {
+  if (dtype == DType::kBF16) {
     return big ? launch(config_128x256_s3<__nv_bfloat16>{})
                : launch(config_128x128<__nv_bfloat16>{});
   }
   return big ? launch(config_128x256_s3<__half>{}) : launch(config_128x128<__half>{});
 }
 
-// x [M, K] and w [K, N] of one 2-byte float dtype (0 bf16, 1 fp16), K and N multiples of 8.
-inline ffi::Error GemmOperands(const char* op, const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
-                               int64_t* m, int64_t* k, int64_t* n, int* dtype) {
-  const ffi::DataType dt = x.element_type();
-  if ((dt != ffi::DataType::BF16 && dt != ffi::DataType::F16) || w.element_type() != dt) {
-    return ffi::Error::InvalidArgument(std::string("pk.") + op +
-                                       ": x and w must both be bf16 or both fp16.");
+// x [m, k] and w [k, n] of one 2-byte float dtype, k and n multiples of 8, a known tile config.
+inline Status GemmOperands(const char* op, const GemmArgs& a) {
+  if (a.dtype != DType::kBF16 && a.dtype != DType::kF16) {
+    return Status::Invalid(std::string("pk.") + op + ": x and w must both be bf16 or both fp16.");
   }
-  const auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0]) {
-    return ffi::Error::InvalidArgument(std::string("pk.") + op +
-                                       ": expected x [M, K] and w [K, N].");
+  if (a.m < 0 || a.k < 0 || a.n < 0 || a.k % 8 != 0 || a.n % 8 != 0) {
+    return Status::Invalid(std::string("pk.") + op +
+                           ": K and N must be multiples of 8 (pk_jax pads N).");
   }
-  *m = xd[0];
-  *k = xd[1];
-  *n = wd[1];
-  if (*k % 8 != 0 || *n % 8 != 0) {
-    return ffi::Error::InvalidArgument(std::string("pk.") + op +
-                                       ": K and N must be multiples of 8 (pk_jax pads N).");
+  if (a.m > INT32_MAX || a.n > INT32_MAX || a.k > INT32_MAX) {
+    return Status::Invalid(std::string("pk.") + op + ": dimensions must be below 2^31.");
   }
-  if (*m > INT32_MAX || *n > INT32_MAX || *k > INT32_MAX) {
-    return ffi::Error::InvalidArgument(std::string("pk.") + op +
-                                       ": dimensions must be below 2^31.");
+  if (a.config != kTile128x128 && a.config != kTile128x256) {
+    return Status::Invalid(std::string("pk.") + op + ": unknown tile config " +
+                           std::to_string(a.config));
   }
-  *dtype = dt == ffi::DataType::BF16 ? 0 : 1;
-  return ffi::Error::Success();
+  return Status::Ok();
 }
 
-// The kernel's view of communicator `comm_id` on `device`, pads offset to op `index`'s range.
-inline ffi::Error Comm(const char* op, int op_id, int index, int64_t comm_id, int32_t device,
-                       const int32_t* rank_ptr, pk::tp::comm* c, uint64_t* ws_bytes) {
-  const CommView* v = FindComm(comm_id, device);
-  if (v == nullptr) {
-    return ffi::Error::InvalidArgument(
-        std::string("pk.") + op + ": no communicator " + std::to_string(comm_id) +
-        " on device " + std::to_string(device) +
-        "; call pk.init(mesh) on every process before using the op.");
+// The kernels' view of communicator `v`, pads offset to op `index`'s range.
+inline Status Comm(const char* op, int op_id, int index, const CommView& v,
+                   const int32_t* rank_ptr, pk::tp::comm* c) {
+  if (Status s = CheckRecord(op, v); !s.ok()) return s;
+  if (v.signal_count < pk::tp::SLOTS_NEEDED) {
+    return Status::Invalid(std::string("pk.") + op + ": the signal pad has " +
+                           std::to_string(v.signal_count) + " slots, the fused GEMM ops need " +
+                           std::to_string(pk::tp::SLOTS_NEEDED));
   }
-  if (v->signal_count < pk::tp::SLOTS_NEEDED) {
-    return ffi::Error::InvalidArgument(
-        std::string("pk.") + op + ": the signal pad has " + std::to_string(v->signal_count) +
-        " slots, the fused GEMM ops need " + std::to_string(pk::tp::SLOTS_NEEDED));
-  }
-  if (v->world > pk::tp::MAX_PEERS) {
-    return ffi::Error::InvalidArgument(std::string("pk.") + op + ": at most " +
-                                       std::to_string(pk::tp::MAX_PEERS) + " ranks.");
+  if (v.world > pk::tp::MAX_PEERS) {
+    return Status::Invalid(std::string("pk.") + op + ": at most " +
+                           std::to_string(pk::tp::MAX_PEERS) + " ranks.");
   }
   *c = pk::tp::comm{};
   const uint64_t base = pk::tp::SLOT_BASE + uint64_t(index) * pk::tp::OP_SLOTS;
-  for (int p = 0; p < v->world; ++p) {
-    c->ws[p] = v->workspace[p];
-    c->sig[p] = v->signals[p] + base;
+  for (int p = 0; p < v.world; ++p) {
+    c->ws[p] = v.workspace[p];
+    c->sig[p] = v.signals[p] + base;
   }
-  c->error = v->error;
-  c->timeout_ns = v->timeout_ns;
-  c->world = v->world;
-  c->rank = v->rank;
+  c->error = v.error;
+  c->timeout_ns = v.timeout_ns;
+  c->world = v.world;
+  c->rank = v.rank;
   c->op = op_id;
   c->rank_ptr = rank_ptr;
-  *ws_bytes = v->workspace_bytes;
-  return ffi::Error::Success();
+  return Status::Ok();
 }
 
-inline ffi::Error WorkspaceCheck(const char* op, uint64_t need, uint64_t have) {
-  if (need <= have) return ffi::Error::Success();
-  return ffi::Error::InvalidArgument(
-      std::string("pk.") + op + ": the symmetric workspace has " + std::to_string(have) +
-      " bytes and this call needs " + std::to_string(need) +
-      "; call pk.init(mesh, workspace_bytes=...) with at least that.");
+// Starts this call's epoch (pk/tp.cuh epoch_kernel), after every check of the call.
+//
+// NOTES: epochs count the calls each rank ran, so they agree across ranks only if every rank
+// refuses or runs each call alike. Every check before this point depends on the call's shapes,
+// attributes and the communicator's world alone (never on the local SM count or partition),
+// which all ranks share: a refused call is refused everywhere and no epoch moves.
+inline Status StartEpoch(cudaStream_t stream, const pk::tp::comm& c) {
+  pk::tp::epoch_kernel<<<1, 1, 0, stream>>>(c);
+  return CudaStatus(cudaGetLastError(), "the epoch kernel");
+}
+
+inline Status WorkspaceCheck(const char* op, uint64_t need, uint64_t have) {
+  if (need <= have) return Status::Ok();
+  return Status::Invalid(std::string("pk.") + op + ": the symmetric workspace has " +
+                         std::to_string(have) + " bytes and this call needs " +
+                         std::to_string(need) +
+                         "; call pk.init(mesh, workspace_bytes=...) with at least that.");
+}
+
+// The body of the three handlers: binds XLA's buffers into GemmArgs, finds the communicator
+// and calls `launch`. x_full is ag_gemm's second result (nullptr for the others).
+inline ffi::Error RunGemm(const char* op, Status (*launch)(const Where&, const GemmArgs&,
+                                                          const CommView&),
+                          cudaStream_t stream, int32_t device, const ffi::AnyBuffer& x,
+                          const ffi::AnyBuffer& w, const ffi::Buffer<ffi::S32>& rank,
+                          ffi::AnyBuffer y, ffi::AnyBuffer* x_full, int64_t comm_id,
+                          int64_t config, int64_t group_m, int64_t mode, int64_t num_comm_sms) {
+  const CommView* v = nullptr;
+  if (ffi::Error e = LookupComm(op, comm_id, device, &v); e.failure()) return e;
+  GemmArgs a;
+  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y.dimensions();
+  const bool same = w.element_type() == x.element_type() &&
+                    y.element_type() == x.element_type() &&
+                    (x_full == nullptr || x_full->element_type() == x.element_type());
+  if (!ToDType(x.element_type(), &a.dtype) || !same) {
+    return ffi::Error::InvalidArgument(std::string("pk.") + op +
+                                       ": x, w and the results must share one dtype.");
+  }
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || xd[1] != wd[0]) {
+    return ffi::Error::InvalidArgument(std::string("pk.") + op +
+                                       ": expected x [M, K], w [K, N] and a 2-D y.");
+  }
+  if (x_full != nullptr) {
+    const auto fd = x_full->dimensions();
+    if (fd.size() != 2 || fd[1] != xd[1] || fd[0] != yd[0]) {
+      return ffi::Error::InvalidArgument(std::string("pk.") + op +
+                                         ": x_full must be [M, K] with y's M rows.");
+    }
+  }
+  a.x = x.untyped_data();
+  a.w = w.untyped_data();
+  a.y = y.untyped_data();
+  a.x_full = x_full != nullptr ? x_full->untyped_data() : nullptr;
+  a.rank = rank.typed_data();
+  a.m = xd[0];
+  a.k = xd[1];
+  a.n = wd[1];
+  a.y_rows = yd[0];
+  a.y_cols = yd[1];
+  a.config = config;
+  a.group_m = group_m;
+  a.mode = mode;
+  a.num_comm_sms = num_comm_sms;
+  int num_sms = 0;
+  if (ffi::Error e = NumSms(device, &num_sms); e.failure()) return e;
+  return ToError(launch(Where{stream, device, num_sms}, a, *v));
 }
 
 }  // namespace pk_ffi::tp

@@ -35,9 +35,12 @@
  *
  * Pitfalls: bulk copies and TMA loads are the async proxy, the signals the generic proxy, so
  * the copying thread and the loader fence.proxy.async.global around the release/acquire.
- * Compute blocks spin on flags written by comm blocks of the same grid, so the grid must be
- * fully resident (one block per SM, at most num_sms blocks; lcsc::launch guarantees the size).
- * The staging buffer takes Mp K sizeof(T) bytes of workspace.
+ * Compute blocks spin on flags written by comm blocks of the same grid, so every comm block
+ * must be resident whenever a compute block is: lcsc puts the comm blocks first in the grid
+ * (blocks dispatch in index order), which holds even when other work occupies some SMs. The
+ * comm blocks pair up across ranks (barriers, staged[cb]), so num_comm_sms must be the same on
+ * every rank: it is an attribute of the call, not derived from the local SM count; the compute
+ * grid may differ between ranks. The staging buffer takes Mp K sizeof(T) bytes of workspace.
  */
 #pragma once
 
@@ -83,8 +86,13 @@ struct kernel_def : matmul::kernel_def<C> {
       tma::load_2d(s.a.data, &g.xl, full, k * BK, t.m * BM - g.c.rank * g.rows_per_rank);
     } else {
       if (k == 0) {
-        wait(g.c.sig[g.c.rank] + tp::FLAGS + t.m, g.c.epoch(), g.c.timeout_ns, g.c.fail(),
-             g.c.rank);
+        // NOTES: a flag stays down when a comm block waits for a missing peer; that block's
+        // timeout names the peer, so the flag wait allows 1/8 more before naming the row
+        // block's owner itself.
+        const int owner = static_cast<int>(int64_t(t.m) * BM / g.rows_per_rank);
+        wait(g.c.sig[g.c.rank] + tp::FLAGS + t.m, g.c.epoch(),
+             g.c.timeout_ns + g.c.timeout_ns / 8, g.c.fail(),
+             owner < g.c.world ? owner : g.c.world - 1);
         fence_proxy_async_global();
       }
       tma::load_2d(s.a.data, &g.x, full, k * BK, t.m * BM);
@@ -115,6 +123,7 @@ struct kernel_def : matmul::kernel_def<C> {
     if (lead) ring.init();
     c.barrier(0, cb, e);
     if (lead) {  // my share of x -> ws_r
+      fence_proxy_async_global();  // barrier 0's acquires before the bulk stores into ws_r
       const uint64_t lo = shard_units * cb / nc * 16, hi = shard_units * (cb + 1) / nc * 16;
       bulk_copy(ring, static_cast<char*>(c.ws[r]) + lo,
                 static_cast<const char*>(g.x_local) + lo, hi - lo);
@@ -148,16 +157,15 @@ struct kernel_def : matmul::kernel_def<C> {
       }
       tp::publish(c, tp::FLAGS + j, e, /*local=*/true);  // flag[j]
     }
+    if (lead) fence_proxy_async_global();  // my bulk reads of peers' ws before the release
     c.barrier(2, cb, e);
   }
 };
 
-/** @brief Launches one call: the epoch kernel, then the LCSC grid with `comm_blocks`. */
+/** @brief Launches the LCSC grid of one call (after the caller's epoch kernel). */
 template <class C>
 inline cudaError_t launch(const globals& g, cudaStream_t stream, int device, int num_sms,
                           int comm_blocks) {
-  tp::epoch_kernel<<<1, 1, 0, stream>>>(g.c);
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   const int tiles = ceil_div(g.m, C::BM) * ceil_div(g.n, C::BN);
   return lcsc::launch<kernel_def<C>>(g, stream, device, num_sms, comm_blocks, tiles);
 }

@@ -21,8 +21,10 @@
  *     last quarter       add -> ws0    add -> ws1    add -> ws2    add -> ws3
  *
  * Kernels of one call (XLA's stream; at P = 1 without mode=fused only the matmul kernel):
- *   epoch   (1 thread)   EPOCH += 1 (the epoch e of this call's signals), rank operand check
- *   enter   (G blocks)   barrier 0; zero my buffer ws_r[Mp, N]; barrier 1
+ *   epoch   (1 thread)   EPOCH += 1 (the epoch e of this call's signals), rank operand check;
+ *                        launched before the call's arguments are checked (ffi/tp.h)
+ *   enter   (G blocks)   barrier 0; zero my buffer ws_r[Mp, N]; barrier 1 (G from the problem
+ *                        size only, the same on every rank: block b meets block b of peers)
  *   gemm    (LCSC)       tiles of x @ w, reduce-added into ws_owner (tensor maps of the peers)
  *   leave   (G blocks)   barrier 2; y <- ws_r                     (pk/tp.cuh)
  *
@@ -104,13 +106,13 @@ struct kernel_def : matmul::kernel_def<C> {
 };
 
 /**
- * @brief The epoch, enter and GEMM kernels of one call (gemm_rs and gemm_ar); the caller then
- * launches its leave kernel with `a`. `g` has x, w, m, n, k, group_m and the owner fields.
+ * @brief The enter and GEMM kernels of one call (gemm_rs and gemm_ar), after the caller's
+ * epoch kernel; the caller then launches its leave kernel with `a`. `g` has x, w, m, n, k,
+ * group_m, bound and the owner fields; `helper_grid` is the same on every rank.
  */
 template <class C>
 inline cudaError_t launch_front(const globals& g, const tp::rows_args& a, int helper_grid,
                                 cudaStream_t stream, int device, int num_sms) {
-  tp::epoch_kernel<<<1, 1, 0, stream>>>(a.c);
   tp::enter_kernel<<<helper_grid, tp::THREADS, 0, stream>>>(a);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   const int tiles = g.world * g.tiles_per_owner * ceil_div(g.n, C::BN);

@@ -48,6 +48,7 @@ struct globals {
   CUtensorMap y;  // dims {N, M}, box {64, 64}
   int m, n, k;
   int group_m;    // block-rows per band of the tile order (L2 reuse)
+  wait_bound bound;  // error record and timeout of the mbarrier waits (zeros: trap at 60 s)
 };
 
 /**
@@ -89,6 +90,7 @@ struct kernel_def {
     return tile_scheduler(ceil_div(g.m, BM), ceil_div(g.n, BN), g.group_m);
   }
   __device__ static int k_iters(const globals& g) { return ceil_div(g.k, BK); }
+  __device__ static pk::wait_bound bound(const globals& g) { return g.bound; }
 
   __device__ static void setup(const globals& g, lcsc::block_info) {
     tma::prefetch(&g.x);

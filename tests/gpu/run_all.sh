@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark, on the H200 machine: tests/gpu/run_all.sh [section ...]
-# Sections: install sass unit runtime collectives collectives_mp tp tp_mp examples bench
+# Sections: install sass unit runtime collectives collectives_mp tp tp_mp emulator sanitize
+# examples bench
 # (default: all but bench). The P = 1 sections (install unit collectives tp examples) may run
 # side by side in separate invocations; the multi-process ones and bench want the GPU alone.
 # Prints one PASSED/FAILED line per step and a summary; exits non-zero if any step failed.
@@ -106,15 +107,38 @@ section_examples() {
   done
 }
 
+# The rank emulator (issue 10): every cross-rank kernel with P ranks on disjoint SM partitions
+# of this GPU, truly concurrent (tests/gpu/test_emulator.py); PK_JAX_EMU_CALLS sets the number
+# of back-to-back calls per (op, P) (default 1000).
+section_emulator() {
+  export CUDA_MODULE_LOADING=EAGER  # pk_jax.testing.require_eager_loading says why
+  step "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_emulator.py
+  step "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_reinit.py
+}
+
+# compute-sanitizer over a short emulated run of every op (P = 2, 4): device-side errors only
+# (host-side cuGetProcAddress probes are reported as CUDA_ERROR_INVALID_VALUE: ignored).
+section_sanitize() {
+  local log=${PK_JAX_LOG_DIR:-/tmp}/pk_jax_sanitize
+  mkdir -p "$log"
+  for tool in memcheck synccheck; do
+    step bash -c "compute-sanitizer --tool $tool --print-limit 50 $PY tests/gpu/emu_short.py \
+      > $log/$tool.log 2>&1; rc=\$?; tail -5 $log/$tool.log;
+      ! grep -E 'Invalid (__global__|__shared__|__local__)|Out of bounds|Misaligned|Barrier error|Race reported|Error: process didn' $log/$tool.log && grep -q 'emu_short: OK' $log/$tool.log"
+  done
+}
+
 # Benchmarks (correctness first, XLA baseline in the same run); JSON lines in bench/results/.
 section_bench() {
   step "$PY" bench/bench_ping.py
   step "$PY" bench/bench_matmul.py
   step "$PY" bench/bench_tp.py --quick
+  step "$PY" bench/bench_emulated.py
 }
 
 sections=("$@")
-[ ${#sections[@]} -eq 0 ] && sections=(install sass unit runtime collectives collectives_mp tp tp_mp examples)
+[ ${#sections[@]} -eq 0 ] && sections=(install sass unit runtime collectives collectives_mp tp tp_mp \
+  emulator sanitize examples)
 for s in "${sections[@]}"; do "section_$s"; done
 echo "=== summary: $passed passed, ${#failed[@]} failed"
 for f in "${failed[@]}"; do echo "failed: $f"; done

@@ -318,6 +318,7 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ glo
   const fail_ctx fc{g.error, g.op, r};
   __shared__ uint64_t s_base;
   if (lead) {
+    block_wait_bound() = wait_bound{g.error, g.op, r, g.timeout_ns};
     const int32_t got = *g.rank_ptr;
     if (got != r) fail(fc, ERR_RANK_MISMATCH, got);
     s_base = g.sig[r][SLOT_COUNTER + b];  // only this block of this device writes it
@@ -362,6 +363,8 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ glo
            threadIdx.x);
     }
     __syncthreads();
+    // The done acquires (generic proxy) before the bulk stores that restage the region.
+    if (B16 && lead) fence_proxy_async_global();
     if constexpr (B16) {
       if (lead) X::stage(g, sm, mine, D, lo, hi);
     } else {
@@ -384,6 +387,10 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ glo
 
     __syncthreads();
     if (lead) {
+      // The peers' regions were read by bulk copies (async proxy) and by plain loads: order
+      // both before the done release, so a peer never restages under an unfinished read.
+      if constexpr (B16) fence_proxy_async_global();
+      __threadfence_system();
       for (int p = 0; p < P; ++p) signal(g.sig[p] + SLOT_DONE + b * MAX_PEERS + r, q + 1);
     }
   }

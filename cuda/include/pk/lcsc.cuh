@@ -19,9 +19,16 @@
  *                           release stage s (one step late when K::ASYNC_MMA: wgmma reads it)
  *                    K::storer(g, acc, out[c], c, tile, sync)
  *
- * Communication block (the last comm_blocks blocks of the grid): K::communicator(g, info,
+ * Communication block (the FIRST comm_blocks blocks of the grid): K::communicator(g, info,
  * smem), with the block's whole dynamic shared memory (sizeof(shared_storage<K>) bytes, 1024-
  * byte aligned) free for its own use.
+ *
+ * Residency: compute blocks may wait for what communication blocks produce (ag_gemm's row
+ * flags), never the other way round. Blocks are dispatched in index order, so putting the
+ * communication blocks first guarantees they are resident (or done) whenever a compute block
+ * runs, even when another kernel holds part of the SMs and the grid does not fit at once; the
+ * compute blocks' persistent loop then only slows down. The grid is min(tiles, num_sms -
+ * comm_blocks) compute blocks (at least 1) plus comm_blocks, whatever num_sms is.
  *
  * What K provides:
  *   types    globals, stage_t (one pipeline stage of inputs), out_t (a consumer's staging
@@ -29,7 +36,8 @@
  *   consts   STAGES, CONSUMERS, STAGE_BYTES (TMA bytes per stage), PRODUCER_REGS,
  *            CONSUMER_REGS, ASYNC_MMA
  *   hooks    scheduler(g) -> tile_scheduler; k_iters(g) -> int (>= 1); setup(g, info) (one
- *            thread, before the roles start); loader; consumer; storer; communicator
+ *            thread, before the roles start); loader; consumer; storer; communicator;
+ *            bound(g) -> pk::wait_bound (error record and timeout of its mbarrier waits)
  */
 #pragma once
 
@@ -79,7 +87,7 @@ struct storer_sync {
   }
 };
 
-/** @brief The template kernel. The last `comm_blocks` blocks run the communicator. */
+/** @brief The template kernel. The first `comm_blocks` blocks run the communicator. */
 template <class K>
 __global__ void __launch_bounds__((K::CONSUMERS + 1) * WARPGROUP_THREADS, 1)
     kernel(const __grid_constant__ typename K::globals g, const int comm_blocks) {
@@ -87,9 +95,11 @@ __global__ void __launch_bounds__((K::CONSUMERS + 1) * WARPGROUP_THREADS, 1)
   auto& s = *reinterpret_cast<shared_storage<K>*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const int compute_blocks = gridDim.x - comm_blocks;
-  if (static_cast<int>(blockIdx.x) >= compute_blocks) {
-    K::communicator(g, block_info{compute_blocks, comm_blocks,
-                                  static_cast<int>(blockIdx.x) - compute_blocks},
+  const int index = static_cast<int>(blockIdx.x) - comm_blocks;  // among the compute blocks
+  if (threadIdx.x == 0) block_wait_bound() = K::bound(g);
+  if (index < 0) {
+    __syncthreads();
+    K::communicator(g, block_info{compute_blocks, comm_blocks, static_cast<int>(blockIdx.x)},
                     static_cast<void*>(&s));
     return;
   }
@@ -99,7 +109,7 @@ __global__ void __launch_bounds__((K::CONSUMERS + 1) * WARPGROUP_THREADS, 1)
       mbar_init(&s.empty[i], K::CONSUMERS);
     }
     fence_mbar_init();
-    K::setup(g, block_info{compute_blocks, comm_blocks, static_cast<int>(blockIdx.x)});
+    K::setup(g, block_info{compute_blocks, comm_blocks, index});
   }
   __syncthreads();
 
@@ -114,7 +124,7 @@ __global__ void __launch_bounds__((K::CONSUMERS + 1) * WARPGROUP_THREADS, 1)
     if (warpgroup::thread() != 0) return;
     int stage = 0;
     uint32_t phase = 0;
-    for (int id = blockIdx.x; id < num_tiles; id += compute_blocks) {
+    for (int id = index; id < num_tiles; id += compute_blocks) {
       const tile_coord t = sched.coord(id);
       for (int k = 0; k < iters; ++k) {
         mbar_wait(&s.empty[stage], phase ^ 1);
@@ -136,7 +146,7 @@ __global__ void __launch_bounds__((K::CONSUMERS + 1) * WARPGROUP_THREADS, 1)
   const storer_sync sync{1 + c, leader};
   int stage = 0;
   uint32_t phase = 0;
-  for (int id = blockIdx.x; id < num_tiles; id += compute_blocks) {
+  for (int id = index; id < num_tiles; id += compute_blocks) {
     const tile_coord t = sched.coord(id);
     typename K::acc_t acc;
     int prev = 0;
@@ -172,23 +182,27 @@ constexpr size_t smem_bytes() {
 }
 
 /**
- * @brief Launches K on `stream`: min(num_sms - comm_blocks, tiles) compute blocks plus
- * `comm_blocks` communication blocks, one block per SM, all resident.
+ * @brief Launches K on `stream`: max(1, min(num_sms - comm_blocks, tiles)) compute blocks
+ * after `comm_blocks` communication blocks, one block per SM (see "Residency" above).
  * @param device the CUDA device ordinal (the smem opt-in is per device).
+ * @param num_sms SMs the grid may use: the device's, or an emulated rank's partition.
  */
 template <class K>
 inline cudaError_t launch(const typename K::globals& g, cudaStream_t stream, int device,
                           int num_sms, int comm_blocks, int tiles) {
   constexpr size_t SMEM = smem_bytes<K>();
-  static_assert(SMEM <= 232448, "lcsc: shared memory over the sm_90 limit of 227 KiB");
+  // NOTES: the static shared wait_bound (32 bytes) counts against the same 227 KiB.
+  static_assert(SMEM + sizeof(wait_bound) <= 232448,
+                "lcsc: shared memory over the sm_90 limit of 227 KiB");
   if (cudaError_t err = opt_in_smem(reinterpret_cast<const void*>(&kernel<K>), device,
                                      static_cast<int>(SMEM));
       err != cudaSuccess) {
     return err;
   }
-  if (comm_blocks < 0 || comm_blocks >= num_sms) return cudaErrorInvalidValue;
+  if (comm_blocks < 0) return cudaErrorInvalidValue;
   int compute = num_sms - comm_blocks;
-  if (tiles < compute) compute = tiles > 0 ? tiles : 1;
+  if (tiles < compute) compute = tiles;
+  if (compute < 1) compute = 1;
   kernel<K><<<compute + comm_blocks, (K::CONSUMERS + 1) * WARPGROUP_THREADS, SMEM, stream>>>(
       g, comm_blocks);
   return cudaGetLastError();

@@ -9,6 +9,7 @@
 #pragma once
 
 #include "pk/common.cuh"
+#include "pk/sync.cuh"
 
 namespace pk {
 
@@ -67,9 +68,45 @@ __device__ inline bool mbar_test(mbarrier* bar, uint32_t parity) {
   return done != 0;
 }
 
-/** @brief Blocks until the phase with parity `parity` has completed. */
+/**
+ * @brief What an mbarrier wait that never completes reports, per block: the error record, op
+ * and rank of the kernel, and the bound (0: MBAR_DEFAULT_TIMEOUT_NS). Every kernel that waits
+ * on mbarriers sets it (one thread, before its first __syncthreads): lcsc::kernel from
+ * K::wait_bound(g), the collectives from their communicator.
+ */
+struct wait_bound {
+  int32_t* error;  ///< host-mapped record, or nullptr (local kernels: trap only)
+  int32_t op, rank;
+  uint64_t timeout_ns;
+};
+constexpr uint64_t MBAR_DEFAULT_TIMEOUT_NS = 60ull * 1000 * 1000 * 1000;
+
+/** @brief This block's wait_bound (a static shared variable of every kernel that uses it). */
+__device__ inline wait_bound& block_wait_bound() {
+  __shared__ wait_bound bound;
+  return bound;
+}
+
+/**
+ * @brief Blocks until the phase with parity `parity` has completed, at most the block's
+ * wait_bound; then writes the error record (code ERR_MBAR_TIMEOUT, peer -1) and traps.
+ *
+ * NOTES: a transaction count that never completes (expected bytes that no copy delivers, a copy
+ * from an unmapped peer) would otherwise hang the kernel forever; the timer is read only every
+ * 256 failed polls, so the completed-phase path costs one try_wait as before.
+ */
 __device__ inline void mbar_wait(mbarrier* bar, uint32_t parity) {
+  if (mbar_test(bar, parity)) return;
+  const uint64_t start = globaltimer_ns();
+  uint32_t polls = 0;
   while (!mbar_test(bar, parity)) {
+    if ((++polls & 255) == 0) {
+      const wait_bound& w = block_wait_bound();
+      const uint64_t limit = w.timeout_ns ? w.timeout_ns : MBAR_DEFAULT_TIMEOUT_NS;
+      if (globaltimer_ns() - start > limit) {
+        fail(fail_ctx{w.error, w.op, w.rank}, ERR_MBAR_TIMEOUT, -1);
+      }
+    }
   }
 }
 

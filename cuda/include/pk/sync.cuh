@@ -23,6 +23,7 @@ namespace pk {
 /** @brief Error codes and record fields, as in ffi/comm.h and pk_jax/runtime/errors.py. */
 constexpr int ERR_TIMEOUT = 1;
 constexpr int ERR_RANK_MISMATCH = 2;
+constexpr int ERR_MBAR_TIMEOUT = 3;  ///< an mbarrier phase (TMA / bulk bytes) never came
 
 /** @brief What a failing wait reports: the record and who is waiting. */
 struct fail_ctx {

@@ -49,6 +49,8 @@ struct comm {
   const int32_t* rank_ptr;   ///< XLA's rank operand (checked against `rank`)
 
   __device__ fail_ctx fail() const { return fail_ctx{error, op, rank}; }
+  /** @brief The same record and timeout for the kernel's mbarrier waits. */
+  __host__ __device__ wait_bound bound() const { return wait_bound{error, op, rank, timeout_ns}; }
   /** @brief This call's epoch (set by epoch_kernel before any other kernel of the call). */
   __device__ uint64_t epoch() const {
     return *reinterpret_cast<volatile const uint64_t*>(sig[rank] + EPOCH);
@@ -157,12 +159,19 @@ static __global__ void __launch_bounds__(THREADS)
   if constexpr (GATHER) c.barrier(3, blockIdx.x, e);
 }
 
-/** @brief Grid of the helper kernels for `units` 16-byte units. */
-inline int helper_grid(uint64_t units, int num_sms) {
-  uint64_t g = (units + 8 * THREADS - 1) / (8 * THREADS);
-  const int cap = num_sms < MAX_BLOCKS ? num_sms : MAX_BLOCKS;
-  if (g < 1) g = 1;
-  return g > uint64_t(cap) ? cap : static_cast<int>(g);
+/**
+ * @brief Grid of the helper kernels for `units` 16-byte units.
+ *
+ * NOTES: block b of every rank meets block b of every peer at the per-block barriers, so all
+ * ranks must launch the same grid: it comes from the problem alone, never from the local SM
+ * count (emulated ranks, or GPUs partly held by other work, differ there). The grid need not
+ * fit at once: a block only waits for same-index blocks of peers, which their own in-order
+ * dispatch runs no later than it.
+ */
+inline int helper_grid(uint64_t units) {
+  const uint64_t g = (units + 8 * THREADS - 1) / (8 * THREADS);
+  if (g < 1) return 1;
+  return g > uint64_t(MAX_BLOCKS) ? MAX_BLOCKS : static_cast<int>(g);
 }
 
 }  // namespace pk::tp

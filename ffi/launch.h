@@ -1,0 +1,107 @@
+// The plain C++ launch functions behind the FFI handlers: Launch<Op>(where, args, comm view).
+//
+// A handler only binds XLA's buffers and attributes into the op's args, finds its
+// communicator, and calls its launch function; the rank emulator (pk_jax.testing, bound in
+// module.cc) calls the same function with device buffers it owns, a view of an emulated rank
+// and that rank's stream and SM partition. What the emulator proves is therefore what XLA runs.
+// Nothing here includes XLA headers: a Status carries the error, and the handler turns it into
+// an ffi::Error (ffi_util.h ToError).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "comm.h"
+
+namespace pk_ffi {
+
+// Element types of the operands (the launchers dispatch on them).
+enum class DType : int32_t { kBF16 = 0, kF16 = 1, kF32 = 2, kS32 = 3 };
+
+inline int ByteWidth(DType t) { return t == DType::kBF16 || t == DType::kF16 ? 2 : 4; }
+
+// The outcome of a launch function: ok, a bad argument (ValueError in Python) or an internal
+// failure (a CUDA error).
+struct Status {
+  enum Code : int { kOk = 0, kInvalidArgument = 1, kInternal = 2 };
+  Code code = kOk;
+  std::string message;
+
+  bool ok() const { return code == kOk; }
+  static Status Ok() { return {}; }
+  static Status Invalid(std::string m) { return {kInvalidArgument, std::move(m)}; }
+  static Status Internal(std::string m) { return {kInternal, std::move(m)}; }
+};
+
+// Status of a CUDA runtime error, naming the call; Ok for cudaSuccess.
+Status CudaStatus(cudaError_t err, const char* what);
+
+// Where a call runs: the stream, the device ordinal (shared-memory opt-ins are per device) and
+// the SMs its persistent grids may use (the device's, or an emulated rank's partition).
+struct Where {
+  cudaStream_t stream;
+  int device;
+  int num_sms;
+};
+
+// The four collectives. x and y are device buffers of `dtype`; rank points at the int32 rank
+// operand on the device (checked against the communicator's rank by the kernel).
+struct CollArgs {
+  DType dtype;
+  const void* x;
+  void* y;
+  const int32_t* rank;
+  int64_t n;      // elements of x
+  int64_t n_out;  // elements of y
+  int64_t p0;     // all_reduce: algorithm (0 auto, 1 one-shot, 2 two-shot); all_gather and
+                  // reduce_scatter: run; all_to_all: split_run
+  int64_t p1;     // all_to_all: concat_run
+};
+
+Status LaunchAllReduce(const Where& at, const CollArgs& a, const CommView& v);
+Status LaunchAllGather(const Where& at, const CollArgs& a, const CommView& v);
+Status LaunchReduceScatter(const Where& at, const CollArgs& a, const CommView& v);
+Status LaunchAllToAll(const Where& at, const CollArgs& a, const CommView& v);
+
+// The fused tensor-parallel GEMMs. gemm_rs / gemm_ar: x [M, K], w [K, N], y [M/P or M, N];
+// ag_gemm: x [Mp, K], w [K, N], y [P Mp, N], x_full [P Mp, K]. dtype bf16 or fp16.
+struct GemmArgs {
+  DType dtype;
+  const void* x;
+  const void* w;
+  void* y;
+  void* x_full;   // ag_gemm only
+  const int32_t* rank;
+  int64_t m, k, n;           // x's rows and columns, w's columns
+  int64_t y_rows, y_cols;    // y as the caller allocated it (checked)
+  int64_t config;            // tile config (1: 128x128, 2: 128x256)
+  int64_t group_m;           // block-rows per band of the tile order
+  int64_t mode;              // gemm_rs / gemm_ar: 1 runs the fused kernels even at P = 1
+  int64_t num_comm_sms;      // ag_gemm: communication blocks (the same on every rank)
+};
+
+// The local GEMM (no communicator; x [m, k], w [k, n], y [m, n]; config 0..2 of matmul.cuh).
+Status LaunchMatmul(const Where& at, const GemmArgs& a);
+Status LaunchGemmRs(const Where& at, const GemmArgs& a, const CommView& v);
+Status LaunchGemmAr(const Where& at, const GemmArgs& a, const CommView& v);
+Status LaunchAgGemm(const Where& at, const GemmArgs& a, const CommView& v);
+
+// Refuses a launch once the communicator's error record holds an error (a peer timed out in
+// an earlier call): the message names op, rank and missing peer, and the call never starts
+// kernels that would wait for peers that are gone.
+Status CheckRecord(const char* op, const CommView& v);
+
+// Rank-emulator helpers (ffi/emu.cu): a kernel that spins for `ns` nanoseconds on `stream`
+// (a late rank), and `blocks` blocks with `smem_bytes` of shared memory each spinning `ns`
+// (other work holding part of a partition's SMs).
+Status LaunchDelay(cudaStream_t stream, uint64_t ns);
+Status LaunchOccupy(cudaStream_t stream, int blocks, int smem_bytes, uint64_t ns);
+// One block whose mbarrier never completes: the test of pk::mbar_wait's bound (it must write
+// `error` as op `op`, rank `rank`, and trap after timeout_ns).
+Status LaunchMbarStall(cudaStream_t stream, int32_t* error, int op, int rank,
+                       uint64_t timeout_ns);
+
+}  // namespace pk_ffi

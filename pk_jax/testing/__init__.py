@@ -1,0 +1,20 @@
+"""Testing tools for multi-rank kernels on one GPU: the rank emulator.
+
+`World(P)` runs P emulated ranks of one communicator on disjoint SM partitions (green
+contexts) of one GPU in this process, over symmetric workspaces laid out as `pk.init` lays them
+out, and starts each rank's ops through the same C++ launch functions the FFI handlers call.
+`pk_jax.testing.ops` builds calls of pk_jax's cross-rank ops with their numpy references.
+See the README's "Rank emulator" section.
+"""
+
+from pk_jax.testing.emulator import (
+    DeviceBuffer,
+    EmulatorError,
+    World,
+    max_partitions,
+    reset_device,
+    split_sms,
+)
+
+__all__ = ["DeviceBuffer", "EmulatorError", "World", "max_partitions", "reset_device",
+           "split_sms"]

@@ -1,0 +1,62 @@
+"""Case builders shared by the emulator tests, benchmarks and scripts (tests/gpu/): random
+exact-integer calls of every cross-rank op at a given P, with odd sizes."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pk_jax.testing import ops
+
+# Ops and the world sizes they run at (3 wherever the op allows a world of 3).
+WORLDS = (2, 3, 4, 8)
+
+
+def case(op: str, p: int, rng: np.random.Generator, *, size: str = "small",
+         dtype: str | None = None, rank_valued: bool = False) -> ops.Case:
+    """A random exact case of `op` at world p. size: "small" (fast, odd), "big" (helper grids
+    above 16 blocks, several tiles per owner). rank_valued: x = rank everywhere."""
+    big = size == "big"
+
+    def ints(shape, r):
+        return np.full(shape, float(r)) if rank_valued else ops.integers(rng, shape)
+
+    if op == "all_reduce":
+        n = int(rng.integers(1, 3000)) if not big else 1 << 21
+        dt = dtype or str(rng.choice(["float32", "bfloat16", "float16"]))
+        algo = int(rng.integers(0, 3))
+        return ops.all_reduce([ints(n, r) for r in range(p)], dt, algo=algo)
+    if op == "all_gather":
+        n = int(rng.integers(1, 3000)) if not big else 1 << 20
+        dt = dtype or str(rng.choice(["float32", "bfloat16", "int32"]))
+        return ops.all_gather([ints(n, r) + 10 * r for r in range(p)], dt)
+    if op == "reduce_scatter":
+        n = p * (int(rng.integers(1, 1500)) if not big else 1 << 19)
+        dt = dtype or str(rng.choice(["float32", "bfloat16", "float16"]))
+        return ops.reduce_scatter([ints(n, r) for r in range(p)], dt)
+    if op == "all_to_all":
+        rows = p * int(rng.integers(1, 40)) if not big else p * 512
+        heads = p * int(rng.integers(1, 4))
+        d = int(rng.choice([1, 3, 8, 64]))
+        dt = dtype or str(rng.choice(["float32", "bfloat16", "int32"]))
+        xs = [ints((rows, heads, d), r) + 100 * r for r in range(p)]
+        split, concat = [(1, 0), (0, 1), (0, 0)][int(rng.integers(0, 3))]
+        return ops.all_to_all(xs, dt, split, concat)
+    # GEMMs: x, w in {-1, 0, 1}, so every partial and total sum is an integer of size at most
+    # P K: exact in fp16 up to 2048 and in bf16 up to 256 (the cross-rank adds are in T).
+    dt = dtype or str(rng.choice(["float16", "bfloat16"]))
+    lim = 2
+    kmax = max(8, (256 if dt == "bfloat16" else 2048) // p // 8 * 8)
+    n = 8 * int(rng.integers(1, 40)) if not big else 1024
+    k = 8 * int(rng.integers(1, kmax // 8 + 1)) if not big else kmax
+    if op == "ag_gemm":
+        mp = int(rng.integers(1, 300)) if not big else 512
+        xs = [np.full((mp, k), float(r)) if rank_valued else ops.integers(rng, (mp, k), -1, lim)
+              for r in range(p)]
+        ws = [ops.integers(rng, (k, n), -1, 2) for _ in range(p)]
+        return ops.ag_gemm(xs, ws, dt, num_comm_sms=int(rng.integers(1, 5)))
+    m = (p * int(rng.integers(1, 120)) if op == "gemm_rs" else int(rng.integers(1, 400))) \
+        if not big else p * 512
+    xs = [np.full((m, k), float(r % 2)) if rank_valued else ops.integers(rng, (m, k), -1, lim)
+          for r in range(p)]
+    ws = [ops.integers(rng, (k, n), -1, 2) for _ in range(p)]
+    return (ops.gemm_rs if op == "gemm_rs" else ops.gemm_ar)(xs, ws, dt)

@@ -1,0 +1,39 @@
+"""One call of every cross-rank op at P = 2 and 4 in the rank emulator, checked; for
+compute-sanitizer (memcheck, synccheck) in tests/gpu/run_all.sh section `sanitize`.
+Exits non-zero on a wrong result.
+
+    python tests/gpu/emu_short.py [OPS] [WORLDS]    e.g. gemm_rs,ag_gemm 2,4
+"""
+
+from __future__ import annotations
+
+import os
+
+# The emulator needs eager module loading, set before anything starts CUDA.
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+import emu_cases
+
+from pk_jax.testing import World, ops
+
+if __name__ == "__main__":
+    only = sys.argv[1].split(",") if len(sys.argv) > 1 else list(ops.OPS)
+    worlds = [int(v) for v in sys.argv[2].split(",")] if len(sys.argv) > 2 else [2, 4]
+    rng = np.random.default_rng(0)
+    bad = []
+    for p in worlds:
+        with World(p, timeout_s=float(os.environ.get("PK_JAX_TIMEOUT_S", "60"))) as w:
+            for op in only:
+                c = ops.Call(w, emu_cases.case(op, p, rng))
+                c.launch()
+                w.synchronize(timeout_s=120.0)
+                bad += c.check()
+                c.free()
+                print(f"P={p} {op}: {'ok' if not bad else bad[-1]}", flush=True)
+    print("emu_short:", "OK" if not bad else f"{len(bad)} wrong", flush=True)
+    sys.exit(1 if bad else 0)
