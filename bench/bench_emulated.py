@@ -116,10 +116,8 @@ def tp_buffers(world: World, op: str, m: int, n: int, k: int, rng) -> dict:
     tmp = []
     for r in range(p):
         x, w = case.inputs[r]["x"], case.inputs[r]["w"]
-        if op == "ag_gemm":
-            tmp.append(DeviceBuffer(m * k * dt.itemsize))            # the gathered x
-        else:
-            tmp.append(DeviceBuffer(x.shape[0] * w.shape[1] * dt.itemsize))  # x @ w
+        if op != "ag_gemm":  # x @ w before the collective
+            tmp.append(DeviceBuffer(x.shape[0] * w.shape[1] * dt.itemsize))
     return {"case": case, "fused": fused, "serial": serial, "tmp": tmp}
 
 
@@ -131,11 +129,11 @@ def serial_launch(world: World, op: str, b: dict) -> None:
         x, w = case.inputs[r]["x"], case.inputs[r]["w"]
         bufs = call.buffers[r]
         cfg = {"config": 0, "group_m": 8}
-        if op == "ag_gemm":
-            world.launch("all_gather", r, {"dtype": dt, "x": bufs["x"], "y": tmp[r],
+        if op == "ag_gemm":  # the gather lands in x_full, which the op also returns
+            world.launch("all_gather", r, {"dtype": dt, "x": bufs["x"], "y": bufs["x_full"],
                                            "n": x.size, "n_out": x.size * world.world,
                                            "p0": x.size})
-            world.launch("matmul", r, {"dtype": dt, "x": tmp[r], "w": bufs["w"],
+            world.launch("matmul", r, {"dtype": dt, "x": bufs["x_full"], "w": bufs["w"],
                                        "y": bufs["y"], "m": x.shape[0] * world.world,
                                        "k": x.shape[1], "n": w.shape[1],
                                        "y_rows": x.shape[0] * world.world,
@@ -154,13 +152,22 @@ def serial_launch(world: World, op: str, b: dict) -> None:
                                            "n_out": mm})
 
 
+def model_plan(op: str, m: int, n: int, k: int, p: int, gpu: cost_model.GPU):
+    """cost_model.plan over both modes, with ag_gemm's comm SMs below half a partition."""
+    cands = [c for c in cost_model.COMM_SMS_CANDIDATES if c <= gpu.sms // 2]
+    plans = [cost_model.predict(op, m, n, k, p, mode=md, num_comm_sms=c, gpu=gpu)
+             for md in ("fused", "serial")
+             for c in (cands if md == "fused" and op == "ag_gemm" else [0])]
+    return min(plans, key=lambda pl: pl.predicted_us)
+
+
 def bench_tp(world: World, gpu: cost_model.GPU, shapes, rng, rows: list) -> None:
     p = world.world
     for op in ("gemm_rs", "ag_gemm", "gemm_ar"):
         for m, n, k in shapes:
             b = tp_buffers(world, op, m, n, k, rng)
             k_dev = k if op == "ag_gemm" else k // p
-            plan = cost_model.plan(op, m, n, k_dev, p, gpu=gpu)
+            plan = model_plan(op, m, n, k_dev, p, gpu)
             comm_sms = plan.num_comm_sms if op == "ag_gemm" else 0
             if op == "ag_gemm":
                 comm_sms = comm_sms or 8

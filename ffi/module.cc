@@ -157,17 +157,6 @@ void EmuMbarStall(uint64_t stream, uint64_t error_ptr, int op, int rank, uint64_
                                 reinterpret_cast<int32_t*>(error_ptr), op, rank, timeout_ns));
 }
 
-// Destroys the device's primary context and everything in it (after a kernel trapped, the
-// context is unusable); the next CUDA call creates a fresh one.
-void DeviceReset(int device) {
-  cudaError_t err = cudaSetDevice(device);
-  if (err == cudaSuccess) err = cudaDeviceReset();
-  if (err != cudaSuccess) {
-    throw std::runtime_error(std::string("pk_jax: cudaDeviceReset failed: ") +
-                             cudaGetErrorString(err));
-  }
-}
-
 nb::list Registrations() {
   nb::list out;
   for (const Registration& r : kRegistrations) {
@@ -203,6 +192,5 @@ NB_MODULE(_pk_ffi, m) {
   m.def("emu_mbar_stall", &EmuMbarStall, nb::arg("stream"), nb::arg("error_ptr"),
         nb::arg("op"), nb::arg("rank"), nb::arg("timeout_ns"),
         "Queues a block whose mbarrier never completes (tests the bounded mbarrier wait).");
-  m.def("device_reset", &DeviceReset, nb::arg("device"),
-        "cudaDeviceReset of `device` (after a trap).");
+
 }

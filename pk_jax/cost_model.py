@@ -153,6 +153,8 @@ def predict(op: str, m: int, n: int, k: int, p: int, *, mode: str, num_comm_sms:
         t["sync"] = 2 * gpu.barrier_us
     elif mode == "fused":
         c = num_comm_sms if op == "ag_gemm" else 0
+        if c >= gpu.sms:  # no SM left for the GEMM (a small GPU or an emulated partition)
+            return Plan(mode, c, float("inf"), dict(t))
         t["comp"] = flops / (rate * (gpu.sms - c) / gpu.sms) * us
         tile_wave = gpu.sms * 128 * 256 * itemsize
         if op in ("gemm_rs", "gemm_ar"):

@@ -12,9 +12,7 @@ from pk_jax.testing.emulator import (
     EmulatorError,
     World,
     max_partitions,
-    reset_device,
     split_sms,
 )
 
-__all__ = ["DeviceBuffer", "EmulatorError", "World", "max_partitions", "reset_device",
-           "split_sms"]
+__all__ = ["DeviceBuffer", "EmulatorError", "World", "max_partitions", "split_sms"]

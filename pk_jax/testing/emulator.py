@@ -18,8 +18,8 @@ What a `World` holds, and how it mirrors a real P-GPU communicator:
 A rank can start late (`delays_ns`: a spinning kernel queued before its op) or never (`skip`).
 Every host wait is bounded (`World.synchronize`), and every device wait is bounded by the
 world's `timeout_s`: a rank that never arrives makes the others record the error (op, rank,
-missing peer) and trap; the context is then unusable, `World.close` releases what it can and
-`reset_device` gives a fresh context for a fresh world.
+missing peer) and trap; that process's CUDA context is then unusable (as after any kernel
+trap): `World.close` releases what it can, and a new process starts clean.
 
 What it cannot show: NVLink speed. Each rank has 1/P of the SMs and all ranks share one HBM.
 
@@ -100,7 +100,7 @@ class DeviceBuffer:
             ptr, self.ptr = self.ptr, 0
             try:
                 vmm.call("cuMemFree", ptr)
-            except vmm.CudaError:  # a trapped context: the device reset reclaims it
+            except vmm.CudaError:  # a trapped context: freed when the process ends
                 pass
 
 
@@ -192,13 +192,6 @@ def require_eager_loading() -> None:
             "CUDA starts (before jax or cuda-python first touch the GPU): with lazy loading, "
             "launching a kernel for the first time waits for the running kernels of the "
             "context, which wait for the ranks not launched yet.")
-
-
-def reset_device(device: int = 0) -> None:
-    """After a trap: destroys the device's primary context, so a new World starts clean."""
-    from pk_jax import _ffi
-
-    _ffi._pk_ffi.device_reset(int(device))
 
 
 class World:
@@ -360,7 +353,7 @@ class World:
 
     def close(self) -> None:
         """Unregisters the ranks and releases memory, streams and green contexts (best effort
-        after a trap; reset_device reclaims the rest)."""
+        after a trap, when the process's context is unusable)."""
         if self.closed:
             return
         self.closed = True
@@ -395,7 +388,7 @@ class World:
 def _quiet(fn, *args) -> None:
     try:
         fn(*args)
-    except Exception:  # noqa: BLE001, S110 -- after a trap releases fail; a reset cleans up
+    except Exception:  # noqa: BLE001, S110 -- after a trap releases fail; the process ends
         pass
 
 

@@ -2,9 +2,10 @@
 JSON line. Used by tests/gpu/test_emulator.py.
 
     python tests/gpu/emu_failures.py dead OP P   a rank never arrives: the others must fail
-                                                 within the timeout, naming op, rank, peer;
-                                                 then a device reset and a fresh world must
-                                                 run the op exactly
+                                                 within the timeout, naming op, rank, peer
+    python tests/gpu/emu_failures.py fresh OP P  after that process: a new world runs the op
+                                                 exactly (a trapped CUDA context stays
+                                                 unusable in its own process)
     python tests/gpu/emu_failures.py mbar        an mbarrier that never completes must record
                                                  code 3 and trap after the bound
 """
@@ -27,7 +28,7 @@ import emu_cases
 
 from pk_jax import _ffi
 from pk_jax.runtime import errors
-from pk_jax.testing import EmulatorError, World, ops, reset_device
+from pk_jax.testing import EmulatorError, World, ops
 
 TIMEOUT_S = 2.0
 OP_IDS = {v: k for k, v in errors.OP_NAMES.items()}
@@ -52,14 +53,19 @@ def dead(op: str, p: int) -> dict:
     except EmulatorError as e:
         result.update(_fail_fields(e))
     w.close()
-    reset_device(0)
-    with World(p, timeout_s=TIMEOUT_S) as fresh:
-        good = ops.Call(fresh, emu_cases.case(op, p, rng))
-        good.launch()
-        fresh.synchronize()
-        result["fresh_world_ok"] = good.check() == []
-        good.free()
     return result
+
+
+def fresh(op: str, p: int) -> dict:
+    """A new world (a new process, after a failed one) runs the op exactly."""
+    rng = np.random.default_rng(p + 1)
+    with World(p, timeout_s=TIMEOUT_S) as w:
+        good = ops.Call(w, emu_cases.case(op, p, rng))
+        good.launch()
+        w.synchronize()
+        ok = good.check() == []
+        good.free()
+    return {"fresh_world_ok": ok}
 
 
 def mbar() -> dict:
@@ -77,6 +83,8 @@ def mbar() -> dict:
 
 if __name__ == "__main__":
     t0 = time.monotonic()
-    out = dead(sys.argv[2], int(sys.argv[3])) if sys.argv[1] == "dead" else mbar()
+    mode = sys.argv[1]
+    out = mbar() if mode == "mbar" else {"dead": dead, "fresh": fresh}[mode](sys.argv[2],
+                                                                          int(sys.argv[3]))
     out["wall_s"] = round(time.monotonic() - t0, 2)
     print(json.dumps(out), flush=True)

@@ -30,7 +30,8 @@ def test_jitted_ops_after_shutdown_and_init_with_another_workspace():
         return pk.all_reduce(x @ w, "tp"), pk.gemm_reduce_scatter(x, w, "tp")
 
     with cost_model.override(mode="fused"):
-        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P()), out_specs=(P(), P())))
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P()),
+                                  out_specs=(P(), P("tp"))))
         rng = np.random.default_rng(0)
         outs = []
         for step in range(3):
