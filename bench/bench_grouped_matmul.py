@@ -110,7 +110,7 @@ def main() -> int:
         for dist in DISTS:
             gs = jnp.asarray(sizes(dist, m, e))
             args_sets = [(x, w, gs) for x, w, _ in sets]
-            x, w, dy = sets[0]
+            x, w, _ = sets[0]
             err, err_xla = _check(f"{name}/{dist}", ours(x, w, gs), base(x, w, gs), x, w, gs)
             t_ours = common.time_us(ours, args_sets, iters=_iters(flop / 600e12), reps=reps)
             t_base = common.time_us(base, args_sets, iters=_iters(flop / 50e12),
