@@ -37,6 +37,7 @@ const Registration kRegistrations[] = {
     {"pk_gemm_rs", "CUDA", reinterpret_cast<void*>(PkGemmRs)},
     {"pk_ag_gemm", "CUDA", reinterpret_cast<void*>(PkAgGemm)},
     {"pk_gemm_ar", "CUDA", reinterpret_cast<void*>(PkGemmAr)},
+    {"pk_grouped_matmul", "CUDA", reinterpret_cast<void*>(PkGroupedMatmul)},
 };
 
 // The communicator table's view of one key, for tests; None when nothing is registered.

@@ -13,6 +13,7 @@ from pk_jax.ops.all_reduce import all_reduce
 from pk_jax.ops.all_to_all import all_to_all
 from pk_jax.ops.gemm_ar import gemm_all_reduce
 from pk_jax.ops.gemm_rs import gemm_reduce_scatter
+from pk_jax.ops.grouped_matmul import grouped_matmul
 from pk_jax.ops.matmul import matmul
 from pk_jax.ops.reduce_scatter import reduce_scatter
 from pk_jax.ops.ring_attn import ring_attention
@@ -31,6 +32,7 @@ __all__ = [
     "backend_name",
     "gemm_all_reduce",
     "gemm_reduce_scatter",
+    "grouped_matmul",
     "init",
     "matmul",
     "reduce_scatter",

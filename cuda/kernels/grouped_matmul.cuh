@@ -1,0 +1,480 @@
+/*
+ * grouped_matmul: y[rows of group e] = x[rows of group e] @ w[e] on one GPU (reference:
+ * jax.lax.ragged_dot), fp32 accumulation, output in the input dtype (bf16 or fp16), and the
+ * two products of its VJP. One kernel template, three modes:
+ *
+ *   mode | computes                          | A (smem)              | B (smem)
+ *   -----+-----------------------------------+-----------------------+---------------------------
+ *   FWD  | y  [M, N]    = x_e  @ w[e]        | x  [M, K], K-major    | w  [E, K, N], N-major
+ *   DX   | dx [M, K]    = dy_e @ w[e]^T      | dy [M, N], K-major    | w  [E, K, N], K-major (B^T)
+ *   DW   | dw [E, K, N] = x_e^T @ dy_e       | x  [M, K], MN-major   | dy [M, N], N-major
+ *
+ * Groups are consecutive row ranges of x: group e owns rows [off_e, off_e + size_e) with
+ * off_e = group_sizes[0] + ... + group_sizes[e - 1] (each size clamped to >= 0, ranges clamped
+ * to M). Rows past sum(group_sizes) are zero in y and dx. group_sizes lives on the device: every
+ * block scans it into shared memory at start (warp 0, E <= MAX_GROUPS), so sizes are traced
+ * values (no recompile, no host sync).
+ *
+ * Schedule (one persistent block per SM, grid-stride over tile ids like the LCSC template):
+ *   FWD/DX: group e has tiles_e = ceil(size_e / BM) row tiles starting at off_e (not tile
+ *     aligned), so the row tiles of all groups form one virtual column of T = sum tiles_e;
+ *     tile ids walk (T x tiles_n) in matmul's banded order and a binary search over the
+ *     prefix sums of tiles_e finds each row tile's group:
+ *
+ *       row tile  | 0        1        2        3          4        ...
+ *       group     | 0        0        0 (part) 2          2 (part) ...  (group 1 empty)
+ *       rows      | off0+0   off0+128 off0+256 off2+0     off2+128
+ *
+ *   DW: output tiles (e, BM rows of K, BN cols of N), id = e * tiles_per_group + banded id;
+ *     the k loop runs over the group's rows, ceil(size_e / BK) steps (0 for an empty group:
+ *     the tile is stored as zeros).
+ *
+ *   warpgroup | role
+ *   ----------+----------------------------------------------------------------------------
+ *   0         | loader: 1 thread; TMA A box(es) and B boxes into stage s, on full[s]
+ *   1, 2      | consumers: rows 0..63 / 64..127 of the tile, 4 x wgmma m64n256k16 per stage,
+ *             | then storer (fp32 -> T -> swizzled smem -> TMA store, or masked stores)
+ *
+ * Signals: none (no peers).
+ *
+ * Pitfalls: TMA loads of a row tile may read rows of the next group (FWD/DX: those output rows
+ * are never stored; DW: they are in the contraction, so both consumers zero the rows past the
+ * group in the stage's A and B before the MMAs of the last k step, behind a fence.proxy.async
+ * and a 256-thread named barrier). Stores never leave the group: a consumer's 64 rows go out by
+ * TMA only when all 64 lie inside it, else by 16-byte st.global of the rows that do. w and dw
+ * use 3-D tensor maps {N, K, E} so that K or N edges zero-fill/drop per expert instead of
+ * reading/writing the neighbouring expert. The grid is sized on the host from an upper bound of
+ * the tile count (ceil(M / BM) + E row tiles); blocks without tiles only zero the tail rows.
+ */
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "pk/common.cuh"
+#include "pk/lcsc.cuh"
+#include "pk/mbarrier.cuh"
+#include "pk/scheduler.cuh"
+#include "pk/smem.cuh"
+#include "pk/tma.cuh"
+#include "pk/tma_3d.cuh"
+#include "pk/warpgroup.cuh"
+#include "pk/wgmma.cuh"
+#include "pk/wgmma_ta.cuh"
+
+namespace pk::grouped_matmul {
+
+/** @brief Most groups (experts) one call takes; the op falls back to the reference above. */
+constexpr int MAX_GROUPS = 1024;
+
+enum mode_id : int { FWD = 0, DX = 1, DW = 2, NUM_MODES = 3 };
+
+/** @brief Kernel arguments (see the mode table above for a, b, out). */
+struct globals {
+  CUtensorMap a;    // FWD/DX: dims {K', M}, box {64, 128}; DW: x dims {K, M}, box {64, 64}
+  CUtensorMap b;    // FWD: w {N, K, E} box {64, 64, 1}; DX: w {N, K, E} box {64, 256, 1};
+                    // DW: dy {N, M} box {64, 64}
+  CUtensorMap out;  // FWD/DX: y {N', M} box {64, 64}; DW: dw {N, K, E} box {64, 64, 1}
+  void* y;          // FWD/DX: the output (masked stores and zeroed tail rows)
+  const int* group_sizes;  // [E] int32, on the device
+  int m;            // rows of x (and of y)
+  int n;            // output columns (FWD: N, DX: K, DW: N)
+  int k;            // FWD/DX: contraction (K, N); DW: output rows per group (K)
+  int groups;       // E
+  int group_m;      // block-rows per band of the tile order
+};
+
+/** @brief One tile configuration: BM = 128, BN = 256, BK = 64, 3 stages, whole-tile staging. */
+template <typename T, int MODE>
+struct config {
+  using dtype = T;
+  static constexpr int mode = MODE;
+  static constexpr int BM = 128, BN = 256, BK = 64, STAGES = 3;
+};
+
+/** @brief A unit of work: an output tile and the rows of its group. */
+struct work {
+  int e;        // group
+  int row0;     // FWD/DX: first output row of the tile; DW: first row of the group
+  int row_end;  // end of the group's rows
+  int mt, nt;   // DW: row tile inside the group's [K, N] output; nt: column tile
+  int k_iters;
+};
+
+template <class C>
+struct kernel_def {
+  using T = typename C::dtype;
+  static constexpr int MODE = C::mode;
+  static constexpr int BM = C::BM, BN = C::BN, BK = C::BK, STAGES = C::STAGES;
+  static constexpr int CONSUMERS = 2;
+  static constexpr int THREADS = (CONSUMERS + 1) * WARPGROUP_THREADS;
+
+  // A: FWD/DX one K-major panel of BM rows; DW two MN-major panels of BK rows x 64.
+  using a_tile = std::conditional_t<MODE == DW, st_panels<T, BK, BM>, st_panels<T, BM, BK>>;
+  // B: FWD/DW BN/64 N-major panels of BK rows; DX one K-major panel of BN rows.
+  using b_tile = std::conditional_t<MODE == DX, st_panels<T, BN, BK>, st_panels<T, BK, BN>>;
+  struct stage_t {
+    a_tile a;
+    b_tile b;
+  };
+  using out_t = st_panels<T, 64, BN>;
+  using acc_t = float[BN / 2];
+  static constexpr uint32_t STAGE_BYTES = a_tile::BYTES + b_tile::BYTES;
+
+  struct shared_storage {
+    stage_t stages[STAGES];
+    out_t out[CONSUMERS];
+    mbarrier full[STAGES];
+    mbarrier empty[STAGES];
+    int row_off[MAX_GROUPS + 1];   // first row of group e (clamped to M); [E] = end of rows
+    int tile_off[MAX_GROUPS + 1];  // FWD/DX: first virtual row tile of group e; [E] = total
+  };
+
+  /**
+   * @brief Warp 0: exclusive prefix sums of the clamped group sizes (rows) and of their row
+   * tiles, 32 groups a round with a carry.
+   */
+  __device__ static void scan_groups(const globals& g, shared_storage& s) {
+    const int lane = threadIdx.x % 32;
+    long long rows = 0;
+    int tiles = 0;
+    for (int base = 0; base < g.groups; base += 32) {
+      const int e = base + lane;
+      long long v = e < g.groups ? g.group_sizes[e] : 0;
+      v = v < 0 ? 0 : v;
+      long long incl = v;
+#pragma unroll
+      for (int d = 1; d < 32; d *= 2) {
+        const long long o = __shfl_up_sync(0xffffffffu, incl, d);
+        if (lane >= d) incl += o;
+      }
+      const long long lo = rows + incl - v, hi = rows + incl;
+      const int start = static_cast<int>(lo < g.m ? lo : g.m);
+      const int end = static_cast<int>(hi < g.m ? hi : g.m);
+      const int t = ceil_div(end - start, BM);
+      int tincl = t;
+#pragma unroll
+      for (int d = 1; d < 32; d *= 2) {
+        const int o = __shfl_up_sync(0xffffffffu, tincl, d);
+        if (lane >= d) tincl += o;
+      }
+      if (e < g.groups) {
+        s.row_off[e] = start;
+        s.tile_off[e] = tiles + tincl - t;
+      }
+      rows += __shfl_sync(0xffffffffu, incl, 31);
+      tiles += __shfl_sync(0xffffffffu, tincl, 31);
+    }
+    if (lane == 0) {
+      s.row_off[g.groups] = static_cast<int>(rows < g.m ? rows : g.m);
+      s.tile_off[g.groups] = tiles;
+    }
+  }
+
+  __device__ static int tiles_m_dw(const globals& g) { return ceil_div(g.k, BM); }
+
+  __device__ static int num_tiles(const globals& g, const shared_storage& s) {
+    if constexpr (MODE == DW) {
+      return g.groups * tiles_m_dw(g) * ceil_div(g.n, BN);
+    } else {
+      return s.tile_off[g.groups] * ceil_div(g.n, BN);
+    }
+  }
+
+  __device__ static work tile(const globals& g, const shared_storage& s, int id) {
+    work w;
+    const int tiles_n = ceil_div(g.n, BN);
+    if constexpr (MODE == DW) {
+      const int per_group = tiles_m_dw(g) * tiles_n;
+      w.e = id / per_group;
+      const tile_coord t = tile_scheduler(tiles_m_dw(g), tiles_n, g.group_m).coord(id % per_group);
+      w.mt = t.m;
+      w.nt = t.n;
+      w.row0 = s.row_off[w.e];
+      w.row_end = s.row_off[w.e + 1];
+      w.k_iters = ceil_div(w.row_end - w.row0, BK);
+    } else {
+      const tile_coord t = tile_scheduler(s.tile_off[g.groups], tiles_n, g.group_m).coord(id);
+      int lo = 0, hi = g.groups;  // largest e with tile_off[e] <= t.m (a non-empty group)
+      while (hi - lo > 1) {
+        const int mid = (lo + hi) / 2;
+        if (s.tile_off[mid] <= t.m) lo = mid;
+        else hi = mid;
+      }
+      w.e = lo;
+      w.mt = t.m;
+      w.nt = t.n;
+      w.row0 = s.row_off[lo] + (t.m - s.tile_off[lo]) * BM;
+      w.row_end = s.row_off[lo + 1];
+      w.k_iters = ceil_div(g.k, BK);
+    }
+    return w;
+  }
+
+  __device__ static void loader(const globals& g, stage_t& st, mbarrier* full, const work& w,
+                                int k) {
+    if constexpr (MODE == DW) {
+      const int row = w.row0 + k * BK;
+#pragma unroll
+      for (int p = 0; p < a_tile::PANELS; ++p) {
+        tma::load_2d(st.a.panel(p), &g.a, full, w.mt * BM + p * 64, row);
+      }
+#pragma unroll
+      for (int p = 0; p < b_tile::PANELS; ++p) {
+        tma::load_2d(st.b.panel(p), &g.b, full, w.nt * BN + p * 64, row);
+      }
+    } else {
+      tma::load_2d(st.a.data, &g.a, full, k * BK, w.row0);
+      if constexpr (MODE == DX) {
+        tma::load_3d(st.b.data, &g.b, full, k * BK, w.nt * BN, w.e);
+      } else {
+#pragma unroll
+        for (int p = 0; p < b_tile::PANELS; ++p) {
+          tma::load_3d(st.b.panel(p), &g.b, full, w.nt * BN + p * 64, k * BK, w.e);
+        }
+      }
+    }
+  }
+
+  /** @brief DW, last k step of a group: zero the stage's rows past the group (see Pitfalls). */
+  __device__ static void zero_tail_rows(stage_t& st, int c, int valid) {
+    const int t = warpgroup::thread();
+    const int chunks = (BK - valid) * 8;  // 16-byte chunks per panel past the valid rows
+    const uint4 z = make_uint4(0, 0, 0, 0);
+    char* a = reinterpret_cast<char*>(st.a.panel(c)) + valid * 128;
+    for (int i = t; i < chunks; i += WARPGROUP_THREADS) reinterpret_cast<uint4*>(a)[i] = z;
+#pragma unroll
+    for (int p = c; p < b_tile::PANELS; p += CONSUMERS) {
+      char* b = reinterpret_cast<char*>(st.b.panel(p)) + valid * 128;
+      for (int i = t; i < chunks; i += WARPGROUP_THREADS) reinterpret_cast<uint4*>(b)[i] = z;
+    }
+    tma::fence_smem_to_async();
+    warpgroup::sync(3, CONSUMERS * WARPGROUP_THREADS);
+  }
+
+  __device__ static void consumer(acc_t& acc, const stage_t& st, int c, int k) {
+    wgmma::fence_regs(acc);
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+      const int scale = (k > 0 || kk > 0) ? 1 : 0;
+      if constexpr (MODE == DW) {
+        const uint64_t da = wgmma::desc_mn_major(st.a.panel(c), kk * 16, a_tile::PANEL_BYTES);
+        const uint64_t db = wgmma::desc_mn_major(st.b.data, kk * 16, b_tile::PANEL_BYTES);
+        if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+          wgmma::ta::mma_m64n256k16_bf16<1, 1>(acc, da, db, scale);
+        } else {
+          wgmma::ta::mma_m64n256k16_f16<1, 1>(acc, da, db, scale);
+        }
+      } else {
+        const uint64_t da = wgmma::desc_k_major(st.a.data + c * 64 * BK, kk * 16);
+        if constexpr (MODE == DX) {
+          const uint64_t db = wgmma::desc_k_major(st.b.data, kk * 16);
+          wgmma::mma<T, BN, 0>(acc, da, db, scale);
+        } else {
+          const uint64_t db = wgmma::desc_mn_major(st.b.data, kk * 16, b_tile::PANEL_BYTES);
+          wgmma::mma<T, BN, 1>(acc, da, db, scale);
+        }
+      }
+    }
+    wgmma::commit();
+    wgmma::fence_regs(acc);
+  }
+
+  __device__ static void store_pair(char* dst, float lo, float hi) {
+    uint32_t v;
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+      v = *reinterpret_cast<uint32_t*>(&h);
+    } else {
+      __half2 h = __floats2half2_rn(lo, hi);
+      v = *reinterpret_cast<uint32_t*>(&h);
+    }
+    asm volatile("st.shared.b32 [%0], %1;" ::"r"(smem_addr(dst)), "r"(v) : "memory");
+  }
+
+  /** @brief A consumer's 64 x BN accumulator -> T in its (swizzled) staging buffer. */
+  __device__ static void stage_out(const acc_t& acc, out_t& out) {
+    const int lane = threadIdx.x % 32;
+    const int r = 16 * ((threadIdx.x % WARPGROUP_THREADS) / 32) + lane / 4;
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+      const int col = 8 * j + 2 * (lane % 4);
+      store_pair(out.at(r, col), acc[4 * j], acc[4 * j + 1]);
+      store_pair(out.at(r + 8, col), acc[4 * j + 2], acc[4 * j + 3]);
+    }
+  }
+
+  __device__ static void storer(const globals& g, const acc_t& acc, out_t& out, int c,
+                                const work& w, const lcsc::storer_sync& sync) {
+    const int col0 = w.nt * BN;
+    if constexpr (MODE == DW) {
+      const int row0 = w.mt * BM + c * 64;
+      if (row0 >= g.k) return;  // below this expert's K rows (uniform per warpgroup)
+      sync.acquire();
+      stage_out(acc, out);
+      if (sync.publish()) {
+#pragma unroll
+        for (int p = 0; p < out_t::PANELS; ++p) {
+          if (col0 + p * 64 < g.n) tma::store_3d(&g.out, out.panel(p), col0 + p * 64, row0, w.e);
+        }
+        tma::store_commit();
+      }
+    } else {
+      const int row0 = w.row0 + c * 64;
+      const int valid = min(64, w.row_end - row0);
+      if (valid <= 0) return;  // this consumer's rows lie past the group (uniform)
+      sync.acquire();
+      stage_out(acc, out);
+      if (valid == 64) {
+        if (sync.publish()) {
+#pragma unroll
+          for (int p = 0; p < out_t::PANELS; ++p) {
+            if (col0 + p * 64 < g.n) tma::store_2d(&g.out, out.panel(p), col0 + p * 64, row0);
+          }
+          tma::store_commit();
+        }
+      } else {
+        // Boundary tile: only the group's rows, 16-byte chunks straight from staging.
+        warpgroup::sync(sync.barrier_id);
+        constexpr int CHUNKS = BN / 8;
+        T* y = static_cast<T*>(g.y);
+        for (int i = warpgroup::thread(); i < valid * CHUNKS; i += WARPGROUP_THREADS) {
+          const int r = i / CHUNKS, col = (i % CHUNKS) * 8;
+          if (col0 + col < g.n) {
+            const uint4 v = *reinterpret_cast<const uint4*>(out.at(r, col));
+            *reinterpret_cast<uint4*>(y + static_cast<size_t>(row0 + r) * g.n + col0 + col) = v;
+          }
+        }
+      }
+    }
+  }
+
+  /** @brief FWD/DX: zero rows [row_off[E], M) of y, grid-stride over the consumer threads. */
+  __device__ static void zero_tail(const globals& g, const shared_storage& s) {
+    if constexpr (MODE != DW) {
+      const int total = s.row_off[g.groups];
+      if (total >= g.m) return;
+      const size_t chunks = static_cast<size_t>(g.m - total) * g.n / 8;
+      uint4* y = reinterpret_cast<uint4*>(static_cast<T*>(g.y) + static_cast<size_t>(total) * g.n);
+      const size_t stride = static_cast<size_t>(gridDim.x) * CONSUMERS * WARPGROUP_THREADS;
+      for (size_t i = blockIdx.x * CONSUMERS * WARPGROUP_THREADS +
+                      (threadIdx.x - WARPGROUP_THREADS);
+           i < chunks; i += stride) {
+        y[i] = make_uint4(0, 0, 0, 0);
+      }
+    }
+  }
+};
+
+/** @brief The persistent kernel (the LCSC loop with the grouped tile walk above). */
+template <class K>
+__global__ void __launch_bounds__(K::THREADS, 1) kernel(const __grid_constant__ globals g) {
+  using shared_storage = typename K::shared_storage;
+  extern __shared__ unsigned char smem_raw[];
+  auto& s = *reinterpret_cast<shared_storage*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  if (threadIdx.x == 0) {
+    block_wait_bound() = wait_bound{};  // no communicator: a stalled mbarrier traps at 60 s
+    for (int i = 0; i < K::STAGES; ++i) {
+      mbar_init(&s.full[i], 1);
+      mbar_init(&s.empty[i], K::CONSUMERS);
+    }
+    fence_mbar_init();
+    tma::prefetch(&g.a);
+    tma::prefetch(&g.b);
+    tma::prefetch(&g.out);
+  }
+  if (threadIdx.x < 32) K::scan_groups(g, s);
+  __syncthreads();
+
+  const int num_tiles = K::num_tiles(g, s);
+  const int wg = warpgroup::index();
+
+  if (wg == 0) {
+    warpgroup::decrease_registers<40>();
+    if (warpgroup::thread() != 0) return;
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int id = blockIdx.x; id < num_tiles; id += gridDim.x) {
+      const work w = K::tile(g, s, id);
+      for (int k = 0; k < w.k_iters; ++k) {
+        mbar_wait(&s.empty[stage], phase ^ 1);
+        mbar_arrive_expect_tx(&s.full[stage], K::STAGE_BYTES);
+        K::loader(g, s.stages[stage], &s.full[stage], w, k);
+        if (++stage == K::STAGES) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+    }
+    return;
+  }
+
+  warpgroup::increase_registers<232>();
+  const int c = wg - 1;
+  const bool leader = warpgroup::thread() == 0;
+  const lcsc::storer_sync sync{1 + c, leader};
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int id = blockIdx.x; id < num_tiles; id += gridDim.x) {
+    const work w = K::tile(g, s, id);
+    typename K::acc_t acc;
+    // NOTES: zeroed on every tile (not only for empty DW groups): a write of the accumulator
+    // under a data-dependent branch makes ptxas serialize every wgmma of the kernel.
+#pragma unroll
+    for (int i = 0; i < K::BN / 2; ++i) acc[i] = 0.f;
+    int prev = 0;
+    for (int k = 0; k < w.k_iters; ++k) {
+      mbar_wait(&s.full[stage], phase);
+      if constexpr (K::MODE == DW) {
+        const int valid = w.row_end - (w.row0 + k * K::BK);
+        if (valid < K::BK) K::zero_tail_rows(s.stages[stage], c, valid);
+      }
+      K::consumer(acc, s.stages[stage], c, k);
+      wgmma::wait<1>();  // the MMAs of step k may still read stage s; those of k-1 are done
+      if (k > 0 && leader) mbar_arrive(&s.empty[prev]);
+      prev = stage;
+      if (++stage == K::STAGES) {
+        stage = 0;
+        phase ^= 1;
+      }
+    }
+    wgmma::wait<0>();
+    if (w.k_iters > 0 && leader) mbar_arrive(&s.empty[prev]);
+    K::storer(g, acc, s.out[c], c, w, sync);
+  }
+  if (leader) tma::store_wait<0>();
+  K::zero_tail(g, s);
+}
+
+template <class K>
+constexpr size_t smem_bytes() {
+  return sizeof(typename K::shared_storage) + 1024;
+}
+
+/**
+ * @brief Launches configuration C: one block per SM, at most the upper bound of tiles
+ * (`max_tiles`, computed by the caller from M, E and the tile shape), at least one block.
+ */
+template <class C>
+inline cudaError_t launch(const globals& g, cudaStream_t stream, int device, int num_sms,
+                          long long max_tiles) {
+  using K = kernel_def<C>;
+  constexpr size_t SMEM = smem_bytes<K>();
+  // NOTES: the static shared wait_bound (pk/mbarrier.cuh) counts against the same 227 KiB.
+  static_assert(SMEM + sizeof(wait_bound) <= 232448,
+                "grouped_matmul: shared memory over the sm_90 limit");
+  if (cudaError_t err = opt_in_smem(reinterpret_cast<const void*>(&kernel<K>), device,
+                                     static_cast<int>(SMEM));
+      err != cudaSuccess) {
+    return err;
+  }
+  int grid = num_sms;
+  if (max_tiles < grid) grid = max_tiles > 0 ? static_cast<int>(max_tiles) : 1;
+  kernel<K><<<grid, K::THREADS, SMEM, stream>>>(g);
+  return cudaGetLastError();
+}
+
+}  // namespace pk::grouped_matmul

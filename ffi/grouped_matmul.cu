@@ -1,0 +1,178 @@
+// FFI handler for pk_grouped_matmul: the grouped GEMM of jax.lax.ragged_dot and the two
+// products of its VJP on XLA's stream (see cuda/kernels/grouped_matmul.cuh). 2-D tensor maps
+// come from the cache in tensor_map.h; the 3-D maps over [E, K, N] are encoded here.
+#include <string>
+
+#include "ffi_util.h"
+#include "kernels/grouped_matmul.cuh"
+#include "tensor_map.h"
+
+namespace pk_ffi {
+namespace {
+
+namespace gm = pk::grouped_matmul;
+
+// A 128B-swizzled map over a row-major [depth, rows, cols] array of 2-byte elements with a
+// box of depth 1 (see pk/tma_3d.cuh).
+ffi::Error TensorMap3d(const void* ptr, uint64_t depth, uint64_t rows, uint64_t cols,
+                       uint32_t box_rows, int dtype, CUtensorMap* out) {
+  PFN_cuTensorMapEncodeTiled_v12000 encode = EncodeFn();
+  if (encode == nullptr) {
+    return ffi::Error::Internal(
+        "pk.grouped_matmul: cuTensorMapEncodeTiled is not available from the CUDA driver.");
+  }
+  const cuuint64_t dims[3] = {cols, rows, depth};
+  const cuuint64_t strides[2] = {cols * 2, rows * cols * 2};
+  const cuuint32_t box[3] = {64, box_rows, 1};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  CUresult r = encode(out,
+                      dtype == 0 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                      3, const_cast<void*>(ptr), dims, strides, box, elem_strides,
+                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    return ffi::Error::Internal("pk.grouped_matmul: cuTensorMapEncodeTiled (3-D) failed with "
+                                "CUresult " + std::to_string(static_cast<int>(r)) + ".");
+  }
+  return ffi::Error::Success();
+}
+
+template <typename T>
+cudaError_t Launch(int64_t mode, const gm::globals& g, cudaStream_t stream, int device,
+                   int num_sms, long long max_tiles) {
+  switch (mode) {
+    case gm::DX:
+      return gm::launch<gm::config<T, gm::DX>>(g, stream, device, num_sms, max_tiles);
+    case gm::DW:
+      return gm::launch<gm::config<T, gm::DW>>(g, stream, device, num_sms, max_tiles);
+    default:
+      return gm::launch<gm::config<T, gm::FWD>>(g, stream, device, num_sms, max_tiles);
+  }
+}
+
+ffi::Error GroupedMatmulCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer a,
+                             ffi::AnyBuffer b, ffi::Buffer<ffi::S32> group_sizes,
+                             ffi::Result<ffi::AnyBuffer> out, int64_t mode, int64_t group_m) {
+  const ffi::DataType dt = a.element_type();
+  if ((dt != ffi::DataType::BF16 && dt != ffi::DataType::F16) || b.element_type() != dt ||
+      out->element_type() != dt) {
+    return ffi::Error::InvalidArgument(
+        "pk_grouped_matmul: the operands and the result must all be bf16 or all fp16.");
+  }
+  if (mode < 0 || mode >= gm::NUM_MODES) {
+    return ffi::Error::InvalidArgument("pk_grouped_matmul: unknown mode " + std::to_string(mode));
+  }
+  const auto ad = a.dimensions(), bd = b.dimensions(), od = out->dimensions();
+  const auto gd = group_sizes.dimensions();
+  if (ad.size() != 2 || gd.size() != 1) {
+    return ffi::Error::InvalidArgument("pk_grouped_matmul: expected a [M, .], group_sizes [E].");
+  }
+  const int64_t m = ad[0], e = gd[0];
+  int64_t k, n;  // the kernel's contraction (FWD/DX) or output rows per group (DW), columns
+  bool ok;
+  if (mode == gm::DW) {  // a = x [M, K], b = dy [M, N], out = dw [E, K, N]
+    k = ad[1];
+    n = bd.size() == 2 ? bd[1] : -1;
+    ok = bd.size() == 2 && bd[0] == m && od.size() == 3 && od[0] == e && od[1] == k && od[2] == n;
+  } else {  // b = w [E, K, N]; FWD: a = x [M, K], out [M, N]; DX: a = dy [M, N], out [M, K]
+    ok = bd.size() == 3 && bd[0] == e && od.size() == 2 && od[0] == m;
+    k = ad[1];
+    n = mode == gm::FWD ? (ok ? bd[2] : -1) : (ok ? bd[1] : -1);
+    ok = ok && (mode == gm::FWD ? bd[1] == k : bd[2] == k) && od[1] == n;
+  }
+  if (!ok) {
+    return ffi::Error::InvalidArgument(
+        "pk_grouped_matmul: shapes do not match mode " + std::to_string(mode) +
+        " (FWD: x [M, K], w [E, K, N] -> [M, N]; DX: dy [M, N], w [E, K, N] -> [M, K]; "
+        "DW: x [M, K], dy [M, N] -> [E, K, N]).");
+  }
+  if (k % 8 != 0 || n % 8 != 0) {
+    return ffi::Error::InvalidArgument(
+        "pk_grouped_matmul: K and N must be multiples of 8 (16-byte TMA row strides); pk_jax "
+        "pads N and checks K.");
+  }
+  if (e < 1 || e > gm::MAX_GROUPS) {
+    return ffi::Error::InvalidArgument("pk_grouped_matmul: 1 to " +
+                                       std::to_string(gm::MAX_GROUPS) + " groups supported.");
+  }
+  if (m > INT32_MAX || n > INT32_MAX || k > INT32_MAX || e * k > INT32_MAX) {
+    return ffi::Error::InvalidArgument("pk_grouped_matmul: dimensions must be below 2^31.");
+  }
+  if (out->size_bytes() == 0) return ffi::Error::Success();
+  if (k == 0 || m == 0) {  // no products: y (dx, dw) is all zeros
+    PK_CUDA_CHECK(cudaMemsetAsync(out->untyped_data(), 0, out->size_bytes(), stream));
+    return ffi::Error::Success();
+  }
+  const int type = dt == ffi::DataType::BF16 ? 0 : 1;
+  gm::globals g;
+  g.y = out->untyped_data();
+  g.group_sizes = group_sizes.typed_data();
+  g.m = static_cast<int>(m);
+  g.n = static_cast<int>(n);
+  g.k = static_cast<int>(k);
+  g.groups = static_cast<int>(e);
+  g.group_m = static_cast<int>(group_m < 1 ? 1 : (group_m > 1024 ? 1024 : group_m));
+  const char* op = "grouped_matmul";
+  constexpr int BM = 128, BN = 256;
+  long long max_tiles;
+  if (mode == gm::DW) {
+    if (Status st = TensorMap(op, {a.untyped_data(), uint64_t(m), uint64_t(k), 64, 64, type},
+                              &g.a);
+        !st.ok()) {
+      return ToError(st);
+    }
+    if (Status st = TensorMap(op, {b.untyped_data(), uint64_t(m), uint64_t(n), 64, 64, type},
+                              &g.b);
+        !st.ok()) {
+      return ToError(st);
+    }
+    if (ffi::Error err = TensorMap3d(out->untyped_data(), e, k, n, 64, type, &g.out);
+        err.failure()) {
+      return err;
+    }
+    max_tiles = e * ((k + BM - 1) / BM) * ((n + BN - 1) / BN);
+  } else {
+    if (Status st = TensorMap(op, {a.untyped_data(), uint64_t(m), uint64_t(k), BM, 64, type},
+                              &g.a);
+        !st.ok()) {
+      return ToError(st);
+    }
+    // w [E, K, N]: FWD reads {64 n, 64 k} boxes, DX {64 n (its contraction), 256 k} boxes.
+    const uint64_t wk = bd[1], wn = bd[2];
+    if (ffi::Error err = TensorMap3d(b.untyped_data(), e, wk, wn, mode == gm::FWD ? 64 : BN,
+                                     type, &g.b);
+        err.failure()) {
+      return err;
+    }
+    if (Status st = TensorMap(op, {out->untyped_data(), uint64_t(m), uint64_t(n), 64, 64, type},
+                              &g.out);
+        !st.ok()) {
+      return ToError(st);
+    }
+    max_tiles = ((m + BM - 1) / BM + e) * ((n + BN - 1) / BN);
+  }
+  int num_sms = 0;
+  if (ffi::Error err = NumSms(device, &num_sms); err.failure()) return err;
+  if (type == 0) {
+    PK_CUDA_CHECK((Launch<__nv_bfloat16>(mode, g, stream, device, num_sms, max_tiles)));
+  } else {
+    PK_CUDA_CHECK((Launch<__half>(mode, g, stream, device, num_sms, max_tiles)));
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace pk_ffi
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PkGroupedMatmul, pk_ffi::GroupedMatmulCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .Ctx<xla::ffi::DeviceOrdinal>()                 // device
+                                  .Arg<xla::ffi::AnyBuffer>()    // a: x [M, K] or dy [M, N]
+                                  .Arg<xla::ffi::AnyBuffer>()    // b: w [E, K, N] or dy [M, N]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // group_sizes [E]
+                                  .Ret<xla::ffi::AnyBuffer>()    // y [M, N], dx [M, K], dw
+                                  .Attr<int64_t>("mode")         // 0 FWD, 1 DX, 2 DW
+                                  .Attr<int64_t>("group_m"),     // block-rows per band
+                              PK_FFI_CUDA_TRAITS);

@@ -1,0 +1,284 @@
+"""grouped_matmul against its reference `jax.lax.ragged_dot`: exact on integer inputs, empty
+groups, rows past sum(group_sizes), group sizes as traced values (no recompile), inside
+shard_map, the VJP against ragged_dot's, the error messages; on the GPU the kernel (forward,
+dx and dw modes) with boundaries anywhere, poisoned outputs, two calls in a row, under jit."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from util import (
+    MATMUL_DTYPES,
+    P,
+    assert_error_within_xla,
+    assert_same,
+    cpu_mesh,
+    poison,
+    product,
+    rand,
+    run,
+    small_ints,
+)
+
+import pk_jax as pk
+from pk_jax.ops import grouped_matmul as gm
+
+KEYS = jax.random.split(jax.random.key(12), 4)
+
+
+def _exact(x, w, gs):
+    """float64 ragged product on the host; rows past sum(gs) zero."""
+    x, w, gs = np.asarray(x, np.float64), np.asarray(w, np.float64), np.asarray(gs)
+    y = np.zeros((x.shape[0], w.shape[2]))
+    off = 0
+    for e, s in enumerate(gs):
+        y[off:off + s] = x[off:off + s] @ w[e]
+        off += s
+    return y
+
+
+def _exact_grads(x, w, gs, dy):
+    x, w, dy = (np.asarray(a, np.float64) for a in (x, w, dy))
+    dx, dw = np.zeros_like(x), np.zeros_like(w)
+    off = 0
+    for e, s in enumerate(np.asarray(gs)):
+        dx[off:off + s] = dy[off:off + s] @ w[e].T
+        dw[e] = x[off:off + s].T @ dy[off:off + s]
+        off += s
+    return dx, dw
+
+
+def _sizes(kind, m, e, seed=0):
+    """Group sizes summing to m (or less for 'short'), with odd boundaries."""
+    rng = np.random.default_rng(seed)
+    if kind == "uniform":
+        s = np.full(e, m // e)
+        s[: m - s.sum()] += 1
+    elif kind == "random":
+        cuts = np.sort(rng.integers(0, m + 1, e - 1))
+        s = np.diff(np.concatenate([[0], cuts, [m]]))
+    elif kind == "empty":  # every other group empty
+        s = np.zeros(e, np.int64)
+        live = np.arange(0, e, 2)
+        s[live] = m // len(live)
+        s[live[0]] += m - s.sum()
+    elif kind == "one":  # everything in the last group
+        s = np.zeros(e, np.int64)
+        s[-1] = m
+    elif kind == "short":  # rows past the sum stay zero
+        s = np.full(e, (m * 2 // 3) // e)
+        s[0] += 3
+    elif kind == "zipf":
+        p = 1.0 / np.arange(1, e + 1) ** 1.2
+        s = np.floor(p / p.sum() * m).astype(np.int64)
+        s[0] += m - s.sum()
+    else:
+        raise ValueError(kind)
+    return jnp.asarray(s, jnp.int32)
+
+
+# ---------------------------------------------------------------- CPU: the reference path
+
+CPU_CASES = ((40, 16, 24, 3), (33, 8, 5, 4), (64, 24, 17, 1))  # (M, K, N, E)
+
+
+@pytest.mark.parametrize("case,kind,dtype", product(CPU_CASES, ("random", "empty", "short"),
+                                                    MATMUL_DTYPES))
+def test_exact_on_integers(case, kind, dtype):
+    m, k, n, e = case
+    x, w = small_ints(KEYS[0], (m, k), dtype), small_ints(KEYS[1], (e, k, n), dtype)
+    gs = _sizes(kind, m, e)
+    y = jax.jit(pk.grouped_matmul)(x, w, gs)
+    assert y.dtype == dtype and y.shape == (m, n)
+    assert_same(y, _exact(x, w, gs))
+    assert_same(pk.grouped_matmul(x, w, gs), y)
+    assert_same(y, gm.reference(x, w, gs))
+
+
+def test_group_sizes_are_traced_no_recompile():
+    traces = []
+
+    @jax.jit
+    def f(x, w, gs):
+        traces.append(1)
+        return pk.grouped_matmul(x, w, gs)
+
+    x, w = small_ints(KEYS[0], (48, 8), jnp.bfloat16), small_ints(KEYS[1], (4, 8, 16),
+                                                                 jnp.bfloat16)
+    for kind in ("uniform", "random", "empty", "one", "short"):
+        gs = _sizes(kind, 48, 4, seed=3)
+        assert_same(f(x, w, gs), _exact(x, w, gs))
+    assert len(traces) == 1
+
+
+@pytest.mark.parametrize("check_vma", (True, False))
+def test_inside_shard_map(check_vma):
+    mesh = cpu_mesh((2,), ("x",))
+    x, w = small_ints(KEYS[0], (2 * 40, 16), jnp.bfloat16), small_ints(KEYS[1], (3, 16, 8),
+                                                                         jnp.bfloat16)
+    gs = jnp.concatenate([_sizes("random", 40, 3), _sizes("short", 40, 3)])
+    y = run(pk.grouped_matmul, mesh, (P("x"), P(), P("x")), P("x"), x, w, gs,
+            check_vma=check_vma)
+    y = np.asarray(y, np.float32)
+    assert_same(y[:40], _exact(x[:40], w, gs[:3]))
+    assert_same(y[40:], _exact(x[40:], w, gs[3:]))
+
+
+@pytest.mark.parametrize("dtype", MATMUL_DTYPES)
+def test_vjp_matches_ragged_dot(dtype):
+    m, k, n, e = 50, 16, 24, 4
+    x, w = small_ints(KEYS[0], (m, k), dtype), small_ints(KEYS[1], (e, k, n), dtype)
+    dy = small_ints(KEYS[2], (m, n), dtype)
+    gs = _sizes("short", m, e)
+    _, pull = jax.vjp(lambda a, b: pk.grouped_matmul(a, b, gs), x, w)
+    _, pullr = jax.vjp(lambda a, b: gm.reference(a, b, gs), x, w)
+    (dx, dw), (rx, rw) = jax.jit(pull)(dy), pullr(dy)
+    ex, ew = _exact_grads(x, w, gs, dy)
+    assert dx.dtype == dtype and dw.dtype == dtype
+    assert_same(dx, rx)
+    assert_same(dw, rw)
+    assert_same(dx, ex)
+    assert_same(dw, ew)
+
+
+def test_errors_name_the_fix():
+    x, w = jnp.zeros((16, 8), jnp.bfloat16), jnp.zeros((2, 8, 8), jnp.bfloat16)
+    gs = jnp.array([8, 8], jnp.int32)
+    with pytest.raises(ValueError, match="x must have 2 dimensions"):
+        pk.grouped_matmul(x[None], w, gs)
+    with pytest.raises(ValueError, match=r"w must be \[E, K, N\]"):
+        pk.grouped_matmul(x, w[0], gs)
+    with pytest.raises(TypeError, match="same dtype"):
+        pk.grouped_matmul(x, w.astype(jnp.float16), gs)
+    with pytest.raises(TypeError, match="supported"):
+        pk.grouped_matmul(x.astype(jnp.float32), w.astype(jnp.float32), gs)
+    with pytest.raises(ValueError, match="contraction dimensions differ"):
+        pk.grouped_matmul(x, jnp.zeros((2, 16, 8), jnp.bfloat16), gs)
+    with pytest.raises(ValueError, match="Pad K to a multiple of 8"):
+        pk.grouped_matmul(jnp.zeros((16, 12), jnp.bfloat16), jnp.zeros((2, 12, 8), jnp.bfloat16),
+                          gs)
+    with pytest.raises(TypeError, match="astype\\(jnp.int32\\)"):
+        pk.grouped_matmul(x, w, gs.astype(jnp.int64) if jax.config.x64_enabled
+                          else gs.astype(jnp.uint32))
+    with pytest.raises(ValueError, match=r"group_sizes must have shape \[E\]"):
+        pk.grouped_matmul(x, w, jnp.array([8, 4, 4], jnp.int32))
+
+
+# ---------------------------------------------------------------- GPU: the kernel
+
+# (M, K, N, E): edges inside a tile in every dimension (K not a multiple of 64, N not of 256),
+# many groups smaller than a tile, more tiles than SMs, N not a multiple of 8 (padded).
+GPU_CASES = ((1000, 256, 384, 5), (777, 136, 200, 7), (4096, 512, 1024, 16),
+             (300, 64, 72, 64), (2100, 1000, 2600, 3), (513, 128, 61, 2))
+GPU_KINDS = ("uniform", "random", "empty", "one", "short", "zipf")
+
+
+def _max_err(a, b):
+    return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+
+
+def _operands(m, k, n, e, dtype, seed):
+    kx, kw, kd = jax.random.split(jax.random.key(seed), 3)
+    return rand(kx, (m, k), dtype), rand(kw, (e, k, n), dtype) * 0.25, rand(kd, (m, n), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,dtype", product(GPU_CASES, MATMUL_DTYPES), ids=str)
+def test_gpu_forward(case, dtype):
+    m, k, n, e = case
+    assert pk.backend_name(gm.STEM) == "cuda"
+    traces = []
+
+    @jax.jit
+    def f(x, w, gs):
+        traces.append(1)
+        return pk.grouped_matmul(x, w, gs)
+
+    xla = jax.jit(gm.reference)
+    for i, kind in enumerate(GPU_KINDS):  # new sizes every call: same executable
+        x, w, _ = _operands(m, k, n, e, dtype, seed=i)
+        gs = _sizes(kind, m, e, seed=i)
+        poison((m, n), dtype)
+        y = f(x, w, gs)
+        exact = _exact(x, w, gs)
+        assert not bool(jnp.any(jnp.isnan(y))), f"{kind}: output not fully written"
+        total = int(gs.sum())
+        assert not bool(jnp.any(y[total:] != 0)), f"{kind}: rows past sum(group_sizes) not zero"
+        assert_error_within_xla(y, xla(x, w, gs), exact, atol=1e-3 * np.sqrt(k))
+        assert_same(f(x, w, gs), y)  # a second call on the same inputs
+    assert len(traces) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", MATMUL_DTYPES)
+def test_gpu_exact_on_integers(dtype):
+    m, k, n, e = 1500, 192, 320, 9
+    x, w = small_ints(KEYS[0], (m, k), dtype), small_ints(KEYS[1], (e, k, n), dtype)
+    for kind in ("random", "empty", "short"):
+        gs = _sizes(kind, m, e, seed=5)
+        assert_same(jax.jit(pk.grouped_matmul)(x, w, gs), _exact(x, w, gs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,dtype", product(GPU_CASES[:4] + GPU_CASES[5:], MATMUL_DTYPES),
+                         ids=str)
+def test_gpu_vjp(case, dtype):
+    """dx and dw of the kernel against ragged_dot's grads, against a float64 reference."""
+    m, k, n, e = case
+    for i, kind in enumerate(("random", "empty", "short", "zipf")):
+        x, w, dy = _operands(m, k, n, e, dtype, seed=10 + i)
+        gs = _sizes(kind, m, e, seed=i)
+        poison((m, k), dtype)
+        poison((e, k, n), dtype)
+        _, pull = jax.vjp(lambda a, b, gs=gs: pk.grouped_matmul(a, b, gs), x, w)
+        _, pullr = jax.vjp(lambda a, b, gs=gs: gm.reference(a, b, gs), x, w)
+        dx, dw = jax.jit(pull)(dy)
+        rx, rw = jax.jit(pullr)(dy)
+        ex, ew = _exact_grads(x, w, gs, dy)
+        for got, xla, exact, name in ((dx, rx, ex, "dx"), (dw, rw, ew, "dw")):
+            assert got.dtype == dtype and got.shape == exact.shape, name
+            assert not bool(jnp.any(jnp.isnan(got))), f"{kind}: {name} not fully written"
+            assert_error_within_xla(got, xla, exact, atol=1e-3 * np.sqrt(max(m, n)))
+        assert not bool(jnp.any(dx[int(gs.sum()):] != 0)), kind
+        for g in np.nonzero(np.asarray(gs) == 0)[0]:
+            assert not bool(jnp.any(dw[g] != 0)), f"{kind}: dw of empty group {g}"
+
+
+@pytest.mark.gpu
+def test_gpu_in_shard_map_and_grad():
+    mesh = jax.make_mesh((1,), ("x",), devices=jax.devices("gpu")[:1])
+    pk.init(mesh)
+    m, k, n, e = 640, 128, 256, 4
+    x, w, _ = _operands(m, k, n, e, jnp.bfloat16, seed=3)
+    gs = _sizes("random", m, e, seed=3)
+    f = jax.jit(jax.shard_map(pk.grouped_matmul, mesh=mesh, in_specs=(P(), P(), P()),
+                              out_specs=P()))
+    assert_error_within_xla(f(x, w, gs), gm.reference(x, w, gs), _exact(x, w, gs),
+                            atol=1e-3 * np.sqrt(k))
+
+    def loss(fn):
+        return lambda a, b: jnp.sum(fn(a, b, gs).astype(jnp.float32) ** 2)
+
+    gx, gw = jax.jit(jax.grad(loss(pk.grouped_matmul), argnums=(0, 1)))(x, w)
+    rx, rw = jax.jit(jax.grad(loss(gm.reference), argnums=(0, 1)))(x, w)
+    for a, b in ((gx, rx), (gw, rw)):
+        scale = float(jnp.max(jnp.abs(b.astype(jnp.float32))))
+        assert _max_err(a, b) <= 2e-2 * scale
+
+
+@pytest.mark.gpu
+def test_gpu_small_all_modes():
+    """One small case through the forward, dx and dw kernels (also the compute-sanitizer
+    target): empty groups, rows past the sum, K not a multiple of 64, N padded to 8."""
+    m, k, n = 300, 72, 61
+    gs = jnp.array([0, 50, 0, 130, 7, 20], jnp.int32)  # sum 207 < 300
+    x, w, dy = _operands(m, k, n, 6, jnp.bfloat16, seed=21)
+    y, pull = jax.vjp(lambda a, b: pk.grouped_matmul(a, b, gs), x, w)
+    dx, dw = jax.jit(pull)(dy)
+    ex, ew = _exact_grads(x, w, gs, dy)
+    yr, pullr = jax.vjp(lambda a, b: gm.reference(a, b, gs), x, w)
+    rx, rw = pullr(dy)
+    for got, xla, exact in ((y, yr, _exact(x, w, gs)), (dx, rx, ex), (dw, rw, ew)):
+        assert_error_within_xla(got, xla, exact, atol=1e-3 * np.sqrt(m))
+    assert not bool(jnp.any(y[207:] != 0)) and not bool(jnp.any(dx[207:] != 0))
+    assert not bool(jnp.any(dw[0] != 0)) and not bool(jnp.any(dw[2] != 0))
