@@ -16,7 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PUBLIC_OPS = {  # DESIGN.md section 2, minus moe_dispatch_gemm (later)
     "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "matmul",
     "gemm_reduce_scatter", "all_gather_gemm", "gemm_all_reduce", "ring_attention",
-    "ulysses_attention", "grouped_matmul",
+    "ulysses_attention", "grouped_matmul", "moe_dispatch", "moe_combine",
 }
 
 

@@ -1,0 +1,157 @@
+"""moe: expert-parallel token dispatch and combine (DESIGN.md section 2), as jax.lax references.
+
+Experts are split over `axis_name` in contiguous blocks: rank d owns experts
+[d E/P, (d+1) E/P). Every (token t, slot j) of every rank s whose expert e = expert_ids[t, j]
+belongs to rank d travels to d, where the rows are grouped by local expert and, within an
+expert, ordered by (source rank, token, slot). Rank d's buffer has `capacity` rows: the rows are
+placed in that order, expert after expert, and every (token, slot) whose place falls at or past
+`capacity` is dropped (its expert output is taken as zero in the combine) and counted in the
+handle, never written out of bounds. `group_sizes` counts the rows each local expert kept, so
+`pk.grouped_matmul(tokens, w, group_sizes)` runs the experts directly (rows past
+sum(group_sizes) are zero).
+
+These are the references of the future fused kernels (issue 12): all_gather of the tokens and
+the routing, then index arithmetic on every rank. Their VJPs come from autodiff: the dispatch's
+transpose gathers the tokens' gradients back by the same positions (a combine with unit
+weights), and the combine's transpose is a dispatch of the weighted output gradients.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from pk_jax import _checks
+
+
+class MoeHandle(NamedTuple):
+    """Where each (token, slot) of this rank went, for `moe_combine` (all int32).
+
+    Attributes:
+        dest_rank: [T, k] the rank holding the (token, slot)'s expert.
+        position: [T, k] its row in that rank's dispatched buffer, -1 when dropped.
+        dropped: [1] how many of this rank's (token, slot)s were dropped for capacity.
+        received_dropped: [1] how many (token, slot)s sent to this rank it dropped.
+    """
+
+    dest_rank: jax.Array
+    position: jax.Array
+    dropped: jax.Array
+    received_dropped: jax.Array
+
+
+def _routing(ids_all: jax.Array, num_experts: int, p: int, capacity: int):
+    """Positions of every (rank, token, slot) in its destination's buffer.
+
+    ids_all: [P, T, k] expert ids of every rank. Returns (dest [P, T, k], pos [P, T, k], -1
+    where dropped, kept [P, T, k] bool, group_sizes [P, E/P]).
+    """
+    e_local = num_experts // p
+    flat = ids_all.reshape(-1)
+    n = flat.shape[0]
+    # Index of each assignment among those of its expert, in (rank, token, slot) order.
+    order = jnp.argsort(flat, stable=True)
+    sorted_ids = flat[order]
+    first = jnp.searchsorted(sorted_ids, sorted_ids, side="left")
+    within_sorted = jnp.arange(n, dtype=jnp.int32) - first.astype(jnp.int32)
+    within = jnp.zeros(n, jnp.int32).at[order].set(within_sorted)
+    counts = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    # Offsets of the experts inside their rank's buffer (experts in order, block by block).
+    block_counts = counts.reshape(p, e_local)
+    offsets = (jnp.cumsum(block_counts, axis=1) - block_counts).reshape(-1)
+    pos = offsets[flat] + within
+    kept = pos < capacity
+    group_sizes = jnp.clip(capacity - offsets.reshape(p, e_local), 0, block_counts)
+    dest = (flat // e_local).astype(jnp.int32)
+    shape = ids_all.shape
+    return (dest.reshape(shape), jnp.where(kept, pos, -1).astype(jnp.int32).reshape(shape),
+            kept.reshape(shape), group_sizes.astype(jnp.int32))
+
+
+def moe_dispatch(x: jax.Array, expert_ids: jax.Array, axis_name: str, *, num_experts: int,
+                 capacity: int) -> tuple[jax.Array, jax.Array, MoeHandle]:
+    """Sends every token row to the ranks of its k experts, grouped by local expert.
+
+    Args:
+        x: [T, H] this rank's tokens.
+        expert_ids: [T, k] int32, the experts of each token's k slots, in [0, num_experts).
+        axis_name: the expert-parallel mesh axis (P ranks, each holding num_experts / P experts).
+        num_experts: E, divisible by P.
+        capacity: rows of each rank's dispatched buffer.
+
+    Returns:
+        (tokens [capacity, H] in x's dtype, grouped by local expert and within an expert by
+        (source rank, token, slot), zero past sum(group_sizes); group_sizes [E / P] int32;
+        the handle for `moe_combine`).
+
+    Raises:
+        ValueError: not inside shard_map over `axis_name`, bad shapes, num_experts not
+            divisible by P, capacity not a positive int.
+        TypeError: expert_ids not int32.
+    """
+    p = _checks.axis_size("moe_dispatch", axis_name)
+    _check_dispatch(x, expert_ids, p, num_experts, capacity)
+    t, k = expert_ids.shape
+    me = jax.lax.axis_index(axis_name)
+    ids_all = jax.lax.all_gather(expert_ids, axis_name)              # [P, T, k]
+    x_all = jax.lax.all_gather(x, axis_name)                         # [P, T, H]
+    dest, pos, kept, group_sizes = _routing(ids_all, num_experts, p, capacity)
+    mine = kept & (dest == me)
+    rows = jnp.where(mine, pos, capacity).reshape(-1)                # row `capacity`: discard
+    src = jnp.broadcast_to(x_all[:, :, None, :], (p, t, k, x.shape[1])).reshape(-1, x.shape[1])
+    tokens = jnp.zeros((capacity + 1, x.shape[1]), x.dtype).at[rows].set(src)[:capacity]
+    dropped_mine = jnp.sum(~kept[me]).astype(jnp.int32).reshape(1)
+    received_dropped = jnp.sum((dest == me) & ~kept).astype(jnp.int32).reshape(1)
+    handle = MoeHandle(dest[me], pos[me], dropped_mine, received_dropped)
+    return tokens, group_sizes[me], handle
+
+
+def moe_combine(y: jax.Array, weights: jax.Array, handle: MoeHandle,
+                axis_name: str) -> jax.Array:
+    """Brings each (token, slot)'s expert output back to its token's rank and sums the slots.
+
+    Args:
+        y: [capacity, H'] this rank's expert outputs, rows as `moe_dispatch` placed them.
+        weights: [T, k] the routing weights of this rank's tokens.
+        handle: what `moe_dispatch` returned on this rank.
+        axis_name: the same axis as the dispatch.
+
+    Returns:
+        [T, H'] in y's dtype: out[t] = sum_j weights[t, j] * y_{dest(t, j)}[position(t, j)],
+        with dropped (token, slot)s contributing zero; accumulated in float32.
+
+    Raises:
+        ValueError: shapes that do not match the handle.
+    """
+    _checks.axis_size("moe_combine", axis_name)
+    if y.ndim != 2 or weights.ndim != 2 or weights.shape != handle.position.shape:
+        raise ValueError(
+            f"pk.moe_combine: expected y [capacity, H'] and weights [T, k] matching the handle's "
+            f"{tuple(handle.position.shape)}; got y {tuple(y.shape)}, weights "
+            f"{tuple(weights.shape)}.")
+    y_all = jax.lax.all_gather(y, axis_name)                          # [P, capacity, H']
+    capacity = y.shape[0]
+    safe = jnp.clip(handle.position, 0, capacity - 1)
+    rows = y_all[handle.dest_rank, safe].astype(jnp.float32)          # [T, k, H']
+    w = jnp.where(handle.position >= 0, weights.astype(jnp.float32), 0.0)
+    return jnp.einsum("tk,tkh->th", w, rows).astype(y.dtype)
+
+
+def _check_dispatch(x, expert_ids, p: int, num_experts, capacity) -> None:
+    name = "pk.moe_dispatch"
+    if x.ndim != 2:
+        raise ValueError(f"{name}: x must be [T, H], got shape {tuple(x.shape)}.")
+    if expert_ids.ndim != 2 or expert_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"{name}: expert_ids must be [T, k] with x's T = {x.shape[0]} rows, "
+                         f"got shape {tuple(expert_ids.shape)}.")
+    if expert_ids.dtype != jnp.int32:
+        raise TypeError(f"{name}: expert_ids must be int32, got {expert_ids.dtype}; use "
+                        "expert_ids.astype(jnp.int32).")
+    if not isinstance(num_experts, int) or num_experts <= 0 or num_experts % p != 0:
+        raise ValueError(f"{name}: num_experts must be a positive int divisible by the axis "
+                         f"size {p}, got {num_experts!r}.")
+    if not isinstance(capacity, int) or capacity <= 0:
+        raise ValueError(f"{name}: capacity must be a positive int (rows of each rank's "
+                         f"buffer), got {capacity!r}.")
