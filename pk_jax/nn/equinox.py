@@ -171,7 +171,67 @@ class ParallelMLP(eqx.Module):
                 "w2": self.down.weight, "b2": self.down.bias}
 
 
-_LAYERS = (ColumnParallelLinear, RowParallelLinear)
+class MoE(eqx.Module):
+    """An expert-parallel mixture-of-experts MLP (see `pk_jax.nn.flax.MoE`, the same block).
+
+    Inside shard_map over `axis_name` each device holds its tokens `[..., features]` and
+    `num_experts / P` experts; the router `[features, E]` is replicated. Returns
+    `(y, aux_loss)`.
+
+    Args:
+        features, hidden, num_experts, top_k, capacity_factor, activation, dtype, param_dtype:
+            as for `pk_jax.nn.flax.MoE`.
+        key: PRNG key for the router and the experts.
+    """
+
+    router: jax.Array
+    w1: jax.Array
+    w2: jax.Array
+    num_experts: int = eqx.field(static=True)
+    top_k: int = eqx.field(static=True)
+    axis_name: str = eqx.field(static=True)
+    capacity_factor: float = eqx.field(static=True)
+    activation: Callable[[jax.Array], jax.Array] = eqx.field(static=True)
+    dtype: Any = eqx.field(static=True)
+
+    def __init__(self, features: int, hidden: int, num_experts: int, *, key: jax.Array,
+                 top_k: int = 2, axis_name: str = _nn.DEFAULT_AXIS,
+                 capacity_factor: float = 1.25,
+                 activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
+                 dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32):
+        from pk_jax.nn import _moe
+
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"pk_jax.nn.equinox.MoE: top_k={top_k} must be in "
+                             f"1..num_experts ({num_experts}).")
+        k0, k1, k2 = jax.random.split(key, 3)
+        self.router = default_kernel_init(k0, (features, num_experts), param_dtype)
+        self.w1 = _moe.expert_init(k1, (num_experts, features, hidden), param_dtype)
+        self.w2 = _moe.expert_init(k2, (num_experts, hidden, features), param_dtype)
+        self.num_experts, self.top_k, self.axis_name = num_experts, top_k, axis_name
+        self.capacity_factor, self.activation = capacity_factor, activation
+        self.dtype = _nn.check_dtype("equinox.MoE", dtype)
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        from pk_jax.nn import _moe
+
+        full1 = (self.num_experts, self.router.shape[0], self.w1.shape[-1])
+        _moe.check_experts("equinox.MoE", self.w1, full1, self.axis_name)
+        _moe.check_experts("equinox.MoE", self.w2, (full1[0], full1[2], full1[1]),
+                           self.axis_name)
+        return _moe.moe_mlp(x, self.router, self.w1, self.w2, axis_name=self.axis_name,
+                            num_experts=self.num_experts, top_k=self.top_k,
+                            capacity_factor=self.capacity_factor, activation=self.activation,
+                            dtype=self.dtype)
+
+    def partition_spec(self) -> MoE:
+        """This block with a PartitionSpec in place of each array (experts split over the
+        axis, the router replicated)."""
+        return eqx.tree_at(lambda m: (m.router, m.w1, m.w2), self,
+                           (P(), P(self.axis_name), P(self.axis_name)))
+
+
+_LAYERS = (ColumnParallelLinear, RowParallelLinear, MoE)
 
 
 def _with_specs(layer, weight_spec: P, bias_spec: P):
@@ -208,5 +268,5 @@ def shard(tree: Any, mesh: jax.sharding.Mesh) -> Any:
     return eqx.combine(placed, static)
 
 
-__all__ = ["ColumnParallelLinear", "ParallelMLP", "RowParallelLinear", "partition_specs",
+__all__ = ["ColumnParallelLinear", "MoE", "ParallelMLP", "RowParallelLinear", "partition_specs",
            "shard"]

@@ -175,5 +175,59 @@ def shard(model: nnx.Module, mesh: jax.sharding.Mesh) -> nnx.Module:
     return model
 
 
-__all__ = ["ColumnParallelLinear", "ParallelMLP", "RowParallelLinear", "partition_specs",
+class MoE(nnx.Module):
+    """An expert-parallel mixture-of-experts MLP: top-k router, token dispatch to the experts'
+    ranks, expert MLPs on grouped GEMMs, weighted combine back (`pk_jax.nn._moe.moe_mlp`).
+
+    Inside shard_map over `axis_name`, each device holds its tokens `[..., features]` and
+    `num_experts / P` experts (`w1: [E/P, features, hidden]`, `w2: [E/P, hidden, features]`);
+    the router `[features, E]` is replicated. Returns `(y, aux_loss)`: y like x, aux_loss the
+    Switch Transformer load-balancing loss (1.0 when balanced), the same on every device.
+
+    Args:
+        features: model width H, a multiple of 8.
+        hidden: expert hidden width, a multiple of 8.
+        num_experts: E, a multiple of P.
+        top_k: experts per token.
+        capacity_factor: each device's dispatch buffer holds this many times the (token, slot)s
+            it receives on average; the excess is dropped (contributes zero).
+        activation: between the expert GEMMs (default `jax.nn.gelu`).
+        dtype, param_dtype, rngs: as for `ColumnParallelLinear`.
+    """
+
+    def __init__(self, features: int, hidden: int, num_experts: int, *, top_k: int = 2,
+                 axis_name: str = _nn.DEFAULT_AXIS, capacity_factor: float = 1.25,
+                 activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
+                 dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+        from pk_jax.nn import _moe
+
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"pk_jax.nn.flax.MoE: top_k={top_k} must be in 1..num_experts "
+                             f"({num_experts}).")
+        self.features, self.hidden, self.num_experts = features, hidden, num_experts
+        self.top_k, self.axis_name, self.capacity_factor = top_k, axis_name, capacity_factor
+        self.activation = activation
+        self.dtype = _nn.check_dtype("flax.MoE", dtype)
+        self.router = _param(default_kernel_init(rngs.params(), (features, num_experts),
+                                                 param_dtype), (None, None))
+        self.w1 = _param(_moe.expert_init(rngs.params(), (num_experts, features, hidden),
+                                          param_dtype), (axis_name, None, None))
+        self.w2 = _param(_moe.expert_init(rngs.params(), (num_experts, hidden, features),
+                                          param_dtype), (axis_name, None, None))
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        from pk_jax.nn import _moe
+
+        w1, w2 = self.w1[...], self.w2[...]
+        _moe.check_experts("flax.MoE", w1, (self.num_experts, self.features, self.hidden),
+                           self.axis_name)
+        _moe.check_experts("flax.MoE", w2, (self.num_experts, self.hidden, self.features),
+                           self.axis_name)
+        return _moe.moe_mlp(x, self.router[...], w1, w2, axis_name=self.axis_name,
+                            num_experts=self.num_experts, top_k=self.top_k,
+                            capacity_factor=self.capacity_factor, activation=self.activation,
+                            dtype=self.dtype)
+
+
+__all__ = ["ColumnParallelLinear", "MoE", "ParallelMLP", "RowParallelLinear", "partition_specs",
            "shard"]
