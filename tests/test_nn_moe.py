@@ -99,3 +99,20 @@ def test_moe_rejects_full_weights_inside_shard_map():
                       in_specs=(P(), P("ep")), out_specs=(P("ep"), P()))
     with pytest.raises(ValueError, match="partition specs"):
         f(state, jnp.zeros((2 * T, H)))
+
+
+def test_moe_example_runs():
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([sys.executable, str(root / "examples" / "04_moe_flax.py"), "--steps",
+                          "3"], capture_output=True, text=True, timeout=300, env=env,
+                         check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    losses = [float(line.split()[3]) for line in out.stdout.splitlines()
+              if line.startswith("step")]
+    assert len(losses) == 3 and losses[-1] < losses[0], out.stdout
