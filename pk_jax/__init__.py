@@ -15,7 +15,7 @@ from pk_jax.ops.gemm_ar import gemm_all_reduce
 from pk_jax.ops.gemm_rs import gemm_reduce_scatter
 from pk_jax.ops.grouped_matmul import grouped_matmul
 from pk_jax.ops.matmul import matmul
-from pk_jax.ops.moe import moe_combine, moe_dispatch
+from pk_jax.ops.moe import moe_combine, moe_dispatch, moe_dispatch_gemm, moe_gemm_combine
 from pk_jax.ops.reduce_scatter import reduce_scatter
 from pk_jax.ops.ring_attn import ring_attention
 from pk_jax.ops.ulysses_attn import ulysses_attention
@@ -38,6 +38,8 @@ __all__ = [
     "matmul",
     "moe_combine",
     "moe_dispatch",
+    "moe_dispatch_gemm",
+    "moe_gemm_combine",
     "reduce_scatter",
     "ring_attention",
     "shutdown",

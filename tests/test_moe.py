@@ -115,3 +115,31 @@ def test_errors_name_the_fix():
                           mesh=mesh, in_specs=(P("ep"), P("ep")), out_specs=P("ep"))
         with pytest.raises((ValueError, TypeError), match=words):
             f(x, ids)
+
+
+def test_fused_forms_equal_dispatch_grouped_matmul_combine():
+    p, t, k, h, f, experts, capacity = 4, 8, 2, 16, 24, 8, 24
+    mesh = _mesh(p)
+    rng = np.random.default_rng(7)
+    xs = jnp.asarray(rng.integers(-2, 3, (p, t, h)), jnp.bfloat16)
+    ids = jnp.asarray(rng.integers(0, experts, (p, t, k)), jnp.int32)
+    w = jnp.asarray(rng.integers(0, 3, (p, t, k)) / 2, jnp.float32)
+    w1 = jnp.asarray(rng.integers(-1, 2, (experts, h, f)), jnp.bfloat16)
+    w2 = jnp.asarray(rng.integers(-1, 2, (experts, f, h)), jnp.bfloat16)
+
+    def fused(x, e, wt, a, b):
+        hid, _, handle = pk.moe_dispatch_gemm(x[0], e[0], a, "ep", num_experts=experts,
+                                              capacity=capacity)
+        return pk.moe_gemm_combine(hid, b, wt[0], handle, "ep")[None]
+
+    def unfused(x, e, wt, a, b):
+        tok, sizes, handle = pk.moe_dispatch(x[0], e[0], "ep", num_experts=experts,
+                                             capacity=capacity)
+        y = pk.grouped_matmul(pk.grouped_matmul(tok, a, sizes), b, sizes)
+        return pk.moe_combine(y, wt[0], handle, "ep")[None]
+
+    specs = (P("ep"), P("ep"), P("ep"), P("ep"), P("ep"))
+    got, want = (jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P("ep")))(
+        xs, ids, w, w1, w2) for fn in (fused, unfused))
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert np.abs(np.asarray(got, np.float32)).sum() > 0

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from pk_jax import _checks
+from pk_jax.ops.grouped_matmul import grouped_matmul as pk_grouped_matmul
 
 
 class MoeHandle(NamedTuple):
@@ -34,12 +35,14 @@ class MoeHandle(NamedTuple):
         position: [T, k] its row in that rank's dispatched buffer, -1 when dropped.
         dropped: [1] how many of this rank's (token, slot)s were dropped for capacity.
         received_dropped: [1] how many (token, slot)s sent to this rank it dropped.
+        group_sizes: [E / P] rows each of this rank's experts kept (as moe_dispatch returns).
     """
 
     dest_rank: jax.Array
     position: jax.Array
     dropped: jax.Array
     received_dropped: jax.Array
+    group_sizes: jax.Array
 
 
 def _routing(ids_all: jax.Array, num_experts: int, p: int, capacity: int):
@@ -104,7 +107,7 @@ def moe_dispatch(x: jax.Array, expert_ids: jax.Array, axis_name: str, *, num_exp
     tokens = jnp.zeros((capacity + 1, x.shape[1]), x.dtype).at[rows].set(src)[:capacity]
     dropped_mine = jnp.sum(~kept[me]).astype(jnp.int32).reshape(1)
     received_dropped = jnp.sum((dest == me) & ~kept).astype(jnp.int32).reshape(1)
-    handle = MoeHandle(dest[me], pos[me], dropped_mine, received_dropped)
+    handle = MoeHandle(dest[me], pos[me], dropped_mine, received_dropped, group_sizes[me])
     return tokens, group_sizes[me], handle
 
 
@@ -137,6 +140,45 @@ def moe_combine(y: jax.Array, weights: jax.Array, handle: MoeHandle,
     rows = y_all[handle.dest_rank, safe].astype(jnp.float32)          # [T, k, H']
     w = jnp.where(handle.position >= 0, weights.astype(jnp.float32), 0.0)
     return jnp.einsum("tk,tkh->th", w, rows).astype(y.dtype)
+
+
+def moe_dispatch_gemm(x: jax.Array, expert_ids: jax.Array, w1: jax.Array, axis_name: str, *,
+                      num_experts: int, capacity: int) -> tuple[jax.Array, jax.Array, MoeHandle]:
+    """`moe_dispatch`, then every local expert's first GEMM on the rows it received.
+
+    Args:
+        x, expert_ids, axis_name, num_experts, capacity: as for `moe_dispatch`.
+        w1: [E / P, H, N], this rank's experts (x's dtype, bf16 or fp16).
+
+    Returns:
+        (h [capacity, N] = grouped_matmul(tokens, w1, group_sizes), group_sizes [E / P], the
+        handle).
+
+    Raises:
+        ValueError, TypeError: as `moe_dispatch` and `grouped_matmul` raise them.
+    """
+    tokens, sizes, handle = moe_dispatch(x, expert_ids, axis_name, num_experts=num_experts,
+                                         capacity=capacity)
+    return pk_grouped_matmul(tokens, w1, sizes), sizes, handle
+
+
+def moe_gemm_combine(h: jax.Array, w2: jax.Array, weights: jax.Array, handle: MoeHandle,
+                     axis_name: str) -> jax.Array:
+    """Every local expert's second GEMM on its rows, then `moe_combine`.
+
+    Args:
+        h: [capacity, F] the experts' hidden rows (as `moe_dispatch_gemm` placed them).
+        w2: [E / P, F, H'], this rank's experts.
+        weights, handle, axis_name: as for `moe_combine`.
+
+    Returns:
+        [T, H']: moe_combine(grouped_matmul(h, w2, handle.group_sizes), weights, handle).
+
+    Raises:
+        ValueError, TypeError: as `grouped_matmul` and `moe_combine` raise them.
+    """
+    y = pk_grouped_matmul(h, w2, handle.group_sizes)
+    return moe_combine(y, weights, handle, axis_name)
 
 
 def _check_dispatch(x, expert_ids, p: int, num_experts, capacity) -> None:
