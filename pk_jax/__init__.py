@@ -11,13 +11,14 @@ from pk_jax.ops.ag_gemm import all_gather_gemm
 from pk_jax.ops.all_gather import all_gather
 from pk_jax.ops.all_reduce import all_reduce
 from pk_jax.ops.all_to_all import all_to_all
+from pk_jax.ops.attention import attention
 from pk_jax.ops.gemm_ar import gemm_all_reduce
 from pk_jax.ops.gemm_rs import gemm_reduce_scatter
 from pk_jax.ops.grouped_matmul import grouped_matmul
 from pk_jax.ops.matmul import matmul
 from pk_jax.ops.moe import moe_combine, moe_dispatch, moe_dispatch_gemm, moe_gemm_combine
 from pk_jax.ops.reduce_scatter import reduce_scatter
-from pk_jax.ops.ring_attn import ring_attention
+from pk_jax.ops.ring_attn import ring_attention, zigzag_indices
 from pk_jax.ops.ulysses_attn import ulysses_attention
 from pk_jax.runtime.state import init, shutdown
 
@@ -30,6 +31,7 @@ __all__ = [
     "all_gather_gemm",
     "all_reduce",
     "all_to_all",
+    "attention",
     "backend_name",
     "gemm_all_reduce",
     "gemm_reduce_scatter",
@@ -44,4 +46,5 @@ __all__ = [
     "ring_attention",
     "shutdown",
     "ulysses_attention",
+    "zigzag_indices",
 ]

@@ -255,3 +255,55 @@ def test_large(monkeypatch, dtype, causal):
     q, k, v = qkv((2, 8 * 61, 4, 32), dtype)
     out = ring(cpu_mesh((8,), ("sp",)), q, k, v, causal=causal)
     assert_close(out, dense(q, k, v, causal=causal), dtype)
+
+
+# --- layout="zigzag": rank r holds chunks r and 2P-1-r of 2P (balanced causal work) ---------
+
+def test_zigzag_indices_is_a_balanced_permutation():
+    idx = pk.zigzag_indices(16, 2)
+    assert idx.dtype == np.int32 and sorted(idx.tolist()) == list(range(16))
+    np.testing.assert_array_equal(idx, [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11])
+    with pytest.raises(ValueError, match="divisible by 2 P"):
+        pk.zigzag_indices(12, 4)
+
+
+@pytest.mark.parametrize("p,causal", product(WORLD_SIZES, (True, False)))
+def test_zigzag_matches_dense(p, causal):
+    s = 8 * p
+    q, k, v = qkv((2, s, 2, 16), np.float32, seed=p)
+    idx = pk.zigzag_indices(s, p)
+    out = ring(cpu_mesh((p,), ("sp",)), q[:, idx], k[:, idx], v[:, idx], causal=causal,
+               layout="zigzag")
+    assert_close(np.asarray(out)[:, np.argsort(idx)], dense(q, k, v, causal=causal))
+
+
+@pytest.mark.parametrize("p", (2, 4))
+def test_zigzag_grads_match_dense(p, monkeypatch):
+    monkeypatch.setattr(_attention, "KEY_BLOCK", 4)  # several key tiles per chunk
+    monkeypatch.setattr(_attention, "QUERY_BLOCK", 4)
+    s = 16 * p
+    q, k, v = qkv((1, s, 2, 8), np.float32, seed=10 + p)
+    w = normal((1, s, 2, 8), np.float32, 99)
+    idx = pk.zigzag_indices(s, p)
+    mesh = cpu_mesh((p,), ("sp",), explicit=False)
+    pk.init(mesh)
+
+    def loss(a, b, c):
+        f = jax.shard_map(lambda x, y, z: pk.ring_attention(x, y, z, "sp", causal=True,
+                                                            layout="zigzag"),
+                          mesh=mesh, in_specs=(SEQ,) * 3, out_specs=SEQ)
+        return jnp.sum(f(a, b, c) * w[:, idx])
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q[:, idx], k[:, idx], v[:, idx])
+    want = dense_grads(q, k, v, w, causal=True)
+    for g, gw in zip(grads, want):
+        np.testing.assert_allclose(np.asarray(g)[:, np.argsort(idx)], gw, atol=2e-4, rtol=2e-4)
+
+
+def test_zigzag_errors():
+    mesh = cpu_mesh((2,), ("sp",))
+    q, k, v = qkv((1, 6, 2, 8), np.float32)  # S/P = 3: odd
+    with pytest.raises(ValueError, match="even"):
+        ring(mesh, q, k, v, causal=True, layout="zigzag")
+    with pytest.raises(ValueError, match="layout"):
+        ring(mesh, *qkv((1, 8, 2, 8), np.float32), layout="striped")

@@ -31,6 +31,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from pk_jax import _backend, _checks, _ffi
@@ -40,8 +41,39 @@ STEM = "ring_attn"
 NAME = "ring_attention"  # the public name, used in error messages
 
 
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def zigzag_indices(seq_len: int, world: int) -> np.ndarray:
+    """The permutation that lays a sequence out for `layout="zigzag"` over `world` ranks.
+
+    The sequence is cut into 2 P chunks of S / (2 P) positions; rank r holds chunks r and
+    2P-1-r, so every rank has the same share of causal work. `x[:, zigzag_indices(S, P)]`
+    sharded contiguously over the axis gives each rank its zigzag shard; `np.argsort` of it
+    undoes the permutation.
+
+    Args:
+        seq_len: S, divisible by 2 P.
+        world: P.
+
+    Returns:
+        int32 [S]: the global positions in zigzag order.
+
+    Raises:
+        ValueError: S not divisible by 2 P.
+    """
+    if world < 1 or seq_len % (2 * world):
+        raise ValueError(f"pk.zigzag_indices: the sequence length {seq_len} must be divisible "
+                         f"by 2 P = {2 * world} (two chunks per rank); pad the sequence.")
+    c = seq_len // (2 * world)
+    chunks = [(r, 2 * world - 1 - r) for r in range(world)]
+    return np.concatenate([np.arange(i * c, (i + 1) * c) for pair in chunks for i in pair]
+                          ).astype(np.int32)
+
+
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, *,
-                   causal: bool = False, scale: float | None = None) -> jax.Array:
+                   causal: bool = False, scale: float | None = None,
+                   layout: str = "contiguous") -> jax.Array:
     """Attention of the local queries over the whole (sharded) sequence, by a ring of K/V.
 
     Call inside `jax.shard_map` with q, k, v sharded alike along the sequence dimension over
@@ -56,6 +88,9 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, *,
             `pk.init`).
         causal: mask keys at later global positions than the query.
         scale: multiplies q . k before the softmax; default 1/sqrt(D).
+        layout: "contiguous" (rank r holds positions [r S/P, (r+1) S/P)) or "zigzag" (rank r
+            holds chunks r and 2P-1-r of 2P, see `pk.zigzag_indices`: balanced causal work;
+            S/P must be even).
 
     Returns:
         [B, S/P, H, D] in q's dtype: softmax(scale * q k^T) v over all S keys for the local
@@ -63,7 +98,7 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, *,
 
     Raises:
         ValueError: `pk.init` not called, a bad axis, q/k/v not rank 4 or of different shapes,
-            a scale that is not positive.
+            a scale that is not positive, an unknown layout, zigzag with an odd S/P.
         TypeError: an unsupported or mismatched dtype, a non-bool causal, a non-number scale.
     """
     p = _checks.axis_size(NAME, axis_name)
@@ -71,9 +106,16 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, *,
     causal = _checks.is_bool(NAME, "causal", causal)
     scale = (_attention.default_scale(q.shape[-1]) if scale is None
              else _checks.positive_float(NAME, "scale", scale))
+    if layout not in LAYOUTS:
+        raise ValueError(f"pk.{NAME}: layout={layout!r} is not one of {LAYOUTS}.")
+    if layout == "zigzag" and q.shape[1] % 2:
+        raise ValueError(f"pk.{NAME}: layout='zigzag' holds two equal chunks per rank, so the "
+                         f"local sequence length must be even, got {q.shape[1]}; pad it.")
+    # Without causal masking attention ignores positions: zigzag is the contiguous ring.
+    zigzag = layout == "zigzag" and causal
     if _backend.use_kernel(STEM, axis_name):
         return _cuda_ring_attn(q, k, v, axis_name, causal=causal, scale=scale, p=p)
-    return reference(q, k, v, axis_name, causal=causal, scale=scale, p=p)
+    return reference(q, k, v, axis_name, causal=causal, scale=scale, p=p, zigzag=zigzag)
 
 
 def _cuda_ring_attn(q, k, v, axis_name, **options):
@@ -83,9 +125,11 @@ def _cuda_ring_attn(q, k, v, axis_name, **options):
 
 
 def reference(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, *, causal: bool,
-              scale: float, p: int) -> jax.Array:
+              scale: float, p: int, zigzag: bool = False) -> jax.Array:
     """The blockwise ring in `jax.lax`: P-1 ppermutes of K/V, an online softmax across steps,
-    and a ring-shaped custom VJP (module docstring)."""
+    and a ring-shaped custom VJP (module docstring). zigzag: causal with the zigzag layout."""
+    if zigzag:
+        return _zigzag_attention(q, k, v, axis_name, float(scale), int(p))
     return _ring_attention(q, k, v, axis_name, bool(causal), float(scale), int(p))
 
 
@@ -184,3 +228,76 @@ def _ring_attention(q, k, v, axis_name, causal, scale, p):
 
 
 _ring_attention.defvjp(_ring_fwd, _ring_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# Causal attention in the zigzag layout: rank r's rows are two chunks of c = S / (2P) positions,
+# a (chunk r) and b (chunk 2P-1-r), and so is every K/V block. Each ring step folds the four
+# (query half, key half) pairs with their global positions; blockwise's causal skip drops the
+# hidden key tiles (a vs a hidden when the owner j > r, a vs b always, b vs b when j < r), so
+# every step does about the same work on every rank.
+
+def _halves(x):
+    c = x.shape[1] // 2
+    return x[:, :c], x[:, c:]
+
+
+def _chunk_starts(rank, p: int, c: int):
+    return rank * c, (2 * p - 1 - rank) * c
+
+
+def _zigzag_fwd(q, k, v, axis_name, scale, p):
+    rank = lax.axis_index(axis_name)
+    c = q.shape[1] // 2
+    qs, q_pos = _halves(q), _chunk_starts(rank, p, c)
+
+    def visit(t, state, blocks, travelling):
+        kb, vb = blocks
+        k_pos = _chunk_starts((rank - t) % p, p, c)
+        states = [_attention.State(*h) for h in zip(*(_halves(x) for x in state))]
+        for i in range(2):
+            for kh, vh, kp in zip(_halves(kb), _halves(vb), k_pos):
+                states[i] = _attention.blockwise(states[i], qs[i], kh, vh, scale=scale,
+                                                 causal=True, q_pos0=q_pos[i], k_pos0=kp)
+        return _attention.State(*(jnp.concatenate(xs, axis=1) for xs in zip(*states))), ()
+
+    state, _ = _ring(axis_name, p, visit, _attention.init_state(q, k, v), (k, v), ())
+    out = _attention.finalize(state, q.dtype)
+    return out, (q, k, v, out, _attention.log_sum_exp(state))
+
+
+def _zigzag_bwd(axis_name, scale, p, res, do):
+    q, k, v, out, lse = res
+    rank = lax.axis_index(axis_name)
+    c = q.shape[1] // 2
+    do = do.astype(jnp.float32)
+    delta = jnp.sum(do * out.astype(jnp.float32), axis=-1)
+    axes = frozenset().union(*(_ffi.vma(x) for x in (q, k, v, do, lse)))
+    zeros = lambda x: _vjp.vary(jnp.zeros(x.shape, jnp.float32), axes)
+    qs, dos, lses, deltas = (_halves(x) for x in (q, do, lse, delta))
+    q_pos = _chunk_starts(rank, p, c)
+
+    def visit(t, dq, blocks, travelling):
+        kb, vb = blocks
+        k_pos = _chunk_starts((rank - t) % p, p, c)
+        dqs, dks, dvs = list(_halves(dq)), list(_halves(travelling[0])), \
+            list(_halves(travelling[1]))
+        for i in range(2):
+            for j, (kh, vh, kp) in enumerate(zip(_halves(kb), _halves(vb), k_pos)):
+                gq, gk, gv = _attention.blockwise_grads(
+                    qs[i], kh, vh, dos[i], lses[i], deltas[i], scale=scale, causal=True,
+                    q_pos0=q_pos[i], k_pos0=kp)
+                dqs[i], dks[j], dvs[j] = dqs[i] + gq, dks[j] + gk, dvs[j] + gv
+        cat = lambda xs: jnp.concatenate(xs, axis=1)
+        return cat(dqs), (cat(dks), cat(dvs))
+
+    dq, (dk, dv) = _ring(axis_name, p, visit, zeros(q), (k, v), (zeros(k), zeros(v)))
+    return tuple(_vjp.fit(g.astype(x.dtype), x) for g, x in ((dq, q), (dk, k), (dv, v)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _zigzag_attention(q, k, v, axis_name, scale, p):
+    return _zigzag_fwd(q, k, v, axis_name, scale, p)[0]
+
+
+_zigzag_attention.defvjp(_zigzag_fwd, _zigzag_bwd)
