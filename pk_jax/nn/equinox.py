@@ -171,6 +171,58 @@ class ParallelMLP(eqx.Module):
                 "w2": self.down.weight, "b2": self.down.bias}
 
 
+class ParallelAttention(eqx.Module):
+    """Multi-head attention with tensor-parallel projections and sequence-parallel attention
+    (see `pk_jax.nn.flax.ParallelAttention`, the same block).
+
+    Args:
+        features, num_heads, num_kv_heads, axis_name, seq_axis, attention, causal, layout,
+            use_bias, dtype, param_dtype, kernel_init, bias_init: as for the Flax block.
+        key: PRNG key for the four projections.
+    """
+
+    q: ColumnParallelLinear
+    k: ColumnParallelLinear
+    v: ColumnParallelLinear
+    o: RowParallelLinear
+    head_dim: int = eqx.field(static=True)
+    seq_axis: str = eqx.field(static=True)
+    kind: str = eqx.field(static=True)
+    causal: bool = eqx.field(static=True)
+    layout: str = eqx.field(static=True)
+
+    def __init__(self, features: int, num_heads: int, *, key: jax.Array,
+                 num_kv_heads: int | None = None, axis_name: str = _nn.DEFAULT_AXIS,
+                 seq_axis: str = "sp", attention: str = "ring", causal: bool = True,
+                 layout: str = "contiguous", use_bias: bool = False,
+                 dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32,
+                 kernel_init: Initializer = default_kernel_init,
+                 bias_init: Initializer = default_bias_init):
+        from pk_jax.nn import _attn
+
+        kv = num_heads if num_kv_heads is None else num_kv_heads
+        self.head_dim = _attn.check_heads("equinox.ParallelAttention", features, num_heads, kv,
+                                          attention)
+        self.seq_axis, self.kind, self.causal, self.layout = seq_axis, attention, causal, layout
+        common = {"axis_name": axis_name, "use_bias": use_bias, "dtype": dtype,
+                  "param_dtype": param_dtype, "kernel_init": kernel_init,
+                  "bias_init": bias_init}
+        kq, kk, kv_, ko = jax.random.split(key, 4)
+        self.q = ColumnParallelLinear(features, num_heads * self.head_dim, key=kq, **common)
+        self.k = ColumnParallelLinear(features, kv * self.head_dim, key=kk, **common)
+        self.v = ColumnParallelLinear(features, kv * self.head_dim, key=kv_, **common)
+        self.o = RowParallelLinear(num_heads * self.head_dim, features, key=ko, **common)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        from pk_jax.nn import _attn
+
+        q, k, v = (_attn.split_heads(layer(x), self.head_dim)
+                   for layer in (self.q, self.k, self.v))
+        att = _attn.attend(q, k, v, seq_axis=self.seq_axis, kind=self.kind,
+                           causal=self.causal, layout=self.layout)
+        return self.o(att.reshape(*att.shape[:-2], -1))
+
+
 class MoE(eqx.Module):
     """An expert-parallel mixture-of-experts MLP (see `pk_jax.nn.flax.MoE`, the same block).
 
@@ -268,5 +320,5 @@ def shard(tree: Any, mesh: jax.sharding.Mesh) -> Any:
     return eqx.combine(placed, static)
 
 
-__all__ = ["ColumnParallelLinear", "MoE", "ParallelMLP", "RowParallelLinear", "partition_specs",
+__all__ = ["ColumnParallelLinear", "MoE", "ParallelAttention", "ParallelMLP", "RowParallelLinear", "partition_specs",
            "shard"]

@@ -229,5 +229,60 @@ class MoE(nnx.Module):
                             dtype=self.dtype)
 
 
-__all__ = ["ColumnParallelLinear", "MoE", "ParallelMLP", "RowParallelLinear", "partition_specs",
+class ParallelAttention(nnx.Module):
+    """Multi-head attention with tensor-parallel projections and sequence-parallel attention.
+
+    Inside shard_map, x is `[B, S/Psp, features]`: its sequence split over `seq_axis` and
+    replicated over `axis_name`. Q, K and V are ColumnParallelLinear layers over `axis_name`
+    (each device computes its `num_heads / Ptp` query heads and `num_kv_heads / Ptp` K/V heads),
+    attention runs over the whole sequence with `pk.ring_attention` or `pk.ulysses_attention`
+    over `seq_axis`, and the output projection is a RowParallelLinear (GEMM + all-reduce over
+    `axis_name`). Either axis may have size 1.
+
+    Args:
+        features: model width, divisible by num_heads.
+        num_heads: query heads, divisible by the size of `axis_name` (and, for Ulysses, by
+            it times the size of `seq_axis`).
+        num_kv_heads: K/V heads (grouped-query attention), dividing num_heads; default
+            num_heads.
+        axis_name: the tensor-parallel axis (heads).
+        seq_axis: the sequence-parallel axis.
+        attention: "ring" or "ulysses".
+        causal: causal masking over global positions.
+        layout: ring only: "contiguous" or "zigzag" (see `pk.zigzag_indices`).
+        use_bias, dtype, param_dtype, kernel_init, bias_init, rngs: as for the linear layers.
+    """
+
+    def __init__(self, features: int, num_heads: int, *, num_kv_heads: int | None = None,
+                 axis_name: str = _nn.DEFAULT_AXIS, seq_axis: str = "sp",
+                 attention: str = "ring", causal: bool = True, layout: str = "contiguous",
+                 use_bias: bool = False, dtype: Any = jnp.bfloat16,
+                 param_dtype: Any = jnp.float32,
+                 kernel_init: Initializer = default_kernel_init,
+                 bias_init: Initializer = default_bias_init, rngs: nnx.Rngs):
+        from pk_jax.nn import _attn
+
+        kv = num_heads if num_kv_heads is None else num_kv_heads
+        self.head_dim = _attn.check_heads("flax.ParallelAttention", features, num_heads, kv,
+                                          attention)
+        self.seq_axis, self.kind, self.causal, self.layout = seq_axis, attention, causal, layout
+        common = {"axis_name": axis_name, "use_bias": use_bias, "dtype": dtype,
+                  "param_dtype": param_dtype, "kernel_init": kernel_init,
+                  "bias_init": bias_init, "rngs": rngs}
+        self.q = ColumnParallelLinear(features, num_heads * self.head_dim, **common)
+        self.k = ColumnParallelLinear(features, kv * self.head_dim, **common)
+        self.v = ColumnParallelLinear(features, kv * self.head_dim, **common)
+        self.o = RowParallelLinear(num_heads * self.head_dim, features, **common)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        from pk_jax.nn import _attn
+
+        q, k, v = (_attn.split_heads(layer(x), self.head_dim)
+                   for layer in (self.q, self.k, self.v))
+        att = _attn.attend(q, k, v, seq_axis=self.seq_axis, kind=self.kind,
+                           causal=self.causal, layout=self.layout)
+        return self.o(att.reshape(*att.shape[:-2], -1))
+
+
+__all__ = ["ColumnParallelLinear", "MoE", "ParallelAttention", "ParallelMLP", "RowParallelLinear", "partition_specs",
            "shard"]

@@ -1,0 +1,56 @@
+"""The attention block shared by the Flax and Equinox layers (`ParallelAttention` in
+`pk_jax.nn.flax` and `pk_jax.nn.equinox`): Q, K, V and output projections tensor-parallel over
+one axis (heads split), attention sequence-parallel over another (ring or Ulysses)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+import pk_jax as pk
+
+KINDS = ("ring", "ulysses")
+
+
+def check_heads(layer: str, features: int, num_heads: int, num_kv_heads: int,
+                kind: str) -> int:
+    """Checks the block's head layout; returns the head dimension."""
+    if kind not in KINDS:
+        raise ValueError(f"pk_jax.nn.{layer}: attention={kind!r} is not one of {KINDS}.")
+    if num_heads <= 0 or features % num_heads:
+        raise ValueError(f"pk_jax.nn.{layer}: num_heads={num_heads} must divide "
+                         f"features={features}.")
+    if num_kv_heads <= 0 or num_heads % num_kv_heads:
+        raise ValueError(f"pk_jax.nn.{layer}: num_kv_heads={num_kv_heads} must divide "
+                         f"num_heads={num_heads} (grouped-query attention).")
+    return features // num_heads
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axis: str, kind: str,
+           causal: bool, layout: str) -> jax.Array:
+    """Sequence-parallel attention of this device's heads: q [B, S/P, h, D], k, v
+    [B, S/P, hkv, D] (K/V heads repeated for grouped-query attention)."""
+    groups = q.shape[2] // k.shape[2]
+    if groups > 1:
+        k, v = (jnp.repeat(x, groups, axis=2) for x in (k, v))
+    if kind == "ring":
+        return pk.ring_attention(q, k, v, seq_axis, causal=causal, layout=layout)
+    return pk.ulysses_attention(q, k, v, seq_axis, causal=causal)
+
+
+def split_heads(x: jax.Array, head_dim: int) -> jax.Array:
+    return x.reshape(*x.shape[:-1], x.shape[-1] // head_dim, head_dim)
+
+
+def reference_block(x: jax.Array, wq, wk, wv, wo, *, num_heads: int, num_kv_heads: int,
+                    causal: bool) -> jax.Array:
+    """The same block on one device with the full weights (float32, no biases):
+    [B, S, features] -> [B, S, features]."""
+    f32 = lambda a: jnp.asarray(a, jnp.float32)
+    x = f32(x)
+    hd = x.shape[-1] // num_heads
+    q = split_heads(x @ f32(wq), hd)
+    k = split_heads(x @ f32(wk), hd)
+    v = split_heads(x @ f32(wv), hd)
+    o = jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+    return o.reshape(*x.shape[:-1], -1) @ f32(wo)
