@@ -72,7 +72,7 @@ __device__ inline bool mbar_test(mbarrier* bar, uint32_t parity) {
  * @brief What an mbarrier wait that never completes reports, per block: the error record, op
  * and rank of the kernel, and the bound (0: MBAR_DEFAULT_TIMEOUT_NS). Every kernel that waits
  * on mbarriers sets it (one thread, before its first __syncthreads): lcsc::kernel from
- * K::wait_bound(g), the collectives from their communicator.
+ * K::bound(g), the collectives from their communicator, grouped_matmul with zeros.
  */
 struct wait_bound {
   int32_t* error;  ///< host-mapped record, or nullptr (local kernels: trap only)
