@@ -120,7 +120,8 @@ def matmul_operands(op: str, x, w, *, p: int = 1, k_local: bool = False) -> None
 
 
 def attention_operands(op: str, q, k, v) -> None:
-    """Checks attention's q, k, v: each [B, S_local, H, D], one shape, one float dtype."""
+    """Checks attention's q [B, S_local, H, D] and k, v [B, S_local, Hkv, D] (Hkv dividing H:
+    grouped-query attention), one float dtype."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
             raise ValueError(
@@ -131,12 +132,16 @@ def attention_operands(op: str, q, k, v) -> None:
     same_dtype(op, "q", q, "k", k)
     same_dtype(op, "q", q, "v", v)
     for name, x in (("k", k), ("v", v)):
-        if x.shape != q.shape:
+        if x.shape[:2] != q.shape[:2] or x.shape[3] != q.shape[3] or x.shape != k.shape:
             raise ValueError(
-                f"pk.{op}: q and {name} must have the same shape [batch, seq_local, heads, "
-                f"head_dim], got q {q.shape} and {name} {x.shape}. Repeat k/v heads for "
-                "grouped-query attention and shard q, k, v alike along the sequence."
+                f"pk.{op}: k and v must be [batch, seq_local, kv_heads, head_dim] with q's "
+                f"batch, seq_local and head_dim, got q {q.shape} and {name} {x.shape}. Shard "
+                "q, k, v alike along the sequence."
             )
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(
+            f"pk.{op}: the {k.shape[2]} K/V heads must divide the {q.shape[2]} query heads "
+            "(grouped-query attention).")
 
 
 def is_bool(op: str, arg: str, value) -> bool:

@@ -214,7 +214,7 @@ def test_check_grads():
 BAD = [  # (q shape, k shape, v shape, dtype of v, options, error, message)
     ((4, 2, 8), (4, 2, 8), (4, 2, 8), None, {}, ValueError, "q must have rank 4"),
     ((1, 4, 2, 8), (1, 4, 2, 4), (1, 4, 2, 8), None, {}, ValueError,
-     "q and k must have the same shape"),
+     r"k and v must be \[batch, seq_local, kv_heads"),
     ((1, 4, 2, 8),) * 3 + (jnp.float16, {}, TypeError, "q and v must have the same dtype"),
     ((1, 4, 2, 8),) * 3 + (None, {"causal": "yes"}, TypeError, "causal must be a Python bool"),
     ((1, 4, 2, 8),) * 3 + (None, {"scale": -1.0}, ValueError, "scale must be a finite positive"),

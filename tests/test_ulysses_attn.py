@@ -133,7 +133,7 @@ def test_check_grads():
 BAD = [  # (q shape, k shape, v shape, dtype of v, options, error, message)
     ((4, 2, 8), (4, 2, 8), (4, 2, 8), None, {}, ValueError, "q must have rank 4"),
     ((1, 4, 2, 8), (1, 4, 2, 8), (1, 4, 2, 4), None, {}, ValueError,
-     "q and v must have the same shape"),
+     r"k and v must be \[batch, seq_local, kv_heads"),
     ((1, 4, 2, 8),) * 3 + (jnp.bfloat16, {}, TypeError, "q and v must have the same dtype"),
     ((1, 4, 3, 8),) * 3 + (None, {}, ValueError,
                            r"heads H \(q.shape\[2\]\) = 3 is not divisible by 2"),

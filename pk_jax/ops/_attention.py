@@ -58,6 +58,15 @@ class State(NamedTuple):
     l: jax.Array
 
 
+def repeat_kv(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """k, v with each K/V head repeated for its H / Hkv query heads (grouped-query attention);
+    autodiff sums the repeats' gradients back into each K/V head."""
+    groups = q.shape[2] // k.shape[2]
+    if groups == 1:
+        return k, v
+    return jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+
+
 def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 

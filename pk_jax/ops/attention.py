@@ -10,7 +10,6 @@ behind `_backend.use_kernel("attention")` once the extension registers pk_attent
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 from pk_jax import _checks
 from pk_jax.ops import _attention
@@ -62,7 +61,5 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
 def reference(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
               scale: float) -> jax.Array:
     """Blockwise attention with K/V heads repeated for grouped-query attention."""
-    groups = q.shape[2] // k.shape[2]
-    if groups > 1:
-        k, v = (jnp.repeat(x, groups, axis=2) for x in (k, v))
+    k, v = _attention.repeat_kv(q, k, v)
     return _attention.attention(q, k, v, scale=scale, causal=causal)

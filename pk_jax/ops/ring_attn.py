@@ -82,8 +82,8 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, *,
 
     Args:
         q: [B, S/P, H, D], this device's contiguous slice of the sequence; bf16, fp16 or fp32.
-        k: like q.
-        v: like q.
+        k: [B, S/P, Hkv, D], Hkv dividing H (grouped-query attention); else like q.
+        v: like k.
         axis_name: the mesh axis the sequence is sharded over (an axis of the mesh given to
             `pk.init`).
         causal: mask keys at later global positions than the query.
@@ -97,7 +97,8 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, *,
         queries, computed with float32 statistics and accumulation.
 
     Raises:
-        ValueError: `pk.init` not called, a bad axis, q/k/v not rank 4 or of different shapes,
+        ValueError: `pk.init` not called, a bad axis, q/k/v not rank 4 or of mismatched
+            shapes, Hkv not dividing H,
             a scale that is not positive, an unknown layout, zigzag with an odd S/P.
         TypeError: an unsupported or mismatched dtype, a non-bool causal, a non-number scale.
     """
@@ -111,6 +112,7 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, *,
     if layout == "zigzag" and q.shape[1] % 2:
         raise ValueError(f"pk.{NAME}: layout='zigzag' holds two equal chunks per rank, so the "
                          f"local sequence length must be even, got {q.shape[1]}; pad it.")
+    k, v = _attention.repeat_kv(q, k, v)  # grouped-query attention (a no-op at H = Hkv)
     # Without causal masking attention ignores positions: zigzag is the contiguous ring.
     zigzag = layout == "zigzag" and causal
     if _backend.use_kernel(STEM, axis_name):

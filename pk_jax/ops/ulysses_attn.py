@@ -37,8 +37,8 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, 
     Args:
         q: [B, S/P, H, D], this device's contiguous slice of the sequence, H divisible by P;
             bf16, fp16 or fp32.
-        k: like q.
-        v: like q.
+        k: [B, S/P, Hkv, D], Hkv dividing H (grouped-query attention); else like q.
+        v: like k.
         axis_name: the mesh axis the sequence is sharded over (an axis of the mesh given to
             `pk.init`).
         causal: mask keys at later global positions than the query.
@@ -49,7 +49,8 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, 
         queries, computed with float32 statistics and accumulation.
 
     Raises:
-        ValueError: `pk.init` not called, a bad axis, q/k/v not rank 4 or of different shapes,
+        ValueError: `pk.init` not called, a bad axis, q/k/v not rank 4 or of mismatched
+            shapes, Hkv not dividing H,
             H not divisible by P, a scale that is not positive.
         TypeError: an unsupported or mismatched dtype, a non-bool causal, a non-number scale.
     """
@@ -62,6 +63,7 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, 
     causal = _checks.is_bool(NAME, "causal", causal)
     scale = (_attention.default_scale(q.shape[-1]) if scale is None
              else _checks.positive_float(NAME, "scale", scale))
+    k, v = _attention.repeat_kv(q, k, v)  # grouped-query attention (a no-op at H = Hkv)
     if _backend.use_kernel(STEM, axis_name):
         return _cuda_ulysses_attn(q, k, v, axis_name, causal=causal, scale=scale)
     return reference(q, k, v, axis_name, causal=causal, scale=scale)
