@@ -38,6 +38,14 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axis: str, kind: str
     return pk.ulysses_attention(q, k, v, seq_axis, causal=causal)
 
 
+def forward(block, x: jax.Array) -> jax.Array:
+    """A ParallelAttention's forward (Flax or Equinox): its q, k, v, o layers and options."""
+    q, k, v = (split_heads(layer(x), block.head_dim) for layer in (block.q, block.k, block.v))
+    att = attend(q, k, v, seq_axis=block.seq_axis, kind=block.kind, causal=block.causal,
+                 layout=block.layout)
+    return block.o(att.reshape(*att.shape[:-2], -1))
+
+
 def split_heads(x: jax.Array, head_dim: int) -> jax.Array:
     return x.reshape(*x.shape[:-1], x.shape[-1] // head_dim, head_dim)
 

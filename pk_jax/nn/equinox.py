@@ -216,11 +216,7 @@ class ParallelAttention(eqx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         from pk_jax.nn import _attn
 
-        q, k, v = (_attn.split_heads(layer(x), self.head_dim)
-                   for layer in (self.q, self.k, self.v))
-        att = _attn.attend(q, k, v, seq_axis=self.seq_axis, kind=self.kind,
-                           causal=self.causal, layout=self.layout)
-        return self.o(att.reshape(*att.shape[:-2], -1))
+        return _attn.forward(self, x)
 
 
 class MoE(eqx.Module):
@@ -320,5 +316,5 @@ def shard(tree: Any, mesh: jax.sharding.Mesh) -> Any:
     return eqx.combine(placed, static)
 
 
-__all__ = ["ColumnParallelLinear", "MoE", "ParallelAttention", "ParallelMLP", "RowParallelLinear", "partition_specs",
-           "shard"]
+__all__ = ["ColumnParallelLinear", "MoE", "ParallelAttention", "ParallelMLP", "RowParallelLinear",
+           "partition_specs", "shard"]

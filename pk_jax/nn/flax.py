@@ -277,12 +277,8 @@ class ParallelAttention(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         from pk_jax.nn import _attn
 
-        q, k, v = (_attn.split_heads(layer(x), self.head_dim)
-                   for layer in (self.q, self.k, self.v))
-        att = _attn.attend(q, k, v, seq_axis=self.seq_axis, kind=self.kind,
-                           causal=self.causal, layout=self.layout)
-        return self.o(att.reshape(*att.shape[:-2], -1))
+        return _attn.forward(self, x)
 
 
-__all__ = ["ColumnParallelLinear", "MoE", "ParallelAttention", "ParallelMLP", "RowParallelLinear", "partition_specs",
-           "shard"]
+__all__ = ["ColumnParallelLinear", "MoE", "ParallelAttention", "ParallelMLP", "RowParallelLinear",
+           "partition_specs", "shard"]

@@ -53,7 +53,8 @@ def _run(world, cases, rng, *, skew_ns: int = SKEW_NS) -> list[str]:
     calls = [ops.Call(world, c) for c in cases]
     try:
         for c in calls:
-            delays = [int(d) for d in rng.integers(0, skew_ns + 1, world.world)] if skew_ns else None
+            delays = ([int(d) for d in rng.integers(0, skew_ns + 1, world.world)]
+                      if skew_ns else None)
             c.launch(delays_ns=delays)
         world.synchronize()
         return [p for c in calls for p in c.check()]
