@@ -23,7 +23,7 @@ def _mesh(p: int):
 
 
 def model(xs, ids, num_experts, capacity):
-    """Loops over (dest rank, local expert, source rank, token, slot), as DESIGN.md says."""
+    """Loops over (dest rank, local expert, source rank, token, slot), as the API promises."""
     p, t, k = ids.shape
     el = num_experts // p
     bufs = np.zeros((p, capacity, xs.shape[-1]), np.float64)

@@ -1,4 +1,4 @@
-"""moe: expert-parallel token dispatch and combine (DESIGN.md section 2), as jax.lax references.
+"""moe: expert-parallel token dispatch and combine (see the README's API table), as lax references.
 
 Experts are split over `axis_name` in contiguous blocks: rank d owns experts
 [d E/P, (d+1) E/P). Every (token t, slot j) of every rank s whose expert e = expert_ids[t, j]
