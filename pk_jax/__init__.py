@@ -5,6 +5,7 @@ Fused multi-GPU compute+communication kernels for Hopper, called inside `jax.sha
 `jax.lax` reference.
 """
 
+from pk_jax import _profile
 from pk_jax._backend import backend_name
 from pk_jax._ffi import HAS_CUDA
 from pk_jax.ops.ag_gemm import all_gather_gemm
@@ -17,9 +18,22 @@ from pk_jax.ops.matmul import matmul
 from pk_jax.ops.reduce_scatter import reduce_scatter
 from pk_jax.ops.ring_attn import ring_attention
 from pk_jax.ops.ulysses_attn import ulysses_attention
+from pk_jax.runtime.errors import check_errors
 from pk_jax.runtime.state import init, shutdown
 
 __version__ = "0.1.0"
+
+# Every op under its own name in profiler traces (pk_jax/_profile.py).
+all_gather_gemm = _profile.named(all_gather_gemm)
+all_gather = _profile.named(all_gather)
+all_reduce = _profile.named(all_reduce)
+all_to_all = _profile.named(all_to_all)
+gemm_all_reduce = _profile.named(gemm_all_reduce)
+gemm_reduce_scatter = _profile.named(gemm_reduce_scatter)
+matmul = _profile.named(matmul)
+reduce_scatter = _profile.named(reduce_scatter)
+ring_attention = _profile.named(ring_attention)
+ulysses_attention = _profile.named(ulysses_attention)
 
 __all__ = [
     "HAS_CUDA",
@@ -29,6 +43,7 @@ __all__ = [
     "all_reduce",
     "all_to_all",
     "backend_name",
+    "check_errors",
     "gemm_all_reduce",
     "gemm_reduce_scatter",
     "init",

@@ -9,7 +9,6 @@ collectives also take the reference (a no-op) over a 1-device axis (`collective_
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import jax
@@ -23,10 +22,11 @@ _warned: set[str] = set()
 
 
 def requested() -> str:
-    """The backend asked for with PK_JAX_BACKEND (auto, reference or cuda)."""
-    value = os.environ.get("PK_JAX_BACKEND", "auto").strip().lower() or "auto"
+    """The backend asked for with PK_JAX_BACKEND (auto, reference or cuda), fixed at pk.init."""
+    value = state.settings().backend
     if value not in BACKENDS:
-        raise ValueError(f"PK_JAX_BACKEND={value!r} is not one of {', '.join(BACKENDS)}.")
+        raise ValueError(f"PK_JAX_BACKEND={value!r} is not one of {', '.join(BACKENDS)}. Set "
+                         "it to one of those (or unset it) before pk.init.")
     return value
 
 
@@ -54,7 +54,7 @@ def use_kernel(stem: str, axis_name: str | None = None) -> bool:
     """Whether op `stem` (e.g. "gemm_rs") runs its CUDA kernel in the current trace."""
     if requested() == "reference":
         return False
-    mesh = state.mesh_or_none()
+    mesh = state.mesh_for(axis_name) if axis_name is not None else state.mesh_or_none()
     if mesh is not None:
         devices = list(mesh.devices.flat)
     elif axis_name is None:  # a local op (matmul) needs no pk.init: the default devices
@@ -90,7 +90,7 @@ def collective_kernel(stem: str, axis_name: str) -> bool:
     if not use_kernel(stem, axis_name):
         return False
     return (jax.lax.axis_size(axis_name) > 1
-            or os.environ.get("PK_JAX_SINGLE_DEVICE_KERNELS", "0").strip() == "1")
+            or state.settings().single_device_kernels == "1")
 
 
 def backend_name(stem: str = "matmul", axis_name: str | None = None) -> str:

@@ -13,7 +13,7 @@ import pk_jax as pk
 from pk_jax import _ffi
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PUBLIC_OPS = {  # DESIGN.md section 2, minus moe_dispatch_gemm (later)
+PUBLIC_OPS = {  # the API table of README.md, minus moe_dispatch_gemm (later)
     "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "matmul",
     "gemm_reduce_scatter", "all_gather_gemm", "gemm_all_reduce", "ring_attention",
     "ulysses_attention",

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import jax
 import numpy as np
 
@@ -45,7 +43,7 @@ def all_reduce(x: jax.Array, axis_name: str, *, algorithm: str | None = None) ->
 
 
 def _algorithm(algorithm: str | None) -> int:
-    name = algorithm or os.environ.get("PK_JAX_ALL_REDUCE_ALGORITHM", "auto").strip().lower()
+    name = algorithm or state.settings().all_reduce_algorithm
     if name not in ALGORITHMS:
         raise ValueError(f"pk.{STEM}: algorithm={name!r} is not one of {', '.join(ALGORITHMS)} "
                          "(argument `algorithm` or PK_JAX_ALL_REDUCE_ALGORITHM).")
