@@ -256,3 +256,130 @@ def test_detached_record_stops_the_watcher():
     errors._attach(0)
     assert not watcher.is_alive() and errors._watcher is None
     errors.check_pending()  # no record: nothing to raise
+
+
+# ------------------------------------------- communicators of several meshes (fake VMM)
+
+
+class _FakeDriver:
+    """Stands in for the CUDA driver (vmm) and the C++ communicator table, on host devices."""
+
+    def __init__(self, monkeypatch):
+        from pk_jax import _ffi
+        from pk_jax.runtime import vmm
+
+        fake = self
+        self.table: dict[tuple[int, int], tuple] = {}
+        self.live: set[int] = set()
+        self.created = 0
+        self.fail_at: int | None = None
+        self.next_ptr = 1 << 20
+
+        class Ctx:
+            def __init__(self, ordinal):
+                pass
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return None
+
+            def synchronize(self):
+                pass
+
+            def mem_info(self):
+                return (1 << 40, 1 << 41)
+
+            def release(self):
+                pass
+
+        class Alloc:
+            def __init__(self, size):
+                fake.created += 1
+                if fake.fail_at is not None and fake.created >= fake.fail_at:
+                    raise RuntimeError("fake cuMemCreate: out of memory")
+                self.size, self.id = size, fake.created
+                fake.live.add(self.id)
+
+            @classmethod
+            def create(cls, ordinal, size):
+                return cls(size)
+
+            def release(self):
+                fake.live.remove(self.id)
+
+        class Mapping:
+            def __init__(self, alloc, ordinals, alignment=0):
+                self.size, self.ptr = alloc.size, fake.next_ptr
+                fake.next_ptr += alloc.size
+
+            def unmap(self):
+                pass
+
+        class Record:
+            def __init__(self, nbytes):
+                self.buf = (ctypes.c_int32 * errors.RECORD_WORDS)()
+                self.host_ptr = self.device_ptr = ctypes.addressof(self.buf)
+
+            def free(self):
+                pass
+
+        class Table:
+            def comm_register(self, cid, ordinal, rank, world, ws, sig, *rest):
+                assert (cid, ordinal) not in fake.table, (cid, ordinal)
+                fake.table[(cid, ordinal)] = (rank, world, tuple(ws))
+
+            def comm_unregister(self, cid, ordinal):
+                return fake.table.pop((cid, ordinal), None) is not None
+
+        for name, value in (("Context", Ctx), ("Allocation", Alloc), ("Mapping", Mapping),
+                            ("HostRecord", Record), ("granularity", lambda o: 2 << 20),
+                            ("memset_d8", lambda *a: None)):
+            monkeypatch.setattr(vmm, name, value)
+        monkeypatch.setattr(_ffi, "_pk_ffi", Table())
+        monkeypatch.setattr(state, "uses_symmetric_memory", lambda mesh, fixed=None: True)
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    yield _FakeDriver(monkeypatch)
+    pk.shutdown()  # while the fakes are still in place
+
+
+def test_communicators_of_several_meshes_are_per_group_and_shared(fake):
+    a = cpu_mesh((8,), ("tp",))
+    b = cpu_mesh((2, 4), ("dp", "tp"))
+    c = jax.make_mesh((4,), ("tp",), devices=jax.devices()[:4], axis_types=(EXPLICIT,))
+    pk.init(a)
+    rt = state.runtime()
+    assert set(fake.table) == {(0, o) for o in range(8)} and len(fake.live) == 8
+    pk.init(b)
+    assert state.runtime() is rt and len(fake.live) == 8 + 16
+    assert {cid for cid, _ in fake.table} == {0, 1, 2}
+    assert fake.table[(1, 5)][:2] == (1, 2) and fake.table[(2, 5)][:2] == (1, 4)
+    pk.init(c)  # its one group is b's first "tp" group: shared under c's id, nothing allocated
+    assert len(fake.live) == 24
+    for o in range(4):
+        assert fake.table[(3, o)] == fake.table[(2, o)]
+    assert (3, 4) not in fake.table
+    group = rt.group(3, jax.devices()[0])
+    assert group is rt.group(2, jax.devices()[0]) and group.aliases == [3]
+    assert errors._host_ptr == rt.record.host_ptr and errors._watcher.is_alive()
+    pk.shutdown()
+    assert fake.table == {} and fake.live == set() and errors._host_ptr == 0
+    assert errors._watcher is None
+
+
+def test_a_failing_second_init_leaves_the_first_mesh_as_it_was(fake):
+    a = cpu_mesh((8,), ("tp",))
+    pk.init(a)
+    table, live = dict(fake.table), set(fake.live)
+    fake.fail_at = fake.created + 5  # the fifth allocation of the second mesh fails
+    with pytest.raises(RuntimeError, match="out of memory"):
+        pk.init(cpu_mesh((2, 4), ("dp", "tp")))
+    assert fake.table == table and fake.live == live
+    assert state.meshes() == (a,) and len(state._comm_ids) == 1
+    fake.fail_at = None
+    pk.init(cpu_mesh((2, 4), ("dp", "tp")))  # and it may be tried again
+    assert len(fake.live) == 24

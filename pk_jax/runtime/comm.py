@@ -465,7 +465,7 @@ class Runtime:
             from pk_jax import _ffi
 
             for comm_id, ordinal in self.keys:
-                attempt(_ffi._pk_ffi.comm_unregister, comm_id, ordinal)
+                attempt(lambda c=comm_id, o=ordinal: _ffi._pk_ffi.comm_unregister(c, o))
             self.keys = []
         errors._attach(0)
         for ctx in self.contexts.values():
