@@ -45,6 +45,10 @@ def _fallback(key: str, message: str, *, warn: bool) -> bool:
     return False
 
 
+def _platform(devices) -> str:
+    return devices[0].platform
+
+
 def all_hopper(devices) -> bool:
     return all(d.platform == "gpu" and getattr(d, "compute_capability", "") == "9.0"
                for d in devices)
@@ -61,7 +65,7 @@ def use_kernel(stem: str, axis_name: str | None = None) -> bool:
         devices = jax.devices()
     else:
         return False
-    platform = devices[0].platform
+    platform = _platform(devices)
     if platform != "gpu":
         return _fallback("platform", f"the mesh is on {platform}, not on GPUs.", warn=False)
     if not _ffi.HAS_CUDA:
