@@ -222,6 +222,10 @@ def stand_in_kernels(monkeypatch) -> list[dict]:
             y = jax.lax.all_gather(x, axis, axis=dim, tiled=True)
         elif target == "pk_reduce_scatter":
             y = jax.lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
+        elif target == "pk_all_to_all":  # split where the result shrinks, concat where it grows
+            split = next(i for i, (a, b) in enumerate(zip(x.shape, shape)) if a > b)
+            concat = next(i for i, (a, b) in enumerate(zip(x.shape, shape)) if a < b)
+            y = jax.lax.all_to_all(x, axis, split, concat, tiled=True)
         else:
             raise NotImplementedError(target)
         assert y.shape == shape, (target, y.shape, shape)

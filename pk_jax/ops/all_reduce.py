@@ -27,8 +27,8 @@ def all_reduce(x: jax.Array, axis_name: str, *, algorithm: str | None = None) ->
         An array like `x` holding the sum, equal to `lax.psum(x, axis_name)`.
 
     On the CUDA path a peer that never arrives within pk.init's timeout_s stops the kernel: the
-    call fails with a launch error and `pk_jax.runtime.errors.check()` raises a RuntimeError
-    naming the op, this rank and the missing peer.
+    error naming the op, this rank and the missing peer is printed at once, and the next pk
+    call (or `pk_jax.check_errors()`) raises it as a RuntimeError.
 
     Raises:
         ValueError: `pk.init` not called, or `axis_name` not an axis of its mesh.
