@@ -119,8 +119,6 @@ def test_pytest_from_the_source_tree_with_a_built_extension_fails(tmp_path):
                     ignore=shutil.ignore_patterns("__pycache__", "_pk_ffi*"))
     (repo / "build" / "x").mkdir(parents=True)
     (repo / "build" / "x" / "_pk_ffi.abi3.so").write_bytes(b"")
-    if pk_jax.HAS_CUDA:
-        pytest.skip("this pk_jax has its extension")
     env = dict(os.environ, PYTHONPATH=str(repo))
     env.pop(ALLOW_NO_EXTENSION, None)
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
@@ -160,8 +158,7 @@ _CITES_OUTSIDE_DOCS_PENDING = {"bench/bench_ping.py", "bench/common.py"}
 def test_no_file_refers_to_documents_outside_the_repository():
     files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
                            check=False).stdout.split()
-    if not files:
-        pytest.skip("not a git checkout")
+    assert files, "git ls-files listed nothing: run the tests in a git checkout"
     docs = {pathlib.Path(f).name for f in files if f.endswith(".md")}
     bad = []
     for f in files:
@@ -174,7 +171,7 @@ def test_no_file_refers_to_documents_outside_the_repository():
         for ref in re.findall(r"[A-Za-z0-9_./-]*[A-Za-z0-9_]\.md\b", text):
             if pathlib.Path(ref).name not in docs:
                 bad.append(f"{f}: {ref}")
-        if re.search(r"\.\./shared|/work/", text):
+        if re.search(r"\.\./shared\b|/work/[a-z]", text):  # (this line matches neither)
             bad.append(f"{f}: a path outside the repository")
     assert not bad, bad
 
