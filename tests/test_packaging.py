@@ -4,6 +4,7 @@ mistake, the pins agree, and no file points at documents outside the repository.
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import pathlib
 import re
@@ -84,8 +85,14 @@ def test_optional_require_reraises_a_broken_dependency(tmp_path, monkeypatch):
 # ----------------------------------------------------- tests and the built extension
 
 
+def _no_installed_distribution(name):
+    raise importlib.metadata.PackageNotFoundError(name)
+
+
 def test_a_run_without_the_built_extension_fails_and_says_why(tmp_path, monkeypatch):
     monkeypatch.delenv(ALLOW_NO_EXTENSION, raising=False)
+    # Only the tree below tmp_path counts here, not the pk_jax installed in this environment.
+    monkeypatch.setattr(importlib.metadata, "distribution", _no_installed_distribution)
     src = tmp_path / "repo" / "pk_jax"
     src.mkdir(parents=True)
     assert extension_problem(False, src, "no module") == ""  # nothing built: pure Python
@@ -102,6 +109,7 @@ def test_a_run_without_the_built_extension_fails_and_says_why(tmp_path, monkeypa
 
 def test_a_module_that_is_there_but_does_not_import_is_reported(tmp_path, monkeypatch):
     monkeypatch.delenv(ALLOW_NO_EXTENSION, raising=False)
+    monkeypatch.setattr(importlib.metadata, "distribution", _no_installed_distribution)
     src = tmp_path / "pk_jax"
     src.mkdir()
     (src / "_pk_ffi.abi3.so").write_bytes(b"")
