@@ -20,8 +20,9 @@ DEPS   := "jax==$(JAX_PIN)" "flax==0.12.10" "equinox==0.13.8" optax "nanobind==3
 # What the GPU path needs at run time (the VMM calls), installed whenever the CUDA build is on.
 CUDA_DEPS := "cuda-bindings==13.3.1"
 PK_JAX_CUDA ?= AUTO
-CUDA_BUILD := $(shell case "$(PK_JAX_CUDA)" in [Oo][Ff][Ff]) ;; [Oo][Nn]) echo 1 ;; \
-                *) command -v nvcc >/dev/null && echo 1 ;; esac)
+CUDA_MODE  := $(shell echo '$(PK_JAX_CUDA)' | tr a-z A-Z)
+CUDA_BUILD := $(if $(filter OFF,$(CUDA_MODE)),,$(if $(filter ON,$(CUDA_MODE)),1,$(if \
+                $(shell command -v nvcc),1)))
 
 # The oldest jax pk_jax supports (pyproject's floor): 0.8.1 lacks jax.lax.pcast.
 JAX_MIN  := 0.8.2
@@ -34,7 +35,8 @@ MIN_TESTS := tests/test_api.py tests/test_state.py tests/test_runtime.py tests/t
 
 # The CUDA build prints one line per compiled file ([n/N] from ninja); the rest of pip's verbose
 # output goes to $(VENV)/build.log.
-BUILD_FILTER := grep --line-buffered -E '^ *\[[0-9]+/[0-9]+\]|pk_jax:|error|Error|warning: ' || true
+BUILD_FILTER := { grep --line-buffered -E '^ *\[[0-9]+/[0-9]+\]|pk_jax:|error|Error|warning: ' \
+                  || true; }
 
 .PHONY: setup demo test test-min-jax wheels clean
 
