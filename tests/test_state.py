@@ -107,10 +107,7 @@ def test_shard_map_over_a_mesh_not_given_to_init_says_so():
 # ------------------------------------------------------- shutdown, init again, jit before
 
 
-def test_function_jitted_before_shutdown_runs_after_init_again():
-    mesh = cpu_mesh((4,), ("tp",))
-    traces = []
-
+def _traced_all_reduce(mesh, traces):
     @jax.jit
     def f(v):
         def body(a):
@@ -118,13 +115,41 @@ def test_function_jitted_before_shutdown_runs_after_init_again():
             return pk.all_reduce(a, "tp")
         return jax.shard_map(body, mesh=mesh, in_specs=P("tp"), out_specs=P())(v)
 
+    return f
+
+
+def test_function_jitted_before_shutdown_runs_after_init_again():
+    # On host devices nothing in an executable refers to pk_jax's state: it is reused.
+    mesh = cpu_mesh((4,), ("tp",))
+    traces = []
+    f = _traced_all_reduce(mesh, traces)
     x = _placed(mesh, P("tp"), jnp.arange(8.0))
     pk.init(mesh)
     assert_same(f(x), [12.0, 16.0])
     assert_same(f(x), [12.0, 16.0]) and len(traces) == 1
     pk.shutdown()
+    pk.init(mesh)
+    assert_same(f(x), [12.0, 16.0])
+    pk.shutdown()
+    pk.init(cpu_mesh((2, 4), ("dp", "tp")))  # another mesh: f's own is not registered now
+    with pytest.raises(ValueError, match="not one given to pk.init"):
+        _traced_all_reduce(mesh, traces)(x)
+
+
+def test_shutdown_that_releases_communicators_makes_jitted_functions_retrace(fake):
+    # With communicators (a fake driver here), an executable may hold their ids and CUDA graphs
+    # recorded from it their memory: shutdown clears JAX's caches, so f is traced again.
+    mesh = cpu_mesh((4,), ("tp",))
+    traces = []
+    f = _traced_all_reduce(mesh, traces)
+    x = _placed(mesh, P("tp"), jnp.arange(8.0))
+    pk.init(mesh)
+    assert state.runtime() is not None
+    assert_same(f(x), [12.0, 16.0])
+    assert_same(f(x), [12.0, 16.0]) and len(traces) == 1
+    pk.shutdown()
     with pytest.raises(ValueError, match=r"pk.init\(mesh\) has not been called"):
-        f(x)  # traced again: no executable of the old communicators is replayed
+        f(x)
     pk.init(mesh)
     assert_same(f(x), [12.0, 16.0])
     assert len(traces) == 3

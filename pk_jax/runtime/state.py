@@ -3,8 +3,11 @@ settings fixed at the first `pk.init`.
 
 `init` is collective (every process calls it with the same meshes, in the same order) and
 idempotent for a mesh it already has; another mesh is added beside the first ones. `shutdown`
-releases everything, clears JAX's compilation caches (so that a function jitted before a later
-`pk.init` is traced again against the new communicators), and is also run at exit.
+releases everything and is also run at exit. JAX's compilation caches are cleared when they
+could hold an executable that is wrong after the next `pk.init`: at a shutdown that releases
+communicators (an executable, or a CUDA graph recorded from one, would use them), and at a
+`pk.init` whose settings differ from those pk ops were traced with. A function jitted before is
+then traced again; otherwise its executable stays valid and is reused.
 
 Communicator ids. An op finds its communicator by a static id (an FFI attribute) and the device
 ordinal. Inside `shard_map` an op sees only the abstract mesh (axis names and sizes), so ids are
@@ -28,6 +31,7 @@ _lock = threading.Lock()
 _meshes: list[jax.sharding.Mesh] = []
 _options: dict = {}
 _settings: Settings | None = None
+_traced_with: Settings | None = None  # the settings pk ops were traced with since the last clear
 _runtime = None  # comm.Runtime while communicators exist (GPU meshes with the extension)
 # (axis names, mesh shape, axis name) -> communicator id, in the order pk.init saw them.
 _comm_ids: dict[tuple, int] = {}
@@ -76,9 +80,11 @@ def settings() -> Settings:
     Raises:
         ValueError: an environment variable changed since pk.init fixed it.
     """
+    global _traced_with
     fixed = _settings
     now = Settings.from_env()
     if fixed is None:
+        _traced_with = now
         return now
     if now != fixed:
         changed = [f"{var}={getattr(now, f)!r} (was {getattr(fixed, f)!r})"
@@ -262,6 +268,7 @@ def init(mesh: jax.sharding.Mesh, *, workspace_bytes: int | None = None,
             _hosts.update(_runtime.hosts)
         _meshes.append(mesh)
         _options, _settings = opts, fixed
+        _clear_caches_unless(fixed)
         _comm_ids.update(new_ids)
         for cid, groups in new_groups.items():
             _groups.setdefault(cid, {}).update(groups)
@@ -331,12 +338,12 @@ def shutdown() -> None:
 
     Local only (no rendezvous): it unmaps this process's views of its peers' memory and
     releases its own; memory a peer still maps stays alive until that peer shuts down too.
-    Functions jitted before stay usable: after the next pk.init they are traced again, so no
-    executable (or CUDA graph recorded from one) uses a released communicator.
+    Functions jitted before stay usable: when communicators are released, JAX's caches are
+    cleared, so after the next pk.init those functions are traced again and no executable (or
+    CUDA graph recorded from one) uses a released communicator.
     """
-    global _options, _runtime, _settings
+    global _options, _runtime, _settings, _traced_with
     with _lock:
-        had = bool(_meshes) or _runtime is not None
         rt, _runtime = _runtime, None
         _meshes.clear()
         _options, _settings = {}, None
@@ -347,8 +354,17 @@ def shutdown() -> None:
             if rt is not None:
                 rt.close()
         finally:
-            if had:
+            if rt is not None:
                 jax.clear_caches()
+                _traced_with = None
+
+
+def _clear_caches_unless(fixed: Settings) -> None:
+    """Clears JAX's caches if pk ops may have been traced with other settings than `fixed`."""
+    global _traced_with
+    if _traced_with is not None and _traced_with != fixed:
+        jax.clear_caches()
+    _traced_with = fixed
 
 
 def _shutdown_at_exit() -> None:
