@@ -80,13 +80,8 @@ class Plan:
 
 _local = threading.local()
 
-# NOTES: the overrides join jit's cache key through a user context (jax >= 0.8); with older jax,
-# entering and leaving an override clears JAX's caches instead, which has the same effect.
-_jit_key = jax.make_user_context(None) if hasattr(jax, "make_user_context") else None
-
-
-def _key() -> tuple:
-    return tuple(getattr(_local, "stack", []))
+# The overrides join jit's cache key through a user context (jax >= 0.8, below pk_jax's floor).
+_jit_key = jax.make_user_context(None)
 
 
 @contextlib.contextmanager
@@ -107,23 +102,10 @@ def override(*, mode: str | None = None, num_comm_sms: int | None = None):
     prev = getattr(_local, "stack", [])
     _local.stack = prev + [(mode, num_comm_sms)]
     try:
-        if _jit_key is not None:
-            with _jit_key(_key()):
-                yield
-        else:
-            _clear_caches_outside_traces()
+        with _jit_key(tuple(_local.stack)):
             yield
     finally:
         _local.stack = prev
-        if _jit_key is None:
-            _clear_caches_outside_traces()
-
-
-def _clear_caches_outside_traces() -> None:
-    from pk_jax.runtime import state
-
-    if not state._inside_a_trace():
-        jax.clear_caches()
 
 
 def _validate(mode, num_comm_sms, where: str) -> None:
