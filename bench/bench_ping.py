@@ -1,7 +1,7 @@
 """The cost of one FFI call plus launch (pk_ping, y = x + rank on 4 floats), against a bare
 jitted XLA elementwise op of the same size, both chained 100 times inside one jit.
 
-DESIGN.md target: one FFI call plus launch at P=1 stays within a few us of a bare kernel launch.
+The target: one FFI call plus launch at P=1 stays within a few us of a bare kernel launch.
 Run on the GPU machine: python bench/bench_ping.py
 """
 

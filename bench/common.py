@@ -5,7 +5,7 @@ and low-entropy data do not flatter anyone), blocks once at the end, and takes t
 `reps` such batches. One call + block_until_ready would add 0.1-0.2 ms of host overhead.
 
 Results: one JSON object per measured shape appended to bench/results/<op>.jsonl, with the
-fields HOUSE_STYLE.md lists (op, shape, dtype, world, processes, gpu, machine, commit, date,
+fields every row carries (op, shape, dtype, world, processes, gpu, machine, commit, date,
 median_us, tflops or gbps, baseline, baseline_median_us, ratio = baseline / ours).
 """
 
@@ -82,7 +82,7 @@ def record(*, op: str, shape: dict, dtype: str, world: int, processes: int, medi
     row = {
         "op": op, "shape": shape, "dtype": dtype, "world": world, "processes": processes,
         "gpu": gpu_name(), "machine": machine(), "commit": commit(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "median_us": round(median_us, 3),
         "tflops": None if tflops is None else round(tflops, 2),
         "gbps": None if gbps is None else round(gbps, 2),

@@ -9,7 +9,6 @@ collectives also take the reference (a no-op) over a 1-device axis (`collective_
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import jax
@@ -23,10 +22,11 @@ _warned: set[str] = set()
 
 
 def requested() -> str:
-    """The backend asked for with PK_JAX_BACKEND (auto, reference or cuda)."""
-    value = os.environ.get("PK_JAX_BACKEND", "auto").strip().lower() or "auto"
+    """The backend asked for with PK_JAX_BACKEND (auto, reference or cuda), fixed at pk.init."""
+    value = state.settings().backend
     if value not in BACKENDS:
-        raise ValueError(f"PK_JAX_BACKEND={value!r} is not one of {', '.join(BACKENDS)}.")
+        raise ValueError(f"PK_JAX_BACKEND={value!r} is not one of {', '.join(BACKENDS)}. Set "
+                         "it to one of those (or unset it) before pk.init.")
     return value
 
 
@@ -45,6 +45,10 @@ def _fallback(key: str, message: str, *, warn: bool) -> bool:
     return False
 
 
+def _platform(devices) -> str:
+    return devices[0].platform
+
+
 def all_hopper(devices) -> bool:
     return all(d.platform == "gpu" and getattr(d, "compute_capability", "") == "9.0"
                for d in devices)
@@ -54,14 +58,14 @@ def use_kernel(stem: str, axis_name: str | None = None) -> bool:
     """Whether op `stem` (e.g. "gemm_rs") runs its CUDA kernel in the current trace."""
     if requested() == "reference":
         return False
-    mesh = state.mesh_or_none()
+    mesh = state.mesh_for(axis_name) if axis_name is not None else state.mesh_or_none()
     if mesh is not None:
         devices = list(mesh.devices.flat)
     elif axis_name is None:  # a local op (matmul) needs no pk.init: the default devices
         devices = jax.devices()
     else:
         return False
-    platform = devices[0].platform
+    platform = _platform(devices)
     if platform != "gpu":
         return _fallback("platform", f"the mesh is on {platform}, not on GPUs.", warn=False)
     if not _ffi.HAS_CUDA:
@@ -90,7 +94,7 @@ def collective_kernel(stem: str, axis_name: str) -> bool:
     if not use_kernel(stem, axis_name):
         return False
     return (jax.lax.axis_size(axis_name) > 1
-            or os.environ.get("PK_JAX_SINGLE_DEVICE_KERNELS", "0").strip() == "1")
+            or state.settings().single_device_kernels == "1")
 
 
 def backend_name(stem: str = "matmul", axis_name: str | None = None) -> str:

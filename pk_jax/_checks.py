@@ -27,8 +27,10 @@ def axis_size(op: str, axis_name) -> int:
     Returns:
         P, the size of the axis.
     """
-    mesh = state.mesh_or_none()
-    if mesh is None:
+    from pk_jax.runtime import errors
+
+    errors.check_pending()
+    if not state.meshes():
         raise ValueError(
             f"pk.{op}: pk.init(mesh) has not been called. Call pk.init(mesh) once, outside jit, "
             "on every process, with the mesh your shard_map uses."
@@ -36,7 +38,14 @@ def axis_size(op: str, axis_name) -> int:
     if not isinstance(axis_name, str):
         raise TypeError(
             f"pk.{op}: axis_name must be one mesh axis name (a str), got {axis_name!r}. "
-            f"The mesh given to pk.init has axes {tuple(mesh.axis_names)}."
+            f"The meshes given to pk.init have {state.describe_meshes()}."
+        )
+    mesh = state.mesh_for(axis_name)
+    if mesh is None:
+        raise ValueError(
+            f"pk.{op}: the mesh of this shard_map is not one given to pk.init (pk.init has "
+            f"{state.describe_meshes()}). Call pk.init with the mesh your shard_map uses; "
+            "pk.init may be called once per mesh."
         )
     if axis_name not in mesh.axis_names:
         raise ValueError(

@@ -29,9 +29,9 @@ contraction length each device multiplies, N = output columns):
 
 "serial" is T_launch + max(T_comp, T_mem) at all SMs + the collective's time at its bandwidth.
 
-Overrides (trace time; a jitted function keeps what it was traced with): the context manager
-`override(mode=..., num_comm_sms=...)`, or PK_JAX_TP_MODE / PK_JAX_TP_COMM_SMS in the
-environment. The constants below are from the data sheets, and the H200 GEMM efficiency from
+Overrides: the context manager `override(mode=..., num_comm_sms=...)`, which is part of what
+jit caches on (a jitted function called inside and outside the block is traced for each), or
+PK_JAX_TP_MODE / PK_JAX_TP_COMM_SMS in the environment, fixed at the first `pk.init`. The constants below are from the data sheets, and the H200 GEMM efficiency from
 bench/results/matmul_notes.md (pk.matmul at about 680 TFLOP/s of 989).
 """
 
@@ -39,8 +39,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import threading
+
+import jax
 
 OPS = ("gemm_rs", "ag_gemm", "gemm_ar")
 MODES = ("auto", "fused", "serial", "local")
@@ -79,10 +80,16 @@ class Plan:
 
 _local = threading.local()
 
+# The overrides join jit's cache key through a user context (jax >= 0.8, below pk_jax's floor).
+_jit_key = jax.make_user_context(None)
+
 
 @contextlib.contextmanager
 def override(*, mode: str | None = None, num_comm_sms: int | None = None):
-    """Forces the mode and/or num_comm_sms of the fused ops traced inside the block.
+    """Forces the mode and/or num_comm_sms of the fused ops called inside the block.
+
+    The override is part of what jit caches on: a jitted function called inside the block is
+    traced for it, and traced again (or taken from the cache) outside.
 
     Args:
         mode: "fused", "serial", "local" (only at P = 1) or "auto".
@@ -95,7 +102,8 @@ def override(*, mode: str | None = None, num_comm_sms: int | None = None):
     prev = getattr(_local, "stack", [])
     _local.stack = prev + [(mode, num_comm_sms)]
     try:
-        yield
+        with _jit_key(tuple(_local.stack)):
+            yield
     finally:
         _local.stack = prev
 
@@ -111,9 +119,14 @@ def _validate(mode, num_comm_sms, where: str) -> None:
 def overrides() -> tuple[str | None, int | None]:
     """The forced (mode, num_comm_sms) in effect here: the innermost override, else the
     environment; None where nothing is forced."""
-    mode = os.environ.get("PK_JAX_TP_MODE", "").strip().lower() or None
-    sms = os.environ.get("PK_JAX_TP_COMM_SMS", "").strip()
-    sms = int(sms) if sms else None
+    from pk_jax.runtime import state
+
+    fixed = state.settings()
+    mode = fixed.tp_mode or None
+    try:
+        sms = int(fixed.tp_comm_sms) if fixed.tp_comm_sms else None
+    except ValueError:
+        sms = fixed.tp_comm_sms
     _validate(mode, sms, "PK_JAX_TP_MODE / PK_JAX_TP_COMM_SMS")
     for m, s in getattr(_local, "stack", []):
         mode = m if m is not None else mode

@@ -34,7 +34,10 @@ all processes' devices run (slowly) on a laptop.
 
 The launcher prefixes every line a child prints with `[rank i] `. When a child exits with a
 non-zero status, the launcher terminates the others (their whole process groups) and exits with
-that status; past `--timeout` seconds it terminates all of them and exits with 124.
+that status, naming the rank; past `--timeout` seconds it terminates all of them and exits with
+124. A child whose script raises exits at once (after printing the traceback): `initialize()`
+installs an exception hook that skips JAX's distributed shutdown, which would otherwise wait for
+the healthy ranks (up to minutes), so the whole job ends within seconds of one rank failing.
 """
 
 from __future__ import annotations
@@ -112,11 +115,36 @@ def initialize(*, initialization_timeout: int = 300) -> bool:
         jax.distributed.initialize(coordinator_address=env[ENV_COORDINATOR], num_processes=num,
                                    process_id=pid, local_device_ids=ids,
                                    initialization_timeout=initialization_timeout)
+        _exit_at_once_on_error()
         return True
     if _cluster_detected():
         jax.distributed.initialize(initialization_timeout=initialization_timeout)
         return True
     return False
+
+
+def _exit_at_once_on_error() -> None:
+    """Makes an uncaught exception end this process at once, with status 1.
+
+    Python would print the traceback and then run the exit handlers, among them JAX's
+    distributed shutdown, which waits for every other process of the job: a failing rank would
+    hold the job until the healthy ones finish. Here the traceback is printed, the streams
+    flushed, and the process leaves with os._exit; the launcher then ends the other ranks.
+    """
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        try:
+            previous(kind, value, tb)
+            rank = os.environ.get(ENV_PROCESS_ID, "?")
+            print(f"pk_jax.launch: rank {rank} failed with {kind.__name__}; exiting at once "
+                  "(the launcher ends the other ranks)", file=sys.stderr)
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(1)
+
+    sys.excepthook = hook
 
 
 def _cluster_detected() -> bool:
@@ -271,7 +299,7 @@ def launch(command: Sequence[str], n: int, *, share_gpu: bool = False, port: int
                 status = 128 - code if code < 0 else code
                 pumps[rank].join(timeout=_GRACE_S)  # its last lines (a traceback) come first
                 _report(out, lock, f"rank {rank} exited with status {code}; terminating the "
-                        "other processes")
+                        f"other processes (rank {rank} failed)")
                 break
             if all(c == 0 for c in codes):
                 break

@@ -18,6 +18,7 @@ from util import (
     rand,
     run,
     small_ints,
+    stand_in_kernels,
     vjp_both,
 )
 
@@ -203,3 +204,21 @@ def test_gpu_p1_vjp_matches_reference():
                          init=False)
     for a, b in zip(ours, ref):
         assert_same(a, b)
+
+
+@pytest.mark.parametrize("check_vma,axis", product((True, False), (0, 1)))
+def test_kernel_path_wiring(monkeypatch, check_vma, axis):
+    # The CUDA path with lax stand-ins for the FFI calls: the all-gather kernel runs forward
+    # with the comm id of "tp", and its VJP is the reduce-scatter kernel along the same axis.
+    calls = stand_in_kernels(monkeypatch)
+    mesh = cpu_mesh((2, 4), ("dp", "tp"))
+    x = small_ints(KEYS[0], (2 * 3, 4 * 2), jnp.float32)  # per device [3, 2]
+    dy = small_ints(KEYS[1], (2 * 3 * 4, 4 * 2) if axis == 0 else (2 * 3, 4 * 4 * 2),
+                    jnp.float32)
+    ours, ref = vjp_both(lambda a: pk.all_gather(a, "tp", axis=axis),
+                         lambda a: ag.reference(a, "tp", axis=axis), mesh, (P("dp", "tp"),),
+                         P("dp", "tp"), (x,), dy, check_vma=check_vma)
+    for a, b in zip(ours, ref):
+        assert_same(a, b)
+    assert [(c["target"], c["axis"], c["comm_id"]) for c in calls] == [
+        ("pk_all_gather", "tp", 1), ("pk_reduce_scatter", "tp", 1)]

@@ -18,6 +18,7 @@ from util import (
     rand,
     run,
     small_ints,
+    stand_in_kernels,
     vjp_both,
 )
 
@@ -62,14 +63,34 @@ def test_2d_mesh_over_either_axis(shape, axis):
     assert_same(y, _blocks_sum(x, p))
 
 
-@pytest.mark.parametrize("dtype,check_vma", product((jnp.bfloat16, jnp.float32), (True, False)))
-def test_random_equals_reference(dtype, check_vma):
-    mesh = cpu_mesh((8,), ("tp",))
-    x = rand(KEYS[1], (8 * 17, 33), dtype)
-    y = run(lambda a: pk.all_reduce(a, "tp"), mesh, (P("tp"),), P(), x, check_vma=check_vma)
-    y_ref = run(lambda a: ar.reference(a, "tp"), mesh, (P("tp"),), P(), x, init=False,
-                check_vma=check_vma)
-    assert_same(y, y_ref)
+@pytest.mark.parametrize("check_vma,algorithm", product((True, False), (None, "two_shot")))
+def test_kernel_path_wiring(monkeypatch, check_vma, algorithm):
+    # The CUDA path with a lax stand-in for the FFI call: the kernel is chosen, gets the comm id
+    # of "tp" and the algorithm, and its custom VJP is right: with check_vma the cotangent of
+    # the invariant sum is a cast (no second all-reduce), without it another all-reduce.
+    calls = stand_in_kernels(monkeypatch)
+    mesh = cpu_mesh((2, 4), ("dp", "tp"))
+    x, dy = small_ints(KEYS[0], (2 * 3, 4 * 5), jnp.float32), small_ints(KEYS[1], (2 * 3, 5),
+                                                                         jnp.float32)
+    ours, ref = vjp_both(lambda a: pk.all_reduce(a, "tp", algorithm=algorithm),
+                         lambda a: ar.reference(a, "tp"), mesh, (P("dp", "tp"),), P("dp"),
+                         (x,), dy, check_vma=check_vma)
+    for a, b in zip(ours, ref):
+        assert_same(a, b)
+    algo = ar.ALGORITHMS[algorithm or "auto"]
+    want = [{"target": "pk_all_reduce", "axis": "tp", "comm_id": 1, "algo": algo}]
+    assert calls == want * (1 if check_vma else 2)
+
+
+def test_algorithm_is_checked_and_fixed_at_init(monkeypatch):
+    monkeypatch.setenv("PK_JAX_ALL_REDUCE_ALGORITHM", "one_shot")
+    pk.init(cpu_mesh((2,), ("tp",)))
+    assert ar._algorithm(None) == 1 and ar._algorithm("two_shot") == 2
+    with pytest.raises(ValueError, match="algorithm='three_shot' is not one of"):
+        ar._algorithm("three_shot")
+    monkeypatch.setenv("PK_JAX_ALL_REDUCE_ALGORITHM", "two_shot")
+    with pytest.raises(ValueError, match="changed after pk.init.*pk.shutdown"):
+        ar._algorithm(None)
 
 
 @pytest.mark.large

@@ -19,6 +19,7 @@ from util import (
     rand,
     run,
     small_ints,
+    stand_in_kernels,
     vjp_both,
 )
 
@@ -209,3 +210,20 @@ def test_gpu_p1_vjp_matches_reference():
                          init=False)
     for a, b in zip(ours, ref):
         assert_same(a, b)
+
+
+@pytest.mark.parametrize("check_vma", (True, False))
+def test_kernel_path_wiring(monkeypatch, check_vma):
+    # The CUDA path with lax stand-ins for the FFI calls: the kernel runs forward with the comm
+    # id of "tp", and its VJP is the kernel with split and concat axes swapped.
+    calls = stand_in_kernels(monkeypatch)
+    mesh = cpu_mesh((2, 4), ("dp", "tp"))
+    x = small_ints(KEYS[0], (2 * 8, 4 * 3), jnp.float32)  # per device [8, 3] -> [2, 12]
+    dy = small_ints(KEYS[1], (2 * 2, 4 * 12), jnp.float32)
+    ours, ref = vjp_both(lambda a: pk.all_to_all(a, "tp", 0, 1),
+                         lambda a: a2a.reference(a, "tp", 0, 1), mesh, (P("dp", "tp"),),
+                         P("dp", "tp"), (x,), dy, check_vma=check_vma)
+    for a, b in zip(ours, ref):
+        assert_same(a, b)
+    assert [(c["target"], c["axis"], c["comm_id"]) for c in calls] == [
+        ("pk_all_to_all", "tp", 1), ("pk_all_to_all", "tp", 1)]

@@ -256,7 +256,7 @@ def test_error_not_inside_shard_map():
 
 def test_error_init_with_another_mesh():
     pk.init(cpu_mesh((8,), ("tp",)))
-    _raises(ValueError, r"has size 4 in this shard_map but 8 in the mesh given to pk.init",
+    _raises(ValueError, r"the mesh of this shard_map is not one given to pk.init",
             *_ok(), init=False)
 
 

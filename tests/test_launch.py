@@ -107,6 +107,30 @@ def test_a_failing_child_fails_the_job_and_ends_the_others(tmp_path):
     assert not _pid_alive(int(pid_file.read_text()))
 
 
+def test_a_rank_that_raises_ends_the_job_within_seconds(tmp_path):
+    # Without the launcher's exception hook, the failing rank waits in JAX's distributed
+    # shutdown until the healthy rank finishes (here two minutes).
+    body = """
+    import time
+    import pk_jax.launch
+    pk_jax.launch.initialize()
+    import jax
+    jax.devices()
+    if jax.process_index() == 1:
+        print("failing at", time.time(), flush=True)
+        raise RuntimeError("rank one fails")
+    time.sleep(120)
+    """
+    proc, _ = _run(tmp_path, body, "-n", "2", "--timeout", "150")
+    end = time.time()
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    [failed_at] = [float(line.split()[-1]) for line in _lines(proc.stdout, 1)
+                   if line.startswith("failing at")]
+    assert end - failed_at < 15, proc.stdout
+    assert "RuntimeError: rank one fails" in _lines(proc.stdout, 1)
+    assert "rank 1 exited with status 1" in proc.stdout
+
+
 def test_timeout_ends_every_child(tmp_path):
     body = """
     import time

@@ -19,6 +19,7 @@ from util import (
     rand,
     run,
     small_ints,
+    stand_in_kernels,
     vjp_both,
 )
 
@@ -74,15 +75,22 @@ def test_2d_mesh_over_either_axis(shape, axis):
     assert_same(y, _blocks_sum(x, p))
 
 
-@pytest.mark.parametrize("dtype,check_vma", product((jnp.bfloat16, jnp.float32), (True, False)))
-def test_random_equals_reference(dtype, check_vma):
-    mesh = cpu_mesh((8,), ("tp",))
-    x = rand(KEYS[1], (8 * 16, 33), dtype)
-    y = run(lambda a: pk.reduce_scatter(a, "tp"), mesh, (P("tp"),), P("tp"), x,
-            check_vma=check_vma)
-    y_ref = run(lambda a: rs.reference(a, "tp"), mesh, (P("tp"),), P("tp"), x, init=False,
-                check_vma=check_vma)
-    assert_same(y, y_ref)
+@pytest.mark.parametrize("check_vma,dim", product((True, False), (0, 1)))
+def test_kernel_path_wiring(monkeypatch, check_vma, dim):
+    # The CUDA path with lax stand-ins for the FFI calls: the reduce-scatter kernel runs forward
+    # with the comm id of "tp", and its VJP is the all-gather kernel along the same dimension.
+    calls = stand_in_kernels(monkeypatch)
+    mesh = cpu_mesh((2, 4), ("dp", "tp"))
+    x = small_ints(KEYS[0], (2 * 8, 8), jnp.float32)
+    # per device: x [4, 4] -> [1, 4] (dim 0) or [4, 1] (dim 1)
+    dy = small_ints(KEYS[1], (4, 8) if dim == 0 else (16, 2), jnp.float32)
+    ours, ref = vjp_both(lambda a: pk.reduce_scatter(a, "tp", scatter_dimension=dim),
+                         lambda a: rs.reference(a, "tp", scatter_dimension=dim), mesh,
+                         (P("tp", "dp"),), P("tp", "dp"), (x,), dy, check_vma=check_vma)
+    for a, b in zip(ours, ref):
+        assert_same(a, b)
+    assert [(c["target"], c["axis"], c["comm_id"]) for c in calls] == [
+        ("pk_reduce_scatter", "tp", 1), ("pk_all_gather", "tp", 1)]
 
 
 @pytest.mark.large

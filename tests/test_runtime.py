@@ -8,9 +8,11 @@ The multi-process GPU checks (P processes sharing one GPU) are in tests/gpu/test
 import ctypes
 import json
 import os
+import socket
 import stat
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -174,6 +176,36 @@ def test_exchange_many_descriptors_no_leak(tmp_path):
     finally:
         for fd, _ in fds.values():
             os.close(fd)
+
+
+def test_exchange_a_stalled_client_blocks_nobody(tmp_path):
+    # Two clients connect and stall (one silent, one with half a request); a third is served
+    # at once, and the server's per-connection deadline ends the stalled ones.
+    fd = _file_fd(tmp_path, "x", "one")
+    stalled = []
+    try:
+        with exchange.FdServer({"k": (fd, None)}, timeout_s=1.0) as server:
+            for partial in (b"", b"GET k"):
+                c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                c.connect(server.path)
+                c.sendall(partial)
+                stalled.append(c)
+            t0 = time.monotonic()
+            [(got, _)] = exchange.fetch(server.path, ["k"], timeout_s=5)
+            assert time.monotonic() - t0 < 0.5, "a stalled client delayed another"
+            assert os.pread(got, 10, 0) == b"one"
+            os.close(got)
+            deadline = time.monotonic() + 5
+            while server.expired < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert server.expired == 2 and server.served == 1
+            for c in stalled:
+                c.settimeout(5)
+                assert c.recv(1) == b""  # the server hung up on it
+    finally:
+        for c in stalled:
+            c.close()
+        os.close(fd)
 
 
 @pytest.mark.parametrize("code,op,name", product([1, 2], [1, 5], ["x"]))

@@ -145,7 +145,7 @@ def check_grads_sharded(fn, mesh, in_specs, out_spec, args, *, check_vma: bool =
 
 
 def assert_error_within_xla(actual, xla_same_dtype, exact, *, atol: float = 1e-3):
-    """DESIGN.md's tolerance: max |actual - exact| <= 2 * max |xla - exact| + atol, where `xla` is
+    """The project's tolerance: max |actual - exact| <= 2 * max |xla - exact| + atol, where `xla` is
     XLA's own computation in the same dtype and `exact` a float64/float32 result."""
     exact = np.asarray(exact, np.float64)
     err = np.max(np.abs(np.asarray(actual, np.float64) - exact))
@@ -190,3 +190,49 @@ def check_gemm_p1(call, exact_fn, shape, dtype, *, integers: bool) -> None:
         assert not bool(jnp.any(jnp.isnan(y))), "output not fully written"
         xla = jax.jit(lambda a, b: a @ b)(x, w)
         assert_error_within_xla(y, xla, exact_fn(x, w), atol=1e-3 * np.sqrt(k))
+
+
+def stand_in_kernels(monkeypatch) -> list[dict]:
+    """Makes the collectives take their CUDA path on CPU, with `jax.lax` stand-ins for the FFI
+    calls: pk_jax's own wiring (kernel choice, custom VJPs, varying-axes typing, the comm id
+    each call passes) then runs and can be checked. The stand-in finds the axis to reduce over
+    from the comm_id attribute alone, as a handler does.
+
+    Returns:
+        A list that receives {"target", "comm_id", "axis", **attributes} per FFI call traced.
+    """
+    from pk_jax import _backend, _ffi
+    from pk_jax.runtime import state
+
+    calls: list[dict] = []
+
+    def axis_of(comm_id: int) -> str:
+        names = [key[-1] for key, cid in state._comm_ids.items() if cid == comm_id]
+        assert len(names) == 1, f"comm_id {comm_id} names {names}"
+        return names[0]
+
+    def fake_call(target, results, *args, out_vma=None, **attrs):
+        axis = axis_of(int(attrs["comm_id"]))
+        calls.append({"target": target, "axis": axis, **{k: int(v) for k, v in attrs.items()}})
+        x, shape = args[0], results.shape
+        dim = next((i for i, (a, b) in enumerate(zip(x.shape, shape)) if a != b), 0)
+        if target == "pk_all_reduce":
+            y = jax.lax.psum(x, axis)
+        elif target == "pk_all_gather":
+            y = jax.lax.all_gather(x, axis, axis=dim, tiled=True)
+        elif target == "pk_reduce_scatter":
+            y = jax.lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
+        elif target == "pk_all_to_all":  # split where the result shrinks, concat where it grows
+            split = next(i for i, (a, b) in enumerate(zip(x.shape, shape)) if a > b)
+            concat = next(i for i, (a, b) in enumerate(zip(x.shape, shape)) if a < b)
+            y = jax.lax.all_to_all(x, axis, split, concat, tiled=True)
+        else:
+            raise NotImplementedError(target)
+        assert y.shape == shape, (target, y.shape, shape)
+        if out_vma is not None:
+            y = _ffi._pcast_to(y, frozenset(out_vma))
+        return y
+
+    monkeypatch.setattr(_ffi, "call", fake_call)
+    monkeypatch.setattr(_backend, "use_kernel", lambda stem, axis_name=None: True)
+    return calls

@@ -20,13 +20,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pk_jax import nn as _nn
+from pk_jax._optional import require
+
+eqx = require("equinox", "pk_jax.nn.equinox", "nn")
 
 Initializer = Callable[..., jax.Array]
 default_kernel_init = jax.nn.initializers.lecun_normal()

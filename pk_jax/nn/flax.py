@@ -15,10 +15,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jax.sharding import NamedSharding
 
 from pk_jax import nn as _nn
+from pk_jax._optional import require
+
+nnx = require("flax.nnx", "pk_jax.nn.flax", "nn")
 
 Initializer = Callable[..., jax.Array]
 default_kernel_init = jax.nn.initializers.lecun_normal()

@@ -28,8 +28,8 @@ def all_gather(x: jax.Array, axis_name: str, *, axis: int = 0) -> jax.Array:
         `lax.all_gather(x, axis_name, axis=axis, tiled=True)`.
 
     On the CUDA path a peer that never arrives within pk.init's timeout_s stops the kernel: the
-    call fails with a launch error and `pk_jax.runtime.errors.check()` raises a RuntimeError
-    naming the op, this rank and the missing peer.
+    error naming the op, this rank and the missing peer is printed at once, and the next pk
+    call (or `pk_jax.check_errors()`) raises it as a RuntimeError.
 
     Raises:
         ValueError: `pk.init` not called, a bad `axis_name` or `axis`.

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import jax
 import numpy as np
 
@@ -29,8 +27,8 @@ def all_reduce(x: jax.Array, axis_name: str, *, algorithm: str | None = None) ->
         An array like `x` holding the sum, equal to `lax.psum(x, axis_name)`.
 
     On the CUDA path a peer that never arrives within pk.init's timeout_s stops the kernel: the
-    call fails with a launch error and `pk_jax.runtime.errors.check()` raises a RuntimeError
-    naming the op, this rank and the missing peer.
+    error naming the op, this rank and the missing peer is printed at once, and the next pk
+    call (or `pk_jax.check_errors()`) raises it as a RuntimeError.
 
     Raises:
         ValueError: `pk.init` not called, or `axis_name` not an axis of its mesh.
@@ -45,7 +43,7 @@ def all_reduce(x: jax.Array, axis_name: str, *, algorithm: str | None = None) ->
 
 
 def _algorithm(algorithm: str | None) -> int:
-    name = algorithm or os.environ.get("PK_JAX_ALL_REDUCE_ALGORITHM", "auto").strip().lower()
+    name = algorithm or state.settings().all_reduce_algorithm
     if name not in ALGORITHMS:
         raise ValueError(f"pk.{STEM}: algorithm={name!r} is not one of {', '.join(ALGORITHMS)} "
                          "(argument `algorithm` or PK_JAX_ALL_REDUCE_ALGORITHM).")

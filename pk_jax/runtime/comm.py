@@ -2,7 +2,10 @@
 member, every peer's memory mapped into every member, registered in the C++ table (ffi/comm.h).
 
 `Runtime.create(mesh, ...)` is collective: every process holding devices of the mesh calls it
-(through `pk.init`) with the same mesh. Steps:
+(through `pk.init`) with the same mesh; `Runtime.add(mesh, ...)` adds another mesh's
+communicators the same way (a later `pk.init`). A group that the runtime already has (the same
+axis name and devices in the same order) is shared: registered under the new mesh's id too,
+never allocated twice. Steps:
 
 1. Every such process publishes its host (hostname and boot id) through the `jax.distributed`
    key-value store, and whether its devices have room for the workspaces; a failure anywhere
@@ -52,7 +55,13 @@ def init_timeout_s() -> float:
 
 
 def host_identity() -> str:
-    """A name for this machine that differs between machines: hostname and boot id."""
+    """A name for this machine that differs between machines: hostname and boot id.
+
+    PK_JAX_TEST_HOST replaces it (a test hook: processes of one machine can so pretend to be
+    on different hosts).
+    """
+    if os.environ.get("PK_JAX_TEST_HOST"):
+        return os.environ["PK_JAX_TEST_HOST"]
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
@@ -82,6 +91,11 @@ class Group:
     axis_name: str
     devices: list  # jax devices, rank order
     ptrs: list[int] = field(default_factory=list)  # each member's allocation, mapped here
+    aliases: list[int] = field(default_factory=list)  # further comm ids sharing it
+
+    @property
+    def key(self) -> tuple:
+        return (self.axis_name, tuple(d.id for d in self.devices))
 
     @property
     def world(self) -> int:
@@ -89,6 +103,10 @@ class Group:
 
     def rank_of(self, device) -> int:
         return [d.id for d in self.devices].index(device.id)
+
+
+def _key(axis_name: str, devices) -> tuple:
+    return (axis_name, tuple(d.id for d in devices))
 
 
 def _mesh_key(mesh) -> str:
@@ -169,21 +187,73 @@ class Runtime:
     # ---------------------------------------------------------------------------------------
     @classmethod
     def create(cls, mesh, *, workspace_bytes: int | None, timeout_s: float,
-               signal_count: int = DEFAULT_SIGNAL_COUNT) -> Runtime:
-        """Builds the communicators of `mesh` (collective over the job's processes)."""
+               signal_count: int = DEFAULT_SIGNAL_COUNT,
+               comm_ids: dict[str, int] | None = None) -> Runtime:
+        """Builds the communicators of `mesh` (collective over the job's processes).
+
+        Args:
+            mesh: the mesh.
+            workspace_bytes: bytes of each workspace (None: the default).
+            timeout_s: the kernels' spin-wait bound.
+            signal_count: uint64 counters per signal pad.
+            comm_ids: axis name -> communicator id (default: the axis index).
+        """
         rt = cls()
+        rt.workspace_bytes, rt.signal_count, rt.timeout_s = (
+            int(workspace_bytes or DEFAULT_WORKSPACE_BYTES), int(signal_count), float(timeout_s))
         try:
-            rt._build(mesh, workspace_bytes or DEFAULT_WORKSPACE_BYTES, timeout_s, signal_count)
+            rt._build(mesh, comm_ids)
         except BaseException:
             rt.close()
             raise
         return rt
 
-    def _build(self, mesh, workspace_bytes: int, timeout_s: float, signal_count: int) -> None:
+    def add(self, mesh, *, comm_ids: dict[str, int]) -> None:
+        """Adds the communicators of another mesh (collective, like `create`).
+
+        On failure everything this call made is released, and what was there stays.
+        """
+        marks = (len(self.groups), len(self.keys), len(self.mappings), len(self.allocations),
+                 [len(g.aliases) for g in self.groups], set(self.contexts))
+        try:
+            self._build(mesh, comm_ids)
+        except BaseException:
+            self._roll_back(marks)
+            raise
+
+    def _roll_back(self, marks) -> None:
+        n_groups, n_keys, n_maps, n_allocs, n_aliases, contexts = marks
+        from pk_jax import _ffi
+
+        for comm_id, ordinal in self.keys[n_keys:]:
+            try:
+                _ffi._pk_ffi.comm_unregister(comm_id, ordinal)
+            except Exception:  # noqa: BLE001, S110 -- best effort; the first error is raised
+                pass
+        for ctx in self.contexts.values():
+            try:
+                ctx.synchronize()
+            except Exception:  # noqa: BLE001, S110
+                pass
+        if self.contexts:
+            with next(iter(self.contexts.values())):
+                for m in self.mappings[n_maps:]:
+                    m.unmap()
+                for a in self.allocations[n_allocs:]:
+                    a.release()
+        for ordinal in set(self.contexts) - contexts:
+            self.contexts.pop(ordinal).release()
+        del self.keys[n_keys:], self.mappings[n_maps:], self.allocations[n_allocs:]
+        del self.groups[n_groups:]
+        for g, n in zip(self.groups, n_aliases):
+            del g.aliases[n:]
+
+    def _build(self, mesh, comm_ids: dict[str, int] | None) -> None:
         import jax
 
         from pk_jax import _ffi
 
+        comm_ids = comm_ids or {a: i for i, a in enumerate(mesh.axis_names)}
         me = jax.process_index()
         # The processes holding devices of the mesh (the others need not call pk.init).
         participants = sorted({d.process_index for d in mesh.devices.flat})
@@ -194,8 +264,7 @@ class Runtime:
             key = _mesh_key(mesh)
             _rounds[key] = _rounds.get(key, 0) + 1
             kv = _KV(f"{key}#{_rounds[key]}", participants, init_timeout_s())
-        self.workspace_bytes, self.signal_count, self.timeout_s = (
-            int(workspace_bytes), int(signal_count), float(timeout_s))
+        existing = {g.key: g for g in self.groups}
 
         # 1. Contexts, room on every local device (each device is in one group per axis), hosts.
         gran = 2 << 20
@@ -204,9 +273,13 @@ class Runtime:
                 if d.process_index == me and d.local_hardware_id not in self.contexts:
                     self.contexts[d.local_hardware_id] = vmm.Context(d.local_hardware_id)
             gran = max([vmm.granularity(o) for o in self.contexts] + [gran])
-            self.signal_offset, self.allocation_bytes = layout(workspace_bytes, signal_count,
-                                                               gran)
-            error = self._memory_error(len(mesh.axis_names))
+            if not self.allocation_bytes:
+                self.signal_offset, self.allocation_bytes = layout(
+                    self.workspace_bytes, self.signal_count, gran)
+            new_axes = sum(1 for i, a in enumerate(mesh.axis_names)
+                           if any(_key(a, row) not in existing
+                                  for row in axis_groups(mesh, i)))
+            error = self._memory_error(new_axes) if new_axes else ""
         except Exception as e:
             if kv is None:
                 raise
@@ -221,8 +294,12 @@ class Runtime:
                 raise RuntimeError(error)
             self.hosts = {me: 0}
 
-        # 2. The groups of this process that lie on one host, and their local allocations.
+        # 2. The groups of this process that lie on one host, and their local allocations; a
+        #    group the runtime has already is shared under this mesh's id.
+        new: list[Group] = []
+        shared: list[tuple[int, Group]] = []
         for axis_index, axis_name in enumerate(mesh.axis_names):
+            cid = comm_ids[axis_name]
             for row in axis_groups(mesh, axis_index):
                 devices = list(row)
                 if not any(d.process_index == me for d in devices):
@@ -233,11 +310,16 @@ class Runtime:
                     raise ValueError(
                         f"pk.init: axis {axis_name!r} has {len(devices)} devices per group; "
                         f"pk_jax's communicators hold at most {_ffi_max_peers()}.")
-                self.groups.append(Group(axis_index, axis_name, devices))
+                old = existing.get(_key(axis_name, devices))
+                if old is None:
+                    new.append(Group(cid, axis_name, devices))
+                elif cid != old.comm_id and cid not in old.aliases:
+                    shared.append((cid, old))
+        self.groups += new
         owned: dict[tuple[int, int], vmm.Allocation] = {}
         problem = ""
         try:
-            for g in self.groups:
+            for g in new:
                 for d in g.devices:
                     if d.process_index == me:
                         ctx = self.contexts[d.local_hardware_id]
@@ -246,8 +328,9 @@ class Runtime:
                                                           self.allocation_bytes)
                             self.allocations.append(alloc)
                             owned[(g.comm_id, d.id)] = alloc
-            with next(iter(self.contexts.values())) if self.contexts else _null():
-                self.record = vmm.HostRecord(errors.RECORD_BYTES) if self.groups else None
+            if self.record is None and self.groups:
+                with next(iter(self.contexts.values())) if self.contexts else _null():
+                    self.record = vmm.HostRecord(errors.RECORD_BYTES)
         except Exception as e:
             if kv is None:
                 raise
@@ -256,10 +339,10 @@ class Runtime:
         # 3. Several processes: FDs of remote members through each process's socket.
         imported: dict[tuple[int, int], vmm.Allocation] = {}
         if kv is not None:
-            self._exchange(kv, owned, imported, problem)
+            self._exchange(kv, owned, imported, problem, new)
 
         # 4. Map every member's allocation once; local members get access; zero own memory.
-        for g in self.groups:
+        for g in new:
             local_ordinals = [d.local_hardware_id for d in g.devices if d.process_index == me]
             with self.contexts[local_ordinals[0]]:
                 for d in g.devices:
@@ -270,17 +353,19 @@ class Runtime:
                     if d.process_index == me:
                         with self.contexts[d.local_hardware_id]:
                             vmm.memset_d8(mapping.ptr, 0, mapping.size)
-        for g in self.groups:
+        for cid, g in [(g.comm_id, g) for g in new] + shared:
             for d in g.devices:
                 if d.process_index != me:
                     continue
-                key = (g.comm_id, d.local_hardware_id)
+                key = (cid, d.local_hardware_id)
                 _ffi._pk_ffi.comm_register(
-                    g.comm_id, d.local_hardware_id, g.rank_of(d), g.world, list(g.ptrs),
+                    cid, d.local_hardware_id, g.rank_of(d), g.world, list(g.ptrs),
                     [p + self.signal_offset for p in g.ptrs], self.workspace_bytes,
                     self.signal_count, int(self.timeout_s * 1e9), self.record.device_ptr)
                 self.keys.append(key)
-        if self.record is not None:
+            if g.comm_id != cid:
+                g.aliases.append(cid)
+        if self.record is not None and errors._host_ptr != self.record.host_ptr:
             errors._attach(self.record.host_ptr, self.timeout_s)
 
         # 5. Nobody proceeds (and launches kernels that signal into zeroed pads) before all
@@ -304,7 +389,8 @@ class Runtime:
                     "pk.init(workspace_bytes=...).")
         return ""
 
-    def _exchange(self, kv: _KV, owned: dict, imported: dict, problem: str) -> None:
+    def _exchange(self, kv: _KV, owned: dict, imported: dict, problem: str,
+                  new: list[Group]) -> None:
         me = _me()
         exported: dict[str, tuple[int, object]] = {}
         server = None
@@ -320,13 +406,20 @@ class Runtime:
                                            "error": problem})
             _raise_remote(values)
             wanted: dict[int, list[tuple[int, int]]] = {}
-            for g in self.groups:
+            for g in new:
                 for d in g.devices:
                     if d.process_index != me:
                         wanted.setdefault(d.process_index, []).append((g.comm_id, d.id))
             for p, keys in sorted(wanted.items()):
-                got = exchange.fetch(values[p]["path"], [f"{c}/{i}" for c, i in keys],
-                                     timeout_s=init_timeout_s())
+                try:
+                    got = exchange.fetch(values[p]["path"], [f"{c}/{i}" for c, i in keys],
+                                         timeout_s=init_timeout_s())
+                except (exchange.ExchangeError, OSError) as e:
+                    raise RuntimeError(
+                        f"pk.init: waited for process {p}'s workspaces and did not get them "
+                        f"({e}). Process {p} may have died or stalled; every process must "
+                        "call pk.init with the same meshes (PK_JAX_INIT_TIMEOUT_S sets how "
+                        "long to wait).") from e
                 try:
                     for (c, i), (fd, meta) in zip(keys, got, strict=True):
                         if int(meta["size"]) != self.allocation_bytes:
@@ -353,7 +446,8 @@ class Runtime:
     def group(self, comm_id: int, device) -> Group | None:
         """The communicator of `device` along axis `comm_id` (None if it has none)."""
         for g in self.groups:
-            if g.comm_id == comm_id and any(d.id == device.id for d in g.devices):
+            if ((g.comm_id == comm_id or comm_id in g.aliases)
+                    and any(d.id == device.id for d in g.devices)):
                 return g
         return None
 
@@ -377,7 +471,7 @@ class Runtime:
             from pk_jax import _ffi
 
             for comm_id, ordinal in self.keys:
-                attempt(_ffi._pk_ffi.comm_unregister, comm_id, ordinal)
+                attempt(lambda c=comm_id, o=ordinal: _ffi._pk_ffi.comm_unregister(c, o))
             self.keys = []
         errors._attach(0)
         for ctx in self.contexts.values():

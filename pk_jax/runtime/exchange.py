@@ -8,7 +8,10 @@ way, and receives duplicates of the descriptors it asks for, which it then owns.
 Protocol, one connection per client: the client sends one request line `GET <key>\\n` per
 descriptor and reads the reply before the next; a reply is a 4-byte big-endian length and a JSON
 object ({"ok": true, "meta": ...} with one descriptor attached, or {"ok": false, "error": ...}).
-`BYE\\n` ends the connection. This module uses only the standard library (no JAX, no CUDA).
+`BYE\\n` ends the connection. Each connection is served by its own thread and has a deadline
+(`timeout_s` for the whole conversation), so a client that connects and stalls, or dies, costs
+its own connection only and never delays the others. This module uses only the standard
+library (no JAX, no CUDA).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import socket
 import struct
 import tempfile
 import threading
+import time
 
 _CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _LEN = struct.Struct(">I")
@@ -74,10 +78,16 @@ def _recv_reply(conn: socket.socket) -> tuple[dict, list[int]]:
         raise
 
 
-def _read_line(conn: socket.socket, pending: bytearray) -> str | None:
+def _read_line(conn: socket.socket, pending: bytearray, deadline: float | None = None
+               ) -> str | None:
     while b"\n" not in pending:
         if len(pending) > _MAX_LINE:
             raise ExchangeError("request line too long")
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ExchangeError("the client missed its deadline")
+            conn.settimeout(left)
         chunk = conn.recv(_MAX_LINE)
         if not chunk:
             return None
@@ -105,7 +115,7 @@ class FdServer:
         items: key -> (fd, meta): the descriptor to send (the server sends duplicates and never
             closes it) and a JSON-serialisable description sent along.
         allowed_uid: the only uid a client may have (default: this process's uid).
-        timeout_s: how long one client may take to send a request.
+        timeout_s: how long one client's connection may last (its deadline).
         prefix: the private directory's name prefix (in $TMPDIR).
     """
 
@@ -116,6 +126,9 @@ class FdServer:
         self._timeout_s = float(timeout_s)
         self.refused: list[int] = []  # uids of clients turned away
         self.served = 0
+        self.expired = 0  # connections ended by their deadline
+        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._conns_lock = threading.Lock()
         self.directory = tempfile.mkdtemp(prefix=prefix)  # created 0700, name random
         os.chmod(self.directory, 0o700)
         self.path = os.path.join(self.directory, secrets.token_hex(8) + ".sock")
@@ -141,13 +154,29 @@ class FdServer:
                 continue
             except OSError:
                 return
+            t = threading.Thread(target=self._connection, args=(conn,), daemon=True,
+                                 name="pk_jax-fd-conn")
+            with self._conns_lock:
+                self._conns[conn] = t
+            t.start()
+
+    def _connection(self, conn: socket.socket) -> None:
+        try:
             with conn:
-                try:
-                    self._handle(conn)
-                except (OSError, ExchangeError, UnicodeDecodeError):
-                    pass  # a broken client costs its own connection only
+                self._handle(conn)
+        except TimeoutError:
+            self.expired += 1
+        except ExchangeError as e:
+            if "deadline" in str(e):
+                self.expired += 1
+        except (OSError, UnicodeDecodeError):
+            pass  # a broken client costs its own connection only
+        finally:
+            with self._conns_lock:
+                self._conns.pop(conn, None)
 
     def _handle(self, conn: socket.socket) -> None:
+        deadline = time.monotonic() + self._timeout_s
         conn.settimeout(self._timeout_s)
         _, uid, _ = peer_credentials(conn)
         if uid != self._allowed_uid:
@@ -158,7 +187,7 @@ class FdServer:
             return
         pending = bytearray()
         while True:
-            line = _read_line(conn, pending)
+            line = _read_line(conn, pending, deadline)
             if line is None or line == "BYE":
                 return
             verb, _, key = line.partition(" ")
@@ -178,6 +207,15 @@ class FdServer:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join()
+        with self._conns_lock:
+            live = dict(self._conns)
+        for conn in live:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for t in live.values():
+            t.join(timeout=5.0)
         self._sock.close()
         shutil.rmtree(self.directory, ignore_errors=True)
 

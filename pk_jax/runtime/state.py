@@ -1,7 +1,20 @@
-"""Process-wide pk_jax state: the mesh given to `pk.init`, and its communicators.
+"""Process-wide pk_jax state: the meshes given to `pk.init`, their communicators, and the
+settings fixed at the first `pk.init`.
 
-`init` is collective (every process calls it with the same mesh) and idempotent for the same
-mesh; `shutdown` releases everything and is also run at exit.
+`init` is collective (every process calls it with the same meshes, in the same order) and
+idempotent for a mesh it already has; another mesh is added beside the first ones. `shutdown`
+releases everything and is also run at exit. JAX's compilation caches are cleared when they
+could hold an executable that is wrong after the next `pk.init`: at a shutdown that releases
+communicators (an executable, or a CUDA graph recorded from one, would use them), and at a
+`pk.init` whose settings differ from those pk ops were traced with. A function jitted before is
+then traced again; otherwise its executable stays valid and is reused.
+
+Communicator ids. An op finds its communicator by a static id (an FFI attribute) and the device
+ordinal. Inside `shard_map` an op sees only the abstract mesh (axis names and sizes), so ids are
+given per *signature* (the mesh's axis names, its shape, and the axis): meshes of one signature
+share an id, and pk.init refuses a mesh whose signature is taken by a mesh that puts one of the
+same devices in another group. The memory behind a communicator is per (axis name, device
+group): a group that an earlier mesh already has is shared, not allocated again.
 """
 
 from __future__ import annotations
@@ -9,19 +22,125 @@ from __future__ import annotations
 import atexit
 import os
 import threading
+from dataclasses import dataclass
 
 import jax
+import numpy as np
 
 _lock = threading.Lock()
-_mesh: jax.sharding.Mesh | None = None
+_meshes: list[jax.sharding.Mesh] = []
 _options: dict = {}
+_settings: Settings | None = None
+_traced_with: Settings | None = None  # the settings pk ops were traced with since the last clear
 _runtime = None  # comm.Runtime while communicators exist (GPU meshes with the extension)
+# (axis names, mesh shape, axis name) -> communicator id, in the order pk.init saw them.
+_comm_ids: dict[tuple, int] = {}
+# comm id -> {device id: (device ids of its group, in rank order)}
+_groups: dict[int, dict[int, tuple[int, ...]]] = {}
 
 DEFAULT_TIMEOUT_S = 60.0
 
 
+# ------------------------------------------------------------------------------------------
+# Settings that change how ops lower: read once, at the first pk.init
+# ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The environment variables that change lowering, as read at the first `pk.init`.
+
+    They stay fixed until `pk.shutdown()` (which also clears JAX's caches), so a function jitted
+    before and after a change can never disagree with its cached executable. An op traced after
+    the environment changed raises instead of silently using the old value.
+    """
+
+    backend: str = "auto"                  # PK_JAX_BACKEND
+    tp_mode: str = ""                      # PK_JAX_TP_MODE
+    tp_comm_sms: str = ""                  # PK_JAX_TP_COMM_SMS
+    all_reduce_algorithm: str = "auto"     # PK_JAX_ALL_REDUCE_ALGORITHM
+    single_device_kernels: str = "0"       # PK_JAX_SINGLE_DEVICE_KERNELS
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        return cls(**{field: os.environ.get(var, default).strip().lower() or default
+                      for field, (var, default) in SETTINGS_ENV.items()})
+
+
+# Settings field -> (environment variable, default).
+SETTINGS_ENV = {"backend": ("PK_JAX_BACKEND", "auto"), "tp_mode": ("PK_JAX_TP_MODE", ""),
+                "tp_comm_sms": ("PK_JAX_TP_COMM_SMS", ""),
+                "all_reduce_algorithm": ("PK_JAX_ALL_REDUCE_ALGORITHM", "auto"),
+                "single_device_kernels": ("PK_JAX_SINGLE_DEVICE_KERNELS", "0")}
+
+
+def settings() -> Settings:
+    """The settings in force: fixed at the first pk.init; before it, the environment's now.
+
+    Raises:
+        ValueError: an environment variable changed since pk.init fixed it.
+    """
+    global _traced_with
+    fixed = _settings
+    now = Settings.from_env()
+    if fixed is None:
+        _traced_with = now
+        return now
+    if now != fixed:
+        changed = [f"{var}={getattr(now, f)!r} (was {getattr(fixed, f)!r})"
+                   for f, (var, _) in SETTINGS_ENV.items() if getattr(now, f) != getattr(fixed, f)]
+        raise ValueError(
+            f"pk_jax: {', '.join(changed)} changed after pk.init. Settings that change how ops "
+            "lower are fixed at the first pk.init (a jitted function would otherwise keep the "
+            "old one): call pk.shutdown() and then pk.init(mesh) to apply the new value.")
+    return fixed
+
+
+# ------------------------------------------------------------------------------------------
+# Meshes
+# ------------------------------------------------------------------------------------------
+
+
+def meshes() -> tuple[jax.sharding.Mesh, ...]:
+    """Every mesh given to pk.init since the last shutdown, in order."""
+    return tuple(_meshes)
+
+
 def mesh_or_none() -> jax.sharding.Mesh | None:
-    return _mesh
+    """The first mesh given to pk.init (None before it)."""
+    return _meshes[0] if _meshes else None
+
+
+def _signature(names, shape) -> tuple:
+    return tuple(names), tuple(int(s) for s in shape)
+
+
+def _current_signature() -> tuple | None:
+    """(axis names, shape) of the mesh of the enclosing shard_map, None outside one."""
+    try:
+        am = jax.sharding.get_abstract_mesh()
+    except AttributeError:  # pragma: no cover -- every supported jax has it
+        return None
+    if am is None or not getattr(am, "axis_names", ()):
+        return None
+    return _signature(am.axis_names, am.axis_sizes)
+
+
+def mesh_for(axis_name: str) -> jax.sharding.Mesh | None:
+    """The mesh given to pk.init that an op over `axis_name` runs on.
+
+    Inside shard_map: the first registered mesh with the enclosing mesh's axis names and shape
+    (meshes of one signature share communicator ids, see the module docstring). Outside: the
+    first registered mesh with that axis. None when no registered mesh fits.
+    """
+    sig = _current_signature()
+    for mesh in _meshes:
+        if sig is not None:
+            if _signature(mesh.axis_names, mesh.devices.shape) == sig:
+                return mesh
+        elif axis_name in mesh.axis_names:
+            return mesh
+    return None
 
 
 def options() -> dict:
@@ -37,15 +156,65 @@ def resolve_timeout(value: float | None = None) -> float:
     return float(value)
 
 
+def _inside_a_trace() -> bool:
+    try:
+        from jax._src import core
+
+        return not isinstance(core.trace_ctx.trace, core.EvalTrace)
+    except (ImportError, AttributeError):  # pragma: no cover -- private API moved
+        return False
+
+
+def _groups_of(mesh, axis_index: int) -> dict[int, tuple[int, ...]]:
+    devices = np.moveaxis(np.asarray(mesh.devices), axis_index, -1)
+    rows = devices.reshape(-1, devices.shape[-1])
+    return {d.id: tuple(e.id for e in row) for row in rows for d in row}
+
+
+def _plan_comm_ids(mesh) -> tuple[dict[str, int], dict[tuple, int], dict[int, dict]]:
+    """Communicator ids for `mesh`'s axes (new ones where its signature is new).
+
+    Raises:
+        ValueError: a mesh of the same signature puts a device of `mesh` in another group.
+    """
+    ids, new_ids, new_groups = {}, {}, {}
+    sig = _signature(mesh.axis_names, mesh.devices.shape)
+    for i, axis in enumerate(mesh.axis_names):
+        key = (*sig, axis)
+        groups = _groups_of(mesh, i)
+        cid = _comm_ids.get(key)
+        if cid is None:
+            cid = len(_comm_ids) + len(new_ids)
+            new_ids[key] = cid
+        else:
+            for dev, group in groups.items():
+                old = _groups.get(cid, {}).get(dev)
+                if old is not None and old != group:
+                    raise ValueError(
+                        f"pk.init: this mesh (axes {sig[0]}, shape {sig[1]}) has the same axis "
+                        "names and shape as a mesh given to pk.init before, but puts device "
+                        f"{dev} in another group along {axis!r} ({list(group)} instead of "
+                        f"{list(old)}). Inside shard_map pk_jax tells meshes apart by axis "
+                        "names and shape only: give this mesh other axis names, or call "
+                        "pk.shutdown() first.")
+        ids[axis] = cid
+        new_groups.setdefault(cid, {}).update(groups)
+    return ids, new_ids, new_groups
+
+
 def init(mesh: jax.sharding.Mesh, *, workspace_bytes: int | None = None,
          timeout_s: float | None = None) -> None:
     """Registers `mesh` with pk_jax and sets up its communicators.
 
-    Call once, outside jit, on every process, before any pk op runs over the mesh. Calling it
-    again with the same mesh does nothing.
+    Call it outside jit, on every process, before any pk op runs over the mesh. Calling it
+    again with a mesh it has does nothing; calling it with another mesh adds that mesh, so a
+    program may use several (training and evaluation meshes, sub-meshes). The first call fixes
+    the options and the settings read from the environment (PK_JAX_BACKEND, PK_JAX_TP_MODE,
+    PK_JAX_TP_COMM_SMS, PK_JAX_ALL_REDUCE_ALGORITHM, PK_JAX_SINGLE_DEVICE_KERNELS) until
+    `pk.shutdown()`.
 
     Args:
-        mesh: the mesh that the shard_maps calling pk ops use.
+        mesh: a mesh that the shard_maps calling pk ops use.
         workspace_bytes: bytes of each symmetric workspace (one per device and mesh axis);
             default 64 MiB. The ops' errors say how many they need.
         timeout_s: how long a kernel waits for a peer before it fails (default 60 s, or the
@@ -53,42 +222,65 @@ def init(mesh: jax.sharding.Mesh, *, workspace_bytes: int | None = None,
 
     Raises:
         TypeError: `mesh` is not a jax.sharding.Mesh.
-        ValueError: pk.init was already called with another mesh, or a bad option.
+        RuntimeError: called inside jax.jit or another transformation.
+        ValueError: other options than the first pk.init's, settings that changed since it, a
+            mesh that cannot be told apart from an earlier one, or a bad option.
     """
-    global _mesh, _options
+    global _options, _settings, _runtime
+    from pk_jax.runtime import errors
+
+    errors.check_pending()
+    if _inside_a_trace():
+        raise RuntimeError(
+            "pk.init was called inside jax.jit (or another JAX transformation). It allocates "
+            "memory and talks to the other processes, which a traced function cannot do: call "
+            "pk.init(mesh) once, before the jitted function, outside any transformation.")
     if not isinstance(mesh, jax.sharding.Mesh):
-        raise TypeError(f"pk.init: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
+        raise TypeError(f"pk.init: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}."
+                        " Build one with jax.make_mesh(shape, axis_names).")
     if workspace_bytes is not None and (not isinstance(workspace_bytes, int)
                                         or workspace_bytes <= 0):
         raise ValueError("pk.init: workspace_bytes must be a positive int, got "
                          f"{workspace_bytes!r}.")
     opts = {"workspace_bytes": workspace_bytes, "timeout_s": resolve_timeout(timeout_s)}
-    global _runtime
     with _lock:
-        if _mesh is not None:
-            if _mesh == mesh and opts == _options:
+        if _meshes:
+            if opts != _options:
+                raise ValueError(
+                    f"pk.init: pk_jax was initialised with {_options} and this call asks for "
+                    f"{opts}. Every mesh shares the first pk.init's options: pass the same ones "
+                    "(or none), or call pk.shutdown() first.")
+            settings()  # raises if the environment changed since the first pk.init
+            if any(m == mesh for m in _meshes):
                 return
-            raise ValueError(
-                "pk.init: pk_jax is already initialised with another mesh or other options "
-                f"(axes {tuple(_mesh.axis_names)}, shape {dict(_mesh.shape)}). Call "
-                "pk.shutdown() first."
-            )
-        if uses_symmetric_memory(mesh):
+        fixed = Settings.from_env() if not _meshes else _settings
+        ids, new_ids, new_groups = _plan_comm_ids(mesh)
+        if uses_symmetric_memory(mesh, fixed):
             from pk_jax.runtime import comm
 
-            _runtime = comm.Runtime.create(mesh, workspace_bytes=workspace_bytes,
-                                           timeout_s=opts["timeout_s"])
+            if _runtime is None:
+                rt = comm.Runtime.create(mesh, workspace_bytes=workspace_bytes,
+                                         timeout_s=opts["timeout_s"], comm_ids=ids)
+                _runtime = rt
+            else:
+                _runtime.add(mesh, comm_ids=ids)
             _hosts.clear()
             _hosts.update(_runtime.hosts)
-        _mesh, _options = mesh, opts
+        _meshes.append(mesh)
+        _options, _settings = opts, fixed
+        _clear_caches_unless(fixed)
+        _comm_ids.update(new_ids)
+        for cid, groups in new_groups.items():
+            _groups.setdefault(cid, {}).update(groups)
 
 
-def uses_symmetric_memory(mesh: jax.sharding.Mesh) -> bool:
+def uses_symmetric_memory(mesh: jax.sharding.Mesh, fixed: Settings | None = None) -> bool:
     """Whether pk.init builds communicators for `mesh`: it is on GPUs, the extension is built
     and PK_JAX_BACKEND is not "reference". Otherwise pk.init is bookkeeping only."""
     from pk_jax import _ffi
 
-    if os.environ.get("PK_JAX_BACKEND", "auto").strip().lower() == "reference":
+    backend = (fixed or Settings.from_env()).backend
+    if backend == "reference":
         return False
     if not _ffi.HAS_CUDA or not hasattr(_ffi._pk_ffi, "comm_register"):
         return False
@@ -96,7 +288,7 @@ def uses_symmetric_memory(mesh: jax.sharding.Mesh) -> bool:
 
 
 def runtime():
-    """The communicators of the current pk.init (a comm.Runtime), or None on CPU meshes."""
+    """The communicators of every pk.init since shutdown (a comm.Runtime), None on CPU."""
     return _runtime
 
 
@@ -104,19 +296,26 @@ def comm_id(axis_name: str) -> int:
     """The static id the ops pass to their handlers for `axis_name` (an FFI attribute).
 
     Every group along the axis has the same id; a handler finds its own group's communicator by
-    (comm_id, DeviceOrdinal).
+    (comm_id, DeviceOrdinal). Inside shard_map the id is the one of the enclosing mesh's
+    signature; outside, of the first registered mesh with the axis.
 
     Raises:
-        ValueError: pk.init was not called, or `axis_name` is not an axis of its mesh.
+        ValueError: pk.init was not called, or `axis_name` is not an axis of its meshes.
     """
-    mesh = _mesh
-    if mesh is None:
+    if not _meshes:
         raise ValueError(f"pk_jax: pk.init(mesh) must be called before using axis "
                          f"{axis_name!r}.")
-    if axis_name not in mesh.axis_names:
+    mesh = mesh_for(axis_name)
+    if mesh is None or axis_name not in mesh.axis_names:
         raise ValueError(f"pk_jax: axis {axis_name!r} is not an axis of the mesh given to "
-                         f"pk.init (axes {tuple(mesh.axis_names)}).")
-    return mesh.axis_names.index(axis_name)
+                         f"pk.init ({describe_meshes()}).")
+    return _comm_ids[(*_signature(mesh.axis_names, mesh.devices.shape), axis_name)]
+
+
+def describe_meshes() -> str:
+    """The registered meshes' axes, for error messages."""
+    return "; ".join(f"axes {tuple(m.axis_names)} shape {tuple(m.devices.shape)}"
+                     for m in _meshes) or "none"
 
 
 def workspace_bytes() -> int:
@@ -134,18 +333,38 @@ def signal_count() -> int:
 
 
 def shutdown() -> None:
-    """Releases every communicator and forgets the mesh. Safe to call more than once.
+    """Releases every communicator of every mesh, forgets the meshes and the fixed settings,
+    and clears JAX's caches. Safe to call more than once.
 
     Local only (no rendezvous): it unmaps this process's views of its peers' memory and
     releases its own; memory a peer still maps stays alive until that peer shuts down too.
+    Functions jitted before stay usable: when communicators are released, JAX's caches are
+    cleared, so after the next pk.init those functions are traced again and no executable (or
+    CUDA graph recorded from one) uses a released communicator.
     """
-    global _mesh, _options, _runtime
+    global _options, _runtime, _settings, _traced_with
     with _lock:
         rt, _runtime = _runtime, None
-        _mesh, _options = None, {}
+        _meshes.clear()
+        _options, _settings = {}, None
+        _comm_ids.clear()
+        _groups.clear()
         _hosts.clear()
-        if rt is not None:
-            rt.close()
+        try:
+            if rt is not None:
+                rt.close()
+        finally:
+            if rt is not None:
+                jax.clear_caches()
+                _traced_with = None
+
+
+def _clear_caches_unless(fixed: Settings) -> None:
+    """Clears JAX's caches if pk ops may have been traced with other settings than `fixed`."""
+    global _traced_with
+    if _traced_with is not None and _traced_with != fixed:
+        jax.clear_caches()
+    _traced_with = fixed
 
 
 def _shutdown_at_exit() -> None:
@@ -164,10 +383,11 @@ def axis_on_one_host(axis_name: str) -> bool:
     Single-process meshes always do. With several processes, hosts are told apart by
     `process_index` groups recorded at init by the runtime (`_hosts`), defaulting to one host.
     """
-    if _mesh is None or not _hosts:
+    mesh = mesh_for(axis_name)
+    if mesh is None or not _hosts:
         return True
-    axis = _mesh.axis_names.index(axis_name)
-    groups = _mesh.devices.swapaxes(axis, -1).reshape(-1, _mesh.devices.shape[axis])
+    axis = mesh.axis_names.index(axis_name)
+    groups = mesh.devices.swapaxes(axis, -1).reshape(-1, mesh.devices.shape[axis])
     return all(len({_hosts.get(d.process_index, 0) for d in group}) == 1 for group in groups)
 
 
