@@ -29,7 +29,6 @@ Needs CUDA_MODULE_LOADING=EAGER set before CUDA starts (`require_eager_loading` 
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from dataclasses import dataclass
 
@@ -390,7 +389,3 @@ def _quiet(fn, *args) -> None:
         fn(*args)
     except Exception:  # noqa: BLE001, S110 -- after a trap releases fail; the process ends
         pass
-
-
-def tflops(flops: float, seconds: float) -> float:
-    return flops / seconds / 1e12 if seconds > 0 else math.inf
