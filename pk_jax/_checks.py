@@ -79,7 +79,8 @@ def dtype_in(op: str, arg: str, x, allowed: Sequence) -> None:
 
 def ndim_at_least(op: str, arg: str, x, ndim: int) -> None:
     if x.ndim < ndim:
-        raise ValueError(f"pk.{op}: {arg} must have at least {ndim} dimensions, got shape {x.shape}.")
+        raise ValueError(f"pk.{op}: {arg} must have at least {ndim} dimensions, got shape "
+                         f"{x.shape}.")
 
 
 def ndim_is(op: str, arg: str, x, ndim: int) -> None:

@@ -31,7 +31,8 @@ contraction length each device multiplies, N = output columns):
 
 Overrides: the context manager `override(mode=..., num_comm_sms=...)`, which is part of what
 jit caches on (a jitted function called inside and outside the block is traced for each), or
-PK_JAX_TP_MODE / PK_JAX_TP_COMM_SMS in the environment, fixed at the first `pk.init`. The constants below are from the data sheets, and the H200 GEMM efficiency from
+PK_JAX_TP_MODE / PK_JAX_TP_COMM_SMS in the environment, fixed at the first `pk.init`. The
+constants below are from the data sheets, and the H200 GEMM efficiency from
 bench/results/matmul_notes.md (pk.matmul at about 680 TFLOP/s of 989).
 """
 

@@ -154,7 +154,8 @@ def _cluster_detected() -> bool:
 
         return any(not c.opt_in_only_method and c.is_env_present()
                    for c in clusters.ClusterEnv._cluster_types)
-    except (ImportError, AttributeError):  # private API moved: fall back to the common schedulers' variables
+    except (ImportError, AttributeError):
+        # A private API moved: fall back to the common schedulers' variables.
         return any(v in os.environ for v in ("SLURM_JOB_ID", "OMPI_COMM_WORLD_SIZE"))
 
 
