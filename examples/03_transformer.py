@@ -205,6 +205,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--text-bytes", type=int, default=2_000_000)
     parser.add_argument("--checkpoint", default=None, help="where to save at the end (.npz)")
     parser.add_argument("--resume", default=None, help="a checkpoint to continue from")
+    parser.add_argument("--losses", action="store_true",
+                        help="print every step's loss (tests/gpu/compare_losses.py reads them)")
     args = parser.parse_args(argv)
 
     n = jax.device_count()
@@ -215,6 +217,11 @@ def main(argv=None) -> dict:
     print(f"pk_jax {pk.__version__}: {n} x {jax.devices()[0].platform}, mesh sp={sp} x "
           f"tp={n // sp}; {args.attention} attention ({pk.backend_name(attention_stem, 'sp')}), "
           f"TP layers ({pk.backend_name('gemm_ar', 'tp')})")
+    if args.losses:  # the ops with kernels that this model runs
+        kernels = ("gemm_ar", "ag_gemm", "gemm_rs") + (("grouped_matmul",) if args.experts else ())
+        print("backends: " + " ".join(
+            f"{s}={pk.backend_name(s, None if s == 'grouped_matmul' else 'tp')}"
+            for s in kernels), flush=True)
 
     model = Transformer(dim=args.dim, heads=args.heads, hidden=4 * args.dim, layers=args.layers,
                         seq=args.seq, attention=args.attention, experts=args.experts,
@@ -264,6 +271,8 @@ def main(argv=None) -> dict:
             seconds += time.perf_counter() - t0
             tokens += args.seq * args.batch
         losses.append(loss)
+        if args.losses:
+            print(f"step {i + 1}  loss {loss:.6f}", flush=True)
         line = progress(i + 1 - start_step, args.steps, loss, tokens / seconds if seconds else 0)
         if tty:
             print("\r" + line, end="", flush=True)

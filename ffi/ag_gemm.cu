@@ -90,7 +90,7 @@ ffi::Error AgGemmCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi
                       int64_t group_m, int64_t num_comm_sms) {
   ffi::AnyBuffer full = *x_full;
   return tp::RunGemm("all_gather_gemm", LaunchAgGemm, stream, device, x, w, rank, *y, &full,
-                     comm_id, config, group_m, 0, num_comm_sms);
+                     comm_id, config, group_m, num_comm_sms);
 }
 
 }  // namespace

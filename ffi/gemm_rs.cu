@@ -12,9 +12,9 @@ namespace {
 
 ffi::Error GemmRsCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
                       ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> y, int64_t comm_id,
-                      int64_t config, int64_t group_m, int64_t mode) {
+                      int64_t config, int64_t group_m) {
   return tp::RunGemm("gemm_reduce_scatter", LaunchGemmRs, stream, device, x, w, rank, *y, nullptr, comm_id, config,
-                     group_m, mode, 0);
+                     group_m, 0);
 }
 
 }  // namespace
@@ -30,6 +30,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkGemmRs, pk_ffi::GemmRsCuda,
                                   .Ret<xla::ffi::AnyBuffer>()                     // y [M/P, N]
                                   .Attr<int64_t>("comm_id")                       // comm_id
                                   .Attr<int64_t>("config")                        // tile config
-                                  .Attr<int64_t>("group_m")  // block-rows per band
-                                  .Attr<int64_t>("mode"),   // 1: fused kernels even at P = 1
+                                  .Attr<int64_t>("group_m"),  // block-rows per band
                               PK_FFI_CUDA_TRAITS);

@@ -79,7 +79,6 @@ struct GemmArgs {
   int64_t y_rows, y_cols;    // y as the caller allocated it (checked)
   int64_t config;            // tile config (1: 128x128, 2: 128x256)
   int64_t group_m;           // block-rows per band of the tile order
-  int64_t mode;              // gemm_rs / gemm_ar: 1 runs the fused kernels even at P = 1
   int64_t num_comm_sms;      // ag_gemm: communication blocks (the same on every rank)
 };
 

@@ -100,7 +100,6 @@ void EmuLaunch(const std::string& op, int64_t comm_id, int device, uint64_t stre
                             Get(args, "y_cols"),
                             Get(args, "config", 1),
                             Get(args, "group_m", 8),
-                            Get(args, "mode"),
                             Get(args, "num_comm_sms")};
   };
   if (op == "matmul") {  // local: no communicator (the serial path's GEMM)

@@ -107,7 +107,7 @@ inline ffi::Error RunGemm(const char* op, Status (*launch)(const Where&, const G
                           cudaStream_t stream, int32_t device, const ffi::AnyBuffer& x,
                           const ffi::AnyBuffer& w, const ffi::Buffer<ffi::S32>& rank,
                           ffi::AnyBuffer y, ffi::AnyBuffer* x_full, int64_t comm_id,
-                          int64_t config, int64_t group_m, int64_t mode, int64_t num_comm_sms) {
+                          int64_t config, int64_t group_m, int64_t num_comm_sms) {
   const CommView* v = nullptr;
   if (ffi::Error e = LookupComm(op, comm_id, device, &v); e.failure()) return e;
   GemmArgs a;
@@ -142,7 +142,6 @@ inline ffi::Error RunGemm(const char* op, Status (*launch)(const Where&, const G
   a.y_cols = yd[1];
   a.config = config;
   a.group_m = group_m;
-  a.mode = mode;
   a.num_comm_sms = num_comm_sms;
   int num_sms = 0;
   if (ffi::Error e = NumSms(device, &num_sms); e.failure()) return e;

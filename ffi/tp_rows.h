@@ -11,15 +11,15 @@
 namespace pk_ffi::tp {
 
 // y = x @ w summed over ranks: rows [r Mp, (r+1) Mp) (GATHER = false, gemm_rs, Mp = M / P) or
-// all M rows (GATHER = true, gemm_ar, Mp = ceil(M / P)). mode 1 forces the fused kernels at
-// P = 1 (otherwise P = 1 is one matmul kernel writing y).
+// all M rows (GATHER = true, gemm_ar, Mp = ceil(M / P)). Always the fused kernels, also at
+// P = 1: whether to run them was decided in Python (pk_jax._backend.route), which calls
+// pk.matmul instead where the fused protocol does not pay.
 template <bool GATHER>
 Status RowSplitGemm(const char* op, int op_id, int index, const Where& at, const GemmArgs& a,
                     const CommView& v) {
   pk::tp::comm c;
   if (Status s = Comm(op, op_id, index, v, a.rank, &c); !s.ok()) return s;
   const int world = c.world;
-  const bool fused = world > 1 || a.mode == 1;
   if (Status s = GemmOperands(op, a); !s.ok()) return s;
   const int64_t m = a.m, k = a.k, n = a.n;
   if (!GATHER && m % world != 0) {
@@ -50,18 +50,6 @@ Status RowSplitGemm(const char* op, int op_id, int index, const Where& at, const
   }
   if (Status s = TensorMap(op, {a.w, uint64_t(k), uint64_t(n), 64, 64, dt}, &base.w); !s.ok()) {
     return s;
-  }
-
-  if (!fused) {  // P = 1: the matmul kernel, stores straight into y
-    if (Status s = TensorMap(op, {a.y, uint64_t(m), uint64_t(n), 64, 64, dt}, &base.y);
-        !s.ok()) {
-      return s;
-    }
-    return CudaStatus(WithConfig(a.dtype, big, [&](auto cfg) {
-                        return pk::matmul::launch<decltype(cfg)>(base, at.stream, at.device,
-                                                                 at.num_sms);
-                      }),
-                      op);
   }
 
   const int64_t mp = GATHER ? (m + world - 1) / world : m / world;

@@ -1,23 +1,39 @@
-"""Choosing, per op call, between the CUDA kernel and the `jax.lax` reference.
+"""How each op call runs: decided once, at trace time, in `route`; everything below obeys.
 
-The kernel runs when all of these hold: the extension is built (`HAS_CUDA`), the mesh given to
-`pk.init` is on sm_90 GPUs, the op has a registered FFI target, the axis lies on one host, and
-`PK_JAX_BACKEND` is not `reference`. Otherwise the reference runs: silently on CPU, where that
-is the design, and with one warning per reason on a GPU, where the user expected kernels. The
-collectives also take the reference (a no-op) over a 1-device axis (`collective_kernel`).
+`route(stem, axis_name, ...)` returns a `Route` whose `path` is one of
+- "reference": the `jax.lax` reference;
+- "kernel": the op's CUDA kernel (collectives, matmul, grouped_matmul, attention, ...);
+- "local": a tensor-parallel GEMM over a 1-device axis, i.e. pk.matmul alone;
+- "serial": pk.matmul, then the pk collective (the cost model predicts no gain from overlap);
+- "fused": the overlapped kernel (with `num_comm_sms` for ag_gemm).
+The ops call `route` once and never re-decide; the C++ handlers execute what they are given.
+
+A kernel can run when all of these hold (`use_kernel`): the extension is built (`HAS_CUDA`),
+the mesh given to `pk.init` is on sm_90 GPUs, the op has a registered FFI target, the axis lies
+on one host, and `PK_JAX_BACKEND` is not `reference`. Otherwise the reference runs: silently on
+CPU, where that is the design, and with one warning per reason on a GPU, where the user
+expected kernels. Over a 1-device axis a collective is the identity, which the reference gives
+XLA as a no-op (unless PK_JAX_SINGLE_DEVICE_KERNELS=1). Between "local", "serial" and "fused"
+the cost model chooses (pk_jax/cost_model.py; `PK_JAX_TP_MODE` and `cost_model.override` force
+one).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from pk_jax import _ffi
+from pk_jax import _ffi, cost_model
 from pk_jax.runtime import state
 
 BACKENDS = ("auto", "reference", "cuda")
+PATHS = ("reference", "kernel", "local", "serial", "fused")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+TP_GEMMS = ("gemm_rs", "ag_gemm", "gemm_ar")
 _warned: set[str] = set()
 
 
@@ -55,7 +71,8 @@ def all_hopper(devices) -> bool:
 
 
 def use_kernel(stem: str, axis_name: str | None = None) -> bool:
-    """Whether op `stem` (e.g. "gemm_rs") runs its CUDA kernel in the current trace."""
+    """Whether op `stem` (e.g. "gemm_rs") can run its CUDA kernel in the current trace: the
+    platform half of `route`, which makes the decision."""
     if requested() == "reference":
         return False
     mesh = state.mesh_for(axis_name) if axis_name is not None else state.mesh_or_none()
@@ -84,17 +101,52 @@ def use_kernel(stem: str, axis_name: str | None = None) -> bool:
     return True
 
 
-def collective_kernel(stem: str, axis_name: str) -> bool:
-    """use_kernel for a collective (all_reduce, all_gather, reduce_scatter, all_to_all).
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """How one call runs (see the module docstring); `plan` is the cost model's, for TP GEMMs."""
 
-    Over a 1-device axis every collective is the identity, which the reference gives XLA as a
-    no-op, so the reference runs there unless PK_JAX_SINGLE_DEVICE_KERNELS=1 asks for the
-    kernel (the GPU tests and benchmarks use it to run the kernels on one GPU).
+    path: str
+    num_comm_sms: int = 0
+    plan: cost_model.Plan | None = None
+
+
+REFERENCE = Route("reference")
+
+
+def _gpu() -> cost_model.GPU:
+    mesh = state.mesh_or_none()
+    kind = next(iter(mesh.devices.flat)).device_kind if mesh is not None else ""
+    return cost_model.gpu_for(kind)
+
+
+def route(stem: str, axis_name: str | None = None, *, supported: bool = True,
+          gemm: tuple[int, int, int, object] | None = None) -> Route:
+    """The one decision of how a call of op `stem` runs, made at trace time.
+
+    Args:
+        stem: the op ("gemm_rs", "all_reduce", "matmul", ...).
+        axis_name: the mesh axis of a cross-device op; None for a local op.
+        supported: whether the kernel takes these operands (shapes, dtypes); False routes to
+            the reference.
+        gemm: for the TP GEMMs, (M, N, K, dtype) of the call: M the rows of the whole product,
+            K the contraction each device multiplies; the cost model chooses local, serial or
+            fused from them.
+
+    Returns:
+        A Route; the op follows its `path` and nothing below re-decides.
     """
-    if not use_kernel(stem, axis_name):
-        return False
-    return (jax.lax.axis_size(axis_name) > 1
-            or state.settings().single_device_kernels == "1")
+    if not supported or not use_kernel(stem, axis_name):
+        return REFERENCE
+    p = jax.lax.axis_size(axis_name) if axis_name is not None else 1
+    if stem in COLLECTIVES:
+        if p == 1 and state.settings().single_device_kernels != "1":
+            return REFERENCE  # the identity: XLA's no-op beats any kernel
+        return Route("kernel")
+    if stem in TP_GEMMS:
+        m, n, k, dtype = gemm
+        pl = cost_model.plan(stem, m, n, k, p, itemsize=np.dtype(dtype).itemsize, gpu=_gpu())
+        return Route(pl.mode, pl.num_comm_sms, pl)
+    return Route("kernel")
 
 
 def backend_name(stem: str = "matmul", axis_name: str | None = None) -> str:

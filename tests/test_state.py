@@ -199,17 +199,21 @@ def test_a_backend_setting_applies_at_the_next_init(monkeypatch):
 
 
 def test_cost_model_override_is_part_of_the_jit_key(monkeypatch):
-    from pk_jax.ops import _tp
+    from pk_jax import _backend
 
-    mesh = cpu_mesh((2,), ("tp",))
+    mesh = cpu_mesh((2,), ("tp",), explicit=False)
     pk.init(mesh)
     modes = []
-    monkeypatch.setattr(_tp, "gpu", lambda: cost_model.H200)
+    monkeypatch.setattr(_backend, "use_kernel", lambda stem, axis_name=None: True)
+    monkeypatch.setattr(_backend, "_gpu", lambda: cost_model.H200)
+    route = jax.shard_map(
+        lambda v: modes.append(_backend.route("gemm_rs", "tp", gemm=(4096, 4096, 4096,
+                                                                      jnp.bfloat16)).path) or v,
+        mesh=mesh, in_specs=P(), out_specs=P())
 
     @jax.jit
     def f(v):
-        modes.append(_tp.plan("gemm_rs", 4096, 4096, 4096, 2, jnp.bfloat16).mode)
-        return v + 1
+        return route(v) + 1
 
     f(1.0)
     with cost_model.override(mode="fused"):
@@ -408,3 +412,66 @@ def test_a_failing_second_init_leaves_the_first_mesh_as_it_was(fake):
     fake.fail_at = None
     pk.init(cpu_mesh((2, 4), ("dp", "tp")))  # and it may be tried again
     assert len(fake.live) == 24
+
+
+# --------------------------------------------------------------------- on the H200 (P = 1)
+
+
+def _gpu_meshes():
+    dev = jax.devices("gpu")[:1]
+    return (jax.make_mesh((1,), ("tp",), devices=dev),
+            jax.make_mesh((1, 1), ("dp", "tp"), devices=dev))
+
+
+@pytest.mark.gpu
+def test_gpu_two_meshes_interleaved_in_one_program():
+    a, b = _gpu_meshes()
+    pk.init(a)
+    pk.init(b)
+    assert state.meshes() == (a, b)
+    for stem in ("all_reduce", "all_gather", "reduce_scatter"):
+        assert pk.backend_name(stem, "tp") == "cuda"
+    x = small_ints(jax.random.key(3), (40, 24), jnp.float32, lo=-8, hi=8)
+    on_a = jax.shard_map(lambda v: pk.all_reduce(v, "tp"), mesh=a, in_specs=P(), out_specs=P())
+    on_b = jax.shard_map(
+        lambda v: pk.all_reduce(pk.all_gather(pk.reduce_scatter(v, "tp"), "tp"), "dp"),
+        mesh=b, in_specs=P(), out_specs=P(), check_vma=False)
+
+    @jax.jit
+    def program(v):
+        return on_a(on_b(v) + 1) * 2, on_b(on_a(v))
+
+    for i in range(2):  # two calls in a row over both meshes' communicators
+        y, z = program(x + i)
+        assert_same(y, 2 * (x + i + 1))
+        assert_same(z, x + i)
+    rt = state.runtime()
+    assert rt is not None and len(state._comm_ids) == 3
+    pk.shutdown()
+    assert state.runtime() is None and state.meshes() == ()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ("all_reduce", "gemm_rs"))
+def test_gpu_function_jitted_before_shutdown_runs_after_init_with_another_workspace(op):
+    # The executable's communicator view is prepared when XLA instantiates it; pk.shutdown
+    # unmaps the old workspace, so an executable (or CUDA graph) kept from before would point
+    # at unmapped memory. The same jitted function must give the right answer after pk.init
+    # with another workspace size, twice.
+    mesh, _ = _gpu_meshes()
+    kx, kw = jax.random.split(jax.random.key(11))
+    x = small_ints(kx, (256, 128), jnp.bfloat16, lo=-4, hi=4)
+    w = small_ints(kw, (128, 192), jnp.bfloat16, lo=-4, hi=4)
+    if op == "all_reduce":
+        body, want = (lambda a, b: pk.all_reduce(a, "tp")), np.asarray(x, np.float32)
+    else:
+        body = lambda a, b: pk.gemm_reduce_scatter(a, b, "tp")
+        exact = np.asarray(x, np.float32) @ np.asarray(w, np.float32)  # integers: exact in fp32
+        want = np.asarray(jnp.asarray(exact, jnp.bfloat16), np.float32)  # one rounding
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P()), out_specs=P(),
+                              check_vma=False))
+    for ws in (None, 64 << 20, 8 << 20):
+        pk.init(mesh, workspace_bytes=ws)
+        for i in range(2):
+            assert_same(np.asarray(f(x, w), np.float32), want)
+        pk.shutdown()

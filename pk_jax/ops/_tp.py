@@ -1,32 +1,13 @@
 """Shared trace-time helpers of the fused tensor-parallel GEMM lowerings (gemm_rs, ag_gemm,
-gemm_ar): the cost-model plan for a call, the N padding TMA needs, and the workspace check."""
+gemm_ar): the N padding TMA needs, and the workspace check. Which path a call takes is
+decided in one place, `pk_jax._backend.route`."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from pk_jax import cost_model
 from pk_jax.runtime import state
-
-
-def gpu() -> cost_model.GPU:
-    mesh = state.mesh_or_none()
-    kind = next(iter(mesh.devices.flat)).device_kind if mesh is not None else ""
-    return cost_model.gpu_for(kind)
-
-
-def plan(op: str, m: int, n: int, k: int, p: int, dtype) -> cost_model.Plan:
-    """The cost model's plan for one call (overrides applied): at P > 1 the fused kernel
-    wherever the model predicts it beats pk.matmul + the pk collective, else that serial path.
-
-    NOTES: the fused kernels run by default across ranks since they passed the rank emulator
-    (tests/gpu/test_emulator.py: P = 2, 3, 4, 8 ranks truly concurrent on disjoint SM
-    partitions, 1000 back-to-back calls with skew, missing ranks, unequal partitions).
-    """
-    itemsize = np.dtype(dtype).itemsize
-    return cost_model.plan(op, m, n, k, p, itemsize=itemsize, gpu=gpu())
 
 
 def pad_n(w: jax.Array) -> tuple[jax.Array, int]:

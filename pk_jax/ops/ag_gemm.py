@@ -52,8 +52,10 @@ def kernel_supports(x: jax.Array, w: jax.Array) -> bool:
 
 
 def ag_gemm_impl(x: jax.Array, w: jax.Array, axis_name: str, *, return_gathered: bool = False):
-    """The kernel when it applies, else the reference; no user-facing checks (used by the VJP of
-    gemm_reduce_scatter with transposed operands).
+    """The call as `_backend.route` decides it; no user-facing checks (used by the VJP of
+    gemm_reduce_scatter with transposed operands). Paths: the fused kernel (pk_ag_gemm); the
+    pk.all_gather kernel then pk.matmul (serial); pk.matmul alone over a 1-device axis (local);
+    or the reference.
 
     Args:
         return_gathered: also return the gathered x [M, K] (the kernel writes it anyway), which
@@ -62,29 +64,30 @@ def ag_gemm_impl(x: jax.Array, w: jax.Array, axis_name: str, *, return_gathered:
     Returns:
         y, or (y, gathered x) when `return_gathered`.
     """
-    if kernel_supports(x, w) and _backend.use_kernel(STEM, axis_name):
-        y, x_full = _cuda_ag_gemm(x, w, axis_name)
-    else:
+    p = jax.lax.axis_size(axis_name)
+    mp, k, n = x.shape[0], x.shape[1], w.shape[1]
+    r = _backend.route(STEM, axis_name, supported=kernel_supports(x, w),
+                       gemm=(mp * p, n, k, x.dtype))
+    if r.path == "reference":
         x_full = jax.lax.all_gather(x, axis_name, axis=0, tiled=True)
         y = _mm.reference(x_full, w)
+    elif r.path == "local" or mp == 0 or n == 0:
+        x_full = x if p == 1 else jax.lax.all_gather(x, axis_name, axis=0, tiled=True)
+        y = _mm.cuda_matmul(x_full, w)
+    elif r.path == "serial":
+        from pk_jax.ops import all_gather as ag
+
+        x_full = ag.kernel(x, axis_name, 0)
+        y = _mm.cuda_matmul(x_full, w)
+    else:
+        y, x_full = _fused(x, w, axis_name, r.num_comm_sms)
     return (y, x_full) if return_gathered else y
 
 
-def _cuda_ag_gemm(x: jax.Array, w: jax.Array, axis_name: str):
-    """The CUDA path, returning (y, gathered x): the fused kernel (pk_ag_gemm), pk.all_gather +
-    pk.matmul when the cost model (pk_jax/cost_model.py, overridable) predicts that overlap does
-    not pay, or at P = 1 pk.matmul with x itself as the gather."""
+def _fused(x: jax.Array, w: jax.Array, axis_name: str, num_comm_sms: int):
+    """The fused kernel pk_ag_gemm, returning (y, gathered x)."""
     p = jax.lax.axis_size(axis_name)
     mp, k, n = x.shape[0], x.shape[1], w.shape[1]
-    pl = _tp.plan(STEM, mp * p, n, k, p, x.dtype)
-    if pl.mode == "local" or (p == 1 and pl.mode != "fused") or mp == 0 or n == 0:
-        x_full = x if p == 1 else jax.lax.all_gather(x, axis_name, axis=0, tiled=True)
-        return _mm.matmul_impl(x_full, w), x_full
-    if pl.mode == "serial":
-        from pk_jax.ops.all_gather import all_gather
-
-        x_full = all_gather(x, axis_name, axis=0)
-        return _mm.matmul_impl(x_full, w), x_full
     w, n_pad = _tp.pad_n(w)
     _tp.check_workspace(NAME, mp * k * x.dtype.itemsize, f"staging its [{mp}, {k}] shard")
     # NOTES: the results vary along axis_name and every axis x or w varies along, which is
@@ -94,7 +97,7 @@ def _cuda_ag_gemm(x: jax.Array, w: jax.Array, axis_name: str):
                        jax.ShapeDtypeStruct((mp * p, k), x.dtype)),
         x, w, _backend.rank_operand(axis_name), comm_id=np.int64(state.comm_id(axis_name)),
         config=np.int64(_mm.tile_config(mp * p, n_pad)), group_m=np.int64(_mm._GROUP_M),
-        num_comm_sms=np.int64(pl.num_comm_sms))
+        num_comm_sms=np.int64(num_comm_sms))
     return (y[:, :n] if n_pad != n else y), x_full
 
 

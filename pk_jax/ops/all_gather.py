@@ -39,8 +39,8 @@ def all_gather(x: jax.Array, axis_name: str, *, axis: int = 0) -> jax.Array:
     _checks.dtype_in(STEM, "x", x, _checks.MOVE_DTYPES)
     _checks.ndim_at_least(STEM, "x", x, 1)
     axis = _checks.axis_index(STEM, "axis", axis, x.ndim)
-    if _backend.collective_kernel(STEM, axis_name):
-        return _kernel(x, axis_name, axis)
+    if _backend.route(STEM, axis_name).path == "kernel":
+        return kernel(x, axis_name, axis)
     return reference(x, axis_name, axis=axis)
 
 
@@ -53,7 +53,7 @@ def _call(x: jax.Array, axis_name: str, axis: int) -> jax.Array:
                      comm_id=np.int64(state.comm_id(axis_name)), run=np.int64(run))
 
 
-def _kernel(x: jax.Array, axis_name: str, axis: int) -> jax.Array:
+def kernel(x: jax.Array, axis_name: str, axis: int) -> jax.Array:
     """The CUDA kernel; its VJP is the reduce-scatter kernel along the same axis."""
     from pk_jax.ops import reduce_scatter as rs
 
@@ -68,7 +68,7 @@ def _kernel(x: jax.Array, axis_name: str, axis: int) -> jax.Array:
         return _call(x, axis_name, axis), _vjp.like((0,), x.dtype, _ffi.vma(x))
 
     def bwd(x0, dy):
-        return (_vjp.fit(rs._kernel(dy, axis_name, axis), x0),)
+        return (_vjp.fit(rs.kernel(dy, axis_name, axis), x0),)
 
     f.defvjp(fwd, bwd)
     return f(x)

@@ -37,8 +37,8 @@ def all_reduce(x: jax.Array, axis_name: str, *, algorithm: str | None = None) ->
     _checks.axis_size(STEM, axis_name)
     _checks.dtype_in(STEM, "x", x, _checks.FLOAT_DTYPES)
     algo = _algorithm(algorithm)
-    if _backend.collective_kernel(STEM, axis_name):
-        return _kernel(x, axis_name, algo)
+    if _backend.route(STEM, axis_name).path == "kernel":
+        return kernel(x, axis_name, algo)
     return reference(x, axis_name)
 
 
@@ -57,7 +57,7 @@ def _call(x: jax.Array, axis_name: str, algo: int) -> jax.Array:
                      comm_id=np.int64(state.comm_id(axis_name)), algo=np.int64(algo))
 
 
-def _kernel(x: jax.Array, axis_name: str, algo: int) -> jax.Array:
+def kernel(x: jax.Array, axis_name: str, algo: int) -> jax.Array:
     """The CUDA kernel with the VJP of `lax.psum`: with check_vma the cotangent of an invariant
     sum is a cast to varying (no communication); without it, another all-reduce."""
     x_shape, x_dtype, x_vma = x.shape, x.dtype, _ffi.vma(x)
@@ -72,7 +72,7 @@ def _kernel(x: jax.Array, axis_name: str, algo: int) -> jax.Array:
     def bwd(_, dy):
         if axis_name in _ffi.vma(_backend.rank_operand(axis_name)):  # check_vma=True
             return (_vjp.transpose_psum(dy, x_shape, x_dtype, x_vma, axis_name),)
-        return (_kernel(dy, axis_name, algo),)
+        return (kernel(dy, axis_name, algo),)
 
     f.defvjp(fwd, bwd)
     return f(x)

@@ -42,8 +42,8 @@ def all_to_all(x: jax.Array, axis_name: str, split_axis: int, concat_axis: int) 
     concat_axis = _checks.axis_index(STEM, "concat_axis", concat_axis, x.ndim)
     _checks.divisible(STEM, f"x.shape[{split_axis}] (the split axis)", x.shape[split_axis], p,
                       f"Pad it to a multiple of the size of axis {axis_name!r}.")
-    if _backend.collective_kernel(STEM, axis_name):
-        return _kernel(x, axis_name, split_axis, concat_axis)
+    if _backend.route(STEM, axis_name).path == "kernel":
+        return kernel(x, axis_name, split_axis, concat_axis)
     return reference(x, axis_name, split_axis, concat_axis)
 
 
@@ -61,7 +61,7 @@ def _call(x: jax.Array, axis_name: str, split_axis: int, concat_axis: int) -> ja
                      split_run=np.int64(split_run), concat_run=np.int64(concat_run))
 
 
-def _kernel(x: jax.Array, axis_name: str, split_axis: int, concat_axis: int) -> jax.Array:
+def kernel(x: jax.Array, axis_name: str, split_axis: int, concat_axis: int) -> jax.Array:
     """The CUDA kernel; its VJP is the kernel with split and concat axes swapped."""
 
     if x.dtype == np.int32:  # data movement only; integers have no cotangent
@@ -76,7 +76,7 @@ def _kernel(x: jax.Array, axis_name: str, split_axis: int, concat_axis: int) -> 
                                                                          _ffi.vma(x))
 
     def bwd(x0, dy):
-        return (_vjp.fit(_kernel(dy, axis_name, concat_axis, split_axis), x0),)
+        return (_vjp.fit(kernel(dy, axis_name, concat_axis, split_axis), x0),)
 
     f.defvjp(fwd, bwd)
     return f(x)

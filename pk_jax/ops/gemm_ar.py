@@ -48,34 +48,33 @@ def kernel_supports(x: jax.Array, w: jax.Array) -> bool:
 
 
 def gemm_ar_impl(x: jax.Array, w: jax.Array, axis_name: str) -> jax.Array:
-    """The kernel when it applies, else the reference; no user-facing checks."""
-    if kernel_supports(x, w) and _backend.use_kernel(STEM, axis_name):
-        return _cuda_gemm_ar(x, w, axis_name)
-    return reference(x, w, axis_name)
+    """The call as `_backend.route` decides it; no user-facing checks.
 
-
-def _cuda_gemm_ar(x: jax.Array, w: jax.Array, axis_name: str) -> jax.Array:
-    """The CUDA path: the fused kernels (pk_gemm_ar), or pk.matmul + pk.all_reduce when the
-    cost model (pk_jax/cost_model.py, overridable) predicts that fusion does not pay."""
+    Paths: the fused kernels (pk_gemm_ar); pk.matmul then the pk.all_reduce kernel (serial,
+    where the cost model predicts that fusion does not pay); pk.matmul alone over a 1-device
+    axis (local); or the reference.
+    """
     p = jax.lax.axis_size(axis_name)
     m, k, n = x.shape[0], x.shape[1], w.shape[1]
-    pl = _tp.plan(STEM, m, n, k, p, x.dtype)
-    if pl.mode == "serial":
-        from pk_jax.ops.all_reduce import all_reduce
+    r = _backend.route(STEM, axis_name, supported=kernel_supports(x, w), gemm=(m, n, k, x.dtype))
+    if r.path == "reference":
+        return reference(x, w, axis_name)
+    if r.path == "local":
+        return _mm.cuda_matmul(x, w)
+    if r.path == "serial":
+        from pk_jax.ops import all_reduce as ar
 
-        return all_reduce(_mm.matmul_impl(x, w), axis_name)
+        return ar.kernel(_mm.cuda_matmul(x, w), axis_name, 0)
     w, n_pad = _tp.pad_n(w)
-    if pl.mode == "fused" or p > 1:
-        mp = -(-m // p)
-        _tp.check_workspace(NAME, mp * n_pad * x.dtype.itemsize,
-                            f"its [{mp}, {n_pad}] accumulation buffer")
+    mp = -(-m // p)
+    _tp.check_workspace(NAME, mp * n_pad * x.dtype.itemsize,
+                        f"its [{mp}, {n_pad}] accumulation buffer")
     # NOTES: like psum, the result is invariant along axis_name.
     y = _ffi.call("pk_gemm_ar", jax.ShapeDtypeStruct((m, n_pad), x.dtype), x, w,
                   _backend.rank_operand(axis_name),
                   out_vma=(_ffi.vma(x) | _ffi.vma(w)) - {axis_name},
                   comm_id=np.int64(state.comm_id(axis_name)),
-                  config=np.int64(_mm.tile_config(m, n_pad)), group_m=np.int64(_mm._GROUP_M),
-                  mode=np.int64(1 if pl.mode == "fused" else 0))
+                  config=np.int64(_mm.tile_config(m, n_pad)), group_m=np.int64(_mm._GROUP_M))
     return y[:, :n] if n_pad != n else y
 
 

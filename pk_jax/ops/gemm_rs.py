@@ -59,35 +59,33 @@ def kernel_supports(x: jax.Array, w: jax.Array, p: int) -> bool:
 
 
 def gemm_rs_impl(x: jax.Array, w: jax.Array, axis_name: str) -> jax.Array:
-    """The kernel when it applies, else the reference; no user-facing checks (used by the VJP of
-    all_gather_gemm with transposed operands)."""
-    p = jax.lax.axis_size(axis_name)
-    if kernel_supports(x, w, p) and _backend.use_kernel(STEM, axis_name):
-        return _cuda_gemm_rs(x, w, axis_name)
-    return reference(x, w, axis_name)
+    """The call as `_backend.route` decides it; no user-facing checks (used by the VJP of
+    all_gather_gemm with transposed operands).
 
-
-def _cuda_gemm_rs(x: jax.Array, w: jax.Array, axis_name: str) -> jax.Array:
-    """The CUDA path: the fused kernel (pk_gemm_rs), or pk.matmul + pk.reduce_scatter when the
-    cost model (pk_jax/cost_model.py, overridable) predicts that overlap does not pay."""
+    Paths: the fused kernel (pk_gemm_rs); pk.matmul then the pk.reduce_scatter kernel (serial,
+    where the cost model predicts that overlap does not pay); pk.matmul alone over a 1-device
+    axis (local); or the reference.
+    """
     p = jax.lax.axis_size(axis_name)
     m, k, n = x.shape[0], x.shape[1], w.shape[1]
-    pl = _tp.plan(STEM, m, n, k, p, x.dtype)
-    if pl.mode == "serial":
-        from pk_jax.ops.reduce_scatter import reduce_scatter
+    r = _backend.route(STEM, axis_name, supported=kernel_supports(x, w, p),
+                       gemm=(m, n, k, x.dtype))
+    if r.path == "reference":
+        return reference(x, w, axis_name)
+    if r.path == "local":
+        return _mm.cuda_matmul(x, w)
+    if r.path == "serial":
+        from pk_jax.ops import reduce_scatter as rs
 
-        return reduce_scatter(_mm.matmul_impl(x, w), axis_name, scatter_dimension=0)
+        return rs.kernel(_mm.cuda_matmul(x, w), axis_name, 0)
     w, n_pad = _tp.pad_n(w)
-    fused = pl.mode == "fused" or p > 1
-    if fused:
-        _tp.check_workspace(NAME, (m // p) * n_pad * x.dtype.itemsize,
-                            f"its [{m // p}, {n_pad}] accumulation buffer")
+    _tp.check_workspace(NAME, (m // p) * n_pad * x.dtype.itemsize,
+                        f"its [{m // p}, {n_pad}] accumulation buffer")
     # NOTES: the result varies along axis_name and every axis x or w varies along, which is
     # _ffi.call's default out_vma once the rank operand (varying along axis_name) is passed.
     y = _ffi.call("pk_gemm_rs", jax.ShapeDtypeStruct((m // p, n_pad), x.dtype), x, w,
                   _backend.rank_operand(axis_name), comm_id=np.int64(state.comm_id(axis_name)),
-                  config=np.int64(_mm.tile_config(m, n_pad)), group_m=np.int64(_mm._GROUP_M),
-                  mode=np.int64(1 if pl.mode == "fused" else 0))
+                  config=np.int64(_mm.tile_config(m, n_pad)), group_m=np.int64(_mm._GROUP_M))
     return y[:, :n] if n_pad != n else y
 
 

@@ -84,7 +84,7 @@ def reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
 def _kernel_applies(x: jax.Array, w: jax.Array) -> bool:
     return (x.dtype == w.dtype and x.dtype in _checks.MATMUL_DTYPES_NP
             and x.shape[1] % 8 == 0 and 1 <= w.shape[0] <= MAX_GROUPS
-            and not _split(x) and not _split(w) and _backend.use_kernel(STEM))
+            and not _split(x) and not _split(w))
 
 
 def _split(a: jax.Array) -> bool:
@@ -130,7 +130,7 @@ def _dw(x, dy, group_sizes, e):
 
 
 def _grouped(x, w, group_sizes):
-    if not _kernel_applies(x, w):
+    if _backend.route(STEM, supported=_kernel_applies(x, w)).path != "kernel":
         return reference(x, w, group_sizes)
     return _grouped_kernel(x, w, group_sizes)
 

@@ -73,9 +73,9 @@ def matmul_impl(x: jax.Array, w: jax.Array, *, like: jax.Array | None = None) ->
             transpose of dot_general does: with explicitly sharded operands outside shard_map,
             a product whose contracted dimension is sharded is otherwise ambiguous.
     """
-    if (kernel_supports(x, w) and not _split(x) and not _split(w)
-            and _backend.use_kernel(STEM)):
-        return _cuda_matmul(x, w)
+    supported = kernel_supports(x, w) and not _split(x) and not _split(w)
+    if _backend.route(STEM, supported=supported).path == "kernel":
+        return cuda_matmul(x, w)
     return reference(x, w, out_sharding=None if like is None else _sharding_of(like))
 
 
@@ -113,7 +113,7 @@ def tile_config(m: int, n: int) -> int:
     return _TILE_128x256_S3 if waves_256 * 2 * _SPEED_128x128 <= waves_128 else _TILE_128x128
 
 
-def _cuda_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+def cuda_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     m, n = x.shape[0], w.shape[1]
     # NOTES: TMA needs 16-byte row strides, so N is padded to a multiple of 8 here (zero
     # columns of w) and the extra output columns are sliced off.

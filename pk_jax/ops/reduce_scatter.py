@@ -41,8 +41,8 @@ def reduce_scatter(x: jax.Array, axis_name: str, *, scatter_dimension: int = 0) 
     dim = _checks.axis_index(STEM, "scatter_dimension", scatter_dimension, x.ndim)
     _checks.divisible(STEM, f"x.shape[{dim}] (the scatter dimension)", x.shape[dim], p,
                       f"Pad it to a multiple of the size of axis {axis_name!r}.")
-    if _backend.collective_kernel(STEM, axis_name):
-        return _kernel(x, axis_name, dim)
+    if _backend.route(STEM, axis_name).path == "kernel":
+        return kernel(x, axis_name, dim)
     return reference(x, axis_name, scatter_dimension=dim)
 
 
@@ -55,7 +55,7 @@ def _call(x: jax.Array, axis_name: str, dim: int) -> jax.Array:
                      comm_id=np.int64(state.comm_id(axis_name)), run=np.int64(run))
 
 
-def _kernel(x: jax.Array, axis_name: str, dim: int) -> jax.Array:
+def kernel(x: jax.Array, axis_name: str, dim: int) -> jax.Array:
     """The CUDA kernel; its VJP is the all-gather kernel along the same dimension."""
     from pk_jax.ops import all_gather as ag
 
@@ -67,7 +67,7 @@ def _kernel(x: jax.Array, axis_name: str, dim: int) -> jax.Array:
         return _call(x, axis_name, dim), _vjp.like((0,), x.dtype, _ffi.vma(x))
 
     def bwd(x0, dy):
-        return (_vjp.fit(ag._kernel(dy, axis_name, dim), x0),)
+        return (_vjp.fit(ag.kernel(dy, axis_name, dim), x0),)
 
     f.defvjp(fwd, bwd)
     return f(x)

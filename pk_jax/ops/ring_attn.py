@@ -115,14 +115,14 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, *,
     k, v = _attention.repeat_kv(q, k, v)  # grouped-query attention (a no-op at H = Hkv)
     # Without causal masking attention ignores positions: zigzag is the contiguous ring.
     zigzag = layout == "zigzag" and causal
-    if _backend.use_kernel(STEM, axis_name):
+    if _backend.route(STEM, axis_name).path == "kernel":
         return _cuda_ring_attn(q, k, v, axis_name, causal=causal, scale=scale, p=p)
     return reference(q, k, v, axis_name, causal=causal, scale=scale, p=p, zigzag=zigzag)
 
 
 def _cuda_ring_attn(q, k, v, axis_name, **options):
     # The fused kernel's FFI lowering (target pk_ring_attn) plugs in here. Unreachable until the
-    # extension registers pk_ring_attn, because _backend.use_kernel checks the target exists.
+    # extension registers pk_ring_attn, because _backend.route checks the target exists.
     raise NotImplementedError("pk_jax: the CUDA ring_attn kernel is not wired yet.")
 
 

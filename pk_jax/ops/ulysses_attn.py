@@ -64,14 +64,14 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, 
     scale = (_attention.default_scale(q.shape[-1]) if scale is None
              else _checks.positive_float(NAME, "scale", scale))
     k, v = _attention.repeat_kv(q, k, v)  # grouped-query attention (a no-op at H = Hkv)
-    if _backend.use_kernel(STEM, axis_name):
+    if _backend.route(STEM, axis_name).path == "kernel":
         return _cuda_ulysses_attn(q, k, v, axis_name, causal=causal, scale=scale)
     return reference(q, k, v, axis_name, causal=causal, scale=scale)
 
 
 def _cuda_ulysses_attn(q, k, v, axis_name, **options):
     # A fused kernel's FFI lowering (target pk_ulysses_attn) plugs in here. Unreachable until
-    # the extension registers pk_ulysses_attn, because _backend.use_kernel checks the target.
+    # the extension registers pk_ulysses_attn, because _backend.route checks the target.
     raise NotImplementedError("pk_jax: the CUDA ulysses_attn kernel is not wired yet.")
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark, on the H200 machine: tests/gpu/run_all.sh [section ...]
 # Sections: install sass unit runtime collectives collectives_mp tp tp_mp grouped emulator
-# sanitize examples bench
+# sanitize examples users bench
 # (default: all but bench). The P = 1 sections (install unit collectives tp examples) may run
 # side by side in separate invocations; the multi-process ones and bench want the GPU alone.
 # Prints one PASSED/FAILED line per step and a summary; exits non-zero if any step failed.
@@ -105,11 +105,25 @@ section_examples() {
   for ex in "01_tp_mlp_flax.py" "02_tp_mlp_equinox.py --sequence-parallel"; do
     for backend in cuda reference; do
       PK_JAX_BACKEND=$backend step bash -c \
-        "$PY examples/$ex --steps 10 | tee $log/${ex%%.py*}-$backend.log"
+        "set -o pipefail; $PY examples/$ex --steps 10 | tee $log/${ex%%.py*}-$backend.log"
     done
     step "$PY" tests/gpu/compare_losses.py "$log/${ex%%.py*}-cuda.log" \
       "$log/${ex%%.py*}-reference.log"
   done
+}
+
+# Issue 13 on the GPU: the README's GPU-only blocks as written, several meshes and shutdown /
+# init again at P = 1, and examples/03_transformer.py (kernels against the reference backend).
+section_users() {
+  local log=${PK_JAX_LOG_DIR:-/tmp}/pk_jax_examples
+  mkdir -p "$log"
+  step "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_packaging.py tests/test_state.py
+  # auto: the kernels where they exist (the header names them); attention has none yet
+  for backend in auto reference; do
+    PK_JAX_BACKEND=$backend step bash -c "set -o pipefail;
+      $PY examples/03_transformer.py --steps 12 --losses --experts 4 | tee $log/03-$backend.log"
+  done
+  step "$PY" tests/gpu/compare_losses.py --rtol 0.05 "$log/03-auto.log" "$log/03-reference.log"
 }
 
 # The rank emulator (issue 10): every cross-rank kernel with P ranks on disjoint SM partitions
@@ -144,7 +158,7 @@ section_bench() {
 
 sections=("$@")
 [ ${#sections[@]} -eq 0 ] && sections=(install sass unit runtime collectives collectives_mp tp tp_mp \
-  grouped emulator sanitize examples)
+  grouped emulator sanitize examples users)
 for s in "${sections[@]}"; do "section_$s"; done
 echo "=== summary: $passed passed, ${#failed[@]} failed"
 for f in "${failed[@]}"; do echo "failed: $f"; done

@@ -281,6 +281,23 @@ def main(mode: str) -> None:
                 case(mesh2, axis, "all_gather", (4, 9), jnp.bfloat16, "index", 40 + it, axis=1)
                 n_cases += 2
         pk.shutdown()
+
+    # Several meshes at once (pk.init adds each): ops over either, interleaved, then one
+    # pk.shutdown releases every communicator.
+    meshes = [mesh, jax.make_mesh((n,), ("y",))]
+    if n >= 4 and n % 2 == 0:
+        meshes.append(jax.make_mesh((2, n // 2), ("dp", "tp")))
+    for m in meshes:
+        pk.init(m)
+    for it in range(2):
+        for m in meshes + meshes[::-1]:
+            for axis in m.axis_names:
+                case(m, axis, "all_reduce", (8, 33), jnp.float32, "int", 50 + it)
+                case(m, axis, "all_gather", (4, 9), jnp.bfloat16, "index", 60 + it, axis=1)
+                n_cases += 2
+    pk.shutdown()
+    from pk_jax import _ffi
+    assert _ffi._pk_ffi.comm_count() == 0, "pk.shutdown left communicators"
     print(f"collectives_mp OK: P={n}, {n_cases} cases in {time.time() - t_start:.1f} s",
           flush=True)
 
