@@ -64,6 +64,32 @@ def test_errors_name_the_fix():
         pk.attention(q, k.astype(jnp.bfloat16), v)
 
 
+def test_kernel_path_calls_pk_attention_forward_and_backward(monkeypatch):
+    """With the kernel chosen (forced here; the CPU has none), bf16 head-dim-64 operands trace to
+    one pk_attention call forward (o and float32 lse [B, H, S]) and one backward (lse and
+    delta padded to a multiple of 128; dq, dk, dv in the operands' shapes)."""
+    from pk_jax import _backend
+
+    monkeypatch.setattr(_backend, "use_kernel", lambda stem, axis_name=None: True)
+    q, k, v = _qkv(2, 300, 8, 2, 64, jnp.bfloat16)
+    loss = lambda a, b, c: jnp.sum(pk.attention(a, b, c, causal=True).astype(jnp.float32))
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    calls = [e for e in jaxpr.eqns if e.params.get("target_name") == "pk_attention"]
+    assert len(calls) == 2
+    fwd, bwd = calls
+    attrs = lambda e: dict(e.params["attributes"])
+    assert attrs(fwd)["backward"] == 0 and attrs(bwd)["backward"] == 1
+    assert attrs(fwd)["causal"] == 1 and np.isclose(attrs(fwd)["scale"], 0.125)
+    assert [x.aval.shape for x in fwd.outvars] == [(2, 300, 8, 64), (2, 8, 300)]
+    assert [x.aval.shape for x in bwd.invars[4:]] == [(2, 8, 384), (2, 8, 384)]
+    assert [x.aval.shape for x in bwd.outvars] == [q.shape, k.shape, v.shape]
+    # fp32 operands and other head dims keep the reference.
+    for args in ((q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32)),
+                 _qkv(1, 40, 2, 2, 32, jnp.bfloat16)):
+        jaxpr = jax.make_jaxpr(lambda a, b, c: pk.attention(a, b, c))(*args)
+        assert "pk_attention" not in str(jaxpr)
+
+
 # GPU tests
 # The CUDA kernels (bf16 and fp16, head dims 64 and 128) against a float32 reference, within
 # twice the error of XLA's own attention in the same dtype: causal and not, GQA and MQA,
