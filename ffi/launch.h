@@ -88,6 +88,23 @@ Status LaunchGemmRs(const Where& at, const GemmArgs& a, const CommView& v);
 Status LaunchGemmAr(const Where& at, const GemmArgs& a, const CommView& v);
 Status LaunchAgGemm(const Where& at, const GemmArgs& a, const CommView& v);
 
+// Single-device attention (cuda/kernels/attention.cuh). Forward: q, k, v -> o, lse. Backward:
+// q, k, v, d_o, lse and delta (both [B, H, SP], SP = S rounded up to 128) -> dq, dk, dv.
+struct AttnArgs {
+  DType dtype;
+  const void *q, *k, *v, *d_o;
+  const float *lse_in, *delta;
+  void *o, *dq, *dk, *dv;
+  float* lse;                 // forward output [B, H, S]
+  int64_t b, s, h, hkv, d;    // q [b, s, h, d], k and v [b, s, hkv, d]
+  int64_t sp;                 // backward: the padded length of lse_in and delta
+  float scale;
+  bool causal;
+  bool backward;
+};
+
+Status LaunchAttention(const Where& at, const AttnArgs& a);
+
 // Refuses a launch once the communicator's error record holds an error (a peer timed out in
 // an earlier call): the message names op, rank and missing peer, and the call never starts
 // kernels that would wait for peers that are gone.

@@ -38,6 +38,7 @@ const Registration kRegistrations[] = {
     {"pk_ag_gemm", "CUDA", reinterpret_cast<void*>(PkAgGemm)},
     {"pk_gemm_ar", "CUDA", reinterpret_cast<void*>(PkGemmAr)},
     {"pk_grouped_matmul", "CUDA", reinterpret_cast<void*>(PkGroupedMatmul)},
+    {"pk_attention", "CUDA", reinterpret_cast<void*>(PkAttention)},
 };
 
 // The communicator table's view of one key, for tests; None when nothing is registered.

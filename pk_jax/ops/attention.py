@@ -1,18 +1,25 @@
 """attention: softmax attention on one device (reference: `jax.nn.dot_product_attention`).
 
-The reference here is the blockwise online-softmax attention of `pk_jax.ops._attention`
-(memory O(S), so S = 32K runs where XLA's materialised attention cannot), with its blockwise
-custom VJP; grouped-query attention repeats each K/V head for its H / Hkv query heads. The
-Hopper kernel (issue 11: TMA, wgmma, warp-specialised, online softmax in registers) plugs in
-behind `_backend.use_kernel("attention")` once the extension registers pk_attention.
+On Hopper GPUs, bf16/fp16 operands with head_dim 64 or 128 run the flash-attention kernels
+of cuda/kernels/attention.cuh (TMA loads through an mbarrier ring, wgmma for Q K^T and P V,
+online softmax in registers, causal tiles above the diagonal skipped), with a custom VJP whose
+backward runs the kernels' dQ and dK/dV passes; grouped-query attention reads each K/V head
+in place. Everything else (fp32, other head dims, CPU) runs the reference: the blockwise
+online-softmax attention of `pk_jax.ops._attention` (memory O(S), so S = 32K runs where XLA's
+materialised attention cannot), with its blockwise custom VJP; grouped-query attention repeats
+each K/V head for its H / Hkv query heads there.
 """
 
 from __future__ import annotations
 
-import jax
+import functools
 
-from pk_jax import _checks
-from pk_jax.ops import _attention
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pk_jax import _backend, _checks, _ffi
+from pk_jax.ops import _attention, _vjp
 
 NAME = "attention"
 
@@ -55,6 +62,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
     causal = _checks.is_bool(NAME, "causal", causal)
     scale = (_attention.default_scale(d) if scale is None
              else _checks.positive_float(NAME, "scale", scale))
+    if _backend.route(NAME, supported=kernel_supports(q, k, v)).path == "kernel":
+        return _kernel_attention(q, k, v, float(scale), bool(causal))
     return reference(q, k, v, causal=causal, scale=scale)
 
 
@@ -63,3 +72,62 @@ def reference(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
     """Blockwise attention with K/V heads repeated for grouped-query attention."""
     k, v = _attention.repeat_kv(q, k, v)
     return _attention.attention(q, k, v, scale=scale, causal=causal)
+
+
+# Head dims the kernels are compiled for, and the padding of lse and delta for the backward
+# (the kernels read them in tiles of up to 128 rows).
+HEAD_DIMS = (64, 128)
+_PAD = 128
+
+
+def _split(a: jax.Array) -> bool:
+    """Whether `a` is split over devices outside shard_map (an FFI call has no sharding rule)."""
+    sh = jax.typeof(a).sharding
+    return not sh.mesh.empty and any(p is not None for p in sh.spec)
+
+
+def kernel_supports(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
+    """Whether the CUDA kernels take these (already checked) operands."""
+    return (q.dtype in _checks.MATMUL_DTYPES_NP and q.shape[3] in HEAD_DIMS
+            and q.shape[0] < 65536 and q.shape[2] < 65536
+            and q.shape[1] * q.shape[2] * q.shape[3] < 2**31
+            and not any(_split(x) for x in (q, k, v)))
+
+
+def _forward_call(q, k, v, scale, causal):
+    b, s, h, _ = q.shape
+    o, lse = _ffi.call("pk_attention", [jax.ShapeDtypeStruct(q.shape, q.dtype),
+                                        jax.ShapeDtypeStruct((b, h, s), jnp.float32)],
+                       q, k, v, scale=np.float32(scale), causal=np.int64(causal),
+                       backward=np.int64(0))
+    return o, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _kernel_attention(q, k, v, scale, causal):
+    return _forward_call(q, k, v, scale, causal)[0]
+
+
+def _kernel_fwd(q, k, v, scale, causal):
+    o, lse = _forward_call(q, k, v, scale, causal)
+    return o, (q, k, v, o, lse)
+
+
+def _kernel_bwd(scale, causal, res, do):
+    q, k, v, o, lse = res
+    do = do.astype(q.dtype)
+    s = q.shape[1]
+    # delta = rowsum(dO * O) per query row and head, [B, H, S]; lse and delta padded to a
+    # multiple of the kernels' tiles (lse = +inf there, so padded rows get P = 0).
+    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
+    pad = ((0, 0), (0, 0), (0, -s % _PAD))
+    lse = jnp.pad(lse, pad, constant_values=jnp.inf)
+    delta = jnp.pad(delta, pad)
+    dq, dk, dv = _ffi.call("pk_attention", [jax.ShapeDtypeStruct(x.shape, x.dtype)
+                                            for x in (q, k, v)],
+                           q, k, v, do, lse, delta, scale=np.float32(scale),
+                           causal=np.int64(causal), backward=np.int64(1))
+    return _vjp.fit(dq, q), _vjp.fit(dk, k), _vjp.fit(dv, v)
+
+
+_kernel_attention.defvjp(_kernel_fwd, _kernel_bwd)

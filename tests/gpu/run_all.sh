@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark, on the H200 machine: tests/gpu/run_all.sh [section ...]
-# Sections: install sass unit runtime collectives collectives_mp tp tp_mp grouped emulator
-# sanitize examples users bench
+# Sections: install sass unit runtime collectives collectives_mp tp tp_mp grouped attention
+# emulator sanitize examples users bench
 # (default: all but bench). The P = 1 sections (install unit collectives tp examples) may run
 # side by side in separate invocations; the multi-process ones and bench want the GPU alone.
 # Prints one PASSED/FAILED line per step and a summary; exits non-zero if any step failed.
@@ -98,6 +98,11 @@ section_grouped() {
   step "$PY" -m pytest -q -p no:cacheprovider -m "gpu and not large" tests/test_grouped_matmul.py
 }
 
+# Single-device flash attention (pk.attention): forward and gradients against float32.
+section_attention() {
+  step "$PY" -m pytest -q -p no:cacheprovider -m "gpu and not large" tests/test_attention.py
+}
+
 # The tensor-parallel MLP examples on the CUDA path, their losses against the reference's.
 section_examples() {
   local log=${PK_JAX_LOG_DIR:-/tmp}/pk_jax_examples
@@ -154,11 +159,12 @@ section_bench() {
   step "$PY" bench/bench_tp.py --quick
   step "$PY" bench/bench_emulated.py
   step "$PY" bench/bench_grouped_matmul.py --vjp
+  step "$PY" bench/bench_attention.py
 }
 
 sections=("$@")
 [ ${#sections[@]} -eq 0 ] && sections=(install sass unit runtime collectives collectives_mp tp tp_mp \
-  grouped emulator sanitize examples users)
+  grouped attention emulator sanitize examples users)
 for s in "${sections[@]}"; do "section_$s"; done
 echo "=== summary: $passed passed, ${#failed[@]} failed"
 for f in "${failed[@]}"; do echo "failed: $f"; done

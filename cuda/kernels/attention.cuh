@@ -1,0 +1,680 @@
+/*
+ * attention: softmax(scale q k^T) v on one GPU (flash attention), forward and backward.
+ *
+ * Shapes: q, o, dq [B, S, H, D]; k, v, dk, dv [B, S, Hkv, D] (Hkv divides H: query head h uses
+ * K/V head h / (H / Hkv)); lse float32 [B, H, S]; D 64 or 128; bf16 or fp16; any S. Causal:
+ * query i sees keys 0..i. Every operand is read through a 4-D TMA map (tma_4d.cuh), so rows
+ * past S arrive as zeros; the kernels mask those keys and never store those rows.
+ *
+ * Three kernels, one block of 2 consumer warpgroups each, 64 rows each of the block's
+ * stationary tile, streaming the other operand through a ring of STAGES buffers with full/empty
+ * mbarriers. Thread 0 is the producer: it issues every TMA copy, the first STAGES tiles before
+ * the loop and each later one as soon as both warpgroups have released the stage (see NOTES at
+ * THREADS for why the producer is not a warpgroup of its own):
+ *
+ *   kernel | block owns (stationary)  | streams (per step)      | consumer step
+ *   -------+--------------------------+-------------------------+-------------------------------
+ *   fwd    | 128 query rows: Q        | 128 keys: K, V          | S = Q K^T (smem x smem);
+ *          |                          |                         | online softmax in registers;
+ *          |                          |                         | O += P V (P from registers)
+ *   dq     | 128 query rows: Q, dO    | 64 keys: K, V           | S = Q K^T, dP = dO V^T;
+ *          |                          |                         | dS = P (dP - delta); dQ += dS K
+ *   dkdv   | 128 keys of head hk: K,V | 64 query rows of each   | S^T = K Q^T, dP^T = V dO^T;
+ *          |                          | head of hk's group: Q,  | dV += P^T dO; dK += dS^T Q
+ *          |                          | dO, lse, delta          |
+ *
+ * The forward overlaps each step's softmax with the previous step's P V: step j issues
+ * S_j = Q K_j^T and O += P_{j-1} V_{j-1}, waits for S_j only, runs the softmax of S_j while the
+ * tensor cores finish P V, then rescales O. It writes O and lse = scale * max + log(sum) per
+ * row. The backward recomputes P = exp(scale q k^T - lse) from the saved lse; delta =
+ * rowsum(dO * O) comes from the caller (padded with lse = +inf past S, so padded rows give
+ * P = 0). dK and dV sum over the group's query heads in registers; dQ has its own pass, so no
+ * atomics and the gradients are deterministic.
+ *
+ * Grid: fwd and dq (H, ceil(S / 128), B); dkdv (Hkv, ceil(S / 128), B). Causal blocks run the
+ * longest rows first (block y counts down), and skip the tiles wholly above the diagonal.
+ *
+ * Signals: none (no peers).
+ *
+ * Pitfalls: a register A operand (P, dS) is read asynchronously by wgmma until its group
+ * completes, so the registers are fenced (frag::fence_regs) until after the wait. The full
+ * barriers expect whole boxes, zero-filled past S. A row that sees only masked keys in a step
+ * keeps max = -inf; exponents are then taken against 0, never -inf - (-inf).
+ */
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "pk/fragment.cuh"
+#include "pk/mbarrier.cuh"
+#include "pk/smem.cuh"
+#include "pk/tma.cuh"
+#include "pk/tma_4d.cuh"
+#include "pk/warpgroup.cuh"
+#include "pk/wgmma.cuh"
+
+namespace pk::attention {
+
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr int CONSUMERS = 2;
+// NOTES: two warpgroups and no separate producer warpgroup. Registers are split per SM
+// sub-partition: a third warpgroup (or a ninth warp) puts 3 warps on one sub-partition and
+// ptxas (nvcc 13.0) then caps every thread at 168 registers, ignoring the setmaxnreg that
+// would hand the producer's share to the consumers; the forward's O, S and P (D = 128) and
+// the dK/dV kernel's two accumulators spilled there. With 256 threads they get up to 255.
+constexpr int THREADS = CONSUMERS * WARPGROUP_THREADS;
+
+/** @brief Sizes shared by the kernels. */
+struct dims {
+  int b, s, h, hkv;
+  float scale;  // multiplies q . k
+  int causal;
+};
+
+/** @brief Forward arguments: maps {D, heads, S, B} with boxes {64, 1, 128, 1}. */
+struct fwd_globals {
+  CUtensorMap q, k, v;
+  void* o;     // [B, S, H, D]
+  float* lse;  // [B, H, S]
+  dims d;
+};
+
+/** @brief Backward arguments. q, d_o: boxes of 128 rows (dq) or 64 rows (dkdv: q64, do64);
+ * k, v: boxes of 64 rows (dq) or 128 rows (dkdv: k128, v128). lse and delta are [B, H, SP]
+ * with SP = S rounded up to 128, lse = +inf and delta = 0 past S. */
+struct bwd_globals {
+  CUtensorMap q, d_o, k, v;          // for the dq kernel
+  CUtensorMap q64, do64, k128, v128;  // for the dkdv kernel
+  const float* lse;
+  const float* delta;
+  int sp;
+  void* dq;  // [B, S, H, D]
+  void* dk;  // [B, S, Hkv, D]
+  void* dv;
+  dims d;
+};
+
+/** @brief Loads rows [row0, row0 + ROWS) of head `head` of batch `b` into `tile` (D/64 boxes). */
+template <class Tile>
+__device__ inline void load_rows(Tile& tile, const CUtensorMap* map, mbarrier* bar, int b,
+                                 int row0, int head) {
+#pragma unroll
+  for (int p = 0; p < Tile::PANELS; ++p) tma::load_4d(tile.panel(p), map, bar, p * 64, head, row0, b);
+}
+
+/** @brief Shared memory of a kernel: a 1024-aligned view of the dynamic buffer. */
+template <class S>
+__device__ inline S& storage() {
+  extern __shared__ unsigned char smem_raw[];
+  return *reinterpret_cast<S*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+}
+
+/** @brief Stores a consumer's 64 x D fp32 accumulator (times `mul`) to rows `row0`.. of
+ * [.., S, heads, D] at head `head`, dropping rows past S. */
+template <typename T, int D>
+__device__ inline void store_rows(void* out, const float (&acc)[D / 2], float mul0, float mul1,
+                                  int b, int row0, int head, int heads, int s) {
+  const int t = threadIdx.x % WARPGROUP_THREADS;
+  const int lane = t % 32;
+  const int r = row0 + 16 * (t / 32) + lane / 4;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int row = r + 8 * i;
+    if (row >= s) continue;
+    const float mul = i ? mul1 : mul0;
+    T* dst = reinterpret_cast<T*>(out) + ((int64_t(b) * s + row) * heads + head) * D;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+      const int col = 8 * j + 2 * (lane % 4);
+      *reinterpret_cast<uint32_t*>(dst + col) =
+          frag::pack<T>(acc[4 * j + 2 * i] * mul, acc[4 * j + 2 * i + 1] * mul);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward.
+
+template <typename T, int D>
+struct fwd_config {
+  using dtype = T;
+  static constexpr int HEAD_DIM = D;
+  static constexpr int BM = 128, BN = 128;
+  static constexpr int STAGES = D == 128 ? 3 : 5;
+  using q_tile = st_panels<T, BM, D>;
+  using kv_tile = st_panels<T, BN, D>;
+  struct storage_t {
+    q_tile q;
+    kv_tile k[STAGES];
+    kv_tile v[STAGES];
+    mbarrier q_full, k_full[STAGES], v_full[STAGES], empty[STAGES];
+  };
+  static constexpr size_t SMEM = sizeof(storage_t) + 1024;
+};
+
+template <class C>
+__global__ void __launch_bounds__(THREADS, 1) fwd_kernel(const __grid_constant__ fwd_globals g) {
+  using T = typename C::dtype;
+  constexpr int D = C::HEAD_DIM, BM = C::BM, BN = C::BN, STAGES = C::STAGES;
+  auto& s = storage<typename C::storage_t>();
+  const dims& dm = g.d;
+  const int h = blockIdx.x, b = blockIdx.z;
+  const int qb = dm.causal ? static_cast<int>(gridDim.y - 1 - blockIdx.y) : blockIdx.y;
+  const int q0 = qb * BM;
+  const int hk = h / (dm.h / dm.hkv);
+  const int kv_end = dm.causal ? min(dm.s, q0 + BM) : dm.s;
+  const int n_tiles = ceil_div(kv_end, BN);
+  const bool issuer = threadIdx.x == 0;
+  // Streamed tile j into stage j % STAGES (the stage is free).
+  auto issue = [&](int j) {
+    const int st = j % STAGES;
+    mbar_arrive_expect_tx(&s.k_full[st], C::kv_tile::BYTES);
+    load_rows(s.k[st], &g.k, &s.k_full[st], b, j * BN, hk);
+    mbar_arrive_expect_tx(&s.v_full[st], C::kv_tile::BYTES);
+    load_rows(s.v[st], &g.v, &s.v_full[st], b, j * BN, hk);
+  };
+  if (issuer) {
+    block_wait_bound() = wait_bound{};
+    mbar_init(&s.q_full, 1);
+    for (int i = 0; i < STAGES; ++i) {
+      mbar_init(&s.k_full[i], 1);
+      mbar_init(&s.v_full[i], 1);
+      mbar_init(&s.empty[i], CONSUMERS);
+    }
+    fence_mbar_init();
+    mbar_arrive_expect_tx(&s.q_full, C::q_tile::BYTES);
+    load_rows(s.q, &g.q, &s.q_full, b, q0, h);
+    for (int j = 0; j < min(STAGES, n_tiles); ++j) issue(j);
+  }
+  __syncthreads();
+
+  const int c = warpgroup::index();
+  const int t = warpgroup::thread();
+  const int lane = t % 32;
+  const bool leader = t == 0;
+  // This warpgroup is done with tile r; the issuer refills r's stage with tile r + STAGES
+  // once both warpgroups are.
+  auto release = [&](int r) {
+    const int st = r % STAGES;
+    if (leader) mbar_arrive(&s.empty[st]);
+    if (issuer && r + STAGES < n_tiles) {
+      mbar_wait(&s.empty[st], (r / STAGES) & 1);
+      issue(r + STAGES);
+    }
+    __syncwarp();
+  };
+  const int row_lo = q0 + c * 64 + 16 * (t / 32) + lane / 4;  // rows row_lo, row_lo + 8
+  const float sl2 = dm.scale * LOG2E;
+
+  float o[D / 2];
+  float sc[BN / 2];
+  uint32_t p[BN / 4];
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+
+  auto qk = [&](int st) {
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint64_t da =
+          wgmma::desc_k_major(s.q.panel(kk / 4) + c * 64 * 64, (kk % 4) * 16);
+      const uint64_t db = wgmma::desc_k_major(s.k[st].panel(kk / 4), (kk % 4) * 16);
+      wgmma::mma<T, BN, 0>(sc, da, db, kk > 0 ? 1 : 0);
+    }
+    wgmma::commit();
+  };
+  auto pv = [&](int st) {
+    wgmma::fence();
+    frag::static_for<BN / 16>([&](auto kk) {
+      const uint64_t db = wgmma::desc_mn_major(s.v[st].data, kk * 16, C::kv_tile::PANEL_BYTES);
+      frag::mma_rs<T, D, 1, kk>(o, p, db, 1);
+    });
+    wgmma::commit();
+  };
+  // Masks keys past S and, when causal, keys after the row; then the online-softmax update.
+  auto softmax = [&](int j) {
+    const int k0 = j * BN;
+    const bool tail = k0 + BN > dm.s;
+    const bool diag = dm.causal && k0 + BN - 1 > q0 + c * 64;
+    if (tail || diag) {
+#pragma unroll
+      for (int jj = 0; jj < BN / 8; ++jj) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+#pragma unroll
+          for (int cc = 0; cc < 2; ++cc) {
+            const int key = k0 + 8 * jj + 2 * (lane % 4) + cc;
+            if (key >= dm.s || (dm.causal && key > row_lo + 8 * i)) {
+              sc[4 * jj + 2 * i + cc] = -INFINITY;
+            }
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float mx = m[i];
+#pragma unroll
+      for (int jj = 0; jj < BN / 8; ++jj) {
+        mx = fmaxf(mx, fmaxf(sc[4 * jj + 2 * i], sc[4 * jj + 2 * i + 1]));
+      }
+      mx = frag::quad_max(mx);
+      const float ref = mx == -INFINITY ? 0.f : mx * sl2;
+      alpha[i] = frag::exp2_approx(m[i] * sl2 - ref);
+      m[i] = mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int jj = 0; jj < BN / 8; ++jj) {
+#pragma unroll
+        for (int cc = 0; cc < 2; ++cc) {
+          float& x = sc[4 * jj + 2 * i + cc];
+          x = frag::exp2_approx(fmaf(x, sl2, -ref));
+          sum += x;
+        }
+      }
+      l[i] = l[i] * alpha[i] + sum;
+    }
+  };
+  auto rescale = [&]() {
+#pragma unroll
+    for (int jj = 0; jj < D / 8; ++jj) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        o[4 * jj + 2 * i] *= alpha[i];
+        o[4 * jj + 2 * i + 1] *= alpha[i];
+      }
+    }
+  };
+
+  mbar_wait(&s.q_full, 0);
+  mbar_wait(&s.k_full[0], 0);
+  qk(0);
+  wgmma::wait<0>();
+  wgmma::fence_regs(sc);
+  softmax(0);
+  frag::to_a<T>(p, sc);
+  for (int j = 1; j < n_tiles; ++j) {
+    const int st = j % STAGES, prev = (j - 1) % STAGES;
+    mbar_wait(&s.k_full[st], (j / STAGES) & 1);
+    qk(st);
+    mbar_wait(&s.v_full[prev], ((j - 1) / STAGES) & 1);
+    wgmma::fence_regs(o);
+    pv(prev);
+    wgmma::wait<1>();
+    wgmma::fence_regs(sc);
+    softmax(j);
+    wgmma::wait<0>();
+    wgmma::fence_regs(o);
+    frag::fence_regs(p);
+    release(j - 1);
+    rescale();
+    frag::to_a<T>(p, sc);
+  }
+  const int last = (n_tiles - 1) % STAGES;
+  mbar_wait(&s.v_full[last], ((n_tiles - 1) / STAGES) & 1);
+  wgmma::fence_regs(o);
+  pv(last);
+  wgmma::wait<0>();
+  wgmma::fence_regs(o);
+  frag::fence_regs(p);
+  release(n_tiles - 1);
+
+  float inv[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    l[i] = frag::quad_sum(l[i]);
+    inv[i] = l[i] > 0.f ? 1.f / l[i] : 0.f;
+    const int row = row_lo + 8 * i;
+    if (lane % 4 == 0 && row < dm.s) {
+      g.lse[(int64_t(b) * dm.h + h) * dm.s + row] =
+          l[i] > 0.f ? m[i] * dm.scale + logf(l[i]) : INFINITY;
+    }
+  }
+  store_rows<T, D>(g.o, o, inv[0], inv[1], b, q0 + c * 64, h, dm.h, dm.s);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward: dQ.
+
+template <typename T, int D>
+struct dq_config {
+  using dtype = T;
+  static constexpr int HEAD_DIM = D;
+  static constexpr int BM = 128, BN = 64;
+  static constexpr int STAGES = D == 128 ? 4 : 6;
+  using q_tile = st_panels<T, BM, D>;
+  using kv_tile = st_panels<T, BN, D>;
+  struct storage_t {
+    q_tile q, d_o;
+    kv_tile k[STAGES];
+    kv_tile v[STAGES];
+    mbarrier q_full, full[STAGES], empty[STAGES];
+  };
+  static constexpr size_t SMEM = sizeof(storage_t) + 1024;
+};
+
+template <class C>
+__global__ void __launch_bounds__(THREADS, 1) dq_kernel(const __grid_constant__ bwd_globals g) {
+  using T = typename C::dtype;
+  constexpr int D = C::HEAD_DIM, BM = C::BM, BN = C::BN, STAGES = C::STAGES;
+  auto& s = storage<typename C::storage_t>();
+  const dims& dm = g.d;
+  const int h = blockIdx.x, b = blockIdx.z;
+  const int qb = dm.causal ? static_cast<int>(gridDim.y - 1 - blockIdx.y) : blockIdx.y;
+  const int q0 = qb * BM;
+  const int hk = h / (dm.h / dm.hkv);
+  const int kv_end = dm.causal ? min(dm.s, q0 + BM) : dm.s;
+  const int n_tiles = ceil_div(kv_end, BN);
+  const bool issuer = threadIdx.x == 0;
+  auto issue = [&](int j) {
+    const int st = j % STAGES;
+    mbar_arrive_expect_tx(&s.full[st], 2 * C::kv_tile::BYTES);
+    load_rows(s.k[st], &g.k, &s.full[st], b, j * BN, hk);
+    load_rows(s.v[st], &g.v, &s.full[st], b, j * BN, hk);
+  };
+  if (issuer) {
+    block_wait_bound() = wait_bound{};
+    mbar_init(&s.q_full, 1);
+    for (int i = 0; i < STAGES; ++i) {
+      mbar_init(&s.full[i], 1);
+      mbar_init(&s.empty[i], CONSUMERS);
+    }
+    fence_mbar_init();
+    mbar_arrive_expect_tx(&s.q_full, 2 * C::q_tile::BYTES);
+    load_rows(s.q, &g.q, &s.q_full, b, q0, h);
+    load_rows(s.d_o, &g.d_o, &s.q_full, b, q0, h);
+    for (int j = 0; j < min(STAGES, n_tiles); ++j) issue(j);
+  }
+  __syncthreads();
+
+  const int c = warpgroup::index();
+  const int t = warpgroup::thread();
+  const int lane = t % 32;
+  const bool leader = t == 0;
+  // This warpgroup is done with tile r; the issuer refills r's stage with tile r + STAGES
+  // once both warpgroups are.
+  auto release = [&](int r) {
+    const int st = r % STAGES;
+    if (leader) mbar_arrive(&s.empty[st]);
+    if (issuer && r + STAGES < n_tiles) {
+      mbar_wait(&s.empty[st], (r / STAGES) & 1);
+      issue(r + STAGES);
+    }
+    __syncwarp();
+  };
+  const int row_lo = q0 + c * 64 + 16 * (t / 32) + lane / 4;
+  const float sl2 = dm.scale * LOG2E;
+  float lse2[2], delta[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int64_t at = (int64_t(b) * dm.h + h) * g.sp + row_lo + 8 * i;  // < SP: padded
+    lse2[i] = g.lse[at] * LOG2E;
+    delta[i] = g.delta[at];
+  }
+
+  float dq[D / 2];
+  float sc[BN / 2], dp[BN / 2];
+  uint32_t ds[BN / 4];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) dq[i] = 0.f;
+
+  mbar_wait(&s.q_full, 0);
+  for (int j = 0; j < n_tiles; ++j) {
+    const int st = j % STAGES;
+    mbar_wait(&s.full[st], (j / STAGES) & 1);
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint64_t db = wgmma::desc_k_major(s.k[st].panel(kk / 4), (kk % 4) * 16);
+      wgmma::mma<T, BN, 0>(
+          sc, wgmma::desc_k_major(s.q.panel(kk / 4) + c * 64 * 64, (kk % 4) * 16), db,
+          kk > 0 ? 1 : 0);
+    }
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint64_t db = wgmma::desc_k_major(s.v[st].panel(kk / 4), (kk % 4) * 16);
+      wgmma::mma<T, BN, 0>(
+          dp, wgmma::desc_k_major(s.d_o.panel(kk / 4) + c * 64 * 64, (kk % 4) * 16), db,
+          kk > 0 ? 1 : 0);
+    }
+    wgmma::commit();
+    wgmma::wait<0>();
+    wgmma::fence_regs(sc);
+    wgmma::fence_regs(dp);
+    const int k0 = j * BN;
+    const bool mask = k0 + BN > dm.s || (dm.causal && k0 + BN - 1 > q0 + c * 64);
+#pragma unroll
+    for (int jj = 0; jj < BN / 8; ++jj) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+#pragma unroll
+        for (int cc = 0; cc < 2; ++cc) {
+          const int e = 4 * jj + 2 * i + cc;
+          float pr = frag::exp2_approx(fmaf(sc[e], sl2, -lse2[i]));
+          if (mask) {
+            const int key = k0 + 8 * jj + 2 * (lane % 4) + cc;
+            if (key >= dm.s || (dm.causal && key > row_lo + 8 * i)) pr = 0.f;
+          }
+          sc[e] = pr * (dp[e] - delta[i]);
+        }
+      }
+    }
+    frag::to_a<T>(ds, sc);
+    wgmma::fence_regs(dq);
+    wgmma::fence();
+    frag::static_for<BN / 16>([&](auto kk) {
+      const uint64_t db = wgmma::desc_mn_major(s.k[st].data, kk * 16, C::kv_tile::PANEL_BYTES);
+      frag::mma_rs<T, D, 1, kk>(dq, ds, db, 1);
+    });
+    wgmma::commit();
+    wgmma::wait<0>();
+    wgmma::fence_regs(dq);
+    frag::fence_regs(ds);
+    release(j);
+  }
+  store_rows<T, D>(g.dq, dq, dm.scale, dm.scale, b, q0 + c * 64, h, dm.h, dm.s);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward: dK and dV.
+
+template <typename T, int D>
+struct dkdv_config {
+  using dtype = T;
+  static constexpr int HEAD_DIM = D;
+  static constexpr int BN = 128, BQ = 64;
+  static constexpr int STAGES = D == 128 ? 4 : 6;
+  using kv_tile = st_panels<T, BN, D>;
+  using q_tile = st_panels<T, BQ, D>;
+  struct stage_t {
+    q_tile q, d_o;
+    float lse[BQ];
+    float delta[BQ];
+  };
+  struct storage_t {
+    kv_tile k, v;
+    stage_t st[STAGES];
+    mbarrier kv_full, full[STAGES], empty[STAGES];
+  };
+  static constexpr uint32_t STAGE_BYTES = 2 * q_tile::BYTES + 2 * BQ * sizeof(float);
+  static constexpr size_t SMEM = sizeof(storage_t) + 1024;
+};
+
+template <class C>
+__global__ void __launch_bounds__(THREADS, 1) dkdv_kernel(const __grid_constant__ bwd_globals g) {
+  using T = typename C::dtype;
+  constexpr int D = C::HEAD_DIM, BN = C::BN, BQ = C::BQ, STAGES = C::STAGES;
+  auto& s = storage<typename C::storage_t>();
+  const dims& dm = g.d;
+  const int hk = blockIdx.x, b = blockIdx.z;
+  const int kb = dm.causal ? static_cast<int>(gridDim.y - 1 - blockIdx.y) : blockIdx.y;
+  const int k0 = kb * BN;
+  const int group = dm.h / dm.hkv;
+  const int nq = ceil_div(dm.s, BQ);
+  const int qb0 = dm.causal ? k0 / BQ : 0;
+  const int per_head = nq - qb0;
+  const int n_tiles = group * per_head;
+  const bool issuer = threadIdx.x == 0;
+  auto issue = [&](int j) {
+    const int st = j % STAGES;
+    const int h = hk * group + j / per_head;
+    const int q0 = (qb0 + j % per_head) * BQ;
+    auto& stage = s.st[st];
+    mbar_arrive_expect_tx(&s.full[st], C::STAGE_BYTES);
+    load_rows(stage.q, &g.q64, &s.full[st], b, q0, h);
+    load_rows(stage.d_o, &g.do64, &s.full[st], b, q0, h);
+    const int64_t at = (int64_t(b) * dm.h + h) * g.sp + q0;  // q0 + 64 <= SP: padded
+    tma::load_1d(stage.lse, g.lse + at, BQ * sizeof(float), &s.full[st]);
+    tma::load_1d(stage.delta, g.delta + at, BQ * sizeof(float), &s.full[st]);
+  };
+  if (issuer) {
+    block_wait_bound() = wait_bound{};
+    mbar_init(&s.kv_full, 1);
+    for (int i = 0; i < STAGES; ++i) {
+      mbar_init(&s.full[i], 1);
+      mbar_init(&s.empty[i], CONSUMERS);
+    }
+    fence_mbar_init();
+    mbar_arrive_expect_tx(&s.kv_full, 2 * C::kv_tile::BYTES);
+    load_rows(s.k, &g.k128, &s.kv_full, b, k0, hk);
+    load_rows(s.v, &g.v128, &s.kv_full, b, k0, hk);
+    for (int j = 0; j < min(STAGES, n_tiles); ++j) issue(j);
+  }
+  __syncthreads();
+
+  const int c = warpgroup::index();
+  const int t = warpgroup::thread();
+  const int lane = t % 32;
+  const bool leader = t == 0;
+  // This warpgroup is done with tile r; the issuer refills r's stage with tile r + STAGES
+  // once both warpgroups are.
+  auto release = [&](int r) {
+    const int st = r % STAGES;
+    if (leader) mbar_arrive(&s.empty[st]);
+    if (issuer && r + STAGES < n_tiles) {
+      mbar_wait(&s.empty[st], (r / STAGES) & 1);
+      issue(r + STAGES);
+    }
+    __syncwarp();
+  };
+  const int key_lo = k0 + c * 64 + 16 * (t / 32) + lane / 4;  // keys key_lo, key_lo + 8
+  const float sl2 = dm.scale * LOG2E;
+
+  float dk[D / 2], dv[D / 2];
+  float sc[BQ / 2], dp[BQ / 2];
+  uint32_t pa[BQ / 4], dsa[BQ / 4];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
+
+  mbar_wait(&s.kv_full, 0);
+  for (int j = 0; j < n_tiles; ++j) {
+    const int st = j % STAGES;
+    const int q0 = (qb0 + j % per_head) * BQ;
+    auto& stage = s.st[st];
+    mbar_wait(&s.full[st], (j / STAGES) & 1);
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint64_t db = wgmma::desc_k_major(stage.q.panel(kk / 4), (kk % 4) * 16);
+      wgmma::mma<T, BQ, 0>(
+          sc, wgmma::desc_k_major(s.k.panel(kk / 4) + c * 64 * 64, (kk % 4) * 16), db,
+          kk > 0 ? 1 : 0);
+    }
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint64_t db = wgmma::desc_k_major(stage.d_o.panel(kk / 4), (kk % 4) * 16);
+      wgmma::mma<T, BQ, 0>(
+          dp, wgmma::desc_k_major(s.v.panel(kk / 4) + c * 64 * 64, (kk % 4) * 16), db,
+          kk > 0 ? 1 : 0);
+    }
+    wgmma::commit();
+    wgmma::wait<0>();
+    wgmma::fence_regs(sc);
+    wgmma::fence_regs(dp);
+    const bool mask = dm.causal && q0 < k0 + c * 64 + 63;
+#pragma unroll
+    for (int jj = 0; jj < BQ / 8; ++jj) {
+#pragma unroll
+      for (int cc = 0; cc < 2; ++cc) {
+        const int col = 8 * jj + 2 * (lane % 4) + cc;
+        const float l2 = stage.lse[col] * LOG2E;  // +inf past S: p = 0
+        const float dl = stage.delta[col];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int e = 4 * jj + 2 * i + cc;
+          float pr = frag::exp2_approx(fmaf(sc[e], sl2, -l2));
+          if (mask && q0 + col < key_lo + 8 * i) pr = 0.f;
+          sc[e] = pr;
+          dp[e] = pr * (dp[e] - dl);
+        }
+      }
+    }
+    frag::to_a<T>(pa, sc);
+    frag::to_a<T>(dsa, dp);
+    wgmma::fence_regs(dv);
+    wgmma::fence_regs(dk);
+    wgmma::fence();
+    frag::static_for<BQ / 16>([&](auto kk) {
+      frag::mma_rs<T, D, 1, kk>(
+          dv, pa, wgmma::desc_mn_major(stage.d_o.data, kk * 16, C::q_tile::PANEL_BYTES), 1);
+    });
+    frag::static_for<BQ / 16>([&](auto kk) {
+      frag::mma_rs<T, D, 1, kk>(
+          dk, dsa, wgmma::desc_mn_major(stage.q.data, kk * 16, C::q_tile::PANEL_BYTES), 1);
+    });
+    wgmma::commit();
+    wgmma::wait<0>();
+    wgmma::fence_regs(dv);
+    wgmma::fence_regs(dk);
+    frag::fence_regs(pa);
+    frag::fence_regs(dsa);
+    release(j);
+  }
+  store_rows<T, D>(g.dk, dk, dm.scale, dm.scale, b, k0 + c * 64, hk, dm.hkv, dm.s);
+  store_rows<T, D>(g.dv, dv, 1.f, 1.f, b, k0 + c * 64, hk, dm.hkv, dm.s);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Launchers.
+
+template <class C, class G>
+inline cudaError_t launch_kernel(void (*kernel)(G), const G& g, dim3 grid, cudaStream_t stream,
+                                 int device) {
+  static_assert(C::SMEM + sizeof(wait_bound) <= 232448,
+                "attention: shared memory over the sm_90 limit of 227 KiB");
+  if (cudaError_t err = opt_in_smem(reinterpret_cast<const void*>(kernel), device,
+                                     static_cast<int>(C::SMEM));
+      err != cudaSuccess) {
+    return err;
+  }
+  kernel<<<grid, THREADS, C::SMEM, stream>>>(g);
+  return cudaGetLastError();
+}
+
+/** @brief The forward for head dim D: O and lse. */
+template <typename T, int D>
+inline cudaError_t launch_fwd(const fwd_globals& g, cudaStream_t stream, int device) {
+  using C = fwd_config<T, D>;
+  const dim3 grid(g.d.h, ceil_div(g.d.s, C::BM), g.d.b);
+  return launch_kernel<C>(&fwd_kernel<C>, g, grid, stream, device);
+}
+
+/** @brief The backward for head dim D: dQ, then dK and dV. */
+template <typename T, int D>
+inline cudaError_t launch_bwd(const bwd_globals& g, cudaStream_t stream, int device) {
+  using CQ = dq_config<T, D>;
+  using CK = dkdv_config<T, D>;
+  if (cudaError_t err = launch_kernel<CQ>(&dq_kernel<CQ>, g,
+                                          dim3(g.d.h, ceil_div(g.d.s, CQ::BM), g.d.b), stream,
+                                          device);
+      err != cudaSuccess) {
+    return err;
+  }
+  return launch_kernel<CK>(&dkdv_kernel<CK>, g, dim3(g.d.hkv, ceil_div(g.d.s, CK::BN), g.d.b),
+                           stream, device);
+}
+
+}  // namespace pk::attention

@@ -1,0 +1,186 @@
+// FFI handler and launcher of pk_attention: flash attention on one GPU, forward and backward in
+// one target (attribute `backward`), see cuda/kernels/attention.cuh. Operands are read through
+// 4-D tensor maps encoded here on every call.
+#include <string>
+
+#include "ffi_util.h"
+#include "kernels/attention.cuh"
+#include "launch.h"
+#include "tensor_map.h"
+
+namespace pk_ffi {
+namespace {
+
+// A 128B-swizzled map over a [B, S, heads, D] tensor of 2-byte elements: dims {D, heads, S, B},
+// box {64, 1, rows, 1} (one swizzled panel of `rows` positions of one head).
+Status Map4d(const void* ptr, int64_t b, int64_t s, int64_t heads, int64_t d, int rows,
+             int dtype, CUtensorMap* out) {
+  PFN_cuTensorMapEncodeTiled_v12000 encode = EncodeFn();
+  if (encode == nullptr) {
+    return Status::Internal("pk.attention: cuTensorMapEncodeTiled is not available.");
+  }
+  const cuuint64_t dims[4] = {cuuint64_t(d), cuuint64_t(heads), cuuint64_t(s), cuuint64_t(b)};
+  const cuuint64_t strides[3] = {cuuint64_t(d) * 2, cuuint64_t(heads * d) * 2,
+                                 cuuint64_t(s * heads * d) * 2};
+  const cuuint32_t box[4] = {64, 1, cuuint32_t(rows), 1};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  CUresult r = encode(out,
+                      dtype == 0 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                      4, const_cast<void*>(ptr), dims, strides, box, elem_strides,
+                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    return Status::Internal("pk.attention: cuTensorMapEncodeTiled failed with CUresult " +
+                            std::to_string(static_cast<int>(r)));
+  }
+  return Status::Ok();
+}
+
+template <typename T>
+cudaError_t Launch(const AttnArgs& a, const pk::attention::fwd_globals* f,
+                   const pk::attention::bwd_globals* g, cudaStream_t stream, int device) {
+  if (a.d == 64) {
+    return f ? pk::attention::launch_fwd<T, 64>(*f, stream, device)
+             : pk::attention::launch_bwd<T, 64>(*g, stream, device);
+  }
+  return f ? pk::attention::launch_fwd<T, 128>(*f, stream, device)
+           : pk::attention::launch_bwd<T, 128>(*g, stream, device);
+}
+
+}  // namespace
+
+Status LaunchAttention(const Where& at, const AttnArgs& a) {
+  if (a.dtype != DType::kBF16 && a.dtype != DType::kF16) {
+    return Status::Invalid("pk_attention: q, k and v must all be bf16 or all fp16.");
+  }
+  if (a.d != 64 && a.d != 128) {
+    return Status::Invalid("pk_attention: head_dim must be 64 or 128, got " +
+                           std::to_string(a.d));
+  }
+  if (a.hkv < 1 || a.h % a.hkv != 0) {
+    return Status::Invalid("pk_attention: the K/V heads must divide the query heads.");
+  }
+  if (a.b == 0 || a.s == 0 || a.h == 0) return Status::Ok();
+  if (a.b > 65535 || a.h > 65535 || a.s * a.h * a.d > INT32_MAX || a.s > INT32_MAX / 2) {
+    return Status::Invalid("pk_attention: sizes too large (batch and heads below 65536, "
+                           "S * H * D below 2^31).");
+  }
+  if (a.backward && a.sp < (a.s + 127) / 128 * 128) {
+    return Status::Invalid("pk_attention: lse and delta must be padded to S rounded up to 128.");
+  }
+  const int type = a.dtype == DType::kBF16 ? 0 : 1;
+  pk::attention::dims dm{int(a.b), int(a.s), int(a.h), int(a.hkv), a.scale, a.causal ? 1 : 0};
+  cudaError_t err;
+  if (!a.backward) {
+    pk::attention::fwd_globals f{};
+    f.o = a.o;
+    f.lse = a.lse;
+    f.d = dm;
+    if (Status s = Map4d(a.q, a.b, a.s, a.h, a.d, 128, type, &f.q); !s.ok()) return s;
+    if (Status s = Map4d(a.k, a.b, a.s, a.hkv, a.d, 128, type, &f.k); !s.ok()) return s;
+    if (Status s = Map4d(a.v, a.b, a.s, a.hkv, a.d, 128, type, &f.v); !s.ok()) return s;
+    err = type == 0 ? Launch<__nv_bfloat16>(a, &f, nullptr, at.stream, at.device)
+                    : Launch<__half>(a, &f, nullptr, at.stream, at.device);
+  } else {
+    pk::attention::bwd_globals g{};
+    g.lse = a.lse_in;
+    g.delta = a.delta;
+    g.sp = int(a.sp);
+    g.dq = a.dq;
+    g.dk = a.dk;
+    g.dv = a.dv;
+    g.d = dm;
+    const struct {
+      const void* ptr;
+      int64_t heads;
+      int rows;
+      CUtensorMap* out;
+    } maps[] = {{a.q, a.h, 128, &g.q},    {a.d_o, a.h, 128, &g.d_o}, {a.k, a.hkv, 64, &g.k},
+                {a.v, a.hkv, 64, &g.v},   {a.q, a.h, 64, &g.q64},    {a.d_o, a.h, 64, &g.do64},
+                {a.k, a.hkv, 128, &g.k128}, {a.v, a.hkv, 128, &g.v128}};
+    for (const auto& m : maps) {
+      if (Status s = Map4d(m.ptr, a.b, a.s, m.heads, a.d, m.rows, type, m.out); !s.ok()) {
+        return s;
+      }
+    }
+    err = type == 0 ? Launch<__nv_bfloat16>(a, nullptr, &g, at.stream, at.device)
+                    : Launch<__half>(a, nullptr, &g, at.stream, at.device);
+  }
+  return CudaStatus(err, "attention");
+}
+
+namespace {
+
+ffi::Error AttentionCuda(cudaStream_t stream, int32_t device, ffi::RemainingArgs args,
+                         ffi::RemainingRets rets, float scale, int64_t causal,
+                         int64_t backward) {
+  AttnArgs a{};
+  a.backward = backward != 0;
+  a.causal = causal != 0;
+  a.scale = scale;
+  const size_t want_args = a.backward ? 6 : 3, want_rets = a.backward ? 3 : 2;
+  if (args.size() != want_args || rets.size() != want_rets) {
+    return ffi::Error::InvalidArgument(
+        "pk_attention: expected (q, k, v) -> (o, lse) forward, (q, k, v, do, lse, delta) -> "
+        "(dq, dk, dv) backward.");
+  }
+  ffi::AnyBuffer q = *args.get<ffi::AnyBuffer>(0), k = *args.get<ffi::AnyBuffer>(1),
+                 v = *args.get<ffi::AnyBuffer>(2);
+  const ffi::DataType dt = q.element_type();
+  if (!ToDType(dt, &a.dtype) || k.element_type() != dt || v.element_type() != dt) {
+    return ffi::Error::InvalidArgument("pk_attention: q, k and v must all be bf16 or fp16.");
+  }
+  const auto qd = q.dimensions(), kd = k.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || kd[0] != qd[0] || kd[1] != qd[1] ||
+      kd[3] != qd[3] || v.dimensions().size() != 4 || v.dimensions()[2] != kd[2]) {
+    return ffi::Error::InvalidArgument(
+        "pk_attention: expected q [B, S, H, D], k and v [B, S, Hkv, D].");
+  }
+  a.b = qd[0];
+  a.s = qd[1];
+  a.h = qd[2];
+  a.d = qd[3];
+  a.hkv = kd[2];
+  a.q = q.untyped_data();
+  a.k = k.untyped_data();
+  a.v = v.untyped_data();
+  if (!a.backward) {
+    a.o = (*rets.get<ffi::AnyBuffer>(0))->untyped_data();
+    ffi::Result<ffi::AnyBuffer> lse = *rets.get<ffi::AnyBuffer>(1);
+    if (lse->element_type() != ffi::DataType::F32) {
+      return ffi::Error::InvalidArgument("pk_attention: lse must be float32 [B, H, S].");
+    }
+    a.lse = static_cast<float*>(lse->untyped_data());
+  } else {
+    ffi::AnyBuffer d_o = *args.get<ffi::AnyBuffer>(3), lse = *args.get<ffi::AnyBuffer>(4),
+                   delta = *args.get<ffi::AnyBuffer>(5);
+    if (d_o.element_type() != dt || lse.element_type() != ffi::DataType::F32 ||
+        delta.element_type() != ffi::DataType::F32 || lse.dimensions().size() != 3) {
+      return ffi::Error::InvalidArgument(
+          "pk_attention: do must match q; lse and delta must be float32 [B, H, SP].");
+    }
+    a.d_o = d_o.untyped_data();
+    a.lse_in = static_cast<const float*>(lse.untyped_data());
+    a.delta = static_cast<const float*>(delta.untyped_data());
+    a.sp = lse.dimensions()[2];
+    a.dq = (*rets.get<ffi::AnyBuffer>(0))->untyped_data();
+    a.dk = (*rets.get<ffi::AnyBuffer>(1))->untyped_data();
+    a.dv = (*rets.get<ffi::AnyBuffer>(2))->untyped_data();
+  }
+  return ToError(LaunchAttention(Where{stream, device, 0}, a));
+}
+
+}  // namespace
+}  // namespace pk_ffi
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PkAttention, pk_ffi::AttentionCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .Ctx<xla::ffi::DeviceOrdinal>()                 // device
+                                  .RemainingArgs()  // q, k, v (+ do, lse, delta backward)
+                                  .RemainingRets()  // o, lse (dq, dk, dv backward)
+                                  .Attr<float>("scale")       // multiplies q . k
+                                  .Attr<int64_t>("causal")    // 1: query i sees keys 0..i
+                                  .Attr<int64_t>("backward"),  // 0 forward, 1 backward
+                              PK_FFI_CUDA_TRAITS);
