@@ -23,6 +23,7 @@ from util import (
     rand,
     run,
     small_ints,
+    stand_in_kernels,
     vjp_both,
 )
 
@@ -429,3 +430,73 @@ def test_gpu_p1_tp_mlp_gradients_match_reference(sequence_parallel, mode):
     for a, b in zip(ours[1], ref[1]):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert np.max(np.abs(a - b)) <= 3e-2 * np.max(np.abs(b)) + 1e-3
+
+
+# ----------------------------------------------- the routes at P = 1 (stand-in kernels, CPU)
+
+
+@pytest.mark.parametrize("sequence_parallel,mode,check_vma",
+                         product((True, False), ("fused", "local"), (True, False)))
+def test_p1_routes_keep_the_reference_types(monkeypatch, sequence_parallel, mode, check_vma):
+    """Over a 1-device axis the TP layers take the route the cost model gives ("local":
+    pk.matmul with XLA's no-op collective; "fused": the fused kernel): the results and their
+    replication types are the reference's, forward and backward, with check_vma on or off."""
+    from pk_jax import _backend
+    from pk_jax import nn as pknn
+
+    calls = stand_in_kernels(monkeypatch)
+    fused_targets = ("pk_gemm_rs", "pk_ag_gemm", "pk_gemm_ar")
+
+    def fake_fused(target, results, *args, out_vma=None, **attrs):  # the fused kernels' math
+        x, w = args[:2]
+        axis = "tp"
+        calls.append({"target": target})
+        if target == "pk_ag_gemm":
+            full = jax.lax.all_gather(x, axis, axis=0, tiled=True)
+            return jnp.matmul(full, w).astype(x.dtype), full
+        y = jnp.matmul(x, w).astype(x.dtype)
+        if target == "pk_gemm_rs":
+            return jax.lax.psum_scatter(y, axis, scatter_dimension=0, tiled=True)
+        return jax.lax.psum(y, axis)
+
+    stand_in = _ffi_module().call
+    monkeypatch.setattr(_ffi_module(), "call", lambda t, *a, **k: (
+        fake_fused if t in fused_targets else stand_in)(t, *a, **k))
+    monkeypatch.setattr(_backend, "_gpu", lambda: cost_model.H200)
+    mesh = cpu_mesh((1,), ("tp",), explicit=False)
+    pk.init(mesh)
+    d, hdim, s = 64, 128, 48
+    ks = jax.random.split(jax.random.key(5), 5)
+    x = rand(ks[0], (s, d), jnp.float32) * 0.5
+    w1, w2 = rand(ks[1], (d, hdim), jnp.float32) / 8, rand(ks[2], (hdim, d), jnp.float32) / 11
+    b1, b2 = rand(ks[3], (hdim,), jnp.float32) / 10, rand(ks[4], (d,), jnp.float32) / 10
+    xs = P("tp", None) if sequence_parallel else P()
+
+    def local(x, w1, b1, w2, b2):
+        h = pknn.column_parallel_linear(x, w1, b1, axis_name="tp",
+                                        sequence_parallel=sequence_parallel)
+        return pknn.row_parallel_linear(jax.nn.gelu(h), w2, b2, axis_name="tp",
+                                        sequence_parallel=sequence_parallel)
+
+    specs = (xs, P(None, "tp"), P("tp"), P("tp", None), P())
+    tp = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=xs, check_vma=check_vma)
+    loss = lambda fn: lambda *a: jnp.sum(fn(*a).astype(jnp.float32) ** 2)  # noqa: E731
+    cast = [a.astype(jnp.bfloat16) for a in (x, w1, b1, w2, b2)]
+    with cost_model.override(mode=mode):
+        ours = jax.jit(jax.value_and_grad(loss(tp), argnums=(0, 1, 2, 3, 4)))(*cast)
+    ref = jax.value_and_grad(loss(pknn.reference_mlp), argnums=(0, 1, 2, 3, 4))(*cast)
+    np.testing.assert_allclose(float(ours[0]), float(ref[0]), rtol=2e-2)
+    for a, b in zip(ours[1], ref[1]):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.max(np.abs(a - b)) <= 3e-2 * np.max(np.abs(b)) + 1e-3
+    targets = {c["target"] for c in calls}
+    if mode == "local":
+        assert "pk_matmul" in targets and not targets & set(fused_targets), targets
+    else:
+        assert targets & set(fused_targets), targets
+
+
+def _ffi_module():
+    from pk_jax import _ffi
+
+    return _ffi

@@ -72,8 +72,9 @@ def gemm_rs_impl(x: jax.Array, w: jax.Array, axis_name: str) -> jax.Array:
                        gemm=(m, n, k, x.dtype))
     if r.path == "reference":
         return reference(x, w, axis_name)
-    if r.path == "local":
-        return _mm.cuda_matmul(x, w)
+    if r.path == "local":  # the reduce-scatter over one device: XLA's no-op, the reference's type
+        return jax.lax.psum_scatter(_mm.cuda_matmul(x, w), axis_name, scatter_dimension=0,
+                                    tiled=True)
     if r.path == "serial":
         from pk_jax.ops import reduce_scatter as rs
 
