@@ -444,6 +444,7 @@ __global__ void __launch_bounds__(THREADS) stage_kernel(const __grid_constant__ 
 template <typename T, typename U>
 __global__ void __launch_bounds__(THREADS) pull_kernel(const __grid_constant__ combine_args a) {
   constexpr int VE = sizeof(U) / sizeof(T);
+  constexpr int PULL = 4;
   __shared__ int32_t s_dest[WARPS][MAX_K];
   __shared__ int32_t s_pos[WARPS][MAX_K];
   __shared__ float s_w[WARPS][MAX_K];
@@ -480,15 +481,29 @@ __global__ void __launch_bounds__(THREADS) pull_kernel(const __grid_constant__ c
       float acc[VE];
 #pragma unroll
       for (int e = 0; e < VE; ++e) acc[e] = 0.f;
-      for (int j = 0; j < k; ++j) {
-        const int32_t d = s_dest[warp][j];
-        if (d < 0) continue;  // dropped: contributes zero (its row is never read)
-        const U v = __ldcg(reinterpret_cast<const U*>(static_cast<const char*>(c.ws[d]) +
-                                                      int64_t(s_pos[warp][j]) * a.row_bytes) + u);
-        const T* x = reinterpret_cast<const T*>(&v);
-        const float w = s_w[warp][j];
+      // PULL slots' loads in flight before their adds; a dropped slot (or one past k) is
+      // never read and adds w 0 = 0.
+      for (int j0 = 0; j0 < k; j0 += PULL) {
+        U v[PULL];
+        float w[PULL];
 #pragma unroll
-        for (int e = 0; e < VE; ++e) acc[e] += w * static_cast<float>(x[e]);
+        for (int q = 0; q < PULL; ++q) {
+          const int j = j0 + q;
+          const int32_t d = j < k ? s_dest[warp][j] : -1;
+          v[q] = U{};
+          w[q] = 0.f;
+          if (d >= 0) {
+            v[q] = __ldcg(reinterpret_cast<const U*>(static_cast<const char*>(c.ws[d]) +
+                                                     int64_t(s_pos[warp][j]) * a.row_bytes) + u);
+            w[q] = s_w[warp][j];
+          }
+        }
+#pragma unroll
+        for (int q = 0; q < PULL; ++q) {
+          const T* x = reinterpret_cast<const T*>(&v[q]);
+#pragma unroll
+          for (int e = 0; e < VE; ++e) acc[e] += w[q] * static_cast<float>(x[e]);
+        }
       }
       U o;
       T* oe = reinterpret_cast<T*>(&o);

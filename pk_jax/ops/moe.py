@@ -108,9 +108,15 @@ def moe_dispatch(x: jax.Array, expert_ids: jax.Array, axis_name: str, *, num_exp
         (source rank, token, slot), zero past sum(group_sizes); group_sizes [E / P] int32;
         the handle for `moe_combine`).
 
+    On the CUDA path (P > 1) a peer that never arrives within pk.init's timeout_s stops the
+    kernel: the error naming the op, this rank and the missing peer is printed at once, and the
+    next pk call (or `pk_jax.check_errors()`) raises it as a RuntimeError.
+
     Raises:
         ValueError: not inside shard_map over `axis_name`, bad shapes, num_experts not
-            divisible by P, capacity not a positive int.
+            divisible by P, capacity not a positive int; on the CUDA path, a symmetric
+            workspace smaller than capacity x H x itemsize (the message names the bytes and
+            pk.init(mesh, workspace_bytes=...)).
         TypeError: expert_ids not int32.
     """
     p = _checks.axis_size("moe_dispatch", axis_name)
@@ -159,7 +165,9 @@ def moe_combine(y: jax.Array, weights: jax.Array, handle: MoeHandle,
         with dropped (token, slot)s contributing zero; accumulated in float32.
 
     Raises:
-        ValueError: shapes that do not match the handle.
+        ValueError: shapes that do not match the handle; on the CUDA path, a symmetric
+            workspace smaller than capacity x H' x itemsize (the message names the bytes and
+            pk.init(mesh, workspace_bytes=...)).
     """
     p = _checks.axis_size("moe_combine", axis_name)
     if y.ndim != 2 or weights.ndim != 2 or weights.shape != handle.position.shape:

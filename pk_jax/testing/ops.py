@@ -212,10 +212,10 @@ def moe_combine(ys: list[np.ndarray], weights: np.ndarray, ids: np.ndarray, dtyp
     ys = [_cast(y, dtype) for y in ys]
     dest, pos, _ = moe_routing(ids, num_experts, capacity)
     outs = []
+    stacked = np.stack(ys)  # [P, C, H] in the dtype
     for r in range(p):
-        rows = np.zeros((t, k, h), np.float64)
-        for tt, j in zip(*np.nonzero(pos[r] >= 0)):
-            rows[tt, j] = ys[dest[r, tt, j]][pos[r, tt, j]].astype(np.float64)
+        rows = stacked[dest[r], np.maximum(pos[r], 0)].astype(np.float64)  # [T, k, H]
+        rows[pos[r] < 0] = 0.0
         if gather:
             outs.append(_cast(rows.reshape(t * k, h), dtype))
         else:
