@@ -122,11 +122,15 @@ section_emulator() {
 }
 
 # The expert-parallel MoE kernels (issue 12): dispatch, its transpose, combine and its gather
-# with P = 2, 3, 4, 8 emulated ranks (tests/gpu/test_emulator_moe.py), then the benchmark's
-# correctness pass; PK_JAX_EMU_MOE_CALLS sets the back-to-back calls per (op, P) (default 400).
+# with P = 2, 3, 4, 8 emulated ranks (tests/gpu/test_emulator_moe.py; PK_JAX_EMU_MOE_CALLS sets
+# the back-to-back calls per (op, P), default 400), then pk.moe_dispatch / pk.moe_combine through
+# JAX with 2, 4 and 8 processes sharing the GPU (tests/gpu/moe_mp.py), then memcheck (P = 2, 4).
 section_moe() {
   export CUDA_MODULE_LOADING=EAGER  # pk_jax.testing.require_eager_loading says why
   step "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_emulator_moe.py
+  for n in $SIZES; do  # through JAX: FFI handlers, lowering, VJPs (processes share the GPU)
+    PK_JAX_TIMEOUT_S=30 step launch "$n" --timeout 250 tests/gpu/moe_mp.py
+  done
   local log=${PK_JAX_LOG_DIR:-/tmp}/pk_jax_sanitize
   mkdir -p "$log"
   step bash -c "compute-sanitizer --tool memcheck --print-limit 50 $PY tests/gpu/emu_short.py \
