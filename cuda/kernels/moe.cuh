@@ -54,7 +54,10 @@
  * block index of every peer) come from the problem's sizes only, never from the SM count or
  * pointer alignment (the vector unit may differ between ranks, the grids may not). No kernel
  * waits for a block of its own grid, so no residency is assumed. Peer data is read with ld.cg
- * (L1 is not coherent with the peers' stores).
+ * (L1 is not coherent with the peers' stores). Rows move by generic-proxy vector loads and
+ * stores only (the widest of 16/8/4/2 bytes dividing the row and the pointers), so the signals
+ * need no proxy fences; a bulk-copy (cp.async.bulk) path would need fence.proxy.async before
+ * the copies read generic writes and after they land, before the release.
  */
 #pragma once
 
