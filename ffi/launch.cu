@@ -19,6 +19,8 @@ namespace {
 const char* OpName(int op) {
   static const char* const kNames[] = {"op 0",    "all_reduce", "all_gather", "reduce_scatter",
                                        "all_to_all", "gemm_rs",  "ag_gemm",    "gemm_ar"};
+  if (op == 12) return "moe_dispatch";
+  if (op == 13) return "moe_combine";
   return op >= 0 && op < 8 ? kNames[op] : "an op";
 }
 

@@ -105,6 +105,43 @@ struct AttnArgs {
 
 Status LaunchAttention(const Where& at, const AttnArgs& a);
 
+// Expert-parallel dispatch and combine (cuda/kernels/moe.cuh). Dispatch (mode 0): x [t, h] and
+// ids [t, k] in; tokens [capacity, h] and the handle (dest, pos [t, k]; dropped,
+// recv_dropped [1]; group_sizes [E / P]) out. Scatter (mode 1, the combine's transpose): x
+// [t k, h] (one row per slot) with the handle's dest, pos and group_sizes in; tokens out.
+struct MoeDispatchArgs {
+  DType dtype;
+  const void* x;
+  const int32_t* ids;
+  const int32_t* rank;
+  int32_t* dest;
+  int32_t* pos;
+  int32_t* dropped;
+  int32_t* recv_dropped;
+  int32_t* group_sizes;
+  void* tokens;
+  int64_t t, k, h, num_experts, capacity;
+  int64_t mode;  // 0 dispatch, 1 scatter
+};
+
+// Combine (mode 0): out [t, h] = sum_j weights[t, j] y_{dest}[pos] (fp32 weights, y's dtype
+// out). Gather (mode 1, in the combine's VJP): out [t k, h] = the row of each slot (zero when
+// dropped).
+struct MoeCombineArgs {
+  DType dtype;
+  const void* y;
+  const float* weights;
+  const int32_t* dest;
+  const int32_t* pos;
+  const int32_t* rank;
+  void* out;
+  int64_t t, k, h, capacity;
+  int64_t mode;  // 0 combine, 1 gather
+};
+
+Status LaunchMoeDispatch(const Where& at, const MoeDispatchArgs& a, const CommView& v);
+Status LaunchMoeCombine(const Where& at, const MoeCombineArgs& a, const CommView& v);
+
 // Refuses a launch once the communicator's error record holds an error (a peer timed out in
 // an earlier call): the message names op, rank and missing peer, and the call never starts
 // kernels that would wait for peers that are gone.

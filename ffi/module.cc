@@ -39,6 +39,9 @@ const Registration kRegistrations[] = {
     {"pk_gemm_ar", "CUDA", reinterpret_cast<void*>(PkGemmAr)},
     {"pk_grouped_matmul", "CUDA", reinterpret_cast<void*>(PkGroupedMatmul)},
     {"pk_attention", "CUDA", reinterpret_cast<void*>(PkAttention)},
+    {"pk_moe_dispatch", "CUDA", reinterpret_cast<void*>(PkMoeDispatch)},
+    {"pk_moe_scatter", "CUDA", reinterpret_cast<void*>(PkMoeScatter)},
+    {"pk_moe_combine", "CUDA", reinterpret_cast<void*>(PkMoeCombine)},
 };
 
 // The communicator table's view of one key, for tests; None when nothing is registered.
@@ -83,7 +86,7 @@ T* Ptr(const nb::dict& d, const char* key) {
 
 // Runs op `op` ("all_reduce", ..., "ag_gemm") for the communicator registered under
 // (comm_id, device) on `stream`, with `num_sms` SMs; `args` holds the launcher's fields
-// (ffi/launch.h: CollArgs or GemmArgs) by name, buffers as device addresses.
+// (ffi/launch.h: CollArgs, GemmArgs, MoeDispatchArgs or MoeCombineArgs) by name, buffers as device addresses.
 void EmuLaunch(const std::string& op, int64_t comm_id, int device, uint64_t stream,
                int num_sms, const nb::dict& args) {
   const pk_ffi::Where at{reinterpret_cast<cudaStream_t>(stream), device, num_sms};
@@ -140,6 +143,42 @@ void EmuLaunch(const std::string& op, int64_t comm_id, int device, uint64_t stre
   }
   if (gemm != nullptr) {
     Raise(gemm(at, gemm_args(), *v));
+    return;
+  }
+  if (op == "moe_dispatch" || op == "moe_scatter") {
+    pk_ffi::MoeDispatchArgs a{dtype,
+                              Ptr<const void>(args, "x"),
+                              Ptr<const int32_t>(args, "ids"),
+                              Ptr<const int32_t>(args, "rank"),
+                              Ptr<int32_t>(args, "dest"),
+                              Ptr<int32_t>(args, "pos"),
+                              Ptr<int32_t>(args, "dropped"),
+                              Ptr<int32_t>(args, "recv_dropped"),
+                              Ptr<int32_t>(args, "group_sizes"),
+                              Ptr<void>(args, "tokens"),
+                              Get(args, "t"),
+                              Get(args, "k"),
+                              Get(args, "h"),
+                              Get(args, "num_experts"),
+                              Get(args, "capacity"),
+                              op == "moe_scatter" ? 1 : 0};
+    Raise(pk_ffi::LaunchMoeDispatch(at, a, *v));
+    return;
+  }
+  if (op == "moe_combine" || op == "moe_gather") {
+    const pk_ffi::MoeCombineArgs a{dtype,
+                                   Ptr<const void>(args, "y"),
+                                   Ptr<const float>(args, "weights"),
+                                   Ptr<const int32_t>(args, "dest"),
+                                   Ptr<const int32_t>(args, "pos"),
+                                   Ptr<const int32_t>(args, "rank"),
+                                   Ptr<void>(args, "out"),
+                                   Get(args, "t"),
+                                   Get(args, "k"),
+                                   Get(args, "h"),
+                                   Get(args, "capacity"),
+                                   op == "moe_gather" ? 1 : 0};
+    Raise(pk_ffi::LaunchMoeCombine(at, a, *v));
     return;
   }
   throw std::invalid_argument("pk_jax emulator: unknown op '" + op + "'");

@@ -10,21 +10,40 @@ handle, never written out of bounds. `group_sizes` counts the rows each local ex
 `pk.grouped_matmul(tokens, w, group_sizes)` runs the experts directly (rows past
 sum(group_sizes) are zero).
 
-These are the references of the future fused kernels (issue 12): all_gather of the tokens and
-the routing, then index arithmetic on every rank. Their VJPs come from autodiff: the dispatch's
-transpose gathers the tokens' gradients back by the same positions (a combine with unit
-weights), and the combine's transpose is a dispatch of the weighted output gradients.
+At P > 1 on a GPU mesh given to `pk.init` both run CUDA kernels (cuda/kernels/moe.cuh): the
+dispatch exchanges per-expert counts through in-kernel signals, computes every slot's row and
+pushes the token rows straight into the experts' ranks' symmetric workspaces; the combine pulls
+each slot's expert output from its rank's workspace and sums the k slots in fp32. Their VJPs use
+each other: the dispatch's transpose is a combine with unit weights, the combine's is a
+dispatch of the weighted output gradients, one row per slot (`pk_moe_scatter`), and its weight
+gradient gathers the k expert rows of each token (the combine kernel's gather mode).
+
+Elsewhere (CPU, P = 1, or shapes the kernels do not take) the jax.lax references run:
+all_gather of the tokens and the routing, then index arithmetic on every rank, with autodiff
+VJPs.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from pk_jax import _checks
+from pk_jax import _backend, _checks, _ffi
+from pk_jax.ops import _tp, _vjp
 from pk_jax.ops.grouped_matmul import grouped_matmul as pk_grouped_matmul
+from pk_jax.runtime import state
+
+# Limits of the kernels (cuda/kernels/moe.cuh: MAX_PEERS, MAX_EXPERTS, MAX_K, MAX_COUNTS);
+# outside them the reference runs.
+KERNEL_MAX_PEERS = 16
+KERNEL_MAX_EXPERTS = 1024
+KERNEL_MAX_K = 32
+KERNEL_MAX_COUNTS = 8192 - 64 - 3 * 16 * 64  # signal slots for P x E counts
+KERNEL_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
 class MoeHandle(NamedTuple):
@@ -89,13 +108,33 @@ def moe_dispatch(x: jax.Array, expert_ids: jax.Array, axis_name: str, *, num_exp
         (source rank, token, slot), zero past sum(group_sizes); group_sizes [E / P] int32;
         the handle for `moe_combine`).
 
+    On the CUDA path (P > 1) a peer that never arrives within pk.init's timeout_s stops the
+    kernel: the error naming the op, this rank and the missing peer is printed at once, and the
+    next pk call (or `pk_jax.check_errors()`) raises it as a RuntimeError.
+
     Raises:
         ValueError: not inside shard_map over `axis_name`, bad shapes, num_experts not
-            divisible by P, capacity not a positive int.
+            divisible by P, capacity not a positive int; on the CUDA path, a symmetric
+            workspace smaller than capacity x H x itemsize (the message names the bytes and
+            pk.init(mesh, workspace_bytes=...)).
         TypeError: expert_ids not int32.
     """
     p = _checks.axis_size("moe_dispatch", axis_name)
     _check_dispatch(x, expert_ids, p, num_experts, capacity)
+    if _dispatch_kernel_applies(x, expert_ids, p, num_experts, capacity, axis_name):
+        _tp.check_workspace("moe_dispatch", capacity * x.shape[1] * x.dtype.itemsize,
+                            f"its [{capacity}, {x.shape[1]}] rows received from every rank")
+        tokens, sizes, dest, pos, dropped, received = _dispatch_k(
+            x, expert_ids, axis_name, num_experts, capacity)
+        return tokens, sizes, MoeHandle(dest, pos, dropped, received, sizes)
+    return dispatch_reference(x, expert_ids, axis_name, num_experts=num_experts,
+                              capacity=capacity)
+
+
+def dispatch_reference(x: jax.Array, expert_ids: jax.Array, axis_name: str, *,
+                       num_experts: int, capacity: int):
+    """The jax.lax reference of `moe_dispatch` (no checks)."""
+    p = jax.lax.axis_size(axis_name)
     t, k = expert_ids.shape
     me = jax.lax.axis_index(axis_name)
     ids_all = jax.lax.all_gather(expert_ids, axis_name)              # [P, T, k]
@@ -126,14 +165,28 @@ def moe_combine(y: jax.Array, weights: jax.Array, handle: MoeHandle,
         with dropped (token, slot)s contributing zero; accumulated in float32.
 
     Raises:
-        ValueError: shapes that do not match the handle.
+        ValueError: shapes that do not match the handle; on the CUDA path, a symmetric
+            workspace smaller than capacity x H' x itemsize (the message names the bytes and
+            pk.init(mesh, workspace_bytes=...)).
     """
-    _checks.axis_size("moe_combine", axis_name)
+    p = _checks.axis_size("moe_combine", axis_name)
     if y.ndim != 2 or weights.ndim != 2 or weights.shape != handle.position.shape:
         raise ValueError(
             f"pk.moe_combine: expected y [capacity, H'] and weights [T, k] matching the handle's "
             f"{tuple(handle.position.shape)}; got y {tuple(y.shape)}, weights "
             f"{tuple(weights.shape)}.")
+    if _combine_kernel_applies(y, weights, p, axis_name):
+        _tp.check_workspace("moe_combine", y.shape[0] * y.shape[1] * y.dtype.itemsize,
+                            f"its [{y.shape[0]}, {y.shape[1]}] expert outputs, staged for the "
+                            "tokens' ranks")
+        return _combine_k(y, weights, handle.dest_rank, handle.position, handle.group_sizes,
+                          axis_name)
+    return combine_reference(y, weights, handle, axis_name)
+
+
+def combine_reference(y: jax.Array, weights: jax.Array, handle: MoeHandle,
+                      axis_name: str) -> jax.Array:
+    """The jax.lax reference of `moe_combine` (no checks)."""
     y_all = jax.lax.all_gather(y, axis_name)                          # [P, capacity, H']
     capacity = y.shape[0]
     safe = jnp.clip(handle.position, 0, capacity - 1)
@@ -197,3 +250,107 @@ def _check_dispatch(x, expert_ids, p: int, num_experts, capacity) -> None:
     if not isinstance(capacity, int) or capacity <= 0:
         raise ValueError(f"{name}: capacity must be a positive int (rows of each rank's "
                          f"buffer), got {capacity!r}.")
+
+
+# ---------------------------------------------------------------------------------------------
+# The CUDA kernels (P > 1) and their VJPs
+
+
+def _dispatch_kernel_applies(x, expert_ids, p: int, num_experts: int, capacity: int,
+                             axis_name: str) -> bool:
+    t, k = expert_ids.shape
+    fits = (1 < p <= KERNEL_MAX_PEERS and x.dtype in KERNEL_DTYPES and 1 <= k <= KERNEL_MAX_K
+            and num_experts <= KERNEL_MAX_EXPERTS and p * num_experts <= KERNEL_MAX_COUNTS
+            and t * k * p < 2**31 and capacity < 2**31)
+    return fits and _backend.use_kernel("moe_dispatch", axis_name)
+
+
+def _combine_kernel_applies(y, weights, p: int, axis_name: str) -> bool:
+    t, k = weights.shape
+    fits = (1 < p <= KERNEL_MAX_PEERS and y.dtype in KERNEL_DTYPES and 1 <= k <= KERNEL_MAX_K
+            and t * k * p < 2**31 and y.shape[0] < 2**31)
+    return fits and _backend.use_kernel("moe_combine", axis_name)
+
+
+def _dispatch_call(x, ids, axis_name: str, num_experts: int, capacity: int):
+    """pk_moe_dispatch: (tokens, group_sizes, dest_rank, position, dropped, received_dropped)."""
+    p = jax.lax.axis_size(axis_name)
+    t, k = ids.shape
+    i32 = jnp.int32
+    results = (jax.ShapeDtypeStruct((capacity, x.shape[1]), x.dtype),
+               jax.ShapeDtypeStruct((num_experts // p,), i32), jax.ShapeDtypeStruct((t, k), i32),
+               jax.ShapeDtypeStruct((t, k), i32), jax.ShapeDtypeStruct((1,), i32),
+               jax.ShapeDtypeStruct((1,), i32))
+    return tuple(_ffi.call("pk_moe_dispatch", results, x, ids, _backend.rank_operand(axis_name),
+                           comm_id=np.int64(state.comm_id(axis_name)),
+                           num_experts=np.int64(num_experts), capacity=np.int64(capacity)))
+
+
+def _scatter_call(rows, dest, pos, group_sizes, axis_name: str, capacity: int):
+    """pk_moe_scatter: rows [T k, H] (one per slot) to their slots' rows, tokens [capacity, H]."""
+    p = jax.lax.axis_size(axis_name)
+    return _ffi.call("pk_moe_scatter", jax.ShapeDtypeStruct((capacity, rows.shape[1]),
+                                                            rows.dtype),
+                     rows, dest, pos, group_sizes, _backend.rank_operand(axis_name),
+                     comm_id=np.int64(state.comm_id(axis_name)),
+                     num_experts=np.int64(group_sizes.shape[0] * p), capacity=np.int64(capacity))
+
+
+def _combine_call(y, weights, dest, pos, axis_name: str, *, gather: bool = False):
+    """pk_moe_combine: [T, H'] weighted sums, or with gather=True [T, k, H'] unsummed rows."""
+    t, k = dest.shape
+    shape = (t * k, y.shape[1]) if gather else (t, y.shape[1])
+    out = _ffi.call("pk_moe_combine", jax.ShapeDtypeStruct(shape, y.dtype), y,
+                    weights.astype(jnp.float32), dest, pos, _backend.rank_operand(axis_name),
+                    comm_id=np.int64(state.comm_id(axis_name)), mode=np.int64(1 if gather else 0))
+    return out.reshape(t, k, y.shape[1]) if gather else out
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _dispatch_k(x, ids, axis_name, num_experts, capacity):
+    return _dispatch_call(x, ids, axis_name, num_experts, capacity)
+
+
+def _dispatch_k_fwd(x, ids, axis_name, num_experts, capacity):
+    outs = _dispatch_call(x, ids, axis_name, num_experts, capacity)
+    return outs, (outs[2], outs[3], _vjp.like((0,), x.dtype, _ffi.vma(x)))
+
+
+def _dispatch_k_bwd(axis_name, num_experts, capacity, res, cts):
+    # tokens = D(x): every kept slot's row is a copy of x[t], so dx[t] = sum over t's kept
+    # slots of dtokens at the slot's row: a combine with unit weights.
+    dest, pos, x0 = res
+    dtokens = cts[0]
+    dx = _combine_call(dtokens, jnp.ones(pos.shape, jnp.float32), dest, pos, axis_name)
+    return _vjp.fit(dx, x0), None
+
+
+_dispatch_k.defvjp(_dispatch_k_fwd, _dispatch_k_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _combine_k(y, weights, dest, pos, group_sizes, axis_name):
+    return _combine_call(y, weights, dest, pos, axis_name)
+
+
+def _combine_k_fwd(y, weights, dest, pos, group_sizes, axis_name):
+    return (_combine_call(y, weights, dest, pos, axis_name),
+            (y, weights, dest, pos, group_sizes))
+
+
+def _combine_k_bwd(axis_name, res, dout):
+    # out[t] = sum_j w[t, j] y_dest[pos]: dy at a slot's row = w[t, j] dout[t] (one row per
+    # slot: a scatter); dw[t, j] = <dout[t], y_dest[pos]> from the gathered rows (zero when
+    # dropped, as the reference's masked weights give).
+    y, weights, dest, pos, group_sizes = res
+    t, k = pos.shape
+    w32 = weights.astype(jnp.float32)
+    d32 = dout.astype(jnp.float32)
+    rows = _combine_call(y, w32, dest, pos, axis_name, gather=True)
+    dw = jnp.einsum("th,tkh->tk", d32, rows.astype(jnp.float32)).astype(weights.dtype)
+    per_slot = (w32[:, :, None] * d32[:, None, :]).astype(y.dtype).reshape(t * k, y.shape[1])
+    dy = _scatter_call(per_slot, dest, pos, group_sizes, axis_name, y.shape[0])
+    return _vjp.fit(dy, y), _vjp.fit(dw, weights), None, None, None
+
+
+_combine_k.defvjp(_combine_k_fwd, _combine_k_bwd)

@@ -18,6 +18,9 @@ from pk_jax.testing.emulator import DTYPES, DeviceBuffer, World, np_dtype
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 GEMMS = ("gemm_rs", "ag_gemm", "gemm_ar")
 OPS = COLLECTIVES + GEMMS
+# Expert-parallel MoE: dispatch, its per-slot form (the combine's VJP), combine, and the
+# combine's unsummed gather (its weights' VJP). Their launcher fields are named in the cases.
+MOE = ("moe_dispatch", "moe_scatter", "moe_combine", "moe_gather")
 TILE_128x128, TILE_128x256 = 1, 2
 
 
@@ -132,6 +135,99 @@ def ag_gemm(xs, ws, dtype: str, *, num_comm_sms: int = 2, config: int | None = N
 
 
 # ---------------------------------------------------------------------------------------------
+# Expert-parallel MoE (pk_jax/ops/moe.py; rows ordered by expert, then (source rank, token, slot))
+
+def moe_routing(ids: np.ndarray, num_experts: int, capacity: int):
+    """ids [P, T, k] -> (dest [P, T, k], pos [P, T, k] (-1 dropped), group_sizes [P, E / P])."""
+    p = ids.shape[0]
+    el = num_experts // p
+    flat = ids.reshape(-1).astype(np.int64)
+    order = np.argsort(flat, kind="stable")
+    counts = np.bincount(flat, minlength=num_experts)
+    starts = np.cumsum(counts) - counts
+    within = np.empty(flat.size, np.int64)
+    within[order] = np.arange(flat.size) - starts[flat[order]]
+    block = counts.reshape(p, el)
+    offs = (np.cumsum(block, axis=1) - block).reshape(-1)
+    pos = offs[flat] + within
+    pos = np.where(pos < capacity, pos, -1)
+    sizes = np.clip(capacity - offs.reshape(p, el), 0, block)
+    return ((flat // el).reshape(ids.shape).astype(np.int32),
+            pos.reshape(ids.shape).astype(np.int32), sizes.astype(np.int32))
+
+
+def _moe_params(t: int, k: int, h: int, num_experts: int, capacity: int) -> dict:
+    return {"t": t, "k": k, "h": h, "num_experts": num_experts, "capacity": capacity}
+
+
+def _place(rows_of, dest, pos, capacity: int, h: int, dtype: str) -> list[np.ndarray]:
+    """Every rank's [capacity, h] buffer with rows_of(s, t, j) (already of `dtype`) at pos
+    where dest is the rank, zeros elsewhere."""
+    p = dest.shape[0]
+    bufs = [np.zeros((capacity, h), np_dtype(dtype)) for _ in range(p)]
+    for s, tt, j in zip(*np.nonzero(pos >= 0)):
+        bufs[dest[s, tt, j]][pos[s, tt, j]] = rows_of(s, tt, j)
+    return bufs
+
+
+def moe_dispatch(xs: list[np.ndarray], ids: np.ndarray, dtype: str, *, num_experts: int,
+                 capacity: int) -> Case:
+    """tokens, group_sizes and the handle of every rank (xs[r] [T, H], ids [P, T, k])."""
+    p, t, k = ids.shape
+    h = xs[0].shape[1]
+    xs = [_cast(x, dtype) for x in xs]
+    dest, pos, sizes = moe_routing(ids, num_experts, capacity)
+    tokens = _place(lambda s, tt, j: xs[s][tt], dest, pos, capacity, h, dtype)
+    received = [np.count_nonzero((dest == r) & (pos < 0)) for r in range(p)]
+    i32 = np.int32
+    return Case("moe_dispatch", dtype,
+                [{"x": xs[r], "ids": ids[r].astype(i32)} for r in range(p)],
+                [{"tokens": tokens[r], "group_sizes": sizes[r], "dest": dest[r],
+                  "pos": pos[r], "dropped": np.array([np.count_nonzero(pos[r] < 0)], i32),
+                  "recv_dropped": np.array([received[r]], i32)} for r in range(p)],
+                _moe_params(t, k, h, num_experts, capacity))
+
+
+def moe_scatter(rows: list[np.ndarray], ids: np.ndarray, dtype: str, *, num_experts: int,
+                capacity: int) -> Case:
+    """The combine's transpose: rows[r] [T k, H], one per slot, to the slots' rows."""
+    p, t, k = ids.shape
+    h = rows[0].shape[1]
+    rows = [_cast(x, dtype) for x in rows]
+    dest, pos, sizes = moe_routing(ids, num_experts, capacity)
+    tokens = _place(lambda s, tt, j: rows[s][tt * k + j], dest, pos, capacity, h, dtype)
+    return Case("moe_scatter", dtype,
+                [{"x": rows[r], "dest": dest[r], "pos": pos[r], "group_sizes": sizes[r]}
+                 for r in range(p)],
+                [{"tokens": tokens[r]} for r in range(p)],
+                _moe_params(t, k, h, num_experts, capacity))
+
+
+def moe_combine(ys: list[np.ndarray], weights: np.ndarray, ids: np.ndarray, dtype: str, *,
+                num_experts: int, gather: bool = False) -> Case:
+    """out[t] = sum_j w[t, j] y_dest[pos] on every rank (ys[r] [C, H], weights [P, T, k]), or
+    with gather the k rows of each token unsummed ([T k, H], zero where dropped)."""
+    p, t, k = ids.shape
+    capacity, h = ys[0].shape
+    ys = [_cast(y, dtype) for y in ys]
+    dest, pos, _ = moe_routing(ids, num_experts, capacity)
+    outs = []
+    stacked = np.stack(ys)  # [P, C, H] in the dtype
+    for r in range(p):
+        rows = stacked[dest[r], np.maximum(pos[r], 0)].astype(np.float64)  # [T, k, H]
+        rows[pos[r] < 0] = 0.0
+        if gather:
+            outs.append(_cast(rows.reshape(t * k, h), dtype))
+        else:
+            w = weights[r].astype(np.float32).astype(np.float64)
+            outs.append(_cast(np.einsum("tk,tkh->th", w, rows), dtype))
+    return Case("moe_gather" if gather else "moe_combine", dtype,
+                [{"y": ys[r], "weights": weights[r].astype(np.float32), "dest": dest[r],
+                  "pos": pos[r]} for r in range(p)],
+                [{"out": o} for o in outs], _moe_params(t, k, h, num_experts, capacity))
+
+
+# ---------------------------------------------------------------------------------------------
 
 class Call:
     """A Case on a World's device: inputs copied in, outputs poisoned, ready to queue."""
@@ -154,6 +250,8 @@ class Call:
         c = self.case
         fields = {"dtype": DTYPES[c.dtype], **c.params}
         fields.update({k: b for k, b in bufs.items()})
+        if c.op in MOE:  # sizes are in the params, buffers by their launcher names
+            return fields
         x = c.inputs[r]["x"]
         if c.op in COLLECTIVES:
             fields["n"] = x.size

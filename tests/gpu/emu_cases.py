@@ -15,6 +15,8 @@ def case(op: str, p: int, rng: np.random.Generator, *, size: str = "small",
          dtype: str | None = None, rank_valued: bool = False) -> ops.Case:
     """A random exact case of `op` at world p. size: "small" (fast, odd), "big" (helper grids
     above 16 blocks, several tiles per owner). rank_valued: x = rank everywhere."""
+    if op in ops.MOE:
+        return moe_case(op, p, rng, size=size, dtype=dtype, rank_valued=rank_valued)
     big = size == "big"
 
     def ints(shape, r):
@@ -60,3 +62,49 @@ def case(op: str, p: int, rng: np.random.Generator, *, size: str = "small",
           for r in range(p)]
     ws = [ops.integers(rng, (k, n), -1, 2) for _ in range(p)]
     return (ops.gemm_rs if op == "gemm_rs" else ops.gemm_ar)(xs, ws, dt)
+
+
+# ---------------------------------------------------------------------------------------------
+# Expert-parallel MoE (pk_jax.testing.ops.MOE)
+
+def moe_ids(rng: np.random.Generator, p: int, t: int, k: int, num_experts: int,
+            skew: bool) -> np.ndarray:
+    """[P, T, k] expert ids: uniform, or Zipf-like (a few hot experts, many empty ones)."""
+    if skew:
+        return np.minimum(rng.zipf(1.4, (p, t, k)) - 1, num_experts - 1).astype(np.int32)
+    return rng.integers(0, num_experts, (p, t, k)).astype(np.int32)
+
+
+def moe_case(op: str, p: int, rng: np.random.Generator, *, size: str = "small",
+             dtype: str | None = None, rank_valued: bool = False, t: int | None = None,
+             capacity: str | None = None, skew: bool | None = None) -> ops.Case:
+    """A random exact case of a MoE op at world p: odd T and H, k in 1..8, skewed or uniform
+    routing, capacity generous, exact or tight (overflow: drops). x = rank + 0 when
+    rank_valued (every received row names its sender)."""
+    big = size == "big"
+    t = t if t is not None else (int(rng.integers(1, 160)) if not big else 1024)
+    k = int(rng.choice([1, 2, 3, 4, 8])) if not big else 8
+    num_experts = p * int(rng.integers(1, 9)) if not big else 32 * p
+    h = int(rng.choice([1, 3, 8, 24, 64, 200])) if not big else 1024
+    dt = dtype or str(rng.choice(["bfloat16", "float16", "float32"]))
+    skew = bool(rng.integers(0, 2)) if skew is None else skew
+    ids = moe_ids(rng, p, t, k, num_experts, skew)
+    total = p * t * k
+    kind = capacity or ("exact" if big else str(rng.choice(["generous", "exact", "tight"])))
+    cap = {"generous": total + int(rng.integers(0, 9)),
+           "exact": max(1, int(np.bincount(ids.reshape(-1) // (num_experts // p),
+                                           minlength=p).max())),
+           "tight": max(1, total // (2 * p))}[kind]
+    if op == "moe_dispatch":
+        xs = [np.full((t, h), float(r)) if rank_valued else ops.integers(rng, (t, h))
+              for r in range(p)]
+        return ops.moe_dispatch(xs, ids, dt, num_experts=num_experts, capacity=cap)
+    if op == "moe_scatter":
+        rows = [np.full((t * k, h), float(r)) if rank_valued else ops.integers(rng, (t * k, h))
+                for r in range(p)]
+        return ops.moe_scatter(rows, ids, dt, num_experts=num_experts, capacity=cap)
+    ys = [np.full((cap, h), float(r + 1)) if rank_valued else ops.integers(rng, (cap, h))
+          for r in range(p)]
+    weights = rng.integers(0, 5, (p, t, k)).astype(np.float32) / 4
+    return ops.moe_combine(ys, weights, ids, dt, num_experts=num_experts,
+                           gather=op == "moe_gather")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark, on the H200 machine: tests/gpu/run_all.sh [section ...]
 # Sections: install sass unit runtime collectives collectives_mp tp tp_mp grouped attention
-# emulator sanitize examples users bench
+# emulator moe sanitize examples users bench
 # (default: all but bench). The P = 1 sections (install unit collectives tp examples) may run
 # side by side in separate invocations; the multi-process ones and bench want the GPU alone.
 # Prints one PASSED/FAILED line per step and a summary; exits non-zero if any step failed.
@@ -140,6 +140,24 @@ section_emulator() {
   step "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_reinit.py
 }
 
+# The expert-parallel MoE kernels (issue 12): dispatch, its transpose, combine and its gather
+# with P = 2, 3, 4, 8 emulated ranks (tests/gpu/test_emulator_moe.py; PK_JAX_EMU_MOE_CALLS sets
+# the back-to-back calls per (op, P), default 400), then pk.moe_dispatch / pk.moe_combine through
+# JAX with 2, 4 and 8 processes sharing the GPU (tests/gpu/moe_mp.py), then memcheck (P = 2, 4).
+section_moe() {
+  export CUDA_MODULE_LOADING=EAGER  # pk_jax.testing.require_eager_loading says why
+  step "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_emulator_moe.py
+  for n in $SIZES; do  # through JAX: FFI handlers, lowering, VJPs (processes share the GPU)
+    PK_JAX_TIMEOUT_S=30 step launch "$n" --timeout 250 tests/gpu/moe_mp.py
+  done
+  local log=${PK_JAX_LOG_DIR:-/tmp}/pk_jax_sanitize
+  mkdir -p "$log"
+  step bash -c "compute-sanitizer --tool memcheck --print-limit 50 $PY tests/gpu/emu_short.py \
+    moe_dispatch,moe_scatter,moe_combine,moe_gather 2,4 > $log/moe_memcheck.log 2>&1;
+    tail -5 $log/moe_memcheck.log;
+    ! grep -E 'Invalid (__global__|__shared__|__local__)|Out of bounds|Misaligned|Error: process didn' $log/moe_memcheck.log && grep -q 'emu_short: OK' $log/moe_memcheck.log"
+}
+
 # compute-sanitizer over a short emulated run of every op (P = 2, 4): device-side errors only
 # (host-side cuGetProcAddress probes are reported as CUDA_ERROR_INVALID_VALUE: ignored).
 section_sanitize() {
@@ -160,11 +178,12 @@ section_bench() {
   step "$PY" bench/bench_emulated.py
   step "$PY" bench/bench_grouped_matmul.py --vjp
   step "$PY" bench/bench_attention.py
+  CUDA_MODULE_LOADING=EAGER step "$PY" bench/bench_moe.py
 }
 
 sections=("$@")
 [ ${#sections[@]} -eq 0 ] && sections=(install sass unit runtime collectives collectives_mp tp tp_mp \
-  grouped attention emulator sanitize examples users)
+  grouped attention emulator moe sanitize examples users)
 for s in "${sections[@]}"; do "section_$s"; done
 echo "=== summary: $passed passed, ${#failed[@]} failed"
 for f in "${failed[@]}"; do echo "failed: $f"; done

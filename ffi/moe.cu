@@ -1,0 +1,375 @@
+// FFI handlers and launchers of pk_moe_dispatch, pk_moe_scatter and pk_moe_combine: expert-
+// parallel token dispatch, its per-slot form (the combine's transpose) and the weighted combine
+// (see cuda/kernels/moe.cuh). Launch on XLA's stream; no host synchronisation.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <initializer_list>
+#include <string>
+
+#include "ffi_util.h"
+#include "kernels/moe.cuh"
+#include "launch.h"
+#include "tensor_map.h"
+
+namespace pk_ffi {
+namespace {
+
+// Op ids of the error record (pk_jax/runtime/errors.py OP_NAMES).
+constexpr int kOpMoeDispatch = 12;
+constexpr int kOpMoeCombine = 13;
+
+Status Invalid(const char* op, const std::string& what) {
+  return Status::Invalid(std::string("pk.") + op + ": " + what);
+}
+
+// The kernels' view of `v` (pads offset to the moe slot range), after the checks every rank
+// makes alike (they depend on the communicator's world and the call's shapes only).
+Status MoeComm(const char* op, int op_id, const CommView& v, const int32_t* rank,
+               pk::moe::comm* c) {
+  if (Status s = CheckRecord(op, v); !s.ok()) return s;
+  if (v.signal_count < pk::moe::SLOTS_NEEDED) {
+    return Invalid(op, "the signal pad has " + std::to_string(v.signal_count) +
+                           " slots, the MoE kernels need " +
+                           std::to_string(pk::moe::SLOTS_NEEDED));
+  }
+  if (v.world > pk::moe::MAX_PEERS) {
+    return Invalid(op, "at most " + std::to_string(pk::moe::MAX_PEERS) + " ranks");
+  }
+  *c = pk::moe::comm{};
+  for (int p = 0; p < v.world; ++p) {
+    c->ws[p] = v.workspace[p];
+    c->sig[p] = v.signals[p] + pk::moe::SLOT_BASE;
+  }
+  c->error = v.error;
+  c->timeout_ns = v.timeout_ns;
+  c->world = v.world;
+  c->rank = v.rank;
+  c->op = op_id;
+  c->rank_ptr = rank;
+  return Status::Ok();
+}
+
+// Shape checks shared by dispatch and combine: k slots, capacity rows of row_bytes.
+Status CheckRows(const char* op, const CommView& v, int64_t t, int64_t k, int64_t capacity,
+                 int64_t row_bytes) {
+  if (k < 1 || k > pk::moe::MAX_K) {
+    return Invalid(op, "k (slots per token) must be in [1, " + std::to_string(pk::moe::MAX_K) +
+                           "], got " + std::to_string(k));
+  }
+  if (t < 0 || capacity < 1 || capacity > INT32_MAX || t * k * v.world > INT32_MAX) {
+    return Invalid(op, "T k P and capacity must be below 2^31 (capacity at least 1)");
+  }
+  const uint64_t need = uint64_t(capacity) * uint64_t(row_bytes);
+  if (need > v.workspace_bytes) {
+    return Invalid(op, "the symmetric workspace has " + std::to_string(v.workspace_bytes) +
+                           " bytes and this call needs " + std::to_string(need) +
+                           " (capacity x row bytes); call pk.init(mesh, workspace_bytes=...) "
+                           "with at least that.");
+  }
+  return Status::Ok();
+}
+
+// Largest vector unit (16, 8, 4, 2 bytes, at least `min_bytes`) dividing the row and every
+// pointer. NOTES: it may differ between ranks (XLA's buffer alignment); no grid depends on it.
+int UnitBytes(int64_t row_bytes, int min_bytes, std::initializer_list<const void*> ptrs) {
+  for (int u : {16, 8, 4, 2}) {
+    if (u < min_bytes) break;
+    bool ok = row_bytes % u == 0;
+    for (const void* p : ptrs) ok = ok && reinterpret_cast<uintptr_t>(p) % u == 0;
+    if (ok) return u;
+  }
+  return 0;
+}
+
+template <class F>
+cudaError_t WithUnit(int unit, F&& f) {
+  switch (unit) {
+    case 16: return f(uint4{});
+    case 8: return f(uint2{});
+    case 4: return f(0u);
+    default: return f(static_cast<unsigned short>(0));
+  }
+}
+
+}  // namespace
+
+Status LaunchMoeDispatch(const Where& at, const MoeDispatchArgs& a, const CommView& v) {
+  const char* op = "moe_dispatch";
+  pk::moe::comm c;
+  if (Status s = MoeComm(op, kOpMoeDispatch, v, a.rank, &c); !s.ok()) return s;
+  const int P = v.world;
+  const int64_t E = a.num_experts;
+  const bool routes = a.mode == 0;  // the count exchange bounds E; the scatter has none
+  if (E < 1 || E % P != 0 ||
+      (routes && (E > pk::moe::MAX_EXPERTS || uint64_t(P) * E > pk::moe::MAX_COUNTS))) {
+    return Invalid(op, "num_experts must be divisible by P, at most " +
+                           std::to_string(pk::moe::MAX_EXPERTS) + ", and P x num_experts at most " +
+                           std::to_string(pk::moe::MAX_COUNTS) + "; got " + std::to_string(E));
+  }
+  if (a.mode != 0 && a.mode != 1) return Invalid(op, "unknown mode " + std::to_string(a.mode));
+  const int64_t row_bytes = a.h * ByteWidth(a.dtype);
+  if (Status s = CheckRows(op, v, a.t, a.k, a.capacity, row_bytes); !s.ok()) return s;
+  const int unit = UnitBytes(row_bytes, 2, {a.x, a.tokens});
+  if (unit == 0) return Invalid(op, "rows and buffers must be 2-byte aligned");
+
+  pk::moe::dispatch_args g{};
+  g.c = c;
+  g.ids = a.ids;
+  g.x = a.x;
+  g.dest = a.dest;
+  g.pos = a.pos;
+  g.dropped = a.dropped;
+  g.recv_dropped = a.recv_dropped;
+  g.group_sizes = a.group_sizes;
+  g.tokens = a.tokens;
+  g.T = a.t;
+  g.capacity = a.capacity;
+  g.row_bytes = row_bytes;
+  g.k = static_cast<int32_t>(a.k);
+  g.E = static_cast<int32_t>(E);
+  g.EL = static_cast<int32_t>(E / P);
+  g.per_slot = a.mode == 1 ? 1 : 0;
+  g.push_grid = pk::moe::items_grid(a.mode == 1 ? a.t * a.k : a.t);
+
+  // Every check is done: from here on the call runs on every rank (epochs stay in step).
+  if (a.mode == 0) {
+    const void* fn = reinterpret_cast<const void*>(&pk::moe::route_kernel);
+    if (Status s = CudaStatus(pk::opt_in_smem(fn, at.device, pk::moe::ROUTE_SMEM_MAX),
+                              "moe_dispatch (shared memory)");
+        !s.ok()) {
+      return s;
+    }
+    pk::moe::route_kernel<<<1, pk::moe::THREADS, pk::moe::route_smem(P, g.E), at.stream>>>(g);
+  } else {
+    pk::moe::enter_kernel<<<1, pk::WARP_THREADS, 0, at.stream>>>(c, pk::moe::EPOCH_D,
+                                                                  pk::moe::ENTER_D);
+  }
+  if (Status s = CudaStatus(cudaGetLastError(), "moe_dispatch (route)"); !s.ok()) return s;
+  const int recv_grid = pk::moe::bytes_grid(uint64_t(a.capacity) * row_bytes);
+  const cudaError_t err = WithUnit(unit, [&](auto u) {
+    using U = decltype(u);
+    pk::moe::push_kernel<U><<<g.push_grid, pk::moe::THREADS, 0, at.stream>>>(g);
+    pk::moe::receive_kernel<U><<<recv_grid, pk::moe::THREADS, 0, at.stream>>>(g);
+    return cudaGetLastError();
+  });
+  return CudaStatus(err, "moe_dispatch (push, receive)");
+}
+
+Status LaunchMoeCombine(const Where& at, const MoeCombineArgs& a, const CommView& v) {
+  const char* op = "moe_combine";
+  pk::moe::comm c;
+  if (Status s = MoeComm(op, kOpMoeCombine, v, a.rank, &c); !s.ok()) return s;
+  if (a.dtype == DType::kS32) return Invalid(op, "y must be bf16, fp16 or fp32");
+  if (a.mode != 0 && a.mode != 1) return Invalid(op, "unknown mode " + std::to_string(a.mode));
+  const int esize = ByteWidth(a.dtype);
+  const int64_t row_bytes = a.h * esize;
+  if (Status s = CheckRows(op, v, a.t, a.k, a.capacity, row_bytes); !s.ok()) return s;
+  const int unit = UnitBytes(row_bytes, esize, {a.y, a.out});
+  if (unit == 0) return Invalid(op, "rows and buffers must be aligned to the element size");
+
+  pk::moe::combine_args g{};
+  g.c = c;
+  g.y = a.y;
+  g.weights = a.weights;
+  g.dest = a.dest;
+  g.pos = a.pos;
+  g.out = a.out;
+  g.T = a.t;
+  g.capacity = a.capacity;
+  g.row_bytes = row_bytes;
+  g.k = static_cast<int32_t>(a.k);
+  g.gather = a.mode == 1 ? 1 : 0;
+  g.stage_grid = pk::moe::bytes_grid(uint64_t(a.capacity) * row_bytes);
+  g.pull_grid = pk::moe::items_grid(a.t);
+
+  pk::moe::enter_kernel<<<1, pk::WARP_THREADS, 0, at.stream>>>(c, pk::moe::EPOCH_C,
+                                                                pk::moe::ENTER_C);
+  if (Status s = CudaStatus(cudaGetLastError(), "moe_combine (enter)"); !s.ok()) return s;
+  auto run = [&](auto elem) {
+    using T = decltype(elem);
+    return WithUnit(unit, [&](auto u) {
+      using U = decltype(u);
+      if constexpr (sizeof(U) < sizeof(T)) {
+        return cudaErrorInvalidValue;  // excluded by UnitBytes' minimum
+      } else {
+        pk::moe::stage_kernel<U><<<g.stage_grid, pk::moe::THREADS, 0, at.stream>>>(g);
+        pk::moe::pull_kernel<T, U><<<g.pull_grid, pk::moe::THREADS, 0, at.stream>>>(g);
+        pk::moe::leave_kernel<<<1, pk::moe::THREADS, 0, at.stream>>>(g);
+        return cudaGetLastError();
+      }
+    });
+  };
+  const cudaError_t err = a.dtype == DType::kBF16  ? run(__nv_bfloat16{})
+                          : a.dtype == DType::kF16 ? run(__half{})
+                                                   : run(0.f);
+  return CudaStatus(err, "moe_combine (stage, pull, leave)");
+}
+
+namespace {
+
+ffi::Error Comm(const char* op, int64_t comm_id, int32_t device, const CommView** v,
+                int* num_sms) {
+  if (ffi::Error e = LookupComm(op, comm_id, device, v); e.failure()) return e;
+  return NumSms(device, num_sms);
+}
+
+bool Is2d(const ffi::AnyBuffer& b) { return b.dimensions().size() == 2; }
+
+ffi::Error DispatchCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                        ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> rank,
+                        ffi::Result<ffi::AnyBuffer> tokens,
+                        ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,
+                        ffi::Result<ffi::Buffer<ffi::S32>> dest,
+                        ffi::Result<ffi::Buffer<ffi::S32>> pos,
+                        ffi::Result<ffi::Buffer<ffi::S32>> dropped,
+                        ffi::Result<ffi::Buffer<ffi::S32>> recv_dropped, int64_t comm_id,
+                        int64_t num_experts, int64_t capacity) {
+  const CommView* v = nullptr;
+  int num_sms = 0;
+  if (ffi::Error e = Comm("moe_dispatch", comm_id, device, &v, &num_sms); e.failure()) return e;
+  MoeDispatchArgs a{};
+  const auto id = ids.dimensions();
+  if (!ToDType(x.element_type(), &a.dtype) || tokens->element_type() != x.element_type() ||
+      !Is2d(x) || id.size() != 2 || id[0] != x.dimensions()[0] || !Is2d(*tokens) ||
+      tokens->dimensions()[0] != capacity || tokens->dimensions()[1] != x.dimensions()[1] ||
+      pos->element_count() != ids.element_count() ||
+      dest->element_count() != ids.element_count() ||
+      group_sizes->element_count() * v->world != num_experts) {
+    return ffi::Error::InvalidArgument(
+        "pk.moe_dispatch: expected x [T, H], ids [T, k], tokens [capacity, H] of x's dtype, "
+        "dest/pos [T, k] and group_sizes [E / P]");
+  }
+  a.x = x.untyped_data();
+  a.ids = ids.typed_data();
+  a.rank = rank.typed_data();
+  a.dest = dest->typed_data();
+  a.pos = pos->typed_data();
+  a.dropped = dropped->typed_data();
+  a.recv_dropped = recv_dropped->typed_data();
+  a.group_sizes = group_sizes->typed_data();
+  a.tokens = tokens->untyped_data();
+  a.t = id[0];
+  a.k = id[1];
+  a.h = x.dimensions()[1];
+  a.num_experts = num_experts;
+  a.capacity = capacity;
+  a.mode = 0;
+  return ToError(LaunchMoeDispatch(Where{stream, device, num_sms}, a, *v));
+}
+
+ffi::Error ScatterCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer rows,
+                       ffi::Buffer<ffi::S32> dest, ffi::Buffer<ffi::S32> pos,
+                       ffi::Buffer<ffi::S32> group_sizes, ffi::Buffer<ffi::S32> rank,
+                       ffi::Result<ffi::AnyBuffer> tokens, int64_t comm_id, int64_t num_experts,
+                       int64_t capacity) {
+  const CommView* v = nullptr;
+  int num_sms = 0;
+  if (ffi::Error e = Comm("moe_dispatch", comm_id, device, &v, &num_sms); e.failure()) return e;
+  MoeDispatchArgs a{};
+  const auto dd = dest.dimensions();
+  if (!ToDType(rows.element_type(), &a.dtype) || tokens->element_type() != rows.element_type() ||
+      !Is2d(rows) || dd.size() != 2 || rows.dimensions()[0] != dd[0] * dd[1] ||
+      pos.element_count() != dest.element_count() || !Is2d(*tokens) ||
+      tokens->dimensions()[0] != capacity || tokens->dimensions()[1] != rows.dimensions()[1] ||
+      group_sizes.element_count() * v->world != num_experts) {
+    return ffi::Error::InvalidArgument(
+        "pk.moe_dispatch (transpose): expected rows [T k, H], dest/pos [T, k], group_sizes "
+        "[E / P] and tokens [capacity, H] of the rows' dtype");
+  }
+  a.x = rows.untyped_data();
+  a.rank = rank.typed_data();
+  a.dest = const_cast<int32_t*>(dest.typed_data());  // read only in scatter mode
+  a.pos = const_cast<int32_t*>(pos.typed_data());
+  a.group_sizes = const_cast<int32_t*>(group_sizes.typed_data());
+  a.tokens = tokens->untyped_data();
+  a.t = dd[0];
+  a.k = dd[1];
+  a.h = rows.dimensions()[1];
+  a.num_experts = num_experts;
+  a.capacity = capacity;
+  a.mode = 1;
+  return ToError(LaunchMoeDispatch(Where{stream, device, num_sms}, a, *v));
+}
+
+ffi::Error CombineCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
+                       ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> dest,
+                       ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::S32> rank,
+                       ffi::Result<ffi::AnyBuffer> out, int64_t comm_id, int64_t mode) {
+  const CommView* v = nullptr;
+  int num_sms = 0;
+  if (ffi::Error e = Comm("moe_combine", comm_id, device, &v, &num_sms); e.failure()) return e;
+  MoeCombineArgs a{};
+  const auto dd = dest.dimensions();
+  const int64_t out_rows = dd.size() == 2 ? (mode == 1 ? dd[0] * dd[1] : dd[0]) : -1;
+  if (!ToDType(y.element_type(), &a.dtype) || out->element_type() != y.element_type() ||
+      !Is2d(y) || dd.size() != 2 || pos.element_count() != dest.element_count() ||
+      weights.element_count() != dest.element_count() || !Is2d(*out) ||
+      out->dimensions()[0] != out_rows || out->dimensions()[1] != y.dimensions()[1]) {
+    return ffi::Error::InvalidArgument(
+        "pk.moe_combine: expected y [capacity, H], weights/dest/pos [T, k] and out [T, H] "
+        "([T k, H] when gathering) of y's dtype");
+  }
+  a.y = y.untyped_data();
+  a.weights = weights.typed_data();
+  a.dest = dest.typed_data();
+  a.pos = pos.typed_data();
+  a.rank = rank.typed_data();
+  a.out = out->untyped_data();
+  a.t = dd[0];
+  a.k = dd[1];
+  a.h = y.dimensions()[1];
+  a.capacity = y.dimensions()[0];
+  a.mode = mode;
+  return ToError(LaunchMoeCombine(Where{stream, device, num_sms}, a, *v));
+}
+
+}  // namespace
+}  // namespace pk_ffi
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PkMoeDispatch, pk_ffi::DispatchCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .Ctx<xla::ffi::DeviceOrdinal>()                 // device
+                                  .Arg<xla::ffi::AnyBuffer>()                     // x [T, H]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // ids [T, k]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // rank
+                                  .Ret<xla::ffi::AnyBuffer>()                  // tokens [C, H]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()      // group_sizes
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()      // dest [T, k]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()      // pos [T, k]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()      // dropped [1]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()      // recv_dropped
+                                  .Attr<int64_t>("comm_id")                    // comm_id
+                                  .Attr<int64_t>("num_experts")                // E
+                                  .Attr<int64_t>("capacity"),                  // C
+                              PK_FFI_CUDA_TRAITS);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PkMoeScatter, pk_ffi::ScatterCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .Ctx<xla::ffi::DeviceOrdinal>()                 // device
+                                  .Arg<xla::ffi::AnyBuffer>()                  // rows [T k, H]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()      // dest [T, k]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()      // pos [T, k]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()      // group_sizes
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()      // rank
+                                  .Ret<xla::ffi::AnyBuffer>()                  // tokens [C, H]
+                                  .Attr<int64_t>("comm_id")                    // comm_id
+                                  .Attr<int64_t>("num_experts")                // E
+                                  .Attr<int64_t>("capacity"),                  // C
+                              PK_FFI_CUDA_TRAITS);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PkMoeCombine, pk_ffi::CombineCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .Ctx<xla::ffi::DeviceOrdinal>()                 // device
+                                  .Arg<xla::ffi::AnyBuffer>()                  // y [C, H]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()      // weights [T, k]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()      // dest [T, k]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()      // pos [T, k]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()      // rank
+                                  .Ret<xla::ffi::AnyBuffer>()                  // out
+                                  .Attr<int64_t>("comm_id")                    // comm_id
+                                  .Attr<int64_t>("mode"),   // 0 combine, 1 gather (VJP)
+                              PK_FFI_CUDA_TRAITS);

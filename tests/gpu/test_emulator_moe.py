@@ -1,0 +1,182 @@
+"""The expert-parallel MoE kernels (pk.moe_dispatch, its per-slot transpose, pk.moe_combine and
+its gather) under true concurrency: P emulated ranks on disjoint SM partitions of one GPU
+(pk_jax.testing.World), started through the launch functions the FFI handlers call, against the
+numpy references of pk_jax.testing.ops.
+
+Run on the H200: `bash tests/gpu/run_all.sh moe` (or, with CUDA_MODULE_LOADING=EAGER,
+`python -m pytest -m gpu tests/gpu/test_emulator_moe.py`). The dead-rank cases trap the CUDA
+context, so they run in subprocesses (tests/gpu/emu_failures.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import zlib
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+sys.path.insert(0, os.path.dirname(__file__))
+import emu_cases
+
+from pk_jax.testing import ops
+
+CALLS = int(os.environ.get("PK_JAX_EMU_MOE_CALLS", "400"))  # back-to-back calls per (op, P)
+BATCH = 50                                                  # calls in flight between syncs
+SKEW_NS = 20_000                                            # random per-rank start skew
+WORKSPACE = 256 << 20                                       # the big cases' rows fit
+
+
+@pytest.fixture(scope="module")
+def worlds():
+    from pk_jax.testing import World
+
+    made: dict = {}
+
+    def get(p: int, **kw):
+        key = (p, tuple(sorted(kw.items())))
+        if key not in made:
+            made[key] = World(p, timeout_s=10.0, workspace_bytes=WORKSPACE, **kw)
+        return made[key]
+
+    yield get
+    for w in made.values():
+        w.close()
+
+
+def _run(world, cases, rng, *, skew_ns: int = SKEW_NS, poison: int = 0xFF) -> list[str]:
+    """Queues every case (each rank after a random delay), then checks every output.
+
+    NOTES: the 0xFF poison reads -1 in int32 outputs, a legal position; callers run with a
+    second poison (0x7F) so an unwritten position shows too.
+    """
+    calls = [ops.Call(world, c, poison=poison) for c in cases]
+    try:
+        for c in calls:
+            delays = ([int(d) for d in rng.integers(0, skew_ns + 1, world.world)]
+                      if skew_ns else None)
+            c.launch(delays_ns=delays)
+        world.synchronize()
+        return [p for c in calls for p in c.check()]
+    finally:
+        for c in calls:
+            c.free()
+
+
+@pytest.mark.parametrize("op,p", list(itertools.product(ops.MOE, emu_cases.WORLDS)))
+def test_exact_twice(worlds, op, p):
+    """x = rank (each row names its sender) and random exact cases at odd sizes, called back to
+    back twice on poisoned outputs, without and with skew."""
+    rng = np.random.default_rng(zlib.crc32(f"{op}{p}".encode()))
+    w = worlds(p)
+    cases = [emu_cases.moe_case(op, p, rng, rank_valued=True),
+             emu_cases.moe_case(op, p, rng), emu_cases.moe_case(op, p, rng, t=1)]
+    assert _run(w, cases, rng, skew_ns=0) == []
+    assert _run(w, cases[::-1], rng, poison=0x7F) == []
+
+
+@pytest.mark.parametrize("p", (2, 4, 8))
+def test_skewed_routing_empty_experts_and_capacity_overflow(worlds, p):
+    """Zipf routing (hot experts, many empty ones) with a tight capacity: rows are dropped and
+    counted on both sides; and exactly full buffers."""
+    rng = np.random.default_rng(40 + p)
+    w = worlds(p)
+    tight = [emu_cases.moe_case("moe_dispatch", p, rng, skew=True, capacity="tight", t=97)
+             for _ in range(4)]
+    assert all(sum(int(c.expected[r]["recv_dropped"][0]) for r in range(p)) > 0
+               for c in tight)
+    # Only even experts chosen: every odd expert is empty on every rank.
+    t, k, experts = 61, 3, 4 * p
+    ids = 2 * rng.integers(0, experts // 2, (p, t, k)).astype(np.int32)
+    xs = [ops.integers(rng, (t, 24)) for _ in range(p)]
+    empty = [ops.moe_dispatch(xs, ids, "bfloat16", num_experts=experts, capacity=cap)
+             for cap in (p * t * k, t * k // 2)]
+    assert all((c.expected[r]["group_sizes"][1::2] == 0).all() for c in empty
+               for r in range(p))
+    exact = [emu_cases.moe_case(op, p, rng, skew=True, capacity="exact") for op in ops.MOE]
+    assert _run(w, tight + empty + exact, rng) == []
+    assert _run(w, tight + empty + exact, rng, poison=0x7F) == []
+
+
+@pytest.mark.parametrize("op,p", list(itertools.product(ops.MOE, (2, 4, 8))))
+def test_back_to_back_with_skew(worlds, op, p):
+    """CALLS calls, BATCH at a time without host synchronisation, each rank starting each call
+    after a random delay, inputs (and shapes, capacity, routing) changing every call."""
+    rng = np.random.default_rng(1000 + zlib.crc32(f"{op}{p}".encode()))
+    w = worlds(p)
+    problems: list[str] = []
+    done = 0
+    while done < CALLS:
+        n = min(BATCH, CALLS - done)
+        problems += _run(w, [emu_cases.moe_case(op, p, rng) for _ in range(n)], rng,
+                         poison=0xFF if done % 100 == 0 else 0x7F)
+        done += n
+    assert problems == [], problems[:5]
+
+
+@pytest.mark.parametrize("p", (2, 4, 8))
+def test_interleaved_with_the_other_ops_on_one_workspace(worlds, p):
+    """MoE calls mixed with the collectives and the fused GEMMs on the same workspace and pads
+    (each op's entry barrier and exit wait keep the others' deferred reads safe), with skew."""
+    rng = np.random.default_rng(77 + p)
+    w = worlds(p)
+    every = ops.MOE + ops.OPS
+    problems: list[str] = []
+    for _ in range(4):
+        seq = [str(rng.choice(every)) for _ in range(BATCH)]
+        problems += _run(w, [emu_cases.case(op, p, rng) for op in seq], rng)
+    assert problems == [], problems[:5]
+
+
+def test_a_late_rank(worlds):
+    """One rank starts 200 ms after the others (well inside the timeout): still exact."""
+    rng = np.random.default_rng(5)
+    w = worlds(4)
+    for op in ops.MOE:
+        c = ops.Call(w, emu_cases.moe_case(op, 4, rng))
+        try:
+            c.launch(delays_ns=[0, 0, 200_000_000, 0])
+            w.synchronize()
+            assert c.check() == []
+        finally:
+            c.free()
+
+
+def test_big_and_unequal_partitions(worlds):
+    """Ranks with 48, 16, 32 and 16 SMs and big calls (T 1024, top-8, H 1024; full grids):
+    the paired grids come from the problem, so every op is exact."""
+    rng = np.random.default_rng(11)
+    w = worlds(4, sms_per_rank=(48, 16, 32, 16))
+    assert w.sms == [48, 16, 32, 16]
+    for op in ops.MOE:
+        assert _run(w, [emu_cases.moe_case(op, 4, rng, size="big") for _ in range(3)], rng) == []
+        assert _run(w, [emu_cases.moe_case(op, 4, rng) for _ in range(20)], rng) == []
+
+
+def _failure(mode: str, *args: str) -> dict:
+    script = os.path.join(os.path.dirname(__file__), "emu_failures.py")
+    out = subprocess.run([sys.executable, script, mode, *args], capture_output=True, text=True,
+                         timeout=120, check=False)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    assert lines, f"no result from {mode} {args}: rc={out.returncode}\n{out.stdout}\n{out.stderr}"
+    return json.loads(lines[-1])
+
+
+@pytest.mark.parametrize("op,p", list(itertools.product(("moe_dispatch", "moe_combine"),
+                                                        (2, 4, 8))))
+def test_a_rank_that_never_arrives(op, p):
+    """The others fail within timeout + 1 s with the record naming op, rank and missing peer;
+    a fresh world (a new process) runs the op."""
+    r = _failure("dead", op, str(p))
+    assert r["failed"], r
+    assert r["elapsed_s"] < r["timeout_s"] + 1.0, r
+    assert r["code"] == 1 and r["op"] == r["expected_op"], r
+    assert r["peer"] == r["dead"] and r["rank"] != r["dead"], r
+    assert op in r["message"], r
+    assert _failure("fresh", op, str(p))["fresh_world_ok"]
