@@ -130,7 +130,7 @@ def main() -> int:
                 t_c = common.time_us(fc, arg_sets, iters=_iters(work / 500e12), reps=reps)
                 t_x = (common.time_us(fx, arg_sets, iters=_iters(work / 80e12),
                                       reps=max(3, reps // 2), warmup=1) if with_xla else None)
-                tf = lambda t: work / t / 1e6
+                tf = lambda t, work=work: work / t / 1e6
                 row = common.record(
                     op="attention", shape=shape, dtype=dtype.name, world=1, processes=1,
                     median_us=t_o, tflops=tf(t_o), baseline="cudnn", baseline_median_us=t_c,
@@ -140,7 +140,7 @@ def main() -> int:
                     max_err=err, baseline_max_err=err_b, reps=reps)
                 (fwd_ratios if direction == "fwd" else bwd_ratios).append(row["ratio"])
                 xs = f"{tf(t_x):7.1f}" if t_x is not None else f"{'-':>7}"
-                print(f"{f'{b}x{s}x{h}/{hkv}x{d}':>22} {str(causal):>6} {direction:>7} "
+                print(f"{f'{b}x{s}x{h}/{hkv}x{d}':>22} {causal!s:>6} {direction:>7} "
                       f"{tf(t_o):7.1f} {tf(t_c):7.1f} {xs}  {row['ratio']:.3f}x vs cuDNN",
                       flush=True)
         del sets

@@ -480,7 +480,7 @@ def test_p1_routes_keep_the_reference_types(monkeypatch, sequence_parallel, mode
 
     specs = (xs, P(None, "tp"), P("tp"), P("tp", None), P())
     tp = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=xs, check_vma=check_vma)
-    loss = lambda fn: lambda *a: jnp.sum(fn(*a).astype(jnp.float32) ** 2)  # noqa: E731
+    loss = lambda fn: lambda *a: jnp.sum(fn(*a).astype(jnp.float32) ** 2)
     cast = [a.astype(jnp.bfloat16) for a in (x, w1, b1, w2, b2)]
     with cost_model.override(mode=mode):
         ours = jax.jit(jax.value_and_grad(loss(tp), argnums=(0, 1, 2, 3, 4)))(*cast)

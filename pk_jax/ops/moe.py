@@ -262,14 +262,14 @@ def _dispatch_kernel_applies(x, expert_ids, p: int, num_experts: int, capacity: 
     fits = (1 < p <= KERNEL_MAX_PEERS and x.dtype in KERNEL_DTYPES and 1 <= k <= KERNEL_MAX_K
             and num_experts <= KERNEL_MAX_EXPERTS and p * num_experts <= KERNEL_MAX_COUNTS
             and t * k * p < 2**31 and capacity < 2**31)
-    return fits and _backend.use_kernel("moe_dispatch", axis_name)
+    return _backend.route("moe_dispatch", axis_name, supported=fits).path == "kernel"
 
 
 def _combine_kernel_applies(y, weights, p: int, axis_name: str) -> bool:
     t, k = weights.shape
     fits = (1 < p <= KERNEL_MAX_PEERS and y.dtype in KERNEL_DTYPES and 1 <= k <= KERNEL_MAX_K
             and t * k * p < 2**31 and y.shape[0] < 2**31)
-    return fits and _backend.use_kernel("moe_combine", axis_name)
+    return _backend.route("moe_combine", axis_name, supported=fits).path == "kernel"
 
 
 def _dispatch_call(x, ids, axis_name: str, num_experts: int, capacity: int):
