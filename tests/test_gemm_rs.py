@@ -393,18 +393,18 @@ def test_gpu_error_workspace_too_small():
         _gpu_call(mesh, x, w, "fused")
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("sequence_parallel,mode", product((True, False), ("fused", "local")))
-def test_gpu_p1_tp_mlp_gradients_match_reference(sequence_parallel, mode):
+def _tp_mlp_matches_reference(mesh, sequence_parallel: bool, mode: str, *, dims, dtype,
+                              check_vma: bool = True) -> None:
     """A TP MLP (pk_jax.nn's column + row layers: ag_gemm + gemm_rs with sequence parallelism,
-    matmul + gemm_ar without) and its gradients against the unsharded reference MLP."""
+    matmul + gemm_ar without) over axis "tp" with the cost model's mode forced, and its loss and
+    gradients against the unsharded reference MLP."""
     from pk_jax import nn as pknn
 
-    mesh = gpu_mesh(gemm_rs.STEM)
-    d, hdim, s = 256, 512, 300
+    d, hdim, s = dims
     ks = jax.random.split(jax.random.key(5), 6)
     x = rand(ks[0], (s, d), jnp.float32) * 0.5
-    w1, w2 = rand(ks[1], (d, hdim), jnp.float32) / 16, rand(ks[2], (hdim, d), jnp.float32) / 22
+    w1 = rand(ks[1], (d, hdim), jnp.float32) / np.sqrt(d)
+    w2 = rand(ks[2], (hdim, d), jnp.float32) / np.sqrt(hdim)
     b1, b2 = rand(ks[3], (hdim,), jnp.float32) / 10, rand(ks[4], (d,), jnp.float32) / 10
     xs = P("tp", None) if sequence_parallel else P()
 
@@ -415,21 +415,27 @@ def test_gpu_p1_tp_mlp_gradients_match_reference(sequence_parallel, mode):
                                         sequence_parallel=sequence_parallel)
 
     specs = (xs, P(None, "tp"), P("tp"), P("tp", None), P())
-    tp = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=xs)
+    tp = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=xs, check_vma=check_vma)
 
     def loss(fn):
         return lambda *a: jnp.sum(fn(*a).astype(jnp.float32) ** 2)
 
-    args = [jax.device_put(a, NamedSharding(mesh, sp)) for a, sp in zip((x, w1, b1, w2, b2),
-                                                                          specs)]
+    args = [a.astype(dtype) for a in (x, w1, b1, w2, b2)]
+    placed = [jax.device_put(a, NamedSharding(mesh, sp)) for a, sp in zip(args, specs)]
     with cost_model.override(mode=mode):
-        ours = jax.jit(jax.value_and_grad(loss(tp), argnums=(0, 1, 2, 3, 4)))(*args)
-    ref = jax.jit(jax.value_and_grad(loss(pknn.reference_mlp), argnums=(0, 1, 2, 3, 4)))(
-        x, w1, b1, w2, b2)
+        ours = jax.jit(jax.value_and_grad(loss(tp), argnums=(0, 1, 2, 3, 4)))(*placed)
+    ref = jax.jit(jax.value_and_grad(loss(pknn.reference_mlp), argnums=(0, 1, 2, 3, 4)))(*args)
     np.testing.assert_allclose(float(ours[0]), float(ref[0]), rtol=2e-2)
     for a, b in zip(ours[1], ref[1]):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         assert np.max(np.abs(a - b)) <= 3e-2 * np.max(np.abs(b)) + 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sequence_parallel,mode", product((True, False), ("fused", "local")))
+def test_gpu_p1_tp_mlp_gradients_match_reference(sequence_parallel, mode):
+    _tp_mlp_matches_reference(gpu_mesh(gemm_rs.STEM), sequence_parallel, mode,
+                              dims=(256, 512, 300), dtype=jnp.float32)
 
 
 # ----------------------------------------------- the routes at P = 1 (stand-in kernels, CPU)
@@ -442,7 +448,6 @@ def test_p1_routes_keep_the_reference_types(monkeypatch, sequence_parallel, mode
     pk.matmul with XLA's no-op collective; "fused": the fused kernel): the results and their
     replication types are the reference's, forward and backward, with check_vma on or off."""
     from pk_jax import _backend
-    from pk_jax import nn as pknn
 
     calls = stand_in_kernels(monkeypatch)
     fused_targets = ("pk_gemm_rs", "pk_ag_gemm", "pk_gemm_ar")
@@ -465,30 +470,8 @@ def test_p1_routes_keep_the_reference_types(monkeypatch, sequence_parallel, mode
     monkeypatch.setattr(_backend, "_gpu", lambda: cost_model.H200)
     mesh = cpu_mesh((1,), ("tp",), explicit=False)
     pk.init(mesh)
-    d, hdim, s = 64, 128, 48
-    ks = jax.random.split(jax.random.key(5), 5)
-    x = rand(ks[0], (s, d), jnp.float32) * 0.5
-    w1, w2 = rand(ks[1], (d, hdim), jnp.float32) / 8, rand(ks[2], (hdim, d), jnp.float32) / 11
-    b1, b2 = rand(ks[3], (hdim,), jnp.float32) / 10, rand(ks[4], (d,), jnp.float32) / 10
-    xs = P("tp", None) if sequence_parallel else P()
-
-    def local(x, w1, b1, w2, b2):
-        h = pknn.column_parallel_linear(x, w1, b1, axis_name="tp",
-                                        sequence_parallel=sequence_parallel)
-        return pknn.row_parallel_linear(jax.nn.gelu(h), w2, b2, axis_name="tp",
-                                        sequence_parallel=sequence_parallel)
-
-    specs = (xs, P(None, "tp"), P("tp"), P("tp", None), P())
-    tp = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=xs, check_vma=check_vma)
-    loss = lambda fn: lambda *a: jnp.sum(fn(*a).astype(jnp.float32) ** 2)
-    cast = [a.astype(jnp.bfloat16) for a in (x, w1, b1, w2, b2)]
-    with cost_model.override(mode=mode):
-        ours = jax.jit(jax.value_and_grad(loss(tp), argnums=(0, 1, 2, 3, 4)))(*cast)
-    ref = jax.value_and_grad(loss(pknn.reference_mlp), argnums=(0, 1, 2, 3, 4))(*cast)
-    np.testing.assert_allclose(float(ours[0]), float(ref[0]), rtol=2e-2)
-    for a, b in zip(ours[1], ref[1]):
-        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-        assert np.max(np.abs(a - b)) <= 3e-2 * np.max(np.abs(b)) + 1e-3
+    _tp_mlp_matches_reference(mesh, sequence_parallel, mode, dims=(64, 128, 48),
+                              dtype=jnp.bfloat16, check_vma=check_vma)
     targets = {c["target"] for c in calls}
     if mode == "local":
         assert "pk_matmul" in targets and not targets & set(fused_targets), targets
