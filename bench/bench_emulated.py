@@ -31,9 +31,7 @@ os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 
 import argparse
 import dataclasses
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,20 +45,6 @@ from pk_jax.testing import DeviceBuffer, World, ops
 MACHINE = "h200-emulated"
 LINK = "shared HBM (unthrottled)"
 BF16 = "bfloat16"
-
-
-def timed(world: World, launch_all, *, iters: int = 10, reps: int = 5) -> float:
-    """Median microseconds per call of `launch_all()` (queues one call on every rank)."""
-    launch_all()
-    world.synchronize()
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        for _ in range(iters):
-            launch_all()
-        world.synchronize()
-        samples.append((time.perf_counter() - start) / iters * 1e6)
-    return statistics.median(samples)
 
 
 def emulated_gpu(world: World, copy_gbps: float) -> cost_model.GPU:
@@ -82,7 +66,7 @@ def copy_rate_gbps(world: World, nbytes: int = 256 << 20) -> float:
     def one():
         vmm.call("cuMemcpyDtoDAsync", b.ptr, a.ptr, nbytes, stream)
 
-    us = timed(world, one)
+    us = common.emulated_us(world, one)
     a.free()
     b.free()
     # One partition's copy engine path is not SM-bound: this is the shared HBM's copy rate.
@@ -180,8 +164,8 @@ def bench_tp(world: World, gpu: cost_model.GPU, shapes, rng, rows: list) -> None
             problems = b["fused"].check() + b["serial"].check()
             if problems:
                 raise SystemExit(f"{op} P={p} {m}x{n}x{k}: wrong results: {problems[:3]}")
-            t_fused = timed(world, b["fused"].launch)
-            t_serial = timed(world, lambda op=op, b=b: serial_launch(world, op, b))
+            t_fused = common.emulated_us(world, b["fused"].launch)
+            t_serial = common.emulated_us(world, lambda op=op, b=b: serial_launch(world, op, b))
             pred = {md: cost_model.predict(op, m, n, k_dev, p, mode=md, num_comm_sms=comm_sms,
                                            gpu=gpu).predicted_us for md in ("fused", "serial")}
             flops = 2.0 * m * n * k
@@ -230,7 +214,7 @@ def bench_collectives(world: World, nbytes: int, rng, rows: list) -> None:
         problems = call.check()
         if problems:
             raise SystemExit(f"{op} P={p}: wrong results: {problems[:3]}")
-        t = timed(world, call.launch)
+        t = common.emulated_us(world, call.launch)
         moved = case.expected[0]["y"].nbytes  # bytes each rank writes
         src = [DeviceBuffer(moved) for _ in range(p)]
         dst = [DeviceBuffer(moved) for _ in range(p)]
@@ -240,7 +224,7 @@ def bench_collectives(world: World, nbytes: int, rng, rows: list) -> None:
                 vmm.call("cuMemcpyDtoDAsync", dst[r].ptr, src[r].ptr, moved,
                          cu.CUstream(world.parts[r].stream))
 
-        t_copy = timed(world, copies)
+        t_copy = common.emulated_us(world, copies)
         row = common.record(op=op, shape={"bytes_per_rank": case.inputs[0]["x"].nbytes},
                             dtype=BF16, world=p, processes=1, median_us=t,
                             gbps=moved / t / 1e3, baseline="concurrent device copy (emulated)",

@@ -34,9 +34,7 @@ import os
 os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 
 import argparse
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -56,20 +54,6 @@ SHAPES = [
     ("deepseek-v3-like", 1024, 8, 256, 7168, 2048, True),
     ("mixtral-like", 2048, 2, 8, 4096, 14336, False),
 ]
-
-
-def timed(world: World, launch_all, *, iters: int = 10, reps: int = 5) -> float:
-    """Median microseconds per call of `launch_all()` (queues one call on every rank)."""
-    launch_all()
-    world.synchronize()
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        for _ in range(iters):
-            launch_all()
-        world.synchronize()
-        samples.append((time.perf_counter() - start) / iters * 1e6)
-    return statistics.median(samples)
 
 
 def checked(world: World, case: ops.Case, ranks=None) -> ops.Call:
@@ -106,8 +90,8 @@ def run_shape(world: World, name, t, k, experts, h, hidden, skew, rng, rows: lis
     dropped = sum(int(disp.case.expected[r]["dropped"][0]) for r in range(P))
     # The baselines' outputs (P times the input) are checked on rank 0 only (host memory).
     gather_x = checked(world, ops.all_gather([x.reshape(-1) for x in xs], BF16), [0])
-    t_disp = timed(world, disp.launch)
-    t_ag = timed(world, gather_x.launch)
+    t_disp = common.emulated_us(world, disp.launch)
+    t_ag = common.emulated_us(world, gather_x.launch)
     moved = max(kept) * h * 2  # bytes the busiest rank receives
     rows.append(common.record(op="moe_dispatch", shape=shape, median_us=t_disp,
                               gbps=moved / t_disp / 1e3,
@@ -125,8 +109,8 @@ def run_shape(world: World, name, t, k, experts, h, hidden, skew, rng, rows: lis
     weights = rng.integers(0, 5, (P, t, k)).astype(np.float32) / 4
     comb = checked(world, ops.moe_combine(ys, weights, ids, BF16, num_experts=experts))
     gather_y = checked(world, ops.all_gather([y.reshape(-1) for y in ys], BF16), [0])
-    t_comb = timed(world, comb.launch)
-    t_agy = timed(world, gather_y.launch)
+    t_comb = common.emulated_us(world, comb.launch)
+    t_agy = common.emulated_us(world, gather_y.launch)
     pulled = t * k * h * 2
     rows.append(common.record(op="moe_combine", shape=shape, median_us=t_comb,
                               gbps=pulled / t_comb / 1e3,

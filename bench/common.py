@@ -100,3 +100,19 @@ def record(*, op: str, shape: dict, dtype: str, world: int, processes: int, medi
 
 def geomean(values: Sequence[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+
+def emulated_us(world, launch_all, *, iters: int = 10, reps: int = 5) -> float:
+    """Median microseconds per call of `launch_all()`, which queues one call on every rank of
+    the rank emulator's `world` (pk_jax.testing.World); the world is synchronized (bounded by
+    its timeout) after each batch of `iters` calls."""
+    launch_all()
+    world.synchronize()
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(iters):
+            launch_all()
+        world.synchronize()
+        samples.append((time.perf_counter() - start) / iters * 1e6)
+    return statistics.median(samples)
