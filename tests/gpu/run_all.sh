@@ -100,7 +100,8 @@ section_grouped() {
 
 # Single-device flash attention (pk.attention): forward and gradients against float32.
 section_attention() {
-  step "$PY" -m pytest -q -p no:cacheprovider -m "gpu and not large" tests/test_attention.py
+  # about 10 s per case (float32 references at S up to 2K, XLA's compiles): 22 cases
+  LIMIT=600 step "$PY" -m pytest -q -p no:cacheprovider -m "gpu and not large" tests/test_attention.py
 }
 
 # The tensor-parallel MLP examples on the CUDA path, their losses against the reference's.
