@@ -195,6 +195,10 @@ def child_env(rank: int, n: int, coordinator: str, *, platform: str, share_gpu: 
         "JAX_COORDINATOR_ADDRESS": coordinator,
         "PYTHONUNBUFFERED": "1",
     })
+    # JAX's preemption service catches SIGTERM (it waits for a preemption sync point that a
+    # local job never reaches), so a healthy rank would outlive the launcher's SIGTERM and hold
+    # the job until the SIGKILL after the grace. Off unless the user sets it.
+    env.setdefault("JAX_ENABLE_PREEMPTION_SERVICE", "false")
     env.pop(ENV_LOCAL_DEVICE_IDS, None)
     if platform == "gpu":
         env[ENV_LOCAL_DEVICE_IDS] = "0" if share_gpu else str(rank)

@@ -94,12 +94,16 @@ __device__ inline void mma_rs(float (&d)[N / 2], const uint32_t (&a)[R], uint64_
   }
 }
 
-/** @brief Calls f(std::integral_constant<int, i>) for i = 0..N-1 (compile-time loop). */
+template <class F, int... I>
+__device__ inline void static_for_impl(F& f, std::integer_sequence<int, I...>) {
+  (f(std::integral_constant<int, I>{}), ...);
+}
+
+/** @brief Calls f(std::integral_constant<int, i>) for i = 0..N-1 (compile-time loop; C++17, the
+ *  build's standard: no explicit lambda template parameters). */
 template <int N, class F>
 __device__ inline void static_for(F&& f) {
-  [&]<int... I>(std::integer_sequence<int, I...>) {
-    (f(std::integral_constant<int, I>{}), ...);
-  }(std::make_integer_sequence<int, N>{});
+  static_for_impl(f, std::make_integer_sequence<int, N>{});
 }
 
 }  // namespace pk::frag
