@@ -45,7 +45,7 @@ $(VENV)/.installed: pyproject.toml CMakeLists.txt $(wildcard ffi/* cuda/include/
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(DEPS) $(if $(CUDA_BUILD),$(CUDA_DEPS))
-	@echo "pk_jax: installing ($(if $(CUDA_BUILD),building the CUDA extension: about a minute,pure Python)); full log in $(VENV)/build.log"
+	@echo "pk_jax: installing ($(if $(CUDA_BUILD),building the CUDA extension: a few minutes,pure Python)); full log in $(VENV)/build.log"
 	set -o pipefail; PATH=$(abspath $(VENV))/bin:$$PATH PK_JAX_CUDA=$(PK_JAX_CUDA) \
 	  $(PIP) install -v --no-build-isolation --no-deps . 2>&1 | tee $(VENV)/build.log | $(BUILD_FILTER)
 	cd / && $(abspath $(PY)) -c "import pk_jax; print('pk_jax', pk_jax.__version__, 'HAS_CUDA', pk_jax.HAS_CUDA)"
