@@ -183,8 +183,8 @@ def restore_checkpoint(path: str, params, opt_state):
 
 def progress(step: int, total: int, loss: float, tokens_per_s: float, width: int = 24) -> str:
     done = int(width * step / total)
-    return (f"[{'#' * done}{'.' * (width - done)}] {step:4d}/{total}  loss {loss:.3f}  "
-            f"{tokens_per_s:,.0f} tokens/s")
+    rate = f"{tokens_per_s:,.0f} tokens/s" if tokens_per_s else "compiling"
+    return f"[{'#' * done}{'.' * (width - done)}] {step:4d}/{total}  loss {loss:.3f}  {rate}"
 
 
 def main(argv=None) -> dict:
