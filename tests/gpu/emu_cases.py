@@ -1,7 +1,13 @@
 """Case builders shared by the emulator tests, benchmarks and scripts (tests/gpu/): random
-exact-integer calls of every cross-rank op at a given P, with odd sizes."""
+exact-integer calls of every cross-rank op at a given P, with odd sizes; and the tests' shared
+plumbing (a cache of worlds, a batch of skewed calls checked, a failure run in a subprocess)."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 
@@ -108,3 +114,48 @@ def moe_case(op: str, p: int, rng: np.random.Generator, *, size: str = "small",
     weights = rng.integers(0, 5, (p, t, k)).astype(np.float32) / 4
     return ops.moe_combine(ys, weights, ids, dt, num_experts=num_experts,
                            gather=op == "moe_gather")
+
+
+def world_cache(**world_kw):
+    """A generator for a module-scoped pytest fixture: yields get(p, **kw), one World per (P,
+    options) reused by the module's tests (creating one takes ~100 ms), closed at the end."""
+    from pk_jax.testing import World
+
+    made: dict = {}
+
+    def get(p: int, **kw):
+        key = (p, tuple(sorted(kw.items())))
+        if key not in made:
+            made[key] = World(p, timeout_s=10.0, **world_kw, **kw)
+        return made[key]
+
+    yield get
+    for w in made.values():
+        w.close()
+
+
+def run_calls(world, cases, rng, *, skew_ns: int, poison: int = 0xFF) -> list[str]:
+    """Queues every case on poisoned outputs (each rank after a random delay up to skew_ns),
+    synchronizes once, and returns every output's problems."""
+    calls = [ops.Call(world, c, poison=poison) for c in cases]
+    try:
+        for c in calls:
+            delays = ([int(d) for d in rng.integers(0, skew_ns + 1, world.world)]
+                      if skew_ns else None)
+            c.launch(delays_ns=delays)
+        world.synchronize()
+        return [p for c in calls for p in c.check()]
+    finally:
+        for c in calls:
+            c.free()
+
+
+def failure(mode: str, *args: str) -> dict:
+    """tests/gpu/emu_failures.py MODE ARGS in a subprocess (a trap leaves its CUDA context
+    unusable); its last JSON line."""
+    script = os.path.join(os.path.dirname(__file__), "emu_failures.py")
+    out = subprocess.run([sys.executable, script, mode, *args], capture_output=True, text=True,
+                         timeout=120, check=False)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
+    assert lines, f"no result from {mode} {args}: rc={out.returncode}\n{out.stdout}\n{out.stderr}"
+    return json.loads(lines[-1])

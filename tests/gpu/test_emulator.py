@@ -9,9 +9,7 @@ section `emulator`). The failure cases that trap the CUDA context run in subproc
 from __future__ import annotations
 
 import itertools
-import json
 import os
-import subprocess
 import sys
 import time
 import zlib
@@ -33,34 +31,11 @@ SKEW_NS = 20_000                                          # random per-rank star
 
 @pytest.fixture(scope="module")
 def worlds():
-    """One World per P, reused by the tests of this module (creating one takes ~100 ms)."""
-    from pk_jax.testing import World
-
-    made: dict = {}
-
-    def get(p: int, **kw):
-        key = (p, tuple(sorted(kw.items())))
-        if key not in made:
-            made[key] = World(p, timeout_s=10.0, **kw)
-        return made[key]
-
-    yield get
-    for w in made.values():
-        w.close()
+    yield from emu_cases.world_cache()
 
 
 def _run(world, cases, rng, *, skew_ns: int = SKEW_NS) -> list[str]:
-    calls = [ops.Call(world, c) for c in cases]
-    try:
-        for c in calls:
-            delays = ([int(d) for d in rng.integers(0, skew_ns + 1, world.world)]
-                      if skew_ns else None)
-            c.launch(delays_ns=delays)
-        world.synchronize()
-        return [p for c in calls for p in c.check()]
-    finally:
-        for c in calls:
-            c.free()
+    return emu_cases.run_calls(world, cases, rng, skew_ns=skew_ns)
 
 
 def test_partitions_are_disjoint_and_sized(worlds):
@@ -170,13 +145,7 @@ def test_ag_gemm_comm_blocks_resident_when_sms_are_held(worlds):
         c.free()
 
 
-def _failure(mode: str, *args: str) -> dict:
-    script = os.path.join(os.path.dirname(__file__), "emu_failures.py")
-    out = subprocess.run([sys.executable, script, mode, *args], capture_output=True, text=True,
-                         timeout=120, check=False)
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
-    assert lines, f"no result from {mode} {args}: rc={out.returncode}\n{out.stdout}\n{out.stderr}"
-    return json.loads(lines[-1])
+_failure = emu_cases.failure
 
 
 @pytest.mark.parametrize("op,p", [(op, p) for op in ops.OPS for p in (2, 4, 8)

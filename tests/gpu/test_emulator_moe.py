@@ -11,9 +11,7 @@ context, so they run in subprocesses (tests/gpu/emu_failures.py).
 from __future__ import annotations
 
 import itertools
-import json
 import os
-import subprocess
 import sys
 import zlib
 
@@ -35,38 +33,13 @@ WORKSPACE = 256 << 20                                       # the big cases' row
 
 @pytest.fixture(scope="module")
 def worlds():
-    from pk_jax.testing import World
-
-    made: dict = {}
-
-    def get(p: int, **kw):
-        key = (p, tuple(sorted(kw.items())))
-        if key not in made:
-            made[key] = World(p, timeout_s=10.0, workspace_bytes=WORKSPACE, **kw)
-        return made[key]
-
-    yield get
-    for w in made.values():
-        w.close()
+    yield from emu_cases.world_cache(workspace_bytes=WORKSPACE)
 
 
 def _run(world, cases, rng, *, skew_ns: int = SKEW_NS, poison: int = 0xFF) -> list[str]:
-    """Queues every case (each rank after a random delay), then checks every output.
-
-    NOTES: the 0xFF poison reads -1 in int32 outputs, a legal position; callers run with a
-    second poison (0x7F) so an unwritten position shows too.
-    """
-    calls = [ops.Call(world, c, poison=poison) for c in cases]
-    try:
-        for c in calls:
-            delays = ([int(d) for d in rng.integers(0, skew_ns + 1, world.world)]
-                      if skew_ns else None)
-            c.launch(delays_ns=delays)
-        world.synchronize()
-        return [p for c in calls for p in c.check()]
-    finally:
-        for c in calls:
-            c.free()
+    """NOTES: the 0xFF poison reads -1 in int32 outputs, a legal position; callers run with a
+    second poison (0x7F) so an unwritten position shows too."""
+    return emu_cases.run_calls(world, cases, rng, skew_ns=skew_ns, poison=poison)
 
 
 @pytest.mark.parametrize("op,p", list(itertools.product(ops.MOE, emu_cases.WORLDS)))
@@ -145,13 +118,7 @@ def test_big_and_unequal_partitions(worlds):
         assert _run(w, [emu_cases.moe_case(op, 4, rng) for _ in range(20)], rng) == []
 
 
-def _failure(mode: str, *args: str) -> dict:
-    script = os.path.join(os.path.dirname(__file__), "emu_failures.py")
-    out = subprocess.run([sys.executable, script, mode, *args], capture_output=True, text=True,
-                         timeout=120, check=False)
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
-    assert lines, f"no result from {mode} {args}: rc={out.returncode}\n{out.stdout}\n{out.stderr}"
-    return json.loads(lines[-1])
+_failure = emu_cases.failure
 
 
 @pytest.mark.parametrize("op,p", list(itertools.product(("moe_dispatch", "moe_combine"),
