@@ -31,7 +31,6 @@ from pk_jax import _ffi, cost_model
 from pk_jax.runtime import state
 
 BACKENDS = ("auto", "reference", "cuda")
-PATHS = ("reference", "kernel", "local", "serial", "fused")
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 TP_GEMMS = ("gemm_rs", "ag_gemm", "gemm_ar")
 _warned: set[str] = set()
@@ -103,11 +102,10 @@ def use_kernel(stem: str, axis_name: str | None = None) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Route:
-    """How one call runs (see the module docstring); `plan` is the cost model's, for TP GEMMs."""
+    """How one call runs (see the module docstring); num_comm_sms for fused ag_gemm."""
 
     path: str
     num_comm_sms: int = 0
-    plan: cost_model.Plan | None = None
 
 
 REFERENCE = Route("reference")
@@ -145,7 +143,7 @@ def route(stem: str, axis_name: str | None = None, *, supported: bool = True,
     if stem in TP_GEMMS:
         m, n, k, dtype = gemm
         pl = cost_model.plan(stem, m, n, k, p, itemsize=np.dtype(dtype).itemsize, gpu=_gpu())
-        return Route(pl.mode, pl.num_comm_sms, pl)
+        return Route(pl.mode, pl.num_comm_sms)
     return Route("kernel")
 
 

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pk_jax._backend import COLLECTIVES
+from pk_jax._backend import TP_GEMMS as GEMMS
 from pk_jax.testing.emulator import DTYPES, DeviceBuffer, World, np_dtype
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-GEMMS = ("gemm_rs", "ag_gemm", "gemm_ar")
 OPS = COLLECTIVES + GEMMS
 # Expert-parallel MoE: dispatch, its per-slot form (the combine's VJP), combine, and the
 # combine's unsummed gather (its weights' VJP). Their launcher fields are named in the cases.
