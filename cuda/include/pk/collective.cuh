@@ -318,7 +318,7 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ glo
   const fail_ctx fc{g.error, g.op, r};
   __shared__ uint64_t s_base;
   if (lead) {
-    block_wait_bound() = wait_bound{g.error, g.op, r, g.timeout_ns};
+    block_wait_bound() = peer_wait_bound(g.error, g.op, r, g.timeout_ns);
     const int32_t got = *g.rank_ptr;
     if (got != r) fail(fc, ERR_RANK_MISMATCH, got);
     s_base = g.sig[r][SLOT_COUNTER + b];  // only this block of this device writes it

@@ -49,8 +49,10 @@ struct comm {
   const int32_t* rank_ptr;   ///< XLA's rank operand (checked against `rank`)
 
   __device__ fail_ctx fail() const { return fail_ctx{error, op, rank}; }
-  /** @brief The same record and timeout for the kernel's mbarrier waits. */
-  __host__ __device__ wait_bound bound() const { return wait_bound{error, op, rank, timeout_ns}; }
+  /** @brief The same record for the kernel's mbarrier waits, bounded after the signal waits. */
+  __host__ __device__ wait_bound bound() const {
+    return peer_wait_bound(error, op, rank, timeout_ns);
+  }
   /** @brief This call's epoch (set by epoch_kernel before any other kernel of the call). */
   __device__ uint64_t epoch() const {
     return *reinterpret_cast<volatile const uint64_t*>(sig[rank] + EPOCH);
