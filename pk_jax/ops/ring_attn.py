@@ -23,6 +23,11 @@ Backward (a custom VJP; the forward saves only out and the per-row log-sum-exp):
 ring once more. K/V travel as before and their gradient accumulators dK/dV travel right behind
 them, each rank adding its queries' contribution to the block it holds; after the P-th step
 one more send brings every dK/dV block home. dQ stays on its rank. Memory stays O(S/P).
+
+On GPUs at P > 1 (bf16/fp16, head dim 64 or 128) the forward is one fused kernel per call
+(target pk_ring_attn, cuda/kernels/ring_attn.cuh: the K/V blocks travel through P - 1 slots
+of the symmetric workspace, pushed by communication blocks of the same grid); the backward is
+the reference ring above, on the kernel's out and lse.
 """
 
 from __future__ import annotations

@@ -161,10 +161,15 @@ section_moe() {
 
 # The fused ring attention forward (issue 11): P = 2, 4, 8 emulated ranks against the float32
 # reference (tests/gpu/test_emulator_attention.py; PK_JAX_EMU_RING_CALLS sets the back-to-back
-# calls per P, default 100), then the emulated benchmark (fused vs serial copy + pk.attention).
+# calls per P, default 100), pk.ring_attention's forward through JAX with 2 and 4 processes
+# sharing the GPU (tests/gpu/ring_mp.py), then the emulated benchmark (fused vs unfused:
+# all_gather of K/V, then pk.attention per block).
 section_ring() {
   export CUDA_MODULE_LOADING=EAGER  # pk_jax.testing.require_eager_loading says why
   step "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_emulator_attention.py
+  for n in 2 4; do  # through JAX: FFI handler, lowering (processes share the GPU)
+    PK_JAX_TIMEOUT_S=30 step launch "$n" --timeout 250 tests/gpu/ring_mp.py
+  done
   step "$PY" bench/bench_ring_attn.py --quick
 }
 
