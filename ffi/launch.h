@@ -142,6 +142,23 @@ struct MoeCombineArgs {
 Status LaunchMoeDispatch(const Where& at, const MoeDispatchArgs& a, const CommView& v);
 Status LaunchMoeCombine(const Where& at, const MoeCombineArgs& a, const CommView& v);
 
+// Ring attention forward (cuda/kernels/ring_attn.cuh): q [b, s, h, d], k and v [b, s, hkv, d]
+// (this rank's S/P positions) -> o like q and lse float32 [b, h, s]. zigzag: the causal zigzag
+// layout; num_comm_sms: communication blocks (the same on every rank).
+struct RingAttnArgs {
+  DType dtype;
+  const void *q, *k, *v;
+  void* o;
+  float* lse;
+  const int32_t* rank;
+  int64_t b, s, h, hkv, d;
+  float scale;
+  bool causal, zigzag;
+  int64_t num_comm_sms;
+};
+
+Status LaunchRingAttn(const Where& at, const RingAttnArgs& a, const CommView& v);
+
 // Refuses a launch once the communicator's error record holds an error (a peer timed out in
 // an earlier call): the message names op, rank and missing peer, and the call never starts
 // kernels that would wait for peers that are gone.

@@ -42,6 +42,7 @@ const Registration kRegistrations[] = {
     {"pk_moe_dispatch", "CUDA", reinterpret_cast<void*>(PkMoeDispatch)},
     {"pk_moe_scatter", "CUDA", reinterpret_cast<void*>(PkMoeScatter)},
     {"pk_moe_combine", "CUDA", reinterpret_cast<void*>(PkMoeCombine)},
+    {"pk_ring_attn", "CUDA", reinterpret_cast<void*>(PkRingAttn)},
 };
 
 // The communicator table's view of one key, for tests; None when nothing is registered.
@@ -108,6 +109,24 @@ void EmuLaunch(const std::string& op, int64_t comm_id, int device, uint64_t stre
   };
   if (op == "matmul") {  // local: no communicator (the serial path's GEMM)
     Raise(pk_ffi::LaunchMatmul(at, gemm_args()));
+    return;
+  }
+  if (op == "attention") {  // local forward: no communicator (the unfused ring's per-block step)
+    pk_ffi::AttnArgs a{};
+    a.dtype = static_cast<pk_ffi::DType>(Get(args, "dtype"));
+    a.q = Ptr<const void>(args, "q");
+    a.k = Ptr<const void>(args, "k");
+    a.v = Ptr<const void>(args, "v");
+    a.o = Ptr<void>(args, "o");
+    a.lse = Ptr<float>(args, "lse");
+    a.b = Get(args, "b");
+    a.s = Get(args, "s");
+    a.h = Get(args, "h");
+    a.hkv = Get(args, "hkv");
+    a.d = Get(args, "d");
+    a.scale = static_cast<float>(nb::cast<double>(args["scale"]));
+    a.causal = Get(args, "causal") != 0;
+    Raise(pk_ffi::LaunchAttention(at, a));
     return;
   }
   const pk_ffi::CommView* v = pk_ffi::FindComm(comm_id, device);
@@ -179,6 +198,27 @@ void EmuLaunch(const std::string& op, int64_t comm_id, int device, uint64_t stre
                                    Get(args, "capacity"),
                                    op == "moe_gather" ? 1 : 0};
     Raise(pk_ffi::LaunchMoeCombine(at, a, *v));
+    return;
+  }
+  if (op == "ring_attn") {
+    pk_ffi::RingAttnArgs a{};
+    a.dtype = dtype;
+    a.q = Ptr<const void>(args, "q");
+    a.k = Ptr<const void>(args, "k");
+    a.v = Ptr<const void>(args, "v");
+    a.o = Ptr<void>(args, "o");
+    a.lse = Ptr<float>(args, "lse");
+    a.rank = Ptr<const int32_t>(args, "rank");
+    a.b = Get(args, "b");
+    a.s = Get(args, "s");
+    a.h = Get(args, "h");
+    a.hkv = Get(args, "hkv");
+    a.d = Get(args, "d");
+    a.scale = static_cast<float>(nb::cast<double>(args["scale"]));
+    a.causal = Get(args, "causal") != 0;
+    a.zigzag = Get(args, "zigzag") != 0;
+    a.num_comm_sms = Get(args, "num_comm_sms", 2);
+    Raise(pk_ffi::LaunchRingAttn(at, a, *v));
     return;
   }
   throw std::invalid_argument("pk_jax emulator: unknown op '" + op + "'");

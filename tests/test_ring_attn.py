@@ -307,3 +307,20 @@ def test_zigzag_errors():
         ring(mesh, q, k, v, causal=True, layout="zigzag")
     with pytest.raises(ValueError, match="layout"):
         ring(mesh, *qkv((1, 8, 2, 8), np.float32), layout="striped")
+
+
+def test_fused_kernel_takes_what_it_compiles():
+    """The fused forward (pk_ring_attn) takes P > 1, bf16/fp16 and head dims 64/128; it needs
+    2 (P - 1) K/V blocks of workspace. Everything else, and every CPU mesh, runs the reference
+    (the GPU tests: tests/gpu/test_emulator_attention.py and tests/gpu/ring_mp.py)."""
+    from pk_jax.ops import ring_attn
+
+    bf = jax.ShapeDtypeStruct((1, 130, 4, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 130, 2, 128), jnp.bfloat16)
+    assert ring_attn.kernel_supports(bf, kv, 2)
+    assert not ring_attn.kernel_supports(bf, kv, 1)
+    assert not ring_attn.kernel_supports(jax.ShapeDtypeStruct((1, 130, 4, 128), jnp.float32),
+                                         kv, 4)
+    assert not ring_attn.kernel_supports(jax.ShapeDtypeStruct((1, 130, 4, 96), jnp.float16),
+                                         kv, 4)
+    assert ring_attn.workspace_need(kv, 4) == 2 * 3 * 130 * 2 * 128 * 2

@@ -23,6 +23,11 @@ Backward (a custom VJP; the forward saves only out and the per-row log-sum-exp):
 ring once more. K/V travel as before and their gradient accumulators dK/dV travel right behind
 them, each rank adding its queries' contribution to the block it holds; after the P-th step
 one more send brings every dK/dV block home. dQ stays on its rank. Memory stays O(S/P).
+
+On GPUs at P > 1 (bf16/fp16, head dim 64 or 128) the forward is one fused kernel per call
+(target pk_ring_attn, cuda/kernels/ring_attn.cuh: the K/V blocks travel through P - 1 slots
+of the symmetric workspace, pushed by communication blocks of the same grid); the backward is
+the reference ring above, on the kernel's out and lse.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ import numpy as np
 from jax import lax
 
 from pk_jax import _backend, _checks, _ffi
-from pk_jax.ops import _attention, _vjp
+from pk_jax.ops import _attention, _tp, _vjp
+from pk_jax.runtime import state
 
 STEM = "ring_attn"
 NAME = "ring_attention"  # the public name, used in error messages
@@ -112,18 +118,70 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, *,
     if layout == "zigzag" and q.shape[1] % 2:
         raise ValueError(f"pk.{NAME}: layout='zigzag' holds two equal chunks per rank, so the "
                          f"local sequence length must be even, got {q.shape[1]}; pad it.")
-    k, v = _attention.repeat_kv(q, k, v)  # grouped-query attention (a no-op at H = Hkv)
     # Without causal masking attention ignores positions: zigzag is the contiguous ring.
     zigzag = layout == "zigzag" and causal
-    if _backend.route(STEM, axis_name).path == "kernel":
-        return _cuda_ring_attn(q, k, v, axis_name, causal=causal, scale=scale, p=p)
+    if _backend.route(STEM, axis_name, supported=kernel_supports(q, k, p)).path == "kernel":
+        _tp.check_workspace(NAME, workspace_need(k, p), f"{p - 1} K/V blocks of {k.shape}")
+        return _kernel_ring(q, k, v, axis_name, causal, float(scale), p, zigzag)
+    k, v = _attention.repeat_kv(q, k, v)  # grouped-query attention (a no-op at H = Hkv)
     return reference(q, k, v, axis_name, causal=causal, scale=scale, p=p, zigzag=zigzag)
 
 
-def _cuda_ring_attn(q, k, v, axis_name, **options):
-    # The fused kernel's FFI lowering (target pk_ring_attn) plugs in here. Unreachable until the
-    # extension registers pk_ring_attn, because _backend.route checks the target exists.
-    raise NotImplementedError("pk_jax: the CUDA ring_attn kernel is not wired yet.")
+# ---------------------------------------------------------------------------------------------
+# The fused kernel (target pk_ring_attn, cuda/kernels/ring_attn.cuh): the forward in one launch
+# per call; the backward is still the reference ring above on the kernel's (out, lse).
+
+HEAD_DIMS = (64, 128)
+NUM_COMM_SMS = 2  # communication blocks (the same on every rank; each moves 1/C of a block)
+
+
+def kernel_supports(q: jax.Array, k: jax.Array, p: int) -> bool:
+    """Whether the fused forward takes these (already checked) operands."""
+    return (p > 1 and q.dtype in _checks.MATMUL_DTYPES_NP and q.shape[3] in HEAD_DIMS
+            and q.shape[0] < 65536 and q.shape[2] < 65536
+            and q.shape[1] * q.shape[2] * q.shape[3] < 2**31 and q.shape[1] * p < 2**30)
+
+
+def workspace_need(k: jax.Array, p: int) -> int:
+    """Bytes of symmetric workspace the kernel uses: P - 1 K blocks and P - 1 V blocks."""
+    return 2 * (p - 1) * int(np.prod(k.shape)) * k.dtype.itemsize
+
+
+def _kernel_call(q, k, v, axis_name, causal, scale, zigzag):
+    b, s, h, _ = q.shape
+    o, lse = _ffi.call(
+        "pk_ring_attn", [jax.ShapeDtypeStruct(q.shape, q.dtype),
+                         jax.ShapeDtypeStruct((b, h, s), jnp.float32)],
+        q, k, v, _backend.rank_operand(axis_name), comm_id=np.int64(state.comm_id(axis_name)),
+        scale=np.float32(scale), causal=np.int64(causal), zigzag=np.int64(zigzag),
+        num_comm_sms=np.int64(NUM_COMM_SMS))
+    return o, lse.transpose(0, 2, 1)  # lse as _attention.log_sum_exp: [B, S/P, H]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _kernel_ring(q, k, v, axis_name, causal, scale, p, zigzag):
+    return _kernel_call(q, k, v, axis_name, causal, scale, zigzag)[0]
+
+
+def _kernel_ring_fwd(q, k, v, axis_name, causal, scale, p, zigzag):
+    o, lse = _kernel_call(q, k, v, axis_name, causal, scale, zigzag)
+    return o, (q, k, v, o, lse)
+
+
+def _kernel_ring_bwd(axis_name, causal, scale, p, zigzag, res, do):
+    # The reference ring backward on the kernel's out and lse, over the repeated K/V heads;
+    # repeat_kv's VJP sums each group's gradients back into its K/V head.
+    q, k, v, o, lse = res
+    (kr, vr), pull = jax.vjp(lambda k, v: _attention.repeat_kv(q, k, v), k, v)
+    if zigzag:
+        dq, dkr, dvr = _zigzag_bwd(axis_name, scale, p, (q, kr, vr, o, lse), do)
+    else:
+        dq, dkr, dvr = _ring_bwd(axis_name, causal, scale, p, (q, kr, vr, o, lse), do)
+    dk, dv = pull((dkr, dvr))
+    return dq, dk, dv
+
+
+_kernel_ring.defvjp(_kernel_ring_fwd, _kernel_ring_bwd)
 
 
 def reference(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, *, causal: bool,

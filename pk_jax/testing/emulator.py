@@ -286,7 +286,9 @@ class World:
         part = self.parts[rank]
         if delay_ns > 0:
             self._ffi.emu_delay(part.stream, int(delay_ns))
-        fields = {k: (v.ptr if isinstance(v, DeviceBuffer) else int(v)) for k, v in args.items()}
+        fields = {k: (v.ptr if isinstance(v, DeviceBuffer)
+                      else float(v) if isinstance(v, (float, np.floating)) else int(v))
+                  for k, v in args.items()}
         fields["rank"] = self.ranks[rank].ptr
         try:
             self._ffi.emu_launch(op, self.comm_base + rank, self.device, part.stream,

@@ -21,6 +21,8 @@ OPS = COLLECTIVES + GEMMS
 # Expert-parallel MoE: dispatch, its per-slot form (the combine's VJP), combine, and the
 # combine's unsummed gather (its weights' VJP). Their launcher fields are named in the cases.
 MOE = ("moe_dispatch", "moe_scatter", "moe_combine", "moe_gather")
+# Sequence parallelism: the fused ring attention forward (launcher fields named in the case).
+ATTENTION = ("ring_attn",)
 TILE_128x128, TILE_128x256 = 1, 2
 
 
@@ -228,6 +230,57 @@ def moe_combine(ys: list[np.ndarray], weights: np.ndarray, ids: np.ndarray, dtyp
 
 
 # ---------------------------------------------------------------------------------------------
+# Sequence-parallel attention (pk_jax/ops/ring_attn.py)
+
+def seq_positions(p: int, rank: int, s_local: int, zigzag: bool) -> np.ndarray:
+    """Global positions of rank `rank`'s S/P local rows (contiguous, or zigzag: chunks rank and
+    2P-1-rank of S/(2P) positions)."""
+    if not zigzag:
+        return rank * s_local + np.arange(s_local)
+    c = s_local // 2
+    return np.concatenate([rank * c + np.arange(c), (2 * p - 1 - rank) * c + np.arange(c)])
+
+
+def ring_attn(qs, ks, vs, dtype: str, *, causal: bool, zigzag: bool = False,
+              scale: float | None = None, num_comm_sms: int = 2) -> Case:
+    """o_r = softmax(scale q_r K^T) V over all ranks' keys (float32 reference over the whole
+    sequence, causal on global positions) and lse_r [B, H, S/P]; qs[r] [B, S/P, H, D], ks[r]
+    and vs[r] [B, S/P, Hkv, D]. Compared with bf16/fp16 tolerances."""
+    p = len(qs)
+    b, sl, h, d = qs[0].shape
+    hkv = ks[0].shape[2]
+    scale = float(1.0 / np.sqrt(d)) if scale is None else float(scale)
+    zig = bool(causal and zigzag)
+    qs, ks, vs = ([_cast(x, dtype) for x in xs] for xs in (qs, ks, vs))
+    pos = [seq_positions(p, r, sl, zig) for r in range(p)]
+    k_all = np.concatenate([k.astype(np.float32) for k in ks], axis=1)  # [B, S, Hkv, D]
+    v_all = np.concatenate([v.astype(np.float32) for v in vs], axis=1)
+    k_pos = np.concatenate(pos)
+    group = h // hkv
+    expected = []
+    for r in range(p):
+        q = qs[r].astype(np.float32)
+        o = np.zeros((b, sl, h, d), np.float32)
+        lse = np.zeros((b, h, sl), np.float32)
+        for hh in range(h):
+            kk, vv = k_all[:, :, hh // group], v_all[:, :, hh // group]  # [B, S, D]
+            sc = np.einsum("bqd,bkd->bqk", q[:, :, hh], kk) * scale
+            if causal:
+                sc = np.where(k_pos[None, None, :] > pos[r][None, :, None], -np.inf, sc)
+            mx = sc.max(axis=-1, keepdims=True)
+            e = np.exp(sc - mx)
+            den = e.sum(axis=-1, keepdims=True)
+            o[:, :, hh] = np.einsum("bqk,bkd->bqd", e / den, vv)
+            lse[:, hh] = (mx + np.log(den))[..., 0]
+        expected.append({"o": _cast(o, dtype), "lse": lse})
+    params = {"b": b, "s": sl, "h": h, "hkv": hkv, "d": d, "scale": scale,
+              "causal": int(causal), "zigzag": int(zig), "num_comm_sms": num_comm_sms}
+    return Case("ring_attn", dtype,
+                [{"q": qs[r], "k": ks[r], "v": vs[r]} for r in range(p)], expected, params,
+                exact=False, atol=2e-2, rtol=2e-2)
+
+
+# ---------------------------------------------------------------------------------------------
 
 class Call:
     """A Case on a World's device: inputs copied in, outputs poisoned, ready to queue."""
@@ -250,7 +303,7 @@ class Call:
         c = self.case
         fields = {"dtype": DTYPES[c.dtype], **c.params}
         fields.update({k: b for k, b in bufs.items()})
-        if c.op in MOE:  # sizes are in the params, buffers by their launcher names
+        if c.op in MOE + ATTENTION:  # sizes in the params, buffers by their launcher names
             return fields
         x = c.inputs[r]["x"]
         if c.op in COLLECTIVES:

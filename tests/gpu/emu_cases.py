@@ -23,6 +23,8 @@ def case(op: str, p: int, rng: np.random.Generator, *, size: str = "small",
     above 16 blocks, several tiles per owner). rank_valued: x = rank everywhere."""
     if op in ops.MOE:
         return moe_case(op, p, rng, size=size, dtype=dtype, rank_valued=rank_valued)
+    if op in ops.ATTENTION:
+        return ring_case(p, rng, dtype=dtype, size=size)
     big = size == "big"
 
     def ints(shape, r):
@@ -114,6 +116,36 @@ def moe_case(op: str, p: int, rng: np.random.Generator, *, size: str = "small",
     weights = rng.integers(0, 5, (p, t, k)).astype(np.float32) / 4
     return ops.moe_combine(ys, weights, ids, dt, num_experts=num_experts,
                            gather=op == "moe_gather")
+
+
+# ---------------------------------------------------------------------------------------------
+# Sequence-parallel attention (pk_jax.testing.ops.ATTENTION)
+
+def ring_case(p: int, rng: np.random.Generator, *, dtype: str | None = None,
+              size: str = "small", s_local: int | None = None, causal: bool | None = None,
+              zigzag: bool | None = None, h: int | None = None, hkv: int | None = None,
+              d: int | None = None, b: int | None = None, num_comm_sms: int | None = None
+              ) -> ops.Case:
+    """A random ring attention case at world p: normal inputs, S/P often not a multiple of the
+    128-row tile (even, so zigzag applies), GQA or not, causal or not, zigzag or contiguous."""
+    big = size == "big"
+    dt = dtype or str(rng.choice(["bfloat16", "float16"]))
+    d = d or int(rng.choice([64, 128]))
+    sl = s_local or (int(rng.choice([2, 64, 128, 130, 200, 256, 384])) if not big else 1024)
+    hkv = hkv or int(rng.choice([1, 2]))
+    h = h or hkv * int(rng.choice([1, 2, 4]))
+    b = b or int(rng.integers(1, 3))
+    causal = bool(rng.integers(0, 2)) if causal is None else causal
+    zigzag = bool(rng.integers(0, 2)) if zigzag is None else zigzag
+    nc = num_comm_sms or int(rng.integers(1, 5))
+
+    def normal(shape):
+        return rng.standard_normal(shape)
+
+    qs = [normal((b, sl, h, d)) for _ in range(p)]
+    ks = [normal((b, sl, hkv, d)) for _ in range(p)]
+    vs = [normal((b, sl, hkv, d)) for _ in range(p)]
+    return ops.ring_attn(qs, ks, vs, dt, causal=causal, zigzag=zigzag, num_comm_sms=nc)
 
 
 def world_cache(**world_kw):

@@ -159,6 +159,20 @@ section_moe() {
     ! grep -E 'Invalid (__global__|__shared__|__local__)|Out of bounds|Misaligned|Error: process didn' $log/moe_memcheck.log && grep -q 'emu_short: OK' $log/moe_memcheck.log"
 }
 
+# The fused ring attention forward (issue 11): P = 2, 4, 8 emulated ranks against the float32
+# reference (tests/gpu/test_emulator_attention.py; PK_JAX_EMU_RING_CALLS sets the back-to-back
+# calls per P, default 100), pk.ring_attention's forward through JAX with 2 and 4 processes
+# sharing the GPU (tests/gpu/ring_mp.py), then the emulated benchmark (fused vs unfused:
+# all_gather of K/V, then pk.attention per block).
+section_ring() {
+  export CUDA_MODULE_LOADING=EAGER  # pk_jax.testing.require_eager_loading says why
+  step "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_emulator_attention.py
+  for n in 2 4; do  # through JAX: FFI handler, lowering (processes share the GPU)
+    PK_JAX_TIMEOUT_S=30 step launch "$n" --timeout 250 tests/gpu/ring_mp.py
+  done
+  step "$PY" bench/bench_ring_attn.py --quick
+}
+
 # compute-sanitizer over a short emulated run of every op (P = 2, 4): device-side errors only
 # (host-side cuGetProcAddress probes are reported as CUDA_ERROR_INVALID_VALUE: ignored).
 section_sanitize() {
@@ -184,7 +198,7 @@ section_bench() {
 
 sections=("$@")
 [ ${#sections[@]} -eq 0 ] && sections=(install sass unit runtime collectives collectives_mp tp tp_mp \
-  grouped attention emulator moe sanitize examples users)
+  grouped attention emulator moe ring sanitize examples users)
 for s in "${sections[@]}"; do "section_$s"; done
 echo "=== summary: $passed passed, ${#failed[@]} failed"
 for f in "${failed[@]}"; do echo "failed: $f"; done

@@ -1,0 +1,403 @@
+/*
+ * ring_attn: the forward of ring attention in one kernel: softmax(scale q k^T) v of the local
+ * queries over the whole sequence, whose K/V blocks travel around the ring of P ranks while
+ * the same kernel folds them into its online softmax (reference: pk_jax/ops/ring_attn.py).
+ *
+ * Shardings (rank r of P): q, o [B, Sl, H, D]; k, v [B, Sl, Hkv, D] (Sl = S / P, Hkv divides
+ * H); lse float32 [B, H, Sl]. Rank r holds positions [r Sl, (r+1) Sl) (contiguous), or with
+ * zigzag the chunks r and 2P-1-r of c = Sl / 2 positions each (local rows [0, c) and [c, Sl)).
+ *
+ * Schedule. One grid per call (after the epoch kernel): C communication blocks first (so they
+ * are resident before any compute block spins on them), then one compute block per (q tile of
+ * 128 rows, head, batch), the attention forward's block (kernels/attention.cuh). At step t
+ * rank r holds the K/V block of rank j = (r - t) mod P:
+ *
+ *     step t    comm block cb of rank r                 compute block (any tile of rank r)
+ *     ------    ------------------------------------    -----------------------------------
+ *       0       barrier with every peer's block cb;     K/V tiles of the local k, v (TMA)
+ *               push my cb-th share of k, v into
+ *               slot 1 of rank r+1; FULL[1][cb] there
+ *     1..P-2    wait FULL[t][cb] here; forward the      wait FULL[t][*] (thread 0, when it
+ *               share of slot t to slot t+1 of r+1;     issues the step's first tile); K/V
+ *               FULL[t+1][cb] there                     tiles of slot t (TMA)
+ *      P-1      wait FULL[P-1][cb] here (the last       as above; then O / l and lse out
+ *               block landed: after this kernel
+ *               nobody writes my workspace)
+ *
+ * The compute block keeps Q, the running max and sum and the O accumulator in registers over
+ * all P steps: the K/V tiles of all steps form one stream through its mbarrier ring, and the
+ * online softmax just continues. With causal masking a (query tile, key tile) pair is full,
+ * partial (masked element by element on global positions) or hidden; hidden pairs are never
+ * loaded, so a block never waits for a step it does not need (the block is still forwarded).
+ *
+ * Workspace: P - 1 slots for K then P - 1 for V, each one K/V block [B, Sl, Hkv, D]: slot t
+ * (t = 1..P-1) holds the block of rank (r - t) mod P. All P - 1 blocks are kept (a full ring,
+ * 2 (P-1) B Sl Hkv D sizeof(T) bytes), not double-buffered: a compute block keeps its O in
+ * registers across every step, so a slot cannot be refilled before every compute block of the
+ * rank has passed that step, and compute blocks that are not yet resident would never pass it.
+ *
+ * Signal protocol (slots SLOT_BASE.. of the pad; e = this call's epoch, pk/tp.cuh epoch_kernel):
+ * ENTER[cb][s] (barrier of comm block cb with every peer: every peer's earlier kernels are over,
+ * so none still reads a workspace I am about to write); FULL[t][cb], written by rank r-1's comm
+ * block cb after its share of slot t landed in my workspace (release at system scope), read by
+ * my comm block cb and by every compute block (acquire). Every wait is bounded and names the
+ * peer; compute blocks wait 1/8 longer than the comm blocks, whose timeouts name a dead rank.
+ *
+ * Pitfalls: bulk copies and TMA loads are the async proxy, the signals the generic proxy: the
+ * copying thread fences (fence.proxy.async.global) before and after its copies, the compute
+ * block's issuer after its FULL wait. C (num_comm_sms) must be the same on every rank (comm
+ * blocks pair across ranks): it is an attribute of the call. The TMA maps zero-fill rows past
+ * Sl; the kernel masks those keys and stores no row past Sl.
+ */
+#pragma once
+
+#include "kernels/attention.cuh"
+#include "pk/collective.cuh"
+#include "pk/tp.cuh"
+
+namespace pk::ring_attn {
+
+using attention::CONSUMERS;
+using attention::LOG2E;
+using attention::THREADS;
+
+constexpr int MAX_PEERS = tp::MAX_PEERS;
+constexpr int MAX_COMM = 16;  // communication blocks at most
+
+// Signal pad: slots SLOT_BASE + these offsets (the host passes pads already offset). The range
+// lies between the collectives' slots and the fused GEMMs' (pk/tp.cuh).
+constexpr uint64_t SLOT_BASE = 6400;
+constexpr uint64_t OP_SLOTS = 1792;
+constexpr uint64_t EPOCH = tp::EPOCH;                          // local: calls so far
+constexpr uint64_t ENTER = 16;                                 // [cb][s]
+constexpr uint64_t FULL = ENTER + uint64_t(MAX_COMM) * MAX_PEERS;  // [t][cb]
+constexpr uint64_t END = FULL + uint64_t(MAX_PEERS) * MAX_COMM;
+constexpr uint64_t SLOTS_NEEDED = SLOT_BASE + OP_SLOTS;
+static_assert(EPOCH < ENTER && END <= OP_SLOTS, "ring_attn: slot layout");
+static_assert(SLOT_BASE >= coll::SLOTS && SLOTS_NEEDED <= tp::SLOT_BASE,
+              "ring_attn: the slot range must lie between the collectives' and the GEMMs'");
+
+/** @brief Kernel arguments. Maps: {D, heads, Sl, batch} with boxes {64, 1, 128, 1}. */
+struct globals {
+  CUtensorMap q, k, v;  // local operands
+  CUtensorMap ks, vs;   // my workspace's slots: batch index (t - 1) B + b
+  void* o;              // [B, Sl, H, D]
+  float* lse;           // [B, H, Sl]
+  const void* k_local;
+  const void* v_local;
+  tp::comm c;
+  attention::dims d;     // s = Sl
+  int zigzag;            // causal with the zigzag layout
+  int comm_blocks;       // C
+  int q_tiles;           // ceil(Sl / 128)
+  uint64_t block_bytes;  // of one K (or V) block: B Sl Hkv D sizeof(T)
+};
+
+/** @brief Global position of local row `i` of rank `owner`'s shard. */
+__device__ inline int global_pos(const globals& g, int owner, int i) {
+  const int s = g.d.s;
+  if (!g.zigzag) return owner * s + i;
+  const int c = s / 2;
+  return i < c ? owner * c + i : (2 * g.c.world - 1 - owner) * c + (i - c);
+}
+
+/** @brief Smallest and largest global position of local rows [lo, hi) (hi > lo). */
+__device__ inline int2 span(const globals& g, int owner, int lo, int hi) {
+  return make_int2(global_pos(g, owner, lo), global_pos(g, owner, hi - 1));
+}
+
+enum tile_kind : int { HIDDEN = 0, FULL_TILE = 1, PARTIAL = 2 };
+
+/** @brief One communication block (see the schedule): thread 0 moves its share with bulk
+ * copies through the block's shared memory. */
+template <class C>
+__device__ void communicate(const globals& g, int cb, void* smem) {
+  static_assert(sizeof(bulk_ring) + 1024 <= C::SMEM,
+                "ring_attn: the bulk-copy ring must fit in the block's shared memory");
+  bulk_ring& ring = *static_cast<bulk_ring*>(smem);
+  const tp::comm& c = g.c;
+  const int P = c.world, r = c.rank, next = (r + 1) % P, prev = (r + P - 1) % P;
+  const int nc = g.comm_blocks;
+  const uint64_t e = c.epoch();
+  const bool lead = threadIdx.x == 0;
+  if (lead) ring.init();
+  barrier<MAX_PEERS>(c.sig, P, r, ENTER + uint64_t(cb) * MAX_PEERS, e, c.timeout_ns, c.fail());
+  if (!lead) return;
+  const uint64_t bb = g.block_bytes, units = bb / 16;
+  const uint64_t lo = units * cb / nc * 16, hi = units * (cb + 1) / nc * 16;
+  char* const mine = static_cast<char*>(c.ws[r]);
+  char* const theirs = static_cast<char*>(c.ws[next]);
+  const uint64_t v_off = uint64_t(P - 1) * bb;
+  for (int t = 0; t + 1 < P; ++t) {
+    if (t > 0) wait(c.sig[r] + FULL + uint64_t(t) * MAX_COMM + cb, e, c.timeout_ns, c.fail(), prev);
+    fence_proxy_async_global();  // the acquire (or barrier) before the bulk reads and writes
+    const char* src_k = t == 0 ? static_cast<const char*>(g.k_local) : mine + (t - 1) * bb;
+    const char* src_v = t == 0 ? static_cast<const char*>(g.v_local) : mine + v_off + (t - 1) * bb;
+    bulk_copy(ring, theirs + uint64_t(t) * bb + lo, src_k + lo, hi - lo);
+    bulk_copy(ring, theirs + v_off + uint64_t(t) * bb + lo, src_v + lo, hi - lo);
+    fence_proxy_async_global();  // the bulk writes before the release
+    __threadfence_system();
+    signal(c.sig[next] + FULL + uint64_t(t + 1) * MAX_COMM + cb, e);
+  }
+  if (P > 1) {
+    wait(c.sig[r] + FULL + uint64_t(P - 1) * MAX_COMM + cb, e, c.timeout_ns, c.fail(), prev);
+  }
+}
+
+template <class C>
+__global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ globals g) {
+  using T = typename C::dtype;
+  constexpr int D = C::HEAD_DIM, BM = C::BM, BN = C::BN, STAGES = C::STAGES;
+  auto& s = attention::storage<typename C::storage_t>();
+  if (threadIdx.x == 0) {
+    // NOTES: mbarrier waits get a quarter more than the signal waits, so a missing peer is
+    // named by the signal wait (peer known) before an mbarrier wait gives up (peer -1).
+    block_wait_bound() =
+        wait_bound{g.c.error, g.c.op, g.c.rank, g.c.timeout_ns + g.c.timeout_ns / 4};
+  }
+  if (static_cast<int>(blockIdx.x) < g.comm_blocks) {
+    __syncthreads();
+    communicate<C>(g, blockIdx.x, &s);
+    return;
+  }
+  const attention::dims& dm = g.d;
+  const tp::comm& cm = g.c;
+  const int P = cm.world, rank = cm.rank;
+  const int idx = blockIdx.x - g.comm_blocks;
+  const int h = idx % dm.h;
+  const int qb_raw = (idx / dm.h) % g.q_tiles;
+  const int b = idx / (dm.h * g.q_tiles);
+  // Contiguous causal: the longest rows first (as the attention forward).
+  const int qb = dm.causal && !g.zigzag ? g.q_tiles - 1 - qb_raw : qb_raw;
+  const int q0 = qb * BM;
+  const int hk = h / (dm.h / dm.hkv);
+  const int n_kv = ceil_div(dm.s, BN);
+  const int2 qspan = span(g, rank, q0, min(q0 + BM, dm.s));
+  const uint64_t e = cm.epoch();
+
+  // The (step, key tile) pairs this block folds in, in order; hidden ones are skipped.
+  auto kind = [&](int t, int n) -> int {
+    if (!dm.causal) return FULL_TILE;
+    const int owner = (rank - t + P) % P;
+    const int2 ks = span(g, owner, n * BN, min(n * BN + BN, dm.s));
+    if (ks.x > qspan.y) return HIDDEN;
+    return ks.y <= qspan.x ? FULL_TILE : PARTIAL;
+  };
+  struct item {
+    int t, n;
+  };
+  auto advance = [&](item it) {
+    do {
+      if (++it.n == n_kv) {
+        it.n = 0;
+        ++it.t;
+      }
+    } while (it.t < P && kind(it.t, it.n) == HIDDEN);
+    return it;
+  };
+
+  const bool issuer = threadIdx.x == 0;
+  item pit{0, -1};  // the issuer's next item to load
+  int waited = 0;   // the issuer has seen FULL for steps <= waited
+  auto issue = [&](int j) {
+    const int st = j % STAGES;
+    const item it = pit;
+    if (it.t > waited) {
+      for (int cb = 0; cb < g.comm_blocks; ++cb) {
+        wait(cm.sig[rank] + FULL + uint64_t(it.t) * MAX_COMM + cb, e,
+             cm.timeout_ns + cm.timeout_ns / 8, cm.fail(), (rank + P - 1) % P);
+      }
+      fence_proxy_async_global();  // the acquires before the TMA reads of the slot
+      waited = it.t;
+    }
+    const CUtensorMap* km = it.t == 0 ? &g.k : &g.ks;
+    const CUtensorMap* vm = it.t == 0 ? &g.v : &g.vs;
+    const int bz = it.t == 0 ? b : (it.t - 1) * dm.b + b;
+    mbar_arrive_expect_tx(&s.k_full[st], C::kv_tile::BYTES);
+    attention::load_rows(s.k[st], km, &s.k_full[st], bz, it.n * BN, hk);
+    mbar_arrive_expect_tx(&s.v_full[st], C::kv_tile::BYTES);
+    attention::load_rows(s.v[st], vm, &s.v_full[st], bz, it.n * BN, hk);
+    pit = advance(pit);
+  };
+  if (issuer) {
+    pit = advance(pit);
+    mbar_init(&s.q_full, 1);
+    for (int i = 0; i < STAGES; ++i) {
+      mbar_init(&s.k_full[i], 1);
+      mbar_init(&s.v_full[i], 1);
+      mbar_init(&s.empty[i], CONSUMERS);
+    }
+    fence_mbar_init();
+    mbar_arrive_expect_tx(&s.q_full, C::q_tile::BYTES);
+    attention::load_rows(s.q, &g.q, &s.q_full, b, q0, h);
+    for (int j = 0; j < STAGES && pit.t < P; ++j) issue(j);
+  }
+  __syncthreads();
+
+  const int c = warpgroup::index();
+  const int t = warpgroup::thread();
+  const int lane = t % 32;
+  const bool leader = t == 0;
+  auto release = [&](int r) {
+    const int st = r % STAGES;
+    if (leader) mbar_arrive(&s.empty[st]);
+    if (issuer && pit.t < P) {
+      mbar_wait(&s.empty[st], (r / STAGES) & 1);
+      issue(r + STAGES);
+    }
+    __syncwarp();
+  };
+  const int row_lo = q0 + c * 64 + 16 * (t / 32) + lane / 4;  // rows row_lo, row_lo + 8
+  const int qg[2] = {global_pos(g, rank, row_lo), global_pos(g, rank, row_lo + 8)};
+  const float sl2 = dm.scale * LOG2E;
+
+  float o[D / 2];
+  float sc[BN / 2];
+  uint32_t p[BN / 4];
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+
+  auto qk = [&](int st) {
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint64_t da =
+          wgmma::desc_k_major(s.q.panel(kk / 4) + c * 64 * 64, (kk % 4) * 16);
+      const uint64_t db = wgmma::desc_k_major(s.k[st].panel(kk / 4), (kk % 4) * 16);
+      wgmma::mma<T, BN, 0>(sc, da, db, kk > 0 ? 1 : 0);
+    }
+    wgmma::commit();
+  };
+  auto pv = [&](int st) {
+    wgmma::fence();
+    frag::static_for<BN / 16>([&](auto kk) {
+      const uint64_t db = wgmma::desc_mn_major(s.v[st].data, kk * 16, C::kv_tile::PANEL_BYTES);
+      frag::mma_rs<T, D, 1, kk>(o, p, db, 1);
+    });
+    wgmma::commit();
+  };
+  // Masks keys past Sl and, on partial tiles, keys at later global positions than the row;
+  // then the online-softmax update (as the attention forward).
+  auto softmax = [&](item it) {
+    const int k0 = it.n * BN;
+    const bool tail = k0 + BN > dm.s;
+    const bool part = kind(it.t, it.n) == PARTIAL;
+    const int owner = (rank - it.t + P) % P;
+    if (tail || part) {
+#pragma unroll
+      for (int jj = 0; jj < BN / 8; ++jj) {
+#pragma unroll
+        for (int cc = 0; cc < 2; ++cc) {
+          const int key = k0 + 8 * jj + 2 * (lane % 4) + cc;
+          const int kg = part ? global_pos(g, owner, key) : 0;
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            if (key >= dm.s || (part && kg > qg[i])) sc[4 * jj + 2 * i + cc] = -INFINITY;
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float mx = m[i];
+#pragma unroll
+      for (int jj = 0; jj < BN / 8; ++jj) {
+        mx = fmaxf(mx, fmaxf(sc[4 * jj + 2 * i], sc[4 * jj + 2 * i + 1]));
+      }
+      mx = frag::quad_max(mx);
+      const float ref = mx == -INFINITY ? 0.f : mx * sl2;
+      alpha[i] = frag::exp2_approx(m[i] * sl2 - ref);
+      m[i] = mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int jj = 0; jj < BN / 8; ++jj) {
+#pragma unroll
+        for (int cc = 0; cc < 2; ++cc) {
+          float& x = sc[4 * jj + 2 * i + cc];
+          x = frag::exp2_approx(fmaf(x, sl2, -ref));
+          sum += x;
+        }
+      }
+      l[i] = l[i] * alpha[i] + sum;
+    }
+  };
+  auto rescale = [&]() {
+#pragma unroll
+    for (int jj = 0; jj < D / 8; ++jj) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        o[4 * jj + 2 * i] *= alpha[i];
+        o[4 * jj + 2 * i + 1] *= alpha[i];
+      }
+    }
+  };
+
+  // The stream of items: the same order as the issuer's (softmax of item j overlaps P V of
+  // item j - 1, as in the attention forward).
+  item cur = advance(item{0, -1});
+  mbar_wait(&s.q_full, 0);
+  mbar_wait(&s.k_full[0], 0);
+  qk(0);
+  wgmma::wait<0>();
+  wgmma::fence_regs(sc);
+  softmax(cur);
+  frag::to_a<T>(p, sc);
+  int j = 1;
+  for (cur = advance(cur); cur.t < P; cur = advance(cur), ++j) {
+    const int st = j % STAGES, prev = (j - 1) % STAGES;
+    mbar_wait(&s.k_full[st], (j / STAGES) & 1);
+    qk(st);
+    mbar_wait(&s.v_full[prev], ((j - 1) / STAGES) & 1);
+    wgmma::fence_regs(o);
+    pv(prev);
+    wgmma::wait<1>();
+    wgmma::fence_regs(sc);
+    softmax(cur);
+    wgmma::wait<0>();
+    wgmma::fence_regs(o);
+    frag::fence_regs(p);
+    release(j - 1);
+    rescale();
+    frag::to_a<T>(p, sc);
+  }
+  const int last = (j - 1) % STAGES;
+  mbar_wait(&s.v_full[last], ((j - 1) / STAGES) & 1);
+  wgmma::fence_regs(o);
+  pv(last);
+  wgmma::wait<0>();
+  wgmma::fence_regs(o);
+  frag::fence_regs(p);
+  release(j - 1);
+
+  float inv[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    l[i] = frag::quad_sum(l[i]);
+    inv[i] = l[i] > 0.f ? 1.f / l[i] : 0.f;
+    const int row = row_lo + 8 * i;
+    if (lane % 4 == 0 && row < dm.s) {
+      g.lse[(int64_t(b) * dm.h + h) * dm.s + row] =
+          l[i] > 0.f ? m[i] * dm.scale + logf(l[i]) : INFINITY;
+    }
+  }
+  attention::store_rows<T, D>(g.o, o, inv[0], inv[1], b, q0 + c * 64, h, dm.h, dm.s);
+}
+
+/** @brief Launches the grid of one call (after the caller's epoch kernel): C comm blocks,
+ * then ceil(Sl / 128) H B compute blocks. */
+template <typename T, int D>
+inline cudaError_t launch(const globals& g, cudaStream_t stream, int device) {
+  using C = attention::fwd_config<T, D>;
+  static_assert(C::SMEM + sizeof(wait_bound) <= 232448,
+                "ring_attn: shared memory over the sm_90 limit of 227 KiB");
+  const void* fn = reinterpret_cast<const void*>(&kernel<C>);
+  if (cudaError_t err = opt_in_smem(fn, device, static_cast<int>(C::SMEM)); err != cudaSuccess) {
+    return err;
+  }
+  const int64_t blocks = int64_t(g.comm_blocks) + int64_t(g.q_tiles) * g.d.h * g.d.b;
+  kernel<C><<<static_cast<unsigned>(blocks), THREADS, C::SMEM, stream>>>(g);
+  return cudaGetLastError();
+}
+
+}  // namespace pk::ring_attn

@@ -1,0 +1,140 @@
+"""The fused ring attention forward (pk.ring_attention at P > 1, kernels/ring_attn.cuh) under
+true concurrency: P emulated ranks on disjoint SM partitions of one GPU (pk_jax.testing.World),
+started through the launch function the FFI handler calls, against a float32 numpy reference
+over the whole sequence (pk_jax.testing.ops.ring_attn), with bf16/fp16 tolerances.
+
+Run on the H200: `bash tests/gpu/run_all.sh ring` (or, with CUDA_MODULE_LOADING=EAGER,
+`python -m pytest -m gpu tests/gpu/test_emulator_attention.py`). The dead-rank cases trap the
+CUDA context, so they run in subprocesses (tests/gpu/emu_failures.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+sys.path.insert(0, os.path.dirname(__file__))
+import emu_cases
+
+from pk_jax.testing import ops
+
+CALLS = int(os.environ.get("PK_JAX_EMU_RING_CALLS", "100"))  # back-to-back calls per P
+BATCH = 20                                                   # calls in flight between syncs
+SKEW_NS = 20_000                                             # random per-rank start skew
+WORKSPACE = 64 << 20
+PS = (2, 4, 8)
+LAYOUTS = ((False, False), (True, False), (True, True))      # (causal, zigzag)
+
+
+@pytest.fixture(scope="module")
+def worlds():
+    yield from emu_cases.world_cache(workspace_bytes=WORKSPACE)
+
+
+def _run(world, cases, rng, *, skew_ns: int = 0, poison: int = 0xFF) -> list[str]:
+    return emu_cases.run_calls(world, cases, rng, skew_ns=skew_ns, poison=poison)
+
+
+@pytest.mark.parametrize("p,layout", list(itertools.product(PS, LAYOUTS)))
+def test_random_against_the_float32_reference(worlds, p, layout):
+    """Random inputs, causal or not, zigzag or contiguous, D 64 and 128, bf16 and fp16, S/P a
+    multiple of the tile and not; every case called twice in a row on poisoned outputs."""
+    causal, zigzag = layout
+    rng = np.random.default_rng(100 * p + 10 * causal + zigzag)
+    w = worlds(p)
+    cases = [emu_cases.ring_case(p, rng, causal=causal, zigzag=zigzag, s_local=sl, d=d,
+                                 dtype=dt, h=4, hkv=4)
+             for sl, d, dt in ((128, 128, "bfloat16"), (200, 64, "float16"),
+                               (256, 64, "bfloat16"), (130, 128, "float16"))]
+    assert _run(w, cases, rng) == []
+    assert _run(w, cases, rng, poison=0x7F) == []
+
+
+@pytest.mark.parametrize("p", PS)
+def test_grouped_query_attention(worlds, p):
+    """GQA 4:1 and MQA (Hkv = 1), batch 2, causal zigzag and contiguous, odd S/P tails."""
+    rng = np.random.default_rng(7 + p)
+    w = worlds(p)
+    cases = [emu_cases.ring_case(p, rng, h=8, hkv=2, b=2, s_local=192, causal=True,
+                                 zigzag=True),
+             emu_cases.ring_case(p, rng, h=4, hkv=1, b=1, s_local=66, causal=True,
+                                 zigzag=False),
+             emu_cases.ring_case(p, rng, h=8, hkv=2, b=2, s_local=300, causal=False)]
+    assert _run(w, cases, rng) == []
+
+
+@pytest.mark.parametrize("p", PS)
+def test_tiny_and_comm_block_counts(worlds, p):
+    """S/P = 2 (one partial tile), and 1, 3 and 16 communication blocks."""
+    rng = np.random.default_rng(300 + p)
+    w = worlds(p)
+    cases = [emu_cases.ring_case(p, rng, s_local=2, causal=True, zigzag=True),
+             emu_cases.ring_case(p, rng, num_comm_sms=1),
+             emu_cases.ring_case(p, rng, num_comm_sms=3),
+             emu_cases.ring_case(p, rng, num_comm_sms=16)]
+    assert _run(w, cases, rng) == []
+
+
+def test_a_late_rank(worlds):
+    """One rank starts 200 ms after the others (well inside the timeout): still correct."""
+    rng = np.random.default_rng(5)
+    w = worlds(4)
+    for layout in LAYOUTS:
+        c = ops.Call(w, emu_cases.ring_case(4, rng, causal=layout[0], zigzag=layout[1]))
+        try:
+            c.launch(delays_ns=[0, 0, 200_000_000, 0])
+            w.synchronize()
+            assert c.check() == []
+        finally:
+            c.free()
+
+
+@pytest.mark.parametrize("p", PS)
+def test_back_to_back_with_skew(worlds, p):
+    """CALLS calls, BATCH at a time without host synchronisation, each rank starting each call
+    after a random delay, shapes and layouts changing every call."""
+    rng = np.random.default_rng(1000 + p)
+    w = worlds(p)
+    problems: list[str] = []
+    done = 0
+    while done < CALLS:
+        n = min(BATCH, CALLS - done)
+        cases = [emu_cases.ring_case(p, rng, s_local=int(rng.choice([2, 64, 130, 256])))
+                 for _ in range(n)]
+        problems += _run(w, cases, rng, skew_ns=SKEW_NS,
+                         poison=0xFF if done % 40 == 0 else 0x7F)
+        done += n
+    assert problems == [], problems[:5]
+
+
+@pytest.mark.parametrize("p", PS)
+def test_interleaved_with_the_other_ops_on_one_workspace(worlds, p):
+    """Ring attention mixed with the collectives and the fused GEMMs on the same workspace and
+    pads (each op's entry barrier keeps the others' deferred reads safe), with skew."""
+    rng = np.random.default_rng(77 + p)
+    w = worlds(p)
+    every = ops.ATTENTION + ops.OPS
+    seq = [str(rng.choice(every)) for _ in range(BATCH)]
+    assert _run(w, [emu_cases.case(op, p, rng) for op in seq], rng, skew_ns=SKEW_NS) == []
+
+
+_failure = emu_cases.failure
+
+
+@pytest.mark.parametrize("p", PS)
+def test_a_rank_that_never_arrives(p):
+    """The others fail within timeout + 1 s with the record naming op, rank and missing peer;
+    a fresh world (a new process) runs the op."""
+    r = _failure("dead", "ring_attn", str(p))
+    assert r["failed"], r
+    assert r["elapsed_s"] < r["timeout_s"] + 1.0, r
+    assert r["code"] == 1 and r["op"] == r["expected_op"], r
+    assert r["peer"] == r["dead"] and r["rank"] != r["dead"], r
+    assert "ring_attn" in r["message"], r
+    assert _failure("fresh", "ring_attn", str(p))["fresh_world_ok"]
