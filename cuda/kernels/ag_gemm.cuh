@@ -13,13 +13,14 @@
  *
  *     comm block cb (of C)                         compute blocks (persistent, grouped order)
  *     barrier 0 with peers' block cb               tiles with rows rotated to start at m0:
- *     stage x[cb-th 1/C] -> ws_r (bulk), signal    own block: TMA A from x itself, no wait
- *       staged[cb][r] on every peer                other block j: wait flag[j] >= e, then
+ *     stage x[cb-th 1/C] -> ws_r (bulk; P > 1      own block: TMA A from x itself, no wait
+ *       only), signal staged[cb][r] on every peer  other block j: wait flag[j] >= e, then
  *     for row blocks j = m_end, m_end + 1, ...       TMA A from x_full
  *       (u-th block to comm block u % C):          storer: y tiles (TMA store), as matmul
- *       wait staged[*][owner] >= e for the
- *       owners of j's rows; x_full[j] <- ws_owner
- *       (bulk copies); flag[j] = e (local)
+ *       rows of owner o != r: wait staged[*][o]
+ *       >= e, x_full rows <- ws_o; my own rows:
+ *       x_full rows <- x (no wait) (bulk copies);
+ *       flag[j] = e (local)
  *     barrier 2 with peers' block cb
  *
  * Signal protocol (e = this call's epoch, pk/tp.cuh): barrier 0 (slot bar_row(0, cb) + r on
@@ -32,6 +33,8 @@
  * Data movement: one thread of each comm block moves whole rows with bulk copies (global ->
  * shared -> global through pk/comm_ops.cuh's bulk_ring in the block's otherwise unused shared
  * memory), four 32 KiB stages in flight, instead of 16-byte loads and stores by every thread.
+ * Per call: Mp K staged into ws_r for the peers (skipped at P = 1, where nobody reads it) and
+ * the M K rows of x_full, my own Mp K straight from x (never through ws_r).
  *
  * Pitfalls: bulk copies and TMA loads are the async proxy, the signals the generic proxy, so
  * the copying thread and the loader fence.proxy.async.global around the release/acquire.
@@ -122,7 +125,7 @@ struct kernel_def : matmul::kernel_def<C> {
     const uint64_t shard_units = uint64_t(mp) * row_bytes / 16;
     if (lead) ring.init();
     c.barrier(0, cb, e);
-    if (lead) {  // my share of x -> ws_r
+    if (lead && c.world > 1) {  // my share of x -> ws_r, for the peers only
       fence_proxy_async_global();  // barrier 0's acquires before the bulk stores into ws_r
       const uint64_t lo = shard_units * cb / nc * 16, hi = shard_units * (cb + 1) / nc * 16;
       bulk_copy(ring, static_cast<char*>(c.ws[r]) + lo,
@@ -137,7 +140,7 @@ struct kernel_def : matmul::kernel_def<C> {
       const int64_t lo = int64_t(j) * BM, hi = lo + BM < g.m ? lo + BM : g.m;
       const int o_lo = static_cast<int>(lo / mp), o_hi = static_cast<int>((hi - 1) / mp);
       for (int o = o_lo; o <= o_hi; ++o) {
-        if (!((staged >> o) & 1u)) {
+        if (o != r && !((staged >> o) & 1u)) {  // my own rows come from x: no wait
           if (static_cast<int>(threadIdx.x) < nc) {
             wait(c.sig[r] + tp::bar_row(1, threadIdx.x) + o, e, c.timeout_ns, c.fail(), o);
           }
@@ -145,14 +148,15 @@ struct kernel_def : matmul::kernel_def<C> {
         }
       }
       __syncthreads();
-      if (lead) {  // rows [lo, hi) of x_full from their owners' workspaces
+      if (lead) {  // rows [lo, hi) of x_full from their owners' workspaces, mine from x
         fence_proxy_async_global();  // the staged acquires before the bulk loads
         for (int o = o_lo; o <= o_hi; ++o) {
           const int64_t a = lo > o * mp ? lo : o * mp;
           const int64_t b = hi < (o + 1) * mp ? hi : (o + 1) * mp;
+          const char* src = o == r ? static_cast<const char*>(g.x_local)
+                                   : static_cast<const char*>(c.ws[o]);
           bulk_copy(ring, static_cast<char*>(g.x_full) + a * row_bytes,
-                    static_cast<const char*>(c.ws[o]) + (a - o * mp) * row_bytes,
-                    (b - a) * row_bytes);
+                    src + (a - o * mp) * row_bytes, (b - a) * row_bytes);
         }
       }
       tp::publish(c, tp::FLAGS + j, e, /*local=*/true);  // flag[j]
