@@ -17,10 +17,10 @@
  *       only), signal staged[cb][r] on every peer  other block j: wait flag[j] >= e, then
  *     for row blocks j = m_end, m_end + 1, ...       TMA A from x_full
  *       (u-th block to comm block u % C):          storer: y tiles (TMA store), as matmul
- *       rows of owner o != r: wait staged[*][o]
- *       >= e, x_full rows <- ws_o; my own rows:
- *       x_full rows <- x (no wait) (bulk copies);
- *       flag[j] = e (local)
+ *       skip j if it is an own block; rows of     loader, own block, tile column 0: the A
+ *       owner o != r: wait staged[*][o] >= e,       tile of every k step also goes to x_full
+ *       x_full rows <- ws_o; my own rows: x_full    (TMA store from the stage, see "Own
+ *       rows <- x (bulk copies); flag[j] = e        rows of x_full")
  *     barrier 2 with peers' block cb
  *
  * Signal protocol (e = this call's epoch, pk/tp.cuh): barrier 0 (slot bar_row(0, cb) + r on
@@ -34,7 +34,17 @@
  * shared -> global through pk/comm_ops.cuh's bulk_ring in the block's otherwise unused shared
  * memory), four 32 KiB stages in flight, instead of 16-byte loads and stores by every thread.
  * Per call: Mp K staged into ws_r for the peers (skipped at P = 1, where nobody reads it) and
- * the M K rows of x_full, my own Mp K straight from x (never through ws_r).
+ * the rows of x_full outside my own row blocks (none at P = 1); my rows of a block shared with
+ * another owner come straight from x (never through ws_r).
+ *
+ * Own rows of x_full: the compute blocks already load every own row block's A tiles from x
+ * into their stages; the loader stores those of tile column 0 (each own row block exactly once,
+ * all k) from the stage to x_full with a TMA store, so my rows cost one HBM write and no comm
+ * SM time. For such a fill the loader waits on the stage's full barrier itself (its parity
+ * from the count of this block's fills), then stores; the next fill first waits until that
+ * store has read the stage (the stage is refilled only STAGES fills later), and after the
+ * block's last fill the loader waits for its stores to complete. Waiting for the load costs the
+ * loader its lead on those fills only (1 / tiles_n of them); the other stages stay queued.
  *
  * Pitfalls: bulk copies and TMA loads are the async proxy, the signals the generic proxy, so
  * the copying thread and the loader fence.proxy.async.global around the release/acquire.
@@ -77,15 +87,34 @@ struct kernel_def : matmul::kernel_def<C> {
     t.m = (t.m + ceil_div(g.c.rank * g.rows_per_rank, BM)) % ceil_div(g.m, BM);
     return t;
   }
-  __device__ static void setup(const globals& g, lcsc::block_info) {
+  /** @brief The loader's count of its fills (see "Own rows of x_full"). */
+  struct own_rows_state {
+    int fills;  // loader calls of this block so far
+    int total;  // loader calls of this block in all
+  };
+  __device__ static own_rows_state& own_rows() {
+    __shared__ own_rows_state st;  // used by the loader thread only (which also runs setup)
+    return st;
+  }
+
+  __device__ static void setup(const globals& g, lcsc::block_info info) {
     const CUtensorMap* maps[] = {&g.x, &g.xl, &g.w, &g.y};
     for (const CUtensorMap* m : maps) tma::prefetch(m);
+    own_rows_state& st = own_rows();
+    const int tiles = base::scheduler(g).num_tiles();
+    st.fills = 0;
+    st.total = (tiles - info.index + info.compute_blocks - 1) / info.compute_blocks *
+               base::k_iters(g);
   }
 
   __device__ static void loader(const globals& g, stage_t& s, mbarrier* full, tile_coord t,
                                 int k) {
+    own_rows_state& st = own_rows();
+    const int fill = st.fills++;
+    tma::store_wait_read<0>();  // an earlier fill's store to x_full has read its stage
     t = place(g, t);
-    if (own(g, t.m)) {
+    const bool mine = own(g, t.m);
+    if (mine) {
       tma::load_2d(s.a.data, &g.xl, full, k * BK, t.m * BM - g.c.rank * g.rows_per_rank);
     } else {
       if (k == 0) {
@@ -104,6 +133,13 @@ struct kernel_def : matmul::kernel_def<C> {
     for (int p = 0; p < base::b_tile::PANELS; ++p) {
       tma::load_2d(s.b.panel(p), &g.w, full, t.n * BN + p * 64, k * BK);
     }
+    if (mine && t.n == 0) {  // my rows of x_full: the A tile, once it has landed
+      mbar_wait(full, (fill / C::STAGES) & 1);  // lcsc's phase of this fill's stage
+      tma::fence_smem_to_async();
+      tma::store_2d(&g.x, s.a.data, k * BK, t.m * BM);
+      tma::store_commit();
+    }
+    if (fill + 1 == st.total) tma::store_wait<0>();  // my stores complete before I return
   }
 
   __device__ static void storer(const globals& g, acc_t& acc, out_t& out, int c, tile_coord t,
@@ -137,6 +173,7 @@ struct kernel_def : matmul::kernel_def<C> {
     uint32_t staged = 0;  // owners whose whole shard is staged (uniform across the block)
     for (int u = cb; u < tiles_m; u += nc) {
       const int j = (u + m_end) % tiles_m;
+      if (own(g, j)) continue;  // the compute blocks' loaders write it (uniform per block)
       const int64_t lo = int64_t(j) * BM, hi = lo + BM < g.m ? lo + BM : g.m;
       const int o_lo = static_cast<int>(lo / mp), o_hi = static_cast<int>((hi - 1) / mp);
       for (int o = o_lo; o <= o_hi; ++o) {
