@@ -40,11 +40,12 @@
  * Own rows of x_full: the compute blocks already load every own row block's A tiles from x
  * into their stages; the loader stores those of tile column 0 (each own row block exactly once,
  * all k) from the stage to x_full with a TMA store, so my rows cost one HBM write and no comm
- * SM time. For such a fill the loader waits on the stage's full barrier itself (its parity
- * from the count of this block's fills), then stores; the next fill first waits until that
- * store has read the stage (the stage is refilled only STAGES fills later), and after the
- * block's last fill the loader waits for its stores to complete. Waiting for the load costs the
- * loader its lead on those fills only (1 / tiles_n of them); the other stages stay queued.
+ * SM time. The store of fill f is issued one fill late, after the loader has issued fill
+ * f + 1's loads: it waits on fill f's full barrier (parity from the count of this block's
+ * fills; no later fill of that stage exists yet), which has usually completed by then, and
+ * stores. Every fill first waits until earlier stores have read their stages (a stage is
+ * refilled only STAGES >= 2 fills later). The block's last fill stores its own A tile at once,
+ * and the loader waits for all its stores to complete before it returns.
  *
  * Pitfalls: bulk copies and TMA loads are the async proxy, the signals the generic proxy, so
  * the copying thread and the loader fence.proxy.async.global around the release/acquire.
@@ -87,10 +88,12 @@ struct kernel_def : matmul::kernel_def<C> {
     t.m = (t.m + ceil_div(g.c.rank * g.rows_per_rank, BM)) % ceil_div(g.m, BM);
     return t;
   }
-  /** @brief The loader's count of its fills (see "Own rows of x_full"). */
+  /** @brief The loader's fills and its pending store (see "Own rows of x_full"). */
   struct own_rows_state {
-    int fills;  // loader calls of this block so far
-    int total;  // loader calls of this block in all
+    int fills;     // loader calls of this block so far
+    int total;     // loader calls of this block in all
+    int pending;   // fill whose A tile still goes to x_full (-1: none) ...
+    int row, col;  // ... at x_full box (col, row)
   };
   __device__ static own_rows_state& own_rows() {
     __shared__ own_rows_state st;  // used by the loader thread only (which also runs setup)
@@ -103,6 +106,7 @@ struct kernel_def : matmul::kernel_def<C> {
     own_rows_state& st = own_rows();
     const int tiles = base::scheduler(g).num_tiles();
     st.fills = 0;
+    st.pending = -1;
     st.total = (tiles - info.index + info.compute_blocks - 1) / info.compute_blocks *
                base::k_iters(g);
   }
@@ -133,13 +137,29 @@ struct kernel_def : matmul::kernel_def<C> {
     for (int p = 0; p < base::b_tile::PANELS; ++p) {
       tma::load_2d(s.b.panel(p), &g.w, full, t.n * BN + p * 64, k * BK);
     }
-    if (mine && t.n == 0) {  // my rows of x_full: the A tile, once it has landed
-      mbar_wait(full, (fill / C::STAGES) & 1);  // lcsc's phase of this fill's stage
-      tma::fence_smem_to_async();
-      tma::store_2d(&g.x, s.a.data, k * BK, t.m * BM);
-      tma::store_commit();
+    const bool last = fill + 1 == st.total;
+    bool keep = mine && t.n == 0;  // my rows of x_full: this fill's A tile, stored next fill
+    for (;;) {  // one round, or two on the last fill (the pending tile, then this one)
+      if (st.pending >= 0) store_pending(g, st, &s - fill % C::STAGES, full - fill % C::STAGES);
+      if (!keep) break;
+      st.pending = fill;
+      st.row = t.m * BM;
+      st.col = k * BK;
+      if (!last) break;
+      keep = false;
     }
-    if (fill + 1 == st.total) tma::store_wait<0>();  // my stores complete before I return
+    if (last) tma::store_wait<0>();  // my stores complete before I return
+  }
+
+  /** @brief x_full <- the A tile of fill st.pending, once landed (stages[0], fulls[0]: lcsc's). */
+  __device__ static void store_pending(const globals& g, own_rows_state& st, stage_t* stages,
+                                       mbarrier* fulls) {
+    const int f = st.pending, i = f % C::STAGES;
+    mbar_wait(&fulls[i], (f / C::STAGES) & 1);  // lcsc's phase of fill f (its stage's latest)
+    tma::fence_smem_to_async();
+    tma::store_2d(&g.x, stages[i].a.data, st.col, st.row);
+    tma::store_commit();
+    st.pending = -1;
   }
 
   __device__ static void storer(const globals& g, acc_t& acc, out_t& out, int c, tile_coord t,
