@@ -194,7 +194,7 @@ def predict(op: str, m: int, n: int, k: int, p: int, *, mode: str, num_comm_sms:
             first_block = 128 * k * itemsize / (gpu.pull_gbps_per_sm * 1e9) if p > 1 else 0.0
             t["non_overlap"] = first_block * us
             t["launch"] = 2 * gpu.launch_us
-            t["sync"] = 3 * gpu.barrier_us
+            t["sync"] = 3 * gpu.barrier_us if p > 1 else 0.0  # P = 1: barriers with myself
     else:
         raise ValueError(f"pk_jax.cost_model: mode={mode!r} is not fused, serial or local.")
     total = (t["launch"] + max(t["comp"], t["mem"], t["comm"]) + t["non_overlap"] + t["sync"])

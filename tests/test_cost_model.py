@@ -82,6 +82,7 @@ def test_p1_fused_costs_little_more_than_local(op):
     fused = cm.predict(op, 4096, 4096, k, 1, mode="fused", num_comm_sms=4)
     if op == "ag_gemm":
         assert fused.terms["comm"] == 0 and fused.terms["non_overlap"] == 0
+        assert fused.terms["sync"] == 0
         with cm.override(mode="fused"):
             assert cm.plan(op, 4096, 4096, k, 1).num_comm_sms == min(cm.COMM_SMS_CANDIDATES)
     else:
