@@ -27,7 +27,8 @@
  * every peer) proves every peer's earlier kernels are over, so none still reads my workspace
  * when I restage it; staged: comm block cb of rank s raises bar_row(1, cb) + s on every peer
  * after its share of x_s is in ws_s; flag[j] (slot FLAGS + j, local pad) is raised to e by the
- * comm block that wrote row block j of x_full; barrier 2 keeps my kernel alive until every
+ * comm block that wrote row block j of x_full (own blocks have none: the loaders write them and
+ * no compute block waits for them); barrier 2 keeps my kernel alive until every
  * peer has pulled what it needs from my workspace.
  *
  * Data movement: one thread of each comm block moves whole rows with bulk copies (global ->
@@ -55,6 +56,9 @@
  * comm blocks pair up across ranks (barriers, staged[cb]), so num_comm_sms must be the same on
  * every rank: it is an attribute of the call, not derived from the local SM count; the compute
  * grid may differ between ranks. The staging buffer takes Mp K sizeof(T) bytes of workspace.
+ * The loader runs with PRODUCER_REGS = 40 registers (the consumers' setmaxnreg needs every
+ * register it frees): its x_full bookkeeping lives in shared memory and has one call site of
+ * the store; a version storing from per-stage arrays at the stage's refill spilled (ptxas).
  */
 #pragma once
 
