@@ -68,6 +68,7 @@ Status RowSplitGemm(const char* op, int op_id, int index, const Where& at, const
   g.tiles_per_owner = static_cast<int>((mp + bm - 1) / bm);
   g.world = world;
   g.rank = c.rank;
+  g.link = c.link;  // the rank emulator's link throttle (off unless pk_jax.testing set it)
   pk::tp::rows_args r;
   r.c = c;
   r.y = a.y;

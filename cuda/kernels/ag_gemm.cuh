@@ -152,7 +152,7 @@ struct kernel_def : matmul::kernel_def<C> {
           const int64_t b = hi < (o + 1) * mp ? hi : (o + 1) * mp;
           bulk_copy(ring, static_cast<char*>(g.x_full) + a * row_bytes,
                     static_cast<const char*>(c.ws[o]) + (a - o * mp) * row_bytes,
-                    (b - a) * row_bytes);
+                    (b - a) * row_bytes, c.link.peer(o, r));  // paced when o is a peer
         }
       }
       tp::publish(c, tp::FLAGS + j, e, /*local=*/true);  // flag[j]

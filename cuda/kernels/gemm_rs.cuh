@@ -54,6 +54,7 @@ struct globals : matmul::globals {
   int rows_per_owner;              // Mp
   int tiles_per_owner;             // ceil(Mp / BM)
   int world, rank;
+  link_throttle link;              // the rank emulator's link cap (pk/link.cuh; off: one branch)
 };
 
 /** @brief matmul's pipeline with the owner split of the tile rows and a reduce-add storer. */
@@ -100,6 +101,7 @@ struct kernel_def : matmul::kernel_def<C> {
     const int row0 = (t.m % g.tiles_per_owner) * BM + c * 64;  // row in owner o's buffer
     if (row0 >= g.rows_per_owner) return;  // uniform per warpgroup
     base::epilogue(g, acc, out, t.n * BN, sync, [&](const T* panel, int col) {
+      if (g.link.on() && o != g.rank) g.link.pace(64 * 64 * sizeof(T));  // a peer's panel
       tma::store_add_2d(&g.acc[o], panel, col, row0);
     });
   }

@@ -100,8 +100,19 @@ struct comm {
   uint64_t timeout_ns;
   int32_t world, rank, op;
   const int32_t* rank_ptr;
+  link_throttle link;  ///< the rank emulator's link cap (pk/link.cuh; off in production)
 
   __device__ fail_ctx fail() const { return fail_ctx{error, op, rank}; }
+  /** @brief Link throttle: bytes of `slots` rows to or from the ranks in `dest` (lane 0). */
+  __device__ uint64_t peer_rows(const int32_t* dest, const int32_t* pos, int slots,
+                                int64_t capacity, int64_t row_bytes) const {
+    uint64_t n = 0;
+    for (int j = 0; j < slots; ++j) {
+      const bool peer = dest[j] >= 0 && dest[j] < world && dest[j] != rank;
+      if (peer && pos[j] >= 0 && pos[j] < capacity) n += uint64_t(row_bytes);
+    }
+    return n;
+  }
   __device__ uint64_t epoch(uint64_t slot) const {
     return *reinterpret_cast<volatile const uint64_t*>(sig[rank] + slot);
   }
@@ -364,6 +375,7 @@ __global__ void __launch_bounds__(THREADS) push_kernel(const __grid_constant__ d
   const int64_t items = a.per_slot ? a.T * a.k : a.T;
   const int64_t units = a.row_bytes / int64_t(sizeof(U));
   const int64_t stride = int64_t(gridDim.x) * WARPS;
+  uint64_t linked = 0;  // link throttle: bytes this thread's warp pushed to peers (lane 0)
   for (int64_t it = int64_t(blockIdx.x) * WARPS + warp; it < items; it += stride) {
     const int64_t first = a.per_slot ? it : it * a.k;
     if (lane < slots) {
@@ -379,6 +391,9 @@ __global__ void __launch_bounds__(THREADS) push_kernel(const __grid_constant__ d
         const int64_t u = u0 + q * WARP_THREADS;
         v[q] = u < units ? R(src[u]) : R{};
       }
+      if (c.link.on() && lane == 0 && u0 == 0) {
+        linked += c.peer_rows(s_dest[warp], s_pos[warp], slots, a.capacity, a.row_bytes);
+      }
       for (int j = 0; j < slots; ++j) {
         const int32_t p = s_pos[warp][j];
         const int32_t d = s_dest[warp][j];
@@ -393,6 +408,7 @@ __global__ void __launch_bounds__(THREADS) push_kernel(const __grid_constant__ d
     }
     __syncwarp();
   }
+  c.link.pace_block_sum(linked);
   c.publish(c.block_slot(PUSHED), epoch);
 }
 
@@ -458,6 +474,7 @@ __global__ void __launch_bounds__(THREADS) pull_kernel(const __grid_constant__ c
   const int64_t units = a.row_bytes / int64_t(sizeof(U));
   const int k = a.k;
   const int64_t stride = int64_t(gridDim.x) * WARPS;
+  uint64_t linked = 0;  // link throttle: bytes this thread's warp pulled from peers (lane 0)
   for (int64_t t = int64_t(blockIdx.x) * WARPS + warp; t < a.T; t += stride) {
     if (lane < k) {
       const int32_t d = a.dest[t * k + lane], p = a.pos[t * k + lane];
@@ -467,6 +484,9 @@ __global__ void __launch_bounds__(THREADS) pull_kernel(const __grid_constant__ c
       s_w[warp][lane] = a.gather ? 1.f : a.weights[t * k + lane];
     }
     __syncwarp();
+    if (c.link.on() && lane == 0) {
+      linked += c.peer_rows(s_dest[warp], s_pos[warp], k, a.capacity, a.row_bytes);
+    }
     for (int64_t u = lane; u < units; u += WARP_THREADS) {
       if (a.gather) {
         U* out = static_cast<U*>(a.out) + (t * k) * units + u;
@@ -516,6 +536,7 @@ __global__ void __launch_bounds__(THREADS) pull_kernel(const __grid_constant__ c
     }
     __syncwarp();
   }
+  c.link.pace_block_sum(linked);
   c.publish(c.block_slot(DONE), epoch);
 }
 
