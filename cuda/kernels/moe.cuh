@@ -103,13 +103,24 @@ struct comm {
   link_throttle link;  ///< the rank emulator's link cap (pk/link.cuh; off in production)
 
   __device__ fail_ctx fail() const { return fail_ctx{error, op, rank}; }
-  /** @brief Link throttle: bytes of `slots` rows to or from the ranks in `dest` (lane 0). */
-  __device__ uint64_t peer_rows(const int32_t* dest, const int32_t* pos, int slots,
-                                int64_t capacity, int64_t row_bytes) const {
+  /**
+   * @brief Link throttle (emulator only): bytes of the kept rows this thread's share of the
+   * block's items moved to or from other ranks: items it = blockIdx.x * WARPS + warp, + grid
+   * stride, with `slots` (dest, pos) pairs each from it * slots (one from it when per_slot),
+   * lanes over the slots. Counted after the block's pass, away from its registers.
+   */
+  __device__ uint64_t peer_row_bytes(const int32_t* dest, const int32_t* pos, int64_t items,
+                                     int slots, bool per_slot, int64_t capacity,
+                                     int64_t row_bytes) const {
+    const int warp = threadIdx.x / WARP_THREADS, lane = threadIdx.x % WARP_THREADS;
     uint64_t n = 0;
-    for (int j = 0; j < slots; ++j) {
-      const bool peer = dest[j] >= 0 && dest[j] < world && dest[j] != rank;
-      if (peer && pos[j] >= 0 && pos[j] < capacity) n += uint64_t(row_bytes);
+    for (int64_t it = int64_t(blockIdx.x) * WARPS + warp; it < items;
+         it += int64_t(gridDim.x) * WARPS) {
+      for (int j = lane; j < (per_slot ? 1 : slots); j += WARP_THREADS) {
+        const int64_t i = per_slot ? it : it * slots + j;
+        const int32_t d = dest[i], p = pos[i];
+        if (d >= 0 && d < world && d != rank && p >= 0 && p < capacity) n += uint64_t(row_bytes);
+      }
     }
     return n;
   }
@@ -375,7 +386,6 @@ __global__ void __launch_bounds__(THREADS) push_kernel(const __grid_constant__ d
   const int64_t items = a.per_slot ? a.T * a.k : a.T;
   const int64_t units = a.row_bytes / int64_t(sizeof(U));
   const int64_t stride = int64_t(gridDim.x) * WARPS;
-  uint64_t linked = 0;  // link throttle: bytes this thread's warp pushed to peers (lane 0)
   for (int64_t it = int64_t(blockIdx.x) * WARPS + warp; it < items; it += stride) {
     const int64_t first = a.per_slot ? it : it * a.k;
     if (lane < slots) {
@@ -391,9 +401,6 @@ __global__ void __launch_bounds__(THREADS) push_kernel(const __grid_constant__ d
         const int64_t u = u0 + q * WARP_THREADS;
         v[q] = u < units ? R(src[u]) : R{};
       }
-      if (c.link.on() && lane == 0 && u0 == 0) {
-        linked += c.peer_rows(s_dest[warp], s_pos[warp], slots, a.capacity, a.row_bytes);
-      }
       for (int j = 0; j < slots; ++j) {
         const int32_t p = s_pos[warp][j];
         const int32_t d = s_dest[warp][j];
@@ -408,7 +415,10 @@ __global__ void __launch_bounds__(THREADS) push_kernel(const __grid_constant__ d
     }
     __syncwarp();
   }
-  c.link.pace_block_sum(linked);
+  if (c.link.on()) {
+    c.link.pace_block_sum(
+        c.peer_row_bytes(a.dest, a.pos, items, a.k, a.per_slot, a.capacity, a.row_bytes));
+  }
   c.publish(c.block_slot(PUSHED), epoch);
 }
 
@@ -474,7 +484,6 @@ __global__ void __launch_bounds__(THREADS) pull_kernel(const __grid_constant__ c
   const int64_t units = a.row_bytes / int64_t(sizeof(U));
   const int k = a.k;
   const int64_t stride = int64_t(gridDim.x) * WARPS;
-  uint64_t linked = 0;  // link throttle: bytes this thread's warp pulled from peers (lane 0)
   for (int64_t t = int64_t(blockIdx.x) * WARPS + warp; t < a.T; t += stride) {
     if (lane < k) {
       const int32_t d = a.dest[t * k + lane], p = a.pos[t * k + lane];
@@ -484,9 +493,6 @@ __global__ void __launch_bounds__(THREADS) pull_kernel(const __grid_constant__ c
       s_w[warp][lane] = a.gather ? 1.f : a.weights[t * k + lane];
     }
     __syncwarp();
-    if (c.link.on() && lane == 0) {
-      linked += c.peer_rows(s_dest[warp], s_pos[warp], k, a.capacity, a.row_bytes);
-    }
     for (int64_t u = lane; u < units; u += WARP_THREADS) {
       if (a.gather) {
         U* out = static_cast<U*>(a.out) + (t * k) * units + u;
@@ -536,7 +542,9 @@ __global__ void __launch_bounds__(THREADS) pull_kernel(const __grid_constant__ c
     }
     __syncwarp();
   }
-  c.link.pace_block_sum(linked);
+  if (c.link.on()) {
+    c.link.pace_block_sum(c.peer_row_bytes(a.dest, a.pos, a.T, k, false, a.capacity, a.row_bytes));
+  }
   c.publish(c.block_slot(DONE), epoch);
 }
 
