@@ -51,10 +51,10 @@ namespace pk::gemm_rs {
 /** @brief matmul's globals (x, w maps; y unused) plus the owners' buffers and the split. */
 struct globals : matmul::globals {
   CUtensorMap acc[tp::MAX_PEERS];  // owner o's buffer: dims {N, Mp}, box {64, 64}
+  link_throttle link;              // the rank emulator's link cap (pk/link.cuh; off: one branch)
   int rows_per_owner;              // Mp
   int tiles_per_owner;             // ceil(Mp / BM)
   int world, rank;
-  link_throttle link;              // the rank emulator's link cap (pk/link.cuh; off: one branch)
 };
 
 /** @brief matmul's pipeline with the owner split of the tile rows and a reduce-add storer. */
