@@ -148,11 +148,12 @@ struct kernel_def : matmul::kernel_def<C> {
       if (lead) {  // rows [lo, hi) of x_full from their owners' workspaces
         fence_proxy_async_global();  // the staged acquires before the bulk loads
         for (int o = o_lo; o <= o_hi; ++o) {
+          ring.link = c.link.peer(o, r);  // emulator's link throttle: paces a peer's rows
           const int64_t a = lo > o * mp ? lo : o * mp;
           const int64_t b = hi < (o + 1) * mp ? hi : (o + 1) * mp;
           bulk_copy(ring, static_cast<char*>(g.x_full) + a * row_bytes,
                     static_cast<const char*>(c.ws[o]) + (a - o * mp) * row_bytes,
-                    (b - a) * row_bytes, c.link.peer(o, r));  // paced when o is a peer
+                    (b - a) * row_bytes);
         }
       }
       tp::publish(c, tp::FLAGS + j, e, /*local=*/true);  // flag[j]

@@ -110,12 +110,15 @@ struct bulk_ring {
   char* dst[STAGES];     ///< bulk_move: where stage s's piece goes
   uint32_t bytes[STAGES];
   uint32_t phase;        ///< bit s: parity of stage s's next completion (one thread writes)
+  link_throttle link;    ///< bulk_copy's pacing (pk/link.cuh): off after init; set it to the
+                         ///< throttle for copies that cross ranks
   alignas(128) char buf[STAGES][STAGE_BYTES];
 
   /** @brief One thread, before any use. */
   __device__ void init() {
     for (int s = 0; s < STAGES; ++s) mbar_init(&bar[s], 1);
     phase = 0;
+    link = link_throttle{};
     fence_mbar_init();
   }
 };
@@ -181,10 +184,9 @@ __device__ inline void bulk_move(bulk_ring& ring, Next next, const link_throttle
 
 /**
  * @brief One thread: dst[0, bytes) = src[0, bytes) (16-byte aligned, bytes % 16 == 0); every
- * piece paced by `link` (pass the throttle only for copies that cross ranks).
+ * piece paced by `ring.link` (off unless the caller set it: copies that cross ranks).
  */
-__device__ inline void bulk_copy(bulk_ring& ring, void* dst, const void* src, uint64_t bytes,
-                                 const link_throttle& link = {}) {
+__device__ inline void bulk_copy(bulk_ring& ring, void* dst, const void* src, uint64_t bytes) {
   uint64_t done = 0;
   bulk_move(ring, [&](bulk_piece* pc) {
     if (done >= bytes) return false;
@@ -196,7 +198,7 @@ __device__ inline void bulk_copy(bulk_ring& ring, void* dst, const void* src, ui
     pc->paced = true;
     done += n;
     return true;
-  }, link);
+  }, ring.link);
 }
 
 /**
