@@ -58,6 +58,7 @@ Status RowSplitGemm(const char* op, int op_id, int index, const Where& at, const
   pk::gemm_rs::globals g;
   std::memset(&g, 0, sizeof(g));
   static_cast<pk::matmul::globals&>(g) = base;
+  g.link = c.link;  // the rank emulator's link throttle (off unless pk_jax.testing set it)
   for (int o = 0; o < world; ++o) {
     if (Status s = TensorMap(op, {c.ws[o], uint64_t(mp), uint64_t(n), 64, 64, dt}, &g.acc[o]);
         !s.ok()) {

@@ -212,6 +212,7 @@ struct kernel_def : matmul::kernel_def<C> {
       if (lead) {  // rows [lo, hi) of x_full from their owners' workspaces, mine from x
         fence_proxy_async_global();  // the staged acquires before the bulk loads
         for (int o = o_lo; o <= o_hi; ++o) {
+          ring.link = c.link.peer(o, r);  // emulator's link throttle: paces a peer's rows
           const int64_t a = lo > o * mp ? lo : o * mp;
           const int64_t b = hi < (o + 1) * mp ? hi : (o + 1) * mp;
           const char* src = o == r ? static_cast<const char*>(g.x_local)

@@ -59,6 +59,7 @@ namespace pk::gemm_rs {
 /** @brief matmul's globals (x, w maps; y only in direct mode) plus the owners' buffers. */
 struct globals : matmul::globals {
   CUtensorMap acc[tp::MAX_PEERS];  // owner o's buffer: dims {N, Mp}, box {64, 64}
+  link_throttle link;              // the rank emulator's link cap (pk/link.cuh; off: one branch)
   int rows_per_owner;              // Mp
   int tiles_per_owner;             // ceil(Mp / BM)
   int world, rank;
@@ -119,6 +120,7 @@ struct kernel_def : matmul::kernel_def<C> {
       return;
     }
     base::epilogue(g, acc, out, t.n * BN, sync, [&](const T* panel, int col) {
+      if (g.link.on() && o != g.rank) g.link.pace(64 * 64 * sizeof(T));  // a peer's panel
       tma::store_add_2d(&g.acc[o], panel, col, row0);
     });
   }

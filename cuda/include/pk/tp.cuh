@@ -47,6 +47,7 @@ struct comm {
   uint64_t timeout_ns;
   int32_t world, rank, op;
   const int32_t* rank_ptr;   ///< XLA's rank operand (checked against `rank`)
+  link_throttle link;        ///< the rank emulator's link cap (pk/link.cuh; off in production)
 
   __device__ fail_ctx fail() const { return fail_ctx{error, op, rank}; }
   /** @brief The same record for the kernel's mbarrier waits, bounded after the signal waits. */
@@ -158,7 +159,11 @@ static __global__ void __launch_bounds__(THREADS)
              },
              uint64_t(blockIdx.x) * blockDim.x + threadIdx.x, uint64_t(gridDim.x) * blockDim.x,
              a.out_units);
-  if constexpr (GATHER) c.barrier(3, blockIdx.x, e);
+  if constexpr (GATHER) {
+    // Link throttle (emulator only): this block's share of the peer loads, after the fact.
+    c.link.pace_block((a.out_units - a.owner_units) * 16 / gridDim.x);
+    c.barrier(3, blockIdx.x, e);
+  }
 }
 
 /**
