@@ -14,10 +14,11 @@
  * Kernels of one dispatch (one stream, in this order; "all" = every rank's kernels):
  *
  *     kernel      grid               rank r
- *     route       1 block            epoch e = ++EPOCH_D; local index of every slot; publish
- *                                    count_r[e'] for every expert e' to every peer's COUNTS
- *                                    [r][e'] as (e << 32 | count); wait all P x E counts;
- *                                    positions, handle, group sizes (XLA outputs)
+ *     route       1 block            epoch e = ++EPOCH_D; count_r[e'] for every expert e';
+ *                                    publish them to every peer's COUNTS[r][e'] as (e << 32 |
+ *                                    count); wait all P x E counts; group sizes, then every
+ *                                    slot's position and the handle (XLA outputs, each
+ *                                    written once, after the wait)
  *     push        G_push (from T)    row x[t] -> ws_{dest}[pos] for every kept (t, j) (16-byte
  *                                    vector stores into the peer's mapping); then PUSHED[r][b]
  *                                    = e on every peer
@@ -49,6 +50,24 @@
  * barrier: a peer that signalled has finished its previous kernels, so nothing of an earlier
  * op still reads any workspace), and each op returns only when nobody accesses this rank's
  * workspace any more (receive waits for every push; leave waits for every pull).
+ *
+ * NOTES: a late rank (tests/gpu/test_emulator.py::test_a_late_rank, rank 2 of 4 starting
+ * 200 ms late, run 1 of 2026-12-01 on the H200) stretches every other rank's route kernel to
+ * 200 ms: it waits in the count exchange for the late rank. The route kernel used to write
+ * each slot's local index into the `pos` output before that wait and read it back after, to
+ * add the expert's start: an XLA output used as scratch across a wait as long as the latest
+ * peer. Anything else that writes `pos` in that window corrupts the positions, and the push
+ * then sends this rank's rows to wrong rows (or drops them). The emulator did exactly that:
+ * its poison fills (cuMemsetD8 on the primary context's legacy stream) are not ordered with
+ * the ranks' non-blocking green-context streams, and the last rank's fills, which no later
+ * synchronous copy waits for, could land while the kernels ran; with a 200 ms window they
+ * did: rank 0's tokens missed exactly rank 3's rows (8239 elements, every nonzero element of
+ * rank 3's 48 rows there; the case is reproducible from the test's seed). Now every output is
+ * written once, after the exchange (pass 2 runs after the wait; it no longer overlaps the
+ * counts' flight, a few microseconds at T k = 32k), and the emulator orders its fills
+ * (pk_jax.testing.DeviceBuffer). No cross-rank signal was at fault: counts are epoch-tagged,
+ * every push waits for every rank's counts (an entry barrier), receive waits for every
+ * block of every peer.
  *
  * Pitfalls: grids that pair across ranks (G_push, G_stage, G_pull: a receiver waits for every
  * block index of every peer) come from the problem's sizes only, never from the SM count or
@@ -216,8 +235,9 @@ __global__ void __launch_bounds__(WARP_THREADS) enter_kernel(const __grid_consta
  *
  * Local index: warp w owns the contiguous slots [w n / WARPS, (w+1) n / WARPS); pass 1 counts
  * its slots per expert (lanes of one expert found with match.any, the lowest adds), an
- * exclusive scan over warps turns the counts into each warp's start, pass 2 gives every slot
- * start + earlier lanes of its expert and advances the start. Slot order = (t, j) order.
+ * exclusive scan over warps turns the counts into each warp's start; after the exchange pass 2
+ * gives every slot the expert's start + start + earlier lanes of its expert and advances the
+ * start. Slot order = (t, j) order.
  */
 __global__ void __launch_bounds__(THREADS, 1)
     route_kernel(const __grid_constant__ dispatch_args a) {
@@ -268,27 +288,12 @@ __global__ void __launch_bounds__(THREADS, 1)
     all[me * E + e] = run;
   }
   __syncthreads();
-  // Publish my counts to every peer, then pass 2 (which no peer needs) while they travel.
+  // Publish my counts to every peer, then wait for every rank's (mine through my own pad).
   for (int i = threadIdx.x; i < P * E; i += THREADS) {
     const int d = i / E, e = i - d * E;
     signal(c.sig[d] + COUNTS + uint64_t(me) * E + e,
            (epoch << 32) | uint32_t(all[me * E + e]));
   }
-  for (int64_t b = lo; b < hi; b += WARP_THREADS) {
-    const int64_t i = b + lane;
-    const int e = i < hi ? a.ids[i] : -1;
-    const bool ok = e >= 0 && e < E;
-    const int key = ok ? e : E + lane;
-    const uint32_t mask = __match_any_sync(0xffffffffu, key);
-    const int32_t start = ok ? row[e] : 0;
-    __syncwarp();
-    if (ok) {
-      a.pos[i] = start + __popc(mask & lanemask_lt());  // the local index, for now
-      if ((__ffs(mask) - 1) == lane) row[e] = start + __popc(mask);
-    }
-    __syncwarp();
-  }
-  // Every rank's counts (mine included, through my own pad).
   for (int i = threadIdx.x; i < P * E; i += THREADS) {
     const int s = i / E;
     const uint64_t v = wait_value(c.sig[me] + COUNTS + i, epoch << 32, c.timeout_ns, c.fail(), s);
@@ -321,21 +326,32 @@ __global__ void __launch_bounds__(THREADS, 1)
     a.group_sizes[le] = kept;
     if (tot[e] > kept) atomicAdd(&misc[1], tot[e] - kept);
   }
-  // Positions: pass 2's local index plus the expert's start on its rank.
+  // Pass 2: every slot's position = the expert's start on its rank + the slots of earlier
+  // ranks + its local index (the warp's start plus earlier lanes of its expert). dest and pos
+  // are written once, here, after the exchange (NOTES in the file comment: never as scratch
+  // across the wait).
   int32_t mine_dropped = 0;
-  for (int64_t i = threadIdx.x; i < n; i += THREADS) {
-    const int e = a.ids[i];
-    if (e < 0 || e >= E) {  // outside [0, E): no rank, dropped
+  for (int64_t b = lo; b < hi; b += WARP_THREADS) {
+    const int64_t i = b + lane;
+    const int e = i < hi ? a.ids[i] : -1;
+    const bool ok = e >= 0 && e < E;
+    const int key = ok ? e : E + lane;
+    const uint32_t mask = __match_any_sync(0xffffffffu, key);
+    const int32_t start = ok ? row[e] : 0;
+    __syncwarp();
+    if (ok) {
+      const int64_t p = int64_t(off[e]) + before[e] + start + __popc(mask & lanemask_lt());
+      const bool kept = p < a.capacity;
+      a.dest[i] = e / a.EL;
+      a.pos[i] = kept ? static_cast<int32_t>(p) : -1;
+      mine_dropped += kept ? 0 : 1;
+      if ((__ffs(mask) - 1) == lane) row[e] = start + __popc(mask);
+    } else if (i < hi) {  // outside [0, E): no rank, dropped
       a.dest[i] = -1;
       a.pos[i] = -1;
       ++mine_dropped;
-      continue;
     }
-    const int64_t p = int64_t(off[e]) + before[e] + a.pos[i];
-    const bool kept = p < a.capacity;
-    a.dest[i] = e / a.EL;
-    a.pos[i] = kept ? static_cast<int32_t>(p) : -1;
-    mine_dropped += kept ? 0 : 1;
+    __syncwarp();
   }
   if (mine_dropped) atomicAdd(&misc[0], mine_dropped);
   __syncthreads();
