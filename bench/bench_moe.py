@@ -12,8 +12,18 @@ all-gathers every token to every rank before selecting), and the combine kernel
 (pk_moe_combine: pull of each slot's expert row, fp32 weighted sum) against the all_gather of y
 (the reference's combine). Both baselines run the same emulated way, so the ratio is the
 kernel's against the reference's communication alone (the reference's index arithmetic comes on
-top). The expert GEMMs (grouped_matmul) are not in the emulator: moe_dispatch_gemm is the
-dispatch followed by grouped_matmul (bench/bench_grouped_matmul.py times that part).
+top).
+
+Then the first expert GEMM (pk.moe_dispatch_gemm's work), per shape:
+- serial: the dispatch, then pk's grouped GEMM (grouped_matmul's launcher, mode FWD) on every
+  rank's received tokens [capacity, H] x w1 [E / P, H, expert hidden], on the same stream;
+- reference: the all_gather of x (the lax reference's traffic) plus the same grouped GEMM,
+  timed apart and added (the reference's own GEMM, jax.lax.ragged_dot, is far slower:
+  GPU_MACHINE.md; it cannot run inside an emulated partition);
+- fused (the GEMM of each expert starting as soon as its rows have arrived): not built yet
+  (issue 12 item 3); the script says so and writes no row for it.
+The GEMM's result is checked exactly on sampled rows of every group of rank 0 (w1 has 16
+nonzero +-1 entries per column, so every product is a small integer, exact in bf16).
 
 What the numbers mean: each emulated rank has 1/8 of the SMs, and all ranks share one HBM, so
 "links" run at the shared-HBM rate, not NVLink's; every row says `"emulated": true`.
@@ -41,7 +51,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common
 import numpy as np
 
-from pk_jax.testing import World, ops
+from pk_jax.testing import DeviceBuffer, World, ops
+from pk_jax.testing.emulator import np_dtype
 
 MACHINE = "h200-emulated"
 LINK = "shared HBM (unthrottled)"
@@ -102,6 +113,7 @@ def run_shape(world: World, name, t, k, experts, h, hidden, skew, rng, rows: lis
           f"{t_disp:9.1f} us ({moved / t_disp / 1e3:6.1f} GB/s into the busiest rank, "
           f"{dropped} dropped)  all_gather(x) {t_ag:9.1f} us  {t_ag / t_disp:5.2f}x",
           flush=True)
+    gemm_rows(world, disp, t_disp, t_ag, experts, h, hidden, kept, shape, fields, rng, rows)
     disp.free()
     gather_x.free()
 
@@ -122,6 +134,86 @@ def run_shape(world: World, name, t, k, experts, h, hidden, skew, rng, rows: lis
           f"all_gather(y) {t_agy:9.1f} us  {t_agy / t_comb:5.2f}x", flush=True)
     comb.free()
     gather_y.free()
+
+
+def sparse_w(rng, el: int, h: int, f: int) -> np.ndarray:
+    """[el, h, f] bf16 with 16 nonzero +-1 entries per column (exact integer products)."""
+    w = np.zeros((el, h, f), np_dtype(BF16))
+    nz = 16
+    rows = rng.integers(0, h, (el, nz, f))
+    signs = rng.choice(np.array([-1.0, 1.0], np_dtype(BF16)), (el, nz, f))
+    e_idx = np.arange(el)[:, None, None]
+    c_idx = np.arange(f)[None, None, :]
+    w[e_idx, rows, c_idx] = signs  # a repeated row keeps one entry: still exact
+    return w
+
+
+def gemm_rows(world: World, disp: ops.Call, t_disp: float, t_ag: float, experts: int, h: int,
+              hidden: int, kept: list[int], shape: dict, fields: dict, rng, rows: list) -> None:
+    """Serial (dispatch, then the grouped GEMM) and the reference's time, after a check."""
+    el = experts // P
+    capacity = shape["capacity"]
+    w_host = sparse_w(rng, el, h, hidden)
+    ws = [DeviceBuffer.from_array(w_host) for _ in range(P)]
+    ys = [DeviceBuffer(capacity * hidden * 2) for _ in range(P)]
+    args = [{"dtype": 0, "x": disp.buffers[r]["tokens"], "w": ws[r],
+             "group_sizes": disp.buffers[r]["group_sizes"], "y": ys[r], "m": capacity, "k": h,
+             "n": hidden, "groups": el, "group_m": 8} for r in range(P)]
+
+    def gemm_all() -> None:
+        for r in range(P):
+            world.launch("grouped_matmul", r, args[r])
+
+    def serial_all() -> None:
+        disp.launch()
+        gemm_all()
+
+    try:
+        for y in ys:
+            y.fill(0xFF)
+        serial_all()
+        world.synchronize()
+        check_gemm(disp, ys[0], w_host, capacity, hidden, rng)
+        t_gemm = common.emulated_us(world, gemm_all)
+        t_serial = common.emulated_us(world, serial_all)
+    finally:
+        for b in ws + ys:
+            b.free()
+    flops = 2.0 * max(kept) * h * hidden  # the busiest rank's GEMM
+    t_ref = t_ag + t_gemm
+    rows.append(common.record(op="moe_dispatch_gemm", shape=shape, median_us=t_serial,
+                              tflops=flops / t_serial / 1e6, path=common.RESULTS / "moe.jsonl",
+                              baseline="reference: all_gather of x + the same grouped GEMM "
+                                       "(emulated, timed apart)",
+                              baseline_median_us=t_ref, variant="serial (dispatch, then "
+                              "grouped_matmul)", dispatch_us=round(t_disp, 3),
+                              gemm_us=round(t_gemm, 3), **fields))
+    print(f"{'':17s} first expert GEMM ({el} experts/rank, {h} -> {hidden}): grouped GEMM "
+          f"{t_gemm:9.1f} us ({flops / t_gemm / 1e6:6.1f} TFLOP/s on 1/{P} of the GPU); "
+          f"serial {t_serial:9.1f} us (dispatch {t_disp:.1f} + GEMM, overlap none); "
+          f"reference {t_ref:9.1f} us; {t_ref / t_serial:5.2f}x; fused: not built", flush=True)
+
+
+def check_gemm(disp: ops.Call, y: DeviceBuffer, w_host: np.ndarray, capacity: int, hidden: int,
+               rng) -> None:
+    """Rank 0's hidden rows against numpy on the first, last and 8 random rows of every group
+    and on the zero tail; exact."""
+    want_tokens = disp.case.expected[0]["tokens"].astype(np.float32)
+    sizes = disp.case.expected[0]["group_sizes"].astype(np.int64)
+    got = y.read(np_dtype(BF16), (capacity, hidden)).astype(np.float32)
+    offs = np.concatenate([[0], np.cumsum(sizes)])
+    problems = []
+    for e, n in enumerate(sizes):
+        if n == 0:
+            continue
+        pick = np.unique(np.concatenate([[0, n - 1], rng.integers(0, n, 8)])) + offs[e]
+        want = want_tokens[pick] @ w_host[e].astype(np.float32)
+        if not np.array_equal(got[pick], want):
+            problems.append(f"group {e} rows {pick[:4]}...")
+    if offs[-1] < capacity and np.any(got[offs[-1]:] != 0):
+        problems.append(f"rows past {offs[-1]} are not zero")
+    if problems:
+        raise SystemExit(f"bench_moe: grouped GEMM wrong before timing: {problems[:3]}")
 
 
 def main() -> None:

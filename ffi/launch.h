@@ -142,6 +142,20 @@ struct MoeCombineArgs {
 Status LaunchMoeDispatch(const Where& at, const MoeDispatchArgs& a, const CommView& v);
 Status LaunchMoeCombine(const Where& at, const MoeCombineArgs& a, const CommView& v);
 
+// The grouped GEMM's forward (cuda/kernels/grouped_matmul.cuh, mode FWD) on `at`: y [m, n] =
+// x [m, k] @ w[e] [k, n] over the row groups of group_sizes [groups] (device). The rank
+// emulator's serial MoE path (bench/bench_moe.py: dispatch, then this on the tokens).
+struct GroupedMatmulArgs {
+  DType dtype;  // bf16 or fp16
+  const void* x;
+  const void* w;
+  const int32_t* group_sizes;
+  void* y;
+  int64_t m, k, n, groups, group_m;
+};
+
+Status LaunchGroupedMatmul(const Where& at, const GroupedMatmulArgs& a);
+
 // Refuses a launch once the communicator's error record holds an error (a peer timed out in
 // an earlier call): the message names op, rank and missing peer, and the call never starts
 // kernels that would wait for peers that are gone.

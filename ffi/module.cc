@@ -110,6 +110,20 @@ void EmuLaunch(const std::string& op, int64_t comm_id, int device, uint64_t stre
     Raise(pk_ffi::LaunchMatmul(at, gemm_args()));
     return;
   }
+  if (op == "grouped_matmul") {  // local: the serial MoE path's expert GEMM (FWD)
+    const pk_ffi::GroupedMatmulArgs a{static_cast<pk_ffi::DType>(Get(args, "dtype")),
+                                      Ptr<const void>(args, "x"),
+                                      Ptr<const void>(args, "w"),
+                                      Ptr<const int32_t>(args, "group_sizes"),
+                                      Ptr<void>(args, "y"),
+                                      Get(args, "m"),
+                                      Get(args, "k"),
+                                      Get(args, "n"),
+                                      Get(args, "groups"),
+                                      Get(args, "group_m", 8)};
+    Raise(pk_ffi::LaunchGroupedMatmul(at, a));
+    return;
+  }
   const pk_ffi::CommView* v = pk_ffi::FindComm(comm_id, device);
   if (v == nullptr) {
     throw std::invalid_argument("pk_jax emulator: no communicator " + std::to_string(comm_id) +
