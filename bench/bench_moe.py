@@ -19,7 +19,7 @@ Then the first expert GEMM (pk.moe_dispatch_gemm's work), per shape:
   rank's received tokens [capacity, H] x w1 [E / P, H, expert hidden], on the same stream;
 - reference: the all_gather of x (the lax reference's traffic) plus the same grouped GEMM,
   timed apart and added (the reference's own GEMM, jax.lax.ragged_dot, is far slower:
-  GPU_MACHINE.md; it cannot run inside an emulated partition);
+  bench/results/grouped_matmul.jsonl; it cannot run inside an emulated partition);
 - fused (the GEMM of each expert starting as soon as its rows have arrived): not built yet
   (issue 12 item 3); the script says so and writes no row for it.
 The GEMM's result is checked exactly on sampled rows of every group of rank 0 (w1 has 16
