@@ -20,8 +20,9 @@ Then the first expert GEMM (pk.moe_dispatch_gemm's work), per shape:
 - reference: the all_gather of x (the lax reference's traffic) plus the same grouped GEMM,
   timed apart and added (the reference's own GEMM, jax.lax.ragged_dot, is far slower:
   bench/results/grouped_matmul.jsonl; it cannot run inside an emulated partition);
-- fused (the GEMM of each expert starting as soon as its rows have arrived): not built yet
-  (issue 12 item 3); the script says so and writes no row for it.
+- fused (--fused): cuda/kernels/moe_dispatch_gemm.cuh, the GEMM of each expert starting as
+  soon as every rank's rows of it have arrived (work in progress, not yet pk.moe_dispatch_gemm's
+  path); its y is checked equal to the serial path's on every rank before it is timed.
 The GEMM's result is checked exactly on sampled rows of every group of rank 0 (w1 has 16
 nonzero +-1 entries per column, so every product is a small integer, exact in bf16).
 
@@ -55,6 +56,7 @@ from pk_jax.testing import DeviceBuffer, World, ops
 from pk_jax.testing.emulator import np_dtype
 
 MACHINE = "h200-emulated"
+FUSED = False  # --fused
 LINK = "shared HBM (unthrottled)"
 BF16 = "bfloat16"
 P = 8
@@ -160,6 +162,8 @@ def gemm_rows(world: World, disp: ops.Call, t_disp: float, t_ag: float, experts:
              "group_sizes": disp.buffers[r]["group_sizes"], "y": ys[r], "m": capacity, "k": h,
              "n": hidden, "groups": el, "group_m": 8} for r in range(P)]
 
+    fused = fused_call(world, disp, ws, capacity, hidden, experts) if FUSED else None
+
     def gemm_all() -> None:
         for r in range(P):
             world.launch("grouped_matmul", r, args[r])
@@ -176,8 +180,19 @@ def gemm_rows(world: World, disp: ops.Call, t_disp: float, t_ag: float, experts:
         check_gemm(disp, ys[0], w_host, capacity, hidden, rng)
         t_gemm = common.emulated_us(world, gemm_all)
         t_serial = common.emulated_us(world, serial_all)
+        t_fused = None
+        if fused is not None:
+            launch_fused, fbufs = fused
+            launch_fused()
+            world.synchronize()
+            for r in range(P):
+                a = ys[r].read(np.uint16, (capacity, hidden))
+                b = fbufs[r]["y"].read(np.uint16, (capacity, hidden))
+                if not np.array_equal(a, b):
+                    raise SystemExit(f"bench_moe: fused y differs from serial on rank {r}")
+            t_fused = common.emulated_us(world, launch_fused)
     finally:
-        for b in ws + ys:
+        for b in ws + ys + ([b for d in fused[1] for b in d.values()] if fused else []):
             b.free()
     flops = 2.0 * max(kept) * h * hidden  # the busiest rank's GEMM
     t_ref = t_ag + t_gemm
@@ -188,10 +203,43 @@ def gemm_rows(world: World, disp: ops.Call, t_disp: float, t_ag: float, experts:
                               baseline_median_us=t_ref, variant="serial (dispatch, then "
                               "grouped_matmul)", dispatch_us=round(t_disp, 3),
                               gemm_us=round(t_gemm, 3), **fields))
+    if t_fused is not None:
+        rows.append(common.record(op="moe_dispatch_gemm", shape=shape, median_us=t_fused,
+                                  tflops=flops / t_fused / 1e6, path=common.RESULTS / "moe.jsonl",
+                                  baseline="serial: moe_dispatch, then grouped_matmul (emulated)",
+                                  baseline_median_us=t_serial, variant="fused (work in progress)",
+                                  reference_us=round(t_ref, 3), **fields))
     print(f"{'':17s} first expert GEMM ({el} experts/rank, {h} -> {hidden}): grouped GEMM "
           f"{t_gemm:9.1f} us ({flops / t_gemm / 1e6:6.1f} TFLOP/s on 1/{P} of the GPU); "
           f"serial {t_serial:9.1f} us (dispatch {t_disp:.1f} + GEMM, overlap none); "
-          f"reference {t_ref:9.1f} us; {t_ref / t_serial:5.2f}x; fused: not built", flush=True)
+          f"reference {t_ref:9.1f} us; {t_ref / t_serial:5.2f}x", flush=True)
+    if t_fused is not None:
+        print(f"{'':17s} fused {t_fused:9.1f} us ({flops / t_fused / 1e6:6.1f} TFLOP/s): "
+              f"{t_serial / t_fused:5.2f}x serial, {t_ref / t_fused:5.2f}x reference", flush=True)
+
+
+def fused_call(world: World, disp: ops.Call, ws: list, capacity: int, hidden: int,
+               experts: int):
+    """The fused kernel's launcher fields on every rank (the dispatch's inputs, w1, fresh
+    outputs and scratch): (launch_all, buffers per rank)."""
+    c = disp.case.params
+    t, k, h = c["t"], c["k"], c["h"]
+    bufs, args = [], []
+    for r in range(P):
+        b = {"y": DeviceBuffer(capacity * hidden * 2), "order": DeviceBuffer(t * k * 4),
+             "order_off": DeviceBuffer((experts + 1) * 4), "dest": DeviceBuffer(t * k * 4),
+             "pos": DeviceBuffer(t * k * 4), "dropped": DeviceBuffer(4),
+             "recv_dropped": DeviceBuffer(4), "group_sizes": DeviceBuffer(experts // P * 4)}
+        b["y"].fill(0xFF)
+        bufs.append(b)
+        args.append({"dtype": 0, "x": disp.buffers[r]["x"], "ids": disp.buffers[r]["ids"],
+                     "w": ws[r], **b, "t": t, "k": k, "h": h, "n": hidden,
+                     "num_experts": experts, "capacity": capacity, "num_comm_sms": 0})
+
+    def launch_all() -> None:
+        world.call("moe_dispatch_gemm", args)
+
+    return launch_all, bufs
 
 
 def check_gemm(disp: ops.Call, y: DeviceBuffer, w_host: np.ndarray, capacity: int, hidden: int,
@@ -219,7 +267,11 @@ def check_gemm(disp: ops.Call, y: DeviceBuffer, w_host: np.ndarray, capacity: in
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the first shape only")
+    parser.add_argument("--fused", action="store_true",
+                        help="also the fused dispatch + GEMM kernel (work in progress)")
     args = parser.parse_args()
+    global FUSED
+    FUSED = args.fused
     rng = np.random.default_rng(0)
     rows: list = []
     # The workspace holds the busiest shape's received rows (capacity x H x 2 bytes).

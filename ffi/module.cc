@@ -179,6 +179,30 @@ void EmuLaunch(const std::string& op, int64_t comm_id, int device, uint64_t stre
     Raise(pk_ffi::LaunchMoeDispatch(at, a, *v));
     return;
   }
+  if (op == "moe_dispatch_gemm") {  // the fused dispatch + first expert GEMM (work in progress)
+    const pk_ffi::MoeDispatchGemmArgs a{dtype,
+                                        Ptr<const void>(args, "x"),
+                                        Ptr<const int32_t>(args, "ids"),
+                                        Ptr<const void>(args, "w"),
+                                        Ptr<const int32_t>(args, "rank"),
+                                        Ptr<int32_t>(args, "dest"),
+                                        Ptr<int32_t>(args, "pos"),
+                                        Ptr<int32_t>(args, "dropped"),
+                                        Ptr<int32_t>(args, "recv_dropped"),
+                                        Ptr<int32_t>(args, "group_sizes"),
+                                        Ptr<void>(args, "y"),
+                                        Ptr<int32_t>(args, "order"),
+                                        Ptr<int32_t>(args, "order_off"),
+                                        Get(args, "t"),
+                                        Get(args, "k"),
+                                        Get(args, "h"),
+                                        Get(args, "n"),
+                                        Get(args, "num_experts"),
+                                        Get(args, "capacity"),
+                                        Get(args, "num_comm_sms")};
+    Raise(pk_ffi::LaunchMoeDispatchGemm(at, a, *v));
+    return;
+  }
   if (op == "moe_combine" || op == "moe_gather") {
     const pk_ffi::MoeCombineArgs a{dtype,
                                    Ptr<const void>(args, "y"),

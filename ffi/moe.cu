@@ -9,6 +9,7 @@
 
 #include "ffi_util.h"
 #include "kernels/moe.cuh"
+#include "kernels/moe_dispatch_gemm.cuh"
 #include "launch.h"
 #include "tensor_map.h"
 
@@ -204,6 +205,136 @@ Status LaunchMoeCombine(const Where& at, const MoeCombineArgs& a, const CommView
                           : a.dtype == DType::kF16 ? run(__half{})
                                                    : run(0.f);
   return CudaStatus(err, "moe_combine (stage, pull, leave)");
+}
+
+namespace {
+
+// A 128B-swizzled map over w [depth, rows, cols] (2-byte elements), box {64, box_rows, 1}: as
+// ffi/grouped_matmul.cu encodes it for the grouped GEMM's FWD mode.
+Status WeightMap(const void* ptr, uint64_t depth, uint64_t rows, uint64_t cols, int dtype,
+                 CUtensorMap* out) {
+  PFN_cuTensorMapEncodeTiled_v12000 encode = EncodeFn();
+  if (encode == nullptr) return Status::Internal("cuTensorMapEncodeTiled is not available");
+  const cuuint64_t dims[3] = {cols, rows, depth};
+  const cuuint64_t strides[2] = {cols * 2, rows * cols * 2};
+  const cuuint32_t box[3] = {64, 64, 1};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  const CUresult r = encode(out,
+                            dtype == 0 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                       : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                            3, const_cast<void*>(ptr), dims, strides, box, elem_strides,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    return Status::Internal("pk.moe_dispatch_gemm: cuTensorMapEncodeTiled (w) failed with " +
+                            std::to_string(static_cast<int>(r)));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status LaunchMoeDispatchGemm(const Where& at, const MoeDispatchGemmArgs& a, const CommView& v) {
+  const char* op = "moe_dispatch_gemm";
+  namespace gm = pk::grouped_matmul;
+  pk::moe::comm c;
+  if (Status s = MoeComm(op, kOpMoeDispatch, v, a.rank, &c); !s.ok()) return s;
+  const int P = v.world;
+  const int64_t E = a.num_experts;
+  if (E < 1 || E % P != 0 || E > pk::moe::MAX_EXPERTS ||
+      uint64_t(P) * E > pk::moe::MAX_FUSED_COUNTS || E / P > gm::MAX_GROUPS) {
+    return Invalid(op, "num_experts must be divisible by P, at most " +
+                           std::to_string(pk::moe::MAX_EXPERTS) + ", and P x num_experts at most " +
+                           std::to_string(pk::moe::MAX_FUSED_COUNTS) + "; got " +
+                           std::to_string(E));
+  }
+  if (a.dtype != DType::kBF16 && a.dtype != DType::kF16) return Invalid(op, "bf16 or fp16");
+  if (a.h % 8 != 0 || a.n % 8 != 0 || a.h < 8 || a.n < 8 || a.n > INT32_MAX) {
+    return Invalid(op, "H and N must be multiples of 8 (16-byte rows)");
+  }
+  const int64_t row_bytes = a.h * 2;
+  if (Status s = CheckRows(op, v, a.t, a.k, a.capacity, row_bytes); !s.ok()) return s;
+  // NOTES: XLA's buffers are at least 16-byte aligned, so every rank takes the same branch.
+  if (reinterpret_cast<uintptr_t>(a.x) % 16 != 0) return Invalid(op, "x must be 16-byte aligned");
+  const int type = a.dtype == DType::kBF16 ? 0 : 1;
+  const int EL = static_cast<int>(E / P);
+
+  gm::globals g{};
+  g.y = a.y;
+  g.group_sizes = a.group_sizes;
+  g.m = static_cast<int>(a.capacity);
+  g.n = static_cast<int>(a.n);
+  g.k = static_cast<int>(a.h);
+  g.groups = EL;
+  g.group_m = 8;
+  if (Status s = TensorMap(op, {v.workspace[v.rank], uint64_t(a.capacity), uint64_t(a.h), 128,
+                                64, type},
+                           &g.a);
+      !s.ok()) {
+    return s;
+  }
+  if (Status s = WeightMap(a.w, EL, a.h, a.n, type, &g.b); !s.ok()) return s;
+  if (Status s = TensorMap(op, {a.y, uint64_t(a.capacity), uint64_t(a.n), 64, 64, type}, &g.out);
+      !s.ok()) {
+    return s;
+  }
+
+  pk::moe::dispatch_args r{};
+  r.c = c;
+  r.ids = a.ids;
+  r.x = a.x;
+  r.dest = a.dest;
+  r.pos = a.pos;
+  r.dropped = a.dropped;
+  r.recv_dropped = a.recv_dropped;
+  r.group_sizes = a.group_sizes;
+  r.order = a.order;
+  r.order_off = a.order_off;
+  r.T = a.t;
+  r.capacity = a.capacity;
+  r.row_bytes = row_bytes;
+  r.k = static_cast<int32_t>(a.k);
+  r.E = static_cast<int32_t>(E);
+  r.EL = EL;
+
+  pk::moe::fused_args f{};
+  f.c = c;
+  f.x = a.x;
+  f.dest = a.dest;
+  f.pos = a.pos;
+  f.order = a.order;
+  f.order_off = a.order_off;
+  f.capacity = a.capacity;
+  f.row_bytes = row_bytes;
+  f.k = static_cast<int32_t>(a.k);
+  f.E = static_cast<int32_t>(E);
+  f.EL = EL;
+  int comm = static_cast<int>(a.num_comm_sms > 0 ? a.num_comm_sms : at.num_sms / 4);
+  comm = comm < 1 ? 1 : (comm > E ? static_cast<int>(E) : comm);
+  if (comm >= at.num_sms) comm = at.num_sms > 1 ? at.num_sms - 1 : 1;
+  f.comm_blocks = comm;
+  const int64_t max_tiles = ((a.capacity + 127) / 128 + EL) * ((a.n + 255) / 256);
+  int gemm_blocks = at.num_sms - comm;
+  if (gemm_blocks < 1) gemm_blocks = 1;
+  if (max_tiles < gemm_blocks) gemm_blocks = static_cast<int>(max_tiles < 1 ? 1 : max_tiles);
+
+  // Every check is done: from here on the call runs on every rank (epochs stay in step).
+  const void* fn = reinterpret_cast<const void*>(&pk::moe::route_kernel);
+  if (Status s = CudaStatus(pk::opt_in_smem(fn, at.device, pk::moe::ROUTE_SMEM_MAX),
+                            "moe_dispatch_gemm (shared memory)");
+      !s.ok()) {
+    return s;
+  }
+  pk::moe::route_kernel<<<1, pk::moe::THREADS, pk::moe::route_smem(P, r.E), at.stream>>>(r);
+  if (Status s = CudaStatus(cudaGetLastError(), "moe_dispatch_gemm (route)"); !s.ok()) return s;
+  const cudaError_t err =
+      type == 0
+          ? pk::moe::launch_dispatch_gemm<gm::config<__nv_bfloat16, gm::FWD>>(g, f, at.stream,
+                                                                              at.device,
+                                                                              gemm_blocks)
+          : pk::moe::launch_dispatch_gemm<gm::config<__half, gm::FWD>>(g, f, at.stream,
+                                                                       at.device, gemm_blocks);
+  return CudaStatus(err, "moe_dispatch_gemm (fused)");
 }
 
 namespace {

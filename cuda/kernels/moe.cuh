@@ -110,6 +110,10 @@ constexpr uint64_t STAGED = PUSHED + MAX_PEERS * MAX_BLOCKS;  // [s][b]: y stage
 constexpr uint64_t DONE = STAGED + MAX_PEERS * MAX_BLOCKS;    // [s][b]: pulls finished
 constexpr uint64_t COUNTS = DONE + MAX_PEERS * MAX_BLOCKS;    // [s][e]: (epoch << 32) | count
 constexpr uint64_t MAX_COUNTS = OP_SLOTS - COUNTS;            // P x E at most
+// moe_dispatch_gemm (kernels/moe_dispatch_gemm.cuh) splits the count range: COUNTS, then
+// ARRIVED[s][e] (rank s pushed all its rows of expert e), P x E at most each.
+constexpr uint64_t MAX_FUSED_COUNTS = MAX_COUNTS / 2;
+constexpr uint64_t ARRIVED = COUNTS + MAX_FUSED_COUNTS;
 
 /** @brief The communicator as the kernels see it (pads offset to SLOT_BASE). */
 struct comm {
@@ -159,6 +163,8 @@ struct dispatch_args {
   int32_t* dropped;         ///< [1] (route)
   int32_t* recv_dropped;    ///< [1] (route)
   int32_t* group_sizes;     ///< [EL] (route writes it; scatter reads it)
+  int32_t* order;           ///< [T k] or null: slots by (expert, local index) (fused op)
+  int32_t* order_off;       ///< [E + 1] or null: expert e's first entry in order
   void* tokens;             ///< [C, row] XLA output
   int64_t T, capacity, row_bytes;
   int32_t k, E, EL;
@@ -182,9 +188,9 @@ struct combine_args {
 
 /** @brief Bytes of the route kernel's dynamic shared memory for P ranks and E experts. */
 __host__ __device__ constexpr uint32_t route_smem(int P, int E) {
-  return uint32_t(WARPS + 3) * E * 4 + uint32_t(P) * E * 4 + 64;
+  return uint32_t(WARPS + 4) * E * 4 + uint32_t(P) * E * 4 + 68;
 }
-constexpr uint32_t ROUTE_SMEM_MAX = uint32_t(WARPS + 3) * MAX_EXPERTS * 4 + MAX_COUNTS * 4 + 64;
+constexpr uint32_t ROUTE_SMEM_MAX = uint32_t(WARPS + 4) * MAX_EXPERTS * 4 + MAX_COUNTS * 4 + 68;
 
 /** @brief Grid of the kernels that move `bytes` (the same on every rank). */
 inline int bytes_grid(uint64_t bytes) {
@@ -248,7 +254,8 @@ __global__ void __launch_bounds__(THREADS, 1)
   int32_t* tot = seg + WARPS * E;          // [E] all ranks' slots of e
   int32_t* before = tot + E;               // [E] slots of e on ranks < me
   int32_t* off = before + E;               // [E] first row of e at its rank
-  int32_t* all = off + E;                  // [P][E] counts of every rank
+  int32_t* estart = off + E;               // [E + 1] my first slot of e in (e, index) order
+  int32_t* all = estart + E + 1;           // [P][E] counts of every rank
   int32_t* misc = all + P * E;             // [0] dropped, [1] received dropped
   __shared__ uint64_t s_e;
   if (threadIdx.x == 0) {
@@ -288,6 +295,14 @@ __global__ void __launch_bounds__(THREADS, 1)
     all[me * E + e] = run;
   }
   __syncthreads();
+  if (a.order != nullptr && threadIdx.x == 0) {  // the fused op's (expert, index) order
+    int32_t run = 0;
+    for (int e = 0; e < E; ++e) {
+      estart[e] = run;
+      run += all[me * E + e];
+    }
+    estart[E] = run;
+  }
   // Publish my counts to every peer, then wait for every rank's (mine through my own pad).
   for (int i = threadIdx.x; i < P * E; i += THREADS) {
     const int d = i / E, e = i - d * E;
@@ -340,7 +355,9 @@ __global__ void __launch_bounds__(THREADS, 1)
     const int32_t start = ok ? row[e] : 0;
     __syncwarp();
     if (ok) {
-      const int64_t p = int64_t(off[e]) + before[e] + start + __popc(mask & lanemask_lt());
+      const int32_t local = start + __popc(mask & lanemask_lt());
+      const int64_t p = int64_t(off[e]) + before[e] + local;
+      if (a.order != nullptr) a.order[estart[e] + local] = static_cast<int32_t>(i);
       const bool kept = p < a.capacity;
       a.dest[i] = e / a.EL;
       a.pos[i] = kept ? static_cast<int32_t>(p) : -1;
@@ -354,6 +371,9 @@ __global__ void __launch_bounds__(THREADS, 1)
     __syncwarp();
   }
   if (mine_dropped) atomicAdd(&misc[0], mine_dropped);
+  if (a.order_off != nullptr) {
+    for (int e = threadIdx.x; e <= E; e += THREADS) a.order_off[e] = estart[e];
+  }
   __syncthreads();
   if (threadIdx.x == 0) {
     a.dropped[0] = misc[0];

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark, on the H200 machine: tests/gpu/run_all.sh [section ...]
 # Sections: install sass unit runtime collectives collectives_mp tp tp_mp grouped attention
-# emulator moe sanitize examples users bench
-# (default: all but bench). The P = 1 sections (install unit collectives tp examples) may run
-# side by side in separate invocations; the multi-process ones and bench want the GPU alone.
+# emulator moe moe_fused sanitize examples users bench
+# (default: all but moe_fused and bench). The P = 1 sections (install unit collectives tp
+# examples) may run side by side in separate invocations; the multi-process ones and bench
+# want the GPU alone.
 # Prints one PASSED/FAILED line per step and a summary; exits non-zero if any step failed.
 # Each pytest step is its own process: a kernel that times out traps, and a trapped CUDA
 # context is unusable for the rest of that process.
@@ -157,6 +158,15 @@ section_moe() {
     moe_dispatch,moe_scatter,moe_combine,moe_gather 2,4 > $log/moe_memcheck.log 2>&1;
     tail -5 $log/moe_memcheck.log;
     ! grep -E 'Invalid (__global__|__shared__|__local__)|Out of bounds|Misaligned|Error: process didn' $log/moe_memcheck.log && grep -q 'emu_short: OK' $log/moe_memcheck.log"
+}
+
+# The fused dispatch + first expert GEMM (cuda/kernels/moe_dispatch_gemm.cuh, work in
+# progress, not yet pk.moe_dispatch_gemm's path) in the rank emulator at P = 2, 4, 8, then
+# bench_moe.py with it (fused vs serial vs the reference's traffic + GEMM, emulated P = 8).
+section_moe_fused() {
+  export CUDA_MODULE_LOADING=EAGER  # pk_jax.testing.require_eager_loading says why
+  step "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_emulator_moe_fused.py
+  step "$PY" bench/bench_moe.py --fused
 }
 
 # compute-sanitizer over a short emulated run of every op (P = 2, 4): device-side errors only
