@@ -17,6 +17,9 @@
 
 namespace nb = nanobind;
 
+// ffi/moe.cu (declared here rather than in ffi_util.h while the fused op is work in progress).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(PkMoeDispatchGemm);
+
 namespace {
 
 struct Registration {
@@ -42,6 +45,7 @@ const Registration kRegistrations[] = {
     {"pk_moe_dispatch", "CUDA", reinterpret_cast<void*>(PkMoeDispatch)},
     {"pk_moe_scatter", "CUDA", reinterpret_cast<void*>(PkMoeScatter)},
     {"pk_moe_combine", "CUDA", reinterpret_cast<void*>(PkMoeCombine)},
+    {"pk_moe_dispatch_gemm", "CUDA", reinterpret_cast<void*>(PkMoeDispatchGemm)},
 };
 
 // The communicator table's view of one key, for tests; None when nothing is registered.

@@ -455,8 +455,83 @@ ffi::Error CombineCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
   return ToError(LaunchMoeCombine(Where{stream, device, num_sms}, a, *v));
 }
 
+ffi::Error DispatchGemmCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                            ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer w,
+                            ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> y,
+                            ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,
+                            ffi::Result<ffi::Buffer<ffi::S32>> dest,
+                            ffi::Result<ffi::Buffer<ffi::S32>> pos,
+                            ffi::Result<ffi::Buffer<ffi::S32>> dropped,
+                            ffi::Result<ffi::Buffer<ffi::S32>> recv_dropped,
+                            ffi::Result<ffi::Buffer<ffi::S32>> order,
+                            ffi::Result<ffi::Buffer<ffi::S32>> order_off, int64_t comm_id,
+                            int64_t num_experts, int64_t capacity) {
+  const CommView* v = nullptr;
+  int num_sms = 0;
+  if (ffi::Error e = Comm("moe_dispatch_gemm", comm_id, device, &v, &num_sms); e.failure()) {
+    return e;
+  }
+  MoeDispatchGemmArgs a{};
+  const auto id = ids.dimensions();
+  const auto wd = w.dimensions();
+  if (!ToDType(x.element_type(), &a.dtype) || w.element_type() != x.element_type() ||
+      y->element_type() != x.element_type() || !Is2d(x) || id.size() != 2 ||
+      id[0] != x.dimensions()[0] || wd.size() != 3 || wd[1] != x.dimensions()[1] ||
+      wd[0] * v->world != num_experts || !Is2d(*y) || y->dimensions()[0] != capacity ||
+      y->dimensions()[1] != wd[2] || pos->element_count() != ids.element_count() ||
+      dest->element_count() != ids.element_count() ||
+      order->element_count() != ids.element_count() ||
+      order_off->element_count() != num_experts + 1 ||
+      group_sizes->element_count() * v->world != num_experts) {
+    return ffi::Error::InvalidArgument(
+        "pk.moe_dispatch_gemm: expected x [T, H], ids [T, k], w1 [E / P, H, N] and y "
+        "[capacity, N] of x's dtype, dest/pos/order [T, k], order_off [E + 1], group_sizes "
+        "[E / P]");
+  }
+  a.x = x.untyped_data();
+  a.ids = ids.typed_data();
+  a.w = w.untyped_data();
+  a.rank = rank.typed_data();
+  a.dest = dest->typed_data();
+  a.pos = pos->typed_data();
+  a.dropped = dropped->typed_data();
+  a.recv_dropped = recv_dropped->typed_data();
+  a.group_sizes = group_sizes->typed_data();
+  a.y = y->untyped_data();
+  a.order = order->typed_data();
+  a.order_off = order_off->typed_data();
+  a.t = id[0];
+  a.k = id[1];
+  a.h = x.dimensions()[1];
+  a.n = wd[2];
+  a.num_experts = num_experts;
+  a.capacity = capacity;
+  return ToError(LaunchMoeDispatchGemm(Where{stream, device, num_sms}, a, *v));
+}
+
 }  // namespace
 }  // namespace pk_ffi
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PkMoeDispatchGemm, pk_ffi::DispatchGemmCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .Ctx<xla::ffi::DeviceOrdinal>()                 // device
+                                  .Arg<xla::ffi::AnyBuffer>()                     // x [T, H]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // ids [T, k]
+                                  .Arg<xla::ffi::AnyBuffer>()                  // w1 [EL, H, N]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // rank
+                                  .Ret<xla::ffi::AnyBuffer>()                  // y [C, N]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()      // group_sizes
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()      // dest [T, k]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()      // pos [T, k]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()      // dropped [1]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()      // recv_dropped
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()      // order (scratch)
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()      // order_off
+                                  .Attr<int64_t>("comm_id")                    // comm_id
+                                  .Attr<int64_t>("num_experts")                // E
+                                  .Attr<int64_t>("capacity"),                  // C
+                              PK_FFI_CUDA_TRAITS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PkMoeDispatch, pk_ffi::DispatchCuda,
                               xla::ffi::Ffi::Bind()

@@ -161,11 +161,15 @@ section_moe() {
 }
 
 # The fused dispatch + first expert GEMM (cuda/kernels/moe_dispatch_gemm.cuh, work in
-# progress, not yet pk.moe_dispatch_gemm's path) in the rank emulator at P = 2, 4, 8, then
-# bench_moe.py with it (fused vs serial vs the reference's traffic + GEMM, emulated P = 8).
+# progress, opt-in by PK_JAX_MOE_FUSED=1) in the rank emulator at P = 2, 4, 8, through JAX
+# with 2, 4 and 8 processes sharing the GPU (against the composition), then bench_moe.py with
+# it (fused vs serial vs the reference's traffic + GEMM, emulated P = 8).
 section_moe_fused() {
   export CUDA_MODULE_LOADING=EAGER  # pk_jax.testing.require_eager_loading says why
   step "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_emulator_moe_fused.py
+  for n in $SIZES; do  # through JAX with PK_JAX_MOE_FUSED=1 (set inside the script)
+    PK_JAX_TIMEOUT_S=30 step launch "$n" --timeout 250 tests/gpu/moe_fused_mp.py
+  done
   step "$PY" bench/bench_moe.py --fused
 }
 
