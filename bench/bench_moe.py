@@ -12,8 +12,19 @@ all-gathers every token to every rank before selecting), and the combine kernel
 (pk_moe_combine: pull of each slot's expert row, fp32 weighted sum) against the all_gather of y
 (the reference's combine). Both baselines run the same emulated way, so the ratio is the
 kernel's against the reference's communication alone (the reference's index arithmetic comes on
-top). The expert GEMMs (grouped_matmul) are not in the emulator: moe_dispatch_gemm is the
-dispatch followed by grouped_matmul (bench/bench_grouped_matmul.py times that part).
+top).
+
+Then the first expert GEMM (pk.moe_dispatch_gemm's work), per shape:
+- serial: the dispatch, then pk's grouped GEMM (grouped_matmul's launcher, mode FWD) on every
+  rank's received tokens [capacity, H] x w1 [E / P, H, expert hidden], on the same stream;
+- reference: the all_gather of x (the lax reference's traffic) plus the same grouped GEMM,
+  timed apart and added (the reference's own GEMM, jax.lax.ragged_dot, is far slower:
+  bench/results/grouped_matmul.jsonl; it cannot run inside an emulated partition);
+- fused (--fused): cuda/kernels/moe_dispatch_gemm.cuh, the GEMM of each expert starting as
+  soon as every rank's rows of it have arrived (work in progress, not yet pk.moe_dispatch_gemm's
+  path); its y is checked equal to the serial path's on every rank before it is timed.
+The GEMM's result is checked exactly on sampled rows of every group of rank 0 (w1 has 16
+nonzero +-1 entries per column, so every product is a small integer, exact in bf16).
 
 What the numbers mean: each emulated rank has 1/8 of the SMs, and all ranks share one HBM, so
 "links" run at the shared-HBM rate, not NVLink's; every row says `"emulated": true`.
@@ -41,9 +52,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common
 import numpy as np
 
-from pk_jax.testing import World, ops
+from pk_jax.testing import DeviceBuffer, World, ops
+from pk_jax.testing.emulator import np_dtype
 
 MACHINE = "h200-emulated"
+FUSED = False  # --fused
 LINK = "shared HBM (unthrottled)"
 BF16 = "bfloat16"
 P = 8
@@ -102,6 +115,7 @@ def run_shape(world: World, name, t, k, experts, h, hidden, skew, rng, rows: lis
           f"{t_disp:9.1f} us ({moved / t_disp / 1e3:6.1f} GB/s into the busiest rank, "
           f"{dropped} dropped)  all_gather(x) {t_ag:9.1f} us  {t_ag / t_disp:5.2f}x",
           flush=True)
+    gemm_rows(world, disp, t_disp, t_ag, experts, h, hidden, kept, shape, fields, rng, rows)
     disp.free()
     gather_x.free()
 
@@ -124,10 +138,140 @@ def run_shape(world: World, name, t, k, experts, h, hidden, skew, rng, rows: lis
     gather_y.free()
 
 
+def sparse_w(rng, el: int, h: int, f: int) -> np.ndarray:
+    """[el, h, f] bf16 with 16 nonzero +-1 entries per column (exact integer products)."""
+    w = np.zeros((el, h, f), np_dtype(BF16))
+    nz = 16
+    rows = rng.integers(0, h, (el, nz, f))
+    signs = rng.choice(np.array([-1.0, 1.0], np_dtype(BF16)), (el, nz, f))
+    e_idx = np.arange(el)[:, None, None]
+    c_idx = np.arange(f)[None, None, :]
+    w[e_idx, rows, c_idx] = signs  # a repeated row keeps one entry: still exact
+    return w
+
+
+def gemm_rows(world: World, disp: ops.Call, t_disp: float, t_ag: float, experts: int, h: int,
+              hidden: int, kept: list[int], shape: dict, fields: dict, rng, rows: list) -> None:
+    """Serial (dispatch, then the grouped GEMM) and the reference's time, after a check."""
+    el = experts // P
+    capacity = shape["capacity"]
+    w_host = sparse_w(rng, el, h, hidden)
+    ws = [DeviceBuffer.from_array(w_host) for _ in range(P)]
+    ys = [DeviceBuffer(capacity * hidden * 2) for _ in range(P)]
+    args = [{"dtype": 0, "x": disp.buffers[r]["tokens"], "w": ws[r],
+             "group_sizes": disp.buffers[r]["group_sizes"], "y": ys[r], "m": capacity, "k": h,
+             "n": hidden, "groups": el, "group_m": 8} for r in range(P)]
+
+    fused = fused_call(world, disp, ws, capacity, hidden, experts) if FUSED else None
+
+    def gemm_all() -> None:
+        for r in range(P):
+            world.launch("grouped_matmul", r, args[r])
+
+    def serial_all() -> None:
+        disp.launch()
+        gemm_all()
+
+    try:
+        for y in ys:
+            y.fill(0xFF)
+        serial_all()
+        world.synchronize()
+        check_gemm(disp, ys[0], w_host, capacity, hidden, rng)
+        t_gemm = common.emulated_us(world, gemm_all)
+        t_serial = common.emulated_us(world, serial_all)
+        t_fused = None
+        if fused is not None:
+            launch_fused, fbufs = fused
+            launch_fused()
+            world.synchronize()
+            for r in range(P):
+                a = ys[r].read(np.uint16, (capacity, hidden))
+                b = fbufs[r]["y"].read(np.uint16, (capacity, hidden))
+                if not np.array_equal(a, b):
+                    raise SystemExit(f"bench_moe: fused y differs from serial on rank {r}")
+            t_fused = common.emulated_us(world, launch_fused)
+    finally:
+        for b in ws + ys + ([b for d in fused[1] for b in d.values()] if fused else []):
+            b.free()
+    flops = 2.0 * max(kept) * h * hidden  # the busiest rank's GEMM
+    t_ref = t_ag + t_gemm
+    rows.append(common.record(op="moe_dispatch_gemm", shape=shape, median_us=t_serial,
+                              tflops=flops / t_serial / 1e6, path=common.RESULTS / "moe.jsonl",
+                              baseline="reference: all_gather of x + the same grouped GEMM "
+                                       "(emulated, timed apart)",
+                              baseline_median_us=t_ref, variant="serial (dispatch, then "
+                              "grouped_matmul)", dispatch_us=round(t_disp, 3),
+                              gemm_us=round(t_gemm, 3), **fields))
+    if t_fused is not None:
+        rows.append(common.record(op="moe_dispatch_gemm", shape=shape, median_us=t_fused,
+                                  tflops=flops / t_fused / 1e6, path=common.RESULTS / "moe.jsonl",
+                                  baseline="serial: moe_dispatch, then grouped_matmul (emulated)",
+                                  baseline_median_us=t_serial, variant="fused (work in progress)",
+                                  reference_us=round(t_ref, 3), **fields))
+    print(f"{'':17s} first expert GEMM ({el} experts/rank, {h} -> {hidden}): grouped GEMM "
+          f"{t_gemm:9.1f} us ({flops / t_gemm / 1e6:6.1f} TFLOP/s on 1/{P} of the GPU); "
+          f"serial {t_serial:9.1f} us (dispatch {t_disp:.1f} + GEMM, overlap none); "
+          f"reference {t_ref:9.1f} us; {t_ref / t_serial:5.2f}x", flush=True)
+    if t_fused is not None:
+        print(f"{'':17s} fused {t_fused:9.1f} us ({flops / t_fused / 1e6:6.1f} TFLOP/s): "
+              f"{t_serial / t_fused:5.2f}x serial, {t_ref / t_fused:5.2f}x reference", flush=True)
+
+
+def fused_call(world: World, disp: ops.Call, ws: list, capacity: int, hidden: int,
+               experts: int):
+    """The fused kernel's launcher fields on every rank (the dispatch's inputs, w1, fresh
+    outputs and scratch): (launch_all, buffers per rank)."""
+    c = disp.case.params
+    t, k, h = c["t"], c["k"], c["h"]
+    bufs, args = [], []
+    for r in range(P):
+        b = {"y": DeviceBuffer(capacity * hidden * 2), "order": DeviceBuffer(t * k * 4),
+             "order_off": DeviceBuffer((experts + 1) * 4), "dest": DeviceBuffer(t * k * 4),
+             "pos": DeviceBuffer(t * k * 4), "dropped": DeviceBuffer(4),
+             "recv_dropped": DeviceBuffer(4), "group_sizes": DeviceBuffer(experts // P * 4)}
+        b["y"].fill(0xFF)
+        bufs.append(b)
+        args.append({"dtype": 0, "x": disp.buffers[r]["x"], "ids": disp.buffers[r]["ids"],
+                     "w": ws[r], **b, "t": t, "k": k, "h": h, "n": hidden,
+                     "num_experts": experts, "capacity": capacity, "num_comm_sms": 0})
+
+    def launch_all() -> None:
+        world.call("moe_dispatch_gemm", args)
+
+    return launch_all, bufs
+
+
+def check_gemm(disp: ops.Call, y: DeviceBuffer, w_host: np.ndarray, capacity: int, hidden: int,
+               rng) -> None:
+    """Rank 0's hidden rows against numpy on the first, last and 8 random rows of every group
+    and on the zero tail; exact."""
+    want_tokens = disp.case.expected[0]["tokens"].astype(np.float32)
+    sizes = disp.case.expected[0]["group_sizes"].astype(np.int64)
+    got = y.read(np_dtype(BF16), (capacity, hidden)).astype(np.float32)
+    offs = np.concatenate([[0], np.cumsum(sizes)])
+    problems = []
+    for e, n in enumerate(sizes):
+        if n == 0:
+            continue
+        pick = np.unique(np.concatenate([[0, n - 1], rng.integers(0, n, 8)])) + offs[e]
+        want = want_tokens[pick] @ w_host[e].astype(np.float32)
+        if not np.array_equal(got[pick], want):
+            problems.append(f"group {e} rows {pick[:4]}...")
+    if offs[-1] < capacity and np.any(got[offs[-1]:] != 0):
+        problems.append(f"rows past {offs[-1]} are not zero")
+    if problems:
+        raise SystemExit(f"bench_moe: grouped GEMM wrong before timing: {problems[:3]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the first shape only")
+    parser.add_argument("--fused", action="store_true",
+                        help="also the fused dispatch + GEMM kernel (work in progress)")
     args = parser.parse_args()
+    global FUSED
+    FUSED = args.fused
     rng = np.random.default_rng(0)
     rows: list = []
     # The workspace holds the busiest shape's received rows (capacity x H x 2 bytes).

@@ -163,6 +163,46 @@ ffi::Error GroupedMatmulCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer
 }
 
 }  // namespace
+
+Status LaunchGroupedMatmul(const Where& at, const GroupedMatmulArgs& a) {
+  const char* op = "grouped_matmul";
+  if (a.dtype != DType::kBF16 && a.dtype != DType::kF16) {
+    return Status::Invalid("pk.grouped_matmul: bf16 or fp16 operands");
+  }
+  if (a.k % 8 != 0 || a.n % 8 != 0 || a.k < 8 || a.n < 8 || a.groups < 1 ||
+      a.groups > gm::MAX_GROUPS || a.m < 1 || a.m > INT32_MAX || a.n > INT32_MAX ||
+      a.groups * a.k > INT32_MAX) {
+    return Status::Invalid("pk.grouped_matmul: K and N multiples of 8, 1 to " +
+                           std::to_string(gm::MAX_GROUPS) + " groups, M >= 1, below 2^31");
+  }
+  const int type = a.dtype == DType::kBF16 ? 0 : 1;
+  constexpr int BM = 128, BN = 256;
+  gm::globals g;
+  g.y = a.y;
+  g.group_sizes = a.group_sizes;
+  g.m = static_cast<int>(a.m);
+  g.n = static_cast<int>(a.n);
+  g.k = static_cast<int>(a.k);
+  g.groups = static_cast<int>(a.groups);
+  g.group_m = static_cast<int>(a.group_m < 1 ? 1 : (a.group_m > 1024 ? 1024 : a.group_m));
+  if (Status st = TensorMap(op, {a.x, uint64_t(a.m), uint64_t(a.k), BM, 64, type}, &g.a);
+      !st.ok()) {
+    return st;
+  }
+  if (ffi::Error err = TensorMap3d(a.w, a.groups, a.k, a.n, 64, type, &g.b); err.failure()) {
+    return Status::Internal("pk.grouped_matmul: the 3-D tensor map of w failed");
+  }
+  if (Status st = TensorMap(op, {a.y, uint64_t(a.m), uint64_t(a.n), 64, 64, type}, &g.out);
+      !st.ok()) {
+    return st;
+  }
+  const long long max_tiles = ((a.m + BM - 1) / BM + a.groups) * ((a.n + BN - 1) / BN);
+  const cudaError_t err =
+      type == 0 ? Launch<__nv_bfloat16>(gm::FWD, g, at.stream, at.device, at.num_sms, max_tiles)
+                : Launch<__half>(gm::FWD, g, at.stream, at.device, at.num_sms, max_tiles);
+  return CudaStatus(err, "grouped_matmul");
+}
+
 }  // namespace pk_ffi
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PkGroupedMatmul, pk_ffi::GroupedMatmulCuda,

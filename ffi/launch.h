@@ -140,6 +140,29 @@ struct MoeCombineArgs {
 };
 
 Status LaunchMoeDispatch(const Where& at, const MoeDispatchArgs& a, const CommView& v);
+
+// Dispatch fused with the first expert GEMM (cuda/kernels/moe_dispatch_gemm.cuh, work in
+// progress): x [t, h], ids [t, k], w [E / P, h, n] in; y [capacity, n], group_sizes, the
+// handle out; order [t k] and order_off [E + 1] int32 are scratch.
+struct MoeDispatchGemmArgs {
+  DType dtype;  // bf16 or fp16
+  const void* x;
+  const int32_t* ids;
+  const void* w;
+  const int32_t* rank;
+  int32_t* dest;
+  int32_t* pos;
+  int32_t* dropped;
+  int32_t* recv_dropped;
+  int32_t* group_sizes;
+  void* y;
+  int32_t* order;
+  int32_t* order_off;
+  int64_t t, k, h, n, num_experts, capacity;
+  int64_t num_comm_sms;  // 0: a quarter of the SMs
+};
+
+Status LaunchMoeDispatchGemm(const Where& at, const MoeDispatchGemmArgs& a, const CommView& v);
 Status LaunchMoeCombine(const Where& at, const MoeCombineArgs& a, const CommView& v);
 
 // Ring attention forward (cuda/kernels/ring_attn.cuh): q [b, s, h, d], k and v [b, s, hkv, d]
@@ -158,6 +181,19 @@ struct RingAttnArgs {
 };
 
 Status LaunchRingAttn(const Where& at, const RingAttnArgs& a, const CommView& v);
+// The grouped GEMM's forward (cuda/kernels/grouped_matmul.cuh, mode FWD) on `at`: y [m, n] =
+// x [m, k] @ w[e] [k, n] over the row groups of group_sizes [groups] (device). The rank
+// emulator's serial MoE path (bench/bench_moe.py: dispatch, then this on the tokens).
+struct GroupedMatmulArgs {
+  DType dtype;  // bf16 or fp16
+  const void* x;
+  const void* w;
+  const int32_t* group_sizes;
+  void* y;
+  int64_t m, k, n, groups, group_m;
+};
+
+Status LaunchGroupedMatmul(const Where& at, const GroupedMatmulArgs& a);
 
 // Refuses a launch once the communicator's error record holds an error (a peer timed out in
 // an earlier call): the message names op, rank and missing peer, and the call never starts

@@ -17,6 +17,9 @@
 
 namespace nb = nanobind;
 
+// ffi/moe.cu (declared here rather than in ffi_util.h while the fused op is work in progress).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(PkMoeDispatchGemm);
+
 namespace {
 
 struct Registration {
@@ -43,6 +46,7 @@ const Registration kRegistrations[] = {
     {"pk_moe_scatter", "CUDA", reinterpret_cast<void*>(PkMoeScatter)},
     {"pk_moe_combine", "CUDA", reinterpret_cast<void*>(PkMoeCombine)},
     {"pk_ring_attn", "CUDA", reinterpret_cast<void*>(PkRingAttn)},
+    {"pk_moe_dispatch_gemm", "CUDA", reinterpret_cast<void*>(PkMoeDispatchGemm)},
 };
 
 // The communicator table's view of one key, for tests; None when nothing is registered.
@@ -129,6 +133,18 @@ void EmuLaunch(const std::string& op, int64_t comm_id, int device, uint64_t stre
     a.scale = static_cast<float>(nb::cast<double>(args["scale"]));
     a.causal = Get(args, "causal") != 0;
     Raise(pk_ffi::LaunchAttention(at, a));
+  if (op == "grouped_matmul") {  // local: the serial MoE path's expert GEMM (FWD)
+    const pk_ffi::GroupedMatmulArgs a{static_cast<pk_ffi::DType>(Get(args, "dtype")),
+                                      Ptr<const void>(args, "x"),
+                                      Ptr<const void>(args, "w"),
+                                      Ptr<const int32_t>(args, "group_sizes"),
+                                      Ptr<void>(args, "y"),
+                                      Get(args, "m"),
+                                      Get(args, "k"),
+                                      Get(args, "n"),
+                                      Get(args, "groups"),
+                                      Get(args, "group_m", 8)};
+    Raise(pk_ffi::LaunchGroupedMatmul(at, a));
     return;
   }
   const pk_ffi::CommView* v = pk_ffi::FindComm(comm_id, device);
@@ -184,6 +200,30 @@ void EmuLaunch(const std::string& op, int64_t comm_id, int device, uint64_t stre
                               Get(args, "capacity"),
                               op == "moe_scatter" ? 1 : 0};
     Raise(pk_ffi::LaunchMoeDispatch(at, a, *v));
+    return;
+  }
+  if (op == "moe_dispatch_gemm") {  // the fused dispatch + first expert GEMM (work in progress)
+    const pk_ffi::MoeDispatchGemmArgs a{dtype,
+                                        Ptr<const void>(args, "x"),
+                                        Ptr<const int32_t>(args, "ids"),
+                                        Ptr<const void>(args, "w"),
+                                        Ptr<const int32_t>(args, "rank"),
+                                        Ptr<int32_t>(args, "dest"),
+                                        Ptr<int32_t>(args, "pos"),
+                                        Ptr<int32_t>(args, "dropped"),
+                                        Ptr<int32_t>(args, "recv_dropped"),
+                                        Ptr<int32_t>(args, "group_sizes"),
+                                        Ptr<void>(args, "y"),
+                                        Ptr<int32_t>(args, "order"),
+                                        Ptr<int32_t>(args, "order_off"),
+                                        Get(args, "t"),
+                                        Get(args, "k"),
+                                        Get(args, "h"),
+                                        Get(args, "n"),
+                                        Get(args, "num_experts"),
+                                        Get(args, "capacity"),
+                                        Get(args, "num_comm_sms")};
+    Raise(pk_ffi::LaunchMoeDispatchGemm(at, a, *v));
     return;
   }
   if (op == "moe_combine" || op == "moe_gather") {

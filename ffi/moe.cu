@@ -9,6 +9,7 @@
 
 #include "ffi_util.h"
 #include "kernels/moe.cuh"
+#include "kernels/moe_dispatch_gemm.cuh"
 #include "launch.h"
 #include "tensor_map.h"
 
@@ -209,6 +210,136 @@ Status LaunchMoeCombine(const Where& at, const MoeCombineArgs& a, const CommView
 
 namespace {
 
+// A 128B-swizzled map over w [depth, rows, cols] (2-byte elements), box {64, box_rows, 1}: as
+// ffi/grouped_matmul.cu encodes it for the grouped GEMM's FWD mode.
+Status WeightMap(const void* ptr, uint64_t depth, uint64_t rows, uint64_t cols, int dtype,
+                 CUtensorMap* out) {
+  PFN_cuTensorMapEncodeTiled_v12000 encode = EncodeFn();
+  if (encode == nullptr) return Status::Internal("cuTensorMapEncodeTiled is not available");
+  const cuuint64_t dims[3] = {cols, rows, depth};
+  const cuuint64_t strides[2] = {cols * 2, rows * cols * 2};
+  const cuuint32_t box[3] = {64, 64, 1};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  const CUresult r = encode(out,
+                            dtype == 0 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                       : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                            3, const_cast<void*>(ptr), dims, strides, box, elem_strides,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    return Status::Internal("pk.moe_dispatch_gemm: cuTensorMapEncodeTiled (w) failed with " +
+                            std::to_string(static_cast<int>(r)));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status LaunchMoeDispatchGemm(const Where& at, const MoeDispatchGemmArgs& a, const CommView& v) {
+  const char* op = "moe_dispatch_gemm";
+  namespace gm = pk::grouped_matmul;
+  pk::moe::comm c;
+  if (Status s = MoeComm(op, kOpMoeDispatch, v, a.rank, &c); !s.ok()) return s;
+  const int P = v.world;
+  const int64_t E = a.num_experts;
+  if (E < 1 || E % P != 0 || E > pk::moe::MAX_EXPERTS ||
+      uint64_t(P) * E > pk::moe::MAX_FUSED_COUNTS || E / P > gm::MAX_GROUPS) {
+    return Invalid(op, "num_experts must be divisible by P, at most " +
+                           std::to_string(pk::moe::MAX_EXPERTS) + ", and P x num_experts at most " +
+                           std::to_string(pk::moe::MAX_FUSED_COUNTS) + "; got " +
+                           std::to_string(E));
+  }
+  if (a.dtype != DType::kBF16 && a.dtype != DType::kF16) return Invalid(op, "bf16 or fp16");
+  if (a.h % 8 != 0 || a.n % 8 != 0 || a.h < 8 || a.n < 8 || a.n > INT32_MAX) {
+    return Invalid(op, "H and N must be multiples of 8 (16-byte rows)");
+  }
+  const int64_t row_bytes = a.h * 2;
+  if (Status s = CheckRows(op, v, a.t, a.k, a.capacity, row_bytes); !s.ok()) return s;
+  // NOTES: XLA's buffers are at least 16-byte aligned, so every rank takes the same branch.
+  if (reinterpret_cast<uintptr_t>(a.x) % 16 != 0) return Invalid(op, "x must be 16-byte aligned");
+  const int type = a.dtype == DType::kBF16 ? 0 : 1;
+  const int EL = static_cast<int>(E / P);
+
+  gm::globals g{};
+  g.y = a.y;
+  g.group_sizes = a.group_sizes;
+  g.m = static_cast<int>(a.capacity);
+  g.n = static_cast<int>(a.n);
+  g.k = static_cast<int>(a.h);
+  g.groups = EL;
+  g.group_m = 8;
+  if (Status s = TensorMap(op, {v.workspace[v.rank], uint64_t(a.capacity), uint64_t(a.h), 128,
+                                64, type},
+                           &g.a);
+      !s.ok()) {
+    return s;
+  }
+  if (Status s = WeightMap(a.w, EL, a.h, a.n, type, &g.b); !s.ok()) return s;
+  if (Status s = TensorMap(op, {a.y, uint64_t(a.capacity), uint64_t(a.n), 64, 64, type}, &g.out);
+      !s.ok()) {
+    return s;
+  }
+
+  pk::moe::dispatch_args r{};
+  r.c = c;
+  r.ids = a.ids;
+  r.x = a.x;
+  r.dest = a.dest;
+  r.pos = a.pos;
+  r.dropped = a.dropped;
+  r.recv_dropped = a.recv_dropped;
+  r.group_sizes = a.group_sizes;
+  r.order = a.order;
+  r.order_off = a.order_off;
+  r.T = a.t;
+  r.capacity = a.capacity;
+  r.row_bytes = row_bytes;
+  r.k = static_cast<int32_t>(a.k);
+  r.E = static_cast<int32_t>(E);
+  r.EL = EL;
+
+  pk::moe::fused_args f{};
+  f.c = c;
+  f.x = a.x;
+  f.dest = a.dest;
+  f.pos = a.pos;
+  f.order = a.order;
+  f.order_off = a.order_off;
+  f.capacity = a.capacity;
+  f.row_bytes = row_bytes;
+  f.k = static_cast<int32_t>(a.k);
+  f.E = static_cast<int32_t>(E);
+  f.EL = EL;
+  int comm = static_cast<int>(a.num_comm_sms > 0 ? a.num_comm_sms : at.num_sms / 4);
+  comm = comm < 1 ? 1 : (comm > E ? static_cast<int>(E) : comm);
+  if (comm >= at.num_sms) comm = at.num_sms > 1 ? at.num_sms - 1 : 1;
+  f.comm_blocks = comm;
+  const int64_t max_tiles = ((a.capacity + 127) / 128 + EL) * ((a.n + 255) / 256);
+  int gemm_blocks = at.num_sms - comm;
+  if (gemm_blocks < 1) gemm_blocks = 1;
+  if (max_tiles < gemm_blocks) gemm_blocks = static_cast<int>(max_tiles < 1 ? 1 : max_tiles);
+
+  // Every check is done: from here on the call runs on every rank (epochs stay in step).
+  const void* fn = reinterpret_cast<const void*>(&pk::moe::route_kernel);
+  if (Status s = CudaStatus(pk::opt_in_smem(fn, at.device, pk::moe::ROUTE_SMEM_MAX),
+                            "moe_dispatch_gemm (shared memory)");
+      !s.ok()) {
+    return s;
+  }
+  pk::moe::route_kernel<<<1, pk::moe::THREADS, pk::moe::route_smem(P, r.E), at.stream>>>(r);
+  if (Status s = CudaStatus(cudaGetLastError(), "moe_dispatch_gemm (route)"); !s.ok()) return s;
+  const cudaError_t err =
+      type == 0
+          ? pk::moe::launch_dispatch_gemm<gm::config<__nv_bfloat16, gm::FWD>>(g, f, at.stream,
+                                                                              at.device,
+                                                                              gemm_blocks)
+          : pk::moe::launch_dispatch_gemm<gm::config<__half, gm::FWD>>(g, f, at.stream,
+                                                                       at.device, gemm_blocks);
+  return CudaStatus(err, "moe_dispatch_gemm (fused)");
+}
+
+namespace {
+
 ffi::Error Comm(const char* op, int64_t comm_id, int32_t device, const CommView** v,
                 int* num_sms) {
   if (ffi::Error e = LookupComm(op, comm_id, device, v); e.failure()) return e;
@@ -325,8 +456,83 @@ ffi::Error CombineCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
   return ToError(LaunchMoeCombine(Where{stream, device, num_sms}, a, *v));
 }
 
+ffi::Error DispatchGemmCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                            ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer w,
+                            ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> y,
+                            ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,
+                            ffi::Result<ffi::Buffer<ffi::S32>> dest,
+                            ffi::Result<ffi::Buffer<ffi::S32>> pos,
+                            ffi::Result<ffi::Buffer<ffi::S32>> dropped,
+                            ffi::Result<ffi::Buffer<ffi::S32>> recv_dropped,
+                            ffi::Result<ffi::Buffer<ffi::S32>> order,
+                            ffi::Result<ffi::Buffer<ffi::S32>> order_off, int64_t comm_id,
+                            int64_t num_experts, int64_t capacity) {
+  const CommView* v = nullptr;
+  int num_sms = 0;
+  if (ffi::Error e = Comm("moe_dispatch_gemm", comm_id, device, &v, &num_sms); e.failure()) {
+    return e;
+  }
+  MoeDispatchGemmArgs a{};
+  const auto id = ids.dimensions();
+  const auto wd = w.dimensions();
+  if (!ToDType(x.element_type(), &a.dtype) || w.element_type() != x.element_type() ||
+      y->element_type() != x.element_type() || !Is2d(x) || id.size() != 2 ||
+      id[0] != x.dimensions()[0] || wd.size() != 3 || wd[1] != x.dimensions()[1] ||
+      wd[0] * v->world != num_experts || !Is2d(*y) || y->dimensions()[0] != capacity ||
+      y->dimensions()[1] != wd[2] || pos->element_count() != ids.element_count() ||
+      dest->element_count() != ids.element_count() ||
+      order->element_count() != ids.element_count() ||
+      order_off->element_count() != num_experts + 1 ||
+      group_sizes->element_count() * v->world != num_experts) {
+    return ffi::Error::InvalidArgument(
+        "pk.moe_dispatch_gemm: expected x [T, H], ids [T, k], w1 [E / P, H, N] and y "
+        "[capacity, N] of x's dtype, dest/pos/order [T, k], order_off [E + 1], group_sizes "
+        "[E / P]");
+  }
+  a.x = x.untyped_data();
+  a.ids = ids.typed_data();
+  a.w = w.untyped_data();
+  a.rank = rank.typed_data();
+  a.dest = dest->typed_data();
+  a.pos = pos->typed_data();
+  a.dropped = dropped->typed_data();
+  a.recv_dropped = recv_dropped->typed_data();
+  a.group_sizes = group_sizes->typed_data();
+  a.y = y->untyped_data();
+  a.order = order->typed_data();
+  a.order_off = order_off->typed_data();
+  a.t = id[0];
+  a.k = id[1];
+  a.h = x.dimensions()[1];
+  a.n = wd[2];
+  a.num_experts = num_experts;
+  a.capacity = capacity;
+  return ToError(LaunchMoeDispatchGemm(Where{stream, device, num_sms}, a, *v));
+}
+
 }  // namespace
 }  // namespace pk_ffi
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PkMoeDispatchGemm, pk_ffi::DispatchGemmCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .Ctx<xla::ffi::DeviceOrdinal>()                 // device
+                                  .Arg<xla::ffi::AnyBuffer>()                     // x [T, H]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // ids [T, k]
+                                  .Arg<xla::ffi::AnyBuffer>()                  // w1 [EL, H, N]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // rank
+                                  .Ret<xla::ffi::AnyBuffer>()                  // y [C, N]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()      // group_sizes
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()      // dest [T, k]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()      // pos [T, k]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()      // dropped [1]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()      // recv_dropped
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()      // order (scratch)
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()      // order_off
+                                  .Attr<int64_t>("comm_id")                    // comm_id
+                                  .Attr<int64_t>("num_experts")                // E
+                                  .Attr<int64_t>("capacity"),                  // C
+                              PK_FFI_CUDA_TRAITS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PkMoeDispatch, pk_ffi::DispatchCuda,
                               xla::ffi::Ffi::Bind()

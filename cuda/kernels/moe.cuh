@@ -14,10 +14,11 @@
  * Kernels of one dispatch (one stream, in this order; "all" = every rank's kernels):
  *
  *     kernel      grid               rank r
- *     route       1 block            epoch e = ++EPOCH_D; local index of every slot; publish
- *                                    count_r[e'] for every expert e' to every peer's COUNTS
- *                                    [r][e'] as (e << 32 | count); wait all P x E counts;
- *                                    positions, handle, group sizes (XLA outputs)
+ *     route       1 block            epoch e = ++EPOCH_D; count_r[e'] for every expert e';
+ *                                    publish them to every peer's COUNTS[r][e'] as (e << 32 |
+ *                                    count); wait all P x E counts; group sizes, then every
+ *                                    slot's position and the handle (XLA outputs, each
+ *                                    written once, after the wait)
  *     push        G_push (from T)    row x[t] -> ws_{dest}[pos] for every kept (t, j) (16-byte
  *                                    vector stores into the peer's mapping); then PUSHED[r][b]
  *                                    = e on every peer
@@ -49,6 +50,24 @@
  * barrier: a peer that signalled has finished its previous kernels, so nothing of an earlier
  * op still reads any workspace), and each op returns only when nobody accesses this rank's
  * workspace any more (receive waits for every push; leave waits for every pull).
+ *
+ * NOTES: a late rank (tests/gpu/test_emulator.py::test_a_late_rank, rank 2 of 4 starting
+ * 200 ms late, run 1 of 2026-12-01 on the H200) stretches every other rank's route kernel to
+ * 200 ms: it waits in the count exchange for the late rank. The route kernel used to write
+ * each slot's local index into the `pos` output before that wait and read it back after, to
+ * add the expert's start: an XLA output used as scratch across a wait as long as the latest
+ * peer. Anything else that writes `pos` in that window corrupts the positions, and the push
+ * then sends this rank's rows to wrong rows (or drops them). The emulator did exactly that:
+ * its poison fills (cuMemsetD8 on the primary context's legacy stream) are not ordered with
+ * the ranks' non-blocking green-context streams, and the last rank's fills, which no later
+ * synchronous copy waits for, could land while the kernels ran; with a 200 ms window they
+ * did: rank 0's tokens missed exactly rank 3's rows (8239 elements, every nonzero element of
+ * rank 3's 48 rows there; the case is reproducible from the test's seed). Now every output is
+ * written once, after the exchange (pass 2 runs after the wait; it no longer overlaps the
+ * counts' flight, a few microseconds at T k = 32k), and the emulator orders its fills
+ * (pk_jax.testing.DeviceBuffer). No cross-rank signal was at fault: counts are epoch-tagged,
+ * every push waits for every rank's counts (an entry barrier), receive waits for every
+ * block of every peer.
  *
  * Pitfalls: grids that pair across ranks (G_push, G_stage, G_pull: a receiver waits for every
  * block index of every peer) come from the problem's sizes only, never from the SM count or
@@ -91,6 +110,10 @@ constexpr uint64_t STAGED = PUSHED + MAX_PEERS * MAX_BLOCKS;  // [s][b]: y stage
 constexpr uint64_t DONE = STAGED + MAX_PEERS * MAX_BLOCKS;    // [s][b]: pulls finished
 constexpr uint64_t COUNTS = DONE + MAX_PEERS * MAX_BLOCKS;    // [s][e]: (epoch << 32) | count
 constexpr uint64_t MAX_COUNTS = OP_SLOTS - COUNTS;            // P x E at most
+// moe_dispatch_gemm (kernels/moe_dispatch_gemm.cuh) splits the count range: COUNTS, then
+// ARRIVED[s][e] (rank s pushed all its rows of expert e), P x E at most each.
+constexpr uint64_t MAX_FUSED_COUNTS = MAX_COUNTS / 2;
+constexpr uint64_t ARRIVED = COUNTS + MAX_FUSED_COUNTS;
 
 /** @brief The communicator as the kernels see it (pads offset to SLOT_BASE). */
 struct comm {
@@ -162,6 +185,8 @@ struct dispatch_args {
   int32_t* dropped;         ///< [1] (route)
   int32_t* recv_dropped;    ///< [1] (route)
   int32_t* group_sizes;     ///< [EL] (route writes it; scatter reads it)
+  int32_t* order;           ///< [T k] or null: slots by (expert, local index) (fused op)
+  int32_t* order_off;       ///< [E + 1] or null: expert e's first entry in order
   void* tokens;             ///< [C, row] XLA output
   int64_t T, capacity, row_bytes;
   int32_t k, E, EL;
@@ -185,9 +210,9 @@ struct combine_args {
 
 /** @brief Bytes of the route kernel's dynamic shared memory for P ranks and E experts. */
 __host__ __device__ constexpr uint32_t route_smem(int P, int E) {
-  return uint32_t(WARPS + 3) * E * 4 + uint32_t(P) * E * 4 + 64;
+  return uint32_t(WARPS + 4) * E * 4 + uint32_t(P) * E * 4 + 68;
 }
-constexpr uint32_t ROUTE_SMEM_MAX = uint32_t(WARPS + 3) * MAX_EXPERTS * 4 + MAX_COUNTS * 4 + 64;
+constexpr uint32_t ROUTE_SMEM_MAX = uint32_t(WARPS + 4) * MAX_EXPERTS * 4 + MAX_COUNTS * 4 + 68;
 
 /** @brief Grid of the kernels that move `bytes` (the same on every rank). */
 inline int bytes_grid(uint64_t bytes) {
@@ -238,8 +263,9 @@ __global__ void __launch_bounds__(WARP_THREADS) enter_kernel(const __grid_consta
  *
  * Local index: warp w owns the contiguous slots [w n / WARPS, (w+1) n / WARPS); pass 1 counts
  * its slots per expert (lanes of one expert found with match.any, the lowest adds), an
- * exclusive scan over warps turns the counts into each warp's start, pass 2 gives every slot
- * start + earlier lanes of its expert and advances the start. Slot order = (t, j) order.
+ * exclusive scan over warps turns the counts into each warp's start; after the exchange pass 2
+ * gives every slot the expert's start + start + earlier lanes of its expert and advances the
+ * start. Slot order = (t, j) order.
  */
 __global__ void __launch_bounds__(THREADS, 1)
     route_kernel(const __grid_constant__ dispatch_args a) {
@@ -250,7 +276,8 @@ __global__ void __launch_bounds__(THREADS, 1)
   int32_t* tot = seg + WARPS * E;          // [E] all ranks' slots of e
   int32_t* before = tot + E;               // [E] slots of e on ranks < me
   int32_t* off = before + E;               // [E] first row of e at its rank
-  int32_t* all = off + E;                  // [P][E] counts of every rank
+  int32_t* estart = off + E;               // [E + 1] my first slot of e in (e, index) order
+  int32_t* all = estart + E + 1;           // [P][E] counts of every rank
   int32_t* misc = all + P * E;             // [0] dropped, [1] received dropped
   __shared__ uint64_t s_e;
   if (threadIdx.x == 0) {
@@ -290,27 +317,20 @@ __global__ void __launch_bounds__(THREADS, 1)
     all[me * E + e] = run;
   }
   __syncthreads();
-  // Publish my counts to every peer, then pass 2 (which no peer needs) while they travel.
+  if (a.order != nullptr && threadIdx.x == 0) {  // the fused op's (expert, index) order
+    int32_t run = 0;
+    for (int e = 0; e < E; ++e) {
+      estart[e] = run;
+      run += all[me * E + e];
+    }
+    estart[E] = run;
+  }
+  // Publish my counts to every peer, then wait for every rank's (mine through my own pad).
   for (int i = threadIdx.x; i < P * E; i += THREADS) {
     const int d = i / E, e = i - d * E;
     signal(c.sig[d] + COUNTS + uint64_t(me) * E + e,
            (epoch << 32) | uint32_t(all[me * E + e]));
   }
-  for (int64_t b = lo; b < hi; b += WARP_THREADS) {
-    const int64_t i = b + lane;
-    const int e = i < hi ? a.ids[i] : -1;
-    const bool ok = e >= 0 && e < E;
-    const int key = ok ? e : E + lane;
-    const uint32_t mask = __match_any_sync(0xffffffffu, key);
-    const int32_t start = ok ? row[e] : 0;
-    __syncwarp();
-    if (ok) {
-      a.pos[i] = start + __popc(mask & lanemask_lt());  // the local index, for now
-      if ((__ffs(mask) - 1) == lane) row[e] = start + __popc(mask);
-    }
-    __syncwarp();
-  }
-  // Every rank's counts (mine included, through my own pad).
   for (int i = threadIdx.x; i < P * E; i += THREADS) {
     const int s = i / E;
     const uint64_t v = wait_value(c.sig[me] + COUNTS + i, epoch << 32, c.timeout_ns, c.fail(), s);
@@ -343,23 +363,39 @@ __global__ void __launch_bounds__(THREADS, 1)
     a.group_sizes[le] = kept;
     if (tot[e] > kept) atomicAdd(&misc[1], tot[e] - kept);
   }
-  // Positions: pass 2's local index plus the expert's start on its rank.
+  // Pass 2: every slot's position = the expert's start on its rank + the slots of earlier
+  // ranks + its local index (the warp's start plus earlier lanes of its expert). dest and pos
+  // are written once, here, after the exchange (NOTES in the file comment: never as scratch
+  // across the wait).
   int32_t mine_dropped = 0;
-  for (int64_t i = threadIdx.x; i < n; i += THREADS) {
-    const int e = a.ids[i];
-    if (e < 0 || e >= E) {  // outside [0, E): no rank, dropped
+  for (int64_t b = lo; b < hi; b += WARP_THREADS) {
+    const int64_t i = b + lane;
+    const int e = i < hi ? a.ids[i] : -1;
+    const bool ok = e >= 0 && e < E;
+    const int key = ok ? e : E + lane;
+    const uint32_t mask = __match_any_sync(0xffffffffu, key);
+    const int32_t start = ok ? row[e] : 0;
+    __syncwarp();
+    if (ok) {
+      const int32_t local = start + __popc(mask & lanemask_lt());
+      const int64_t p = int64_t(off[e]) + before[e] + local;
+      if (a.order != nullptr) a.order[estart[e] + local] = static_cast<int32_t>(i);
+      const bool kept = p < a.capacity;
+      a.dest[i] = e / a.EL;
+      a.pos[i] = kept ? static_cast<int32_t>(p) : -1;
+      mine_dropped += kept ? 0 : 1;
+      if ((__ffs(mask) - 1) == lane) row[e] = start + __popc(mask);
+    } else if (i < hi) {  // outside [0, E): no rank, dropped
       a.dest[i] = -1;
       a.pos[i] = -1;
       ++mine_dropped;
-      continue;
     }
-    const int64_t p = int64_t(off[e]) + before[e] + a.pos[i];
-    const bool kept = p < a.capacity;
-    a.dest[i] = e / a.EL;
-    a.pos[i] = kept ? static_cast<int32_t>(p) : -1;
-    mine_dropped += kept ? 0 : 1;
+    __syncwarp();
   }
   if (mine_dropped) atomicAdd(&misc[0], mine_dropped);
+  if (a.order_off != nullptr) {
+    for (int e = threadIdx.x; e <= E; e += THREADS) a.order_off[e] = estart[e];
+  }
   __syncthreads();
   if (threadIdx.x == 0) {
     a.dropped[0] = misc[0];

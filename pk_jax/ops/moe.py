@@ -25,6 +25,7 @@ VJPs.
 
 from __future__ import annotations
 
+import os
 from functools import partial
 from typing import NamedTuple
 
@@ -199,6 +200,11 @@ def moe_dispatch_gemm(x: jax.Array, expert_ids: jax.Array, w1: jax.Array, axis_n
                       num_experts: int, capacity: int) -> tuple[jax.Array, jax.Array, MoeHandle]:
     """`moe_dispatch`, then every local expert's first GEMM on the rows it received.
 
+    With PK_JAX_MOE_FUSED=1 in the environment (work in progress, off by default) and on the
+    CUDA path, one fused kernel runs instead (cuda/kernels/moe_dispatch_gemm.cuh): each
+    expert's GEMM starts as soon as every rank's rows of it have arrived (bf16/fp16, H and N
+    multiples of 8, P x num_experts <= 2528).
+
     Args:
         x, expert_ids, axis_name, num_experts, capacity: as for `moe_dispatch`.
         w1: [E / P, H, N], this rank's experts (x's dtype, bf16 or fp16).
@@ -210,6 +216,14 @@ def moe_dispatch_gemm(x: jax.Array, expert_ids: jax.Array, w1: jax.Array, axis_n
     Raises:
         ValueError, TypeError: as `moe_dispatch` and `grouped_matmul` raise them.
     """
+    p = _checks.axis_size("moe_dispatch_gemm", axis_name)
+    _check_dispatch(x, expert_ids, p, num_experts, capacity)
+    if _fused_applies(x, expert_ids, w1, p, num_experts, capacity, axis_name):
+        _tp.check_workspace("moe_dispatch_gemm", capacity * x.shape[1] * x.dtype.itemsize,
+                            f"its [{capacity}, {x.shape[1]}] rows received from every rank")
+        h, sizes, dest, pos, dropped, received = _dispatch_gemm_k(
+            x, expert_ids, w1, axis_name, num_experts, capacity)
+        return h, sizes, MoeHandle(dest, pos, dropped, received, sizes)
     tokens, sizes, handle = moe_dispatch(x, expert_ids, axis_name, num_experts=num_experts,
                                          capacity=capacity)
     return pk_grouped_matmul(tokens, w1, sizes), sizes, handle
@@ -326,6 +340,71 @@ def _dispatch_k_bwd(axis_name, num_experts, capacity, res, cts):
 
 
 _dispatch_k.defvjp(_dispatch_k_fwd, _dispatch_k_bwd)
+
+
+# The fused dispatch + first expert GEMM (cuda/kernels/moe_dispatch_gemm.cuh) is work in
+# progress: moe_dispatch_gemm runs it only when the environment sets PK_JAX_MOE_FUSED=1 (read
+# at trace time), and composes moe_dispatch and grouped_matmul otherwise.
+FUSED_ENV = "PK_JAX_MOE_FUSED"
+KERNEL_MAX_FUSED_COUNTS = KERNEL_MAX_COUNTS // 2  # the count range's other half: arrivals
+
+
+def _fused_applies(x, expert_ids, w1, p: int, num_experts: int, capacity: int,
+                   axis_name: str) -> bool:
+    if os.environ.get(FUSED_ENV, "0") != "1" or w1.ndim != 3:
+        return False
+    el, h, n = w1.shape
+    fits = (x.dtype in (jnp.bfloat16, jnp.float16) and w1.dtype == x.dtype
+            and h == x.shape[1] and h % 8 == 0 and n % 8 == 0 and el * p == num_experts
+            and el <= 1024 and p * num_experts <= KERNEL_MAX_FUSED_COUNTS and n < 2**31)
+    return fits and _dispatch_kernel_applies(x, expert_ids, p, num_experts, capacity,
+                                             axis_name)
+
+
+def _fused_call(x, ids, w1, axis_name: str, num_experts: int, capacity: int):
+    """pk_moe_dispatch_gemm: (h, group_sizes, dest_rank, position, dropped, received_dropped)
+    (its two last results are the kernel's scratch)."""
+    p = jax.lax.axis_size(axis_name)
+    t, k = ids.shape
+    i32 = jnp.int32
+    results = (jax.ShapeDtypeStruct((capacity, w1.shape[2]), x.dtype),
+               jax.ShapeDtypeStruct((num_experts // p,), i32), jax.ShapeDtypeStruct((t, k), i32),
+               jax.ShapeDtypeStruct((t, k), i32), jax.ShapeDtypeStruct((1,), i32),
+               jax.ShapeDtypeStruct((1,), i32), jax.ShapeDtypeStruct((t * k,), i32),
+               jax.ShapeDtypeStruct((num_experts + 1,), i32))
+    outs = _ffi.call("pk_moe_dispatch_gemm", results, x, ids, w1,
+                     _backend.rank_operand(axis_name),
+                     comm_id=np.int64(state.comm_id(axis_name)),
+                     num_experts=np.int64(num_experts), capacity=np.int64(capacity))
+    return tuple(outs[:6])
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _dispatch_gemm_k(x, ids, w1, axis_name, num_experts, capacity):
+    return _fused_call(x, ids, w1, axis_name, num_experts, capacity)
+
+
+def _dispatch_gemm_k_fwd(x, ids, w1, axis_name, num_experts, capacity):
+    outs = _fused_call(x, ids, w1, axis_name, num_experts, capacity)
+    return outs, (x, ids, w1, outs[1])
+
+
+def _dispatch_gemm_k_bwd(axis_name, num_experts, capacity, res, cts):
+    # The composition's VJP: the dispatch runs again for the tokens that dw1 needs (the fused
+    # kernel keeps no copy of them).
+    x, ids, w1, sizes = res
+
+    def composed(x_, w_):
+        tokens, _, _ = moe_dispatch(x_, ids, axis_name, num_experts=num_experts,
+                                    capacity=capacity)
+        return pk_grouped_matmul(tokens, w_, sizes)
+
+    _, vjp = jax.vjp(composed, x, w1)
+    dx, dw = vjp(cts[0])
+    return _vjp.fit(dx, x), None, _vjp.fit(dw, w1)
+
+
+_dispatch_gemm_k.defvjp(_dispatch_gemm_k_fwd, _dispatch_gemm_k_bwd)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(5,))

@@ -83,7 +83,16 @@ def np_dtype(name: str):
 
 
 class DeviceBuffer:
-    """A plain device allocation (cuMemAlloc) of the primary context, filled from numpy."""
+    """A plain device allocation (cuMemAlloc) of the primary context, filled from numpy.
+
+    NOTES: `write` and `fill` return only once the data is in place (a context synchronize
+    after the copy or memset). cuMemsetD8 is asynchronous for device memory, and a pageable
+    cuMemcpyHtoD may return before its DMA lands; both run on the primary context's legacy
+    stream, which is not ordered with the ranks' non-blocking green-context streams. Without
+    the synchronize, the last buffers filled before a launch could land while the kernels
+    run: run 1 of 2026-12-01 saw the last rank's poison land inside moe_dispatch's count
+    exchange, stretched to 200 ms by a late rank (cuda/kernels/moe.cuh NOTES).
+    """
 
     def __init__(self, nbytes: int):
         self.nbytes = int(nbytes)
@@ -102,6 +111,7 @@ class DeviceBuffer:
             raise ValueError(f"DeviceBuffer: {a.nbytes} bytes do not fit in {self.nbytes}.")
         if a.nbytes:
             vmm.call("cuMemcpyHtoD", self.ptr, a.ctypes.data, a.nbytes)
+            vmm.call("cuCtxSynchronize")
 
     def read(self, dtype, shape) -> np.ndarray:
         out = np.empty(shape, dtype)
@@ -112,6 +122,14 @@ class DeviceBuffer:
     def fill(self, byte: int) -> None:
         """Poisons the buffer with one byte value (0xFF: NaNs in every float type)."""
         vmm.call("cuMemsetD8", self.ptr, int(byte) & 0xFF, self.nbytes)
+        vmm.call("cuCtxSynchronize")
+
+    def fill_async(self, byte: int) -> None:
+        """The same poison queued on the primary context's legacy stream, returning at once:
+        unordered with the ranks' streams, as `fill` was before its synchronize (a writer that
+        races the kernels, for tests/gpu/test_emulator_moe.py)."""
+        cu = vmm.driver()
+        vmm.call("cuMemsetD8Async", self.ptr, int(byte) & 0xFF, self.nbytes, cu.CUstream(0))
 
     def free(self) -> None:
         if self.ptr:

@@ -148,6 +148,32 @@ def ring_case(p: int, rng: np.random.Generator, *, dtype: str | None = None,
     return ops.ring_attn(qs, ks, vs, dt, causal=causal, zigzag=zigzag, num_comm_sms=nc)
 
 
+def fused_case(p: int, rng: np.random.Generator, *, size: str = "small",
+               dtype: str | None = None, t: int | None = None, capacity: str | None = None,
+               skew: bool | None = None, num_comm_sms: int = 0) -> ops.Case:
+    """A random exact case of moe_dispatch_gemm at world p: x in {-1, 0, 1}, w in {-1, 0, 1}
+    and H <= 256, so every product is an integer exact in bf16 and fp16."""
+    big = size == "big"
+    t = t if t is not None else (int(rng.integers(1, 160)) if not big else 1024)
+    k = int(rng.choice([1, 2, 4, 8])) if not big else 8
+    num_experts = p * int(rng.integers(1, 9)) if not big else 32 * p
+    h = int(rng.choice([64, 128, 256])) if not big else 256
+    n = int(rng.choice([8, 64, 264, 512])) if not big else 512
+    dt = dtype or str(rng.choice(["bfloat16", "float16"]))
+    skew = bool(rng.integers(0, 2)) if skew is None else skew
+    ids = moe_ids(rng, p, t, k, num_experts, skew)
+    total = p * t * k
+    kind = capacity or ("exact" if big else str(rng.choice(["generous", "exact", "tight"])))
+    cap = {"generous": total + int(rng.integers(0, 9)),
+           "exact": max(1, int(np.bincount(ids.reshape(-1) // (num_experts // p),
+                                           minlength=p).max())),
+           "tight": max(1, total // (2 * p))}[kind]
+    xs = [ops.integers(rng, (t, h), -1, 2) for _ in range(p)]
+    ws = [ops.integers(rng, (num_experts // p, h, n), -1, 2) for _ in range(p)]
+    return ops.moe_dispatch_gemm(xs, ids, ws, dt, num_experts=num_experts, capacity=cap,
+                                 num_comm_sms=num_comm_sms)
+
+
 def world_cache(**world_kw):
     """A generator for a module-scoped pytest fixture: yields get(p, **kw), one World per (P,
     options) reused by the module's tests (creating one takes ~100 ms), closed at the end."""

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark, on the H200 machine: tests/gpu/run_all.sh [section ...]
 # Sections: install sass unit runtime collectives collectives_mp tp tp_mp grouped attention
-# emulator moe sanitize examples users bench link
-# (default: all but bench and link). The P = 1 sections (install unit collectives tp examples)
-# may run side by side in separate invocations; the multi-process ones and bench want the GPU
-# alone.
+# emulator moe moe_fused sanitize examples users bench link
+# (default: all but moe_fused, bench and link). The P = 1 sections (install unit collectives tp
+# examples) may run side by side in separate invocations; the multi-process ones and bench
+# want the GPU alone.
 # Prints one PASSED/FAILED line per step and a summary; exits non-zero if any step failed.
 # Each pytest step is its own process: a kernel that times out traps, and a trapped CUDA
 # context is unusable for the rest of that process.
@@ -183,6 +183,19 @@ section_ring() {
     PK_JAX_TIMEOUT_S=30 step launch "$n" --timeout 250 tests/gpu/ring_mp.py
   done
   step "$PY" bench/bench_ring_attn.py --quick
+}
+
+# The fused dispatch + first expert GEMM (cuda/kernels/moe_dispatch_gemm.cuh, work in
+# progress, opt-in by PK_JAX_MOE_FUSED=1) in the rank emulator at P = 2, 4, 8, through JAX
+# with 2, 4 and 8 processes sharing the GPU (against the composition), then bench_moe.py with
+# it (fused vs serial vs the reference's traffic + GEMM, emulated P = 8).
+section_moe_fused() {
+  export CUDA_MODULE_LOADING=EAGER  # pk_jax.testing.require_eager_loading says why
+  step "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_emulator_moe_fused.py
+  for n in $SIZES; do  # through JAX with PK_JAX_MOE_FUSED=1 (set inside the script)
+    PK_JAX_TIMEOUT_S=30 step launch "$n" --timeout 250 tests/gpu/moe_fused_mp.py
+  done
+  step "$PY" bench/bench_moe.py --fused
 }
 
 # compute-sanitizer over a short emulated run of every op (P = 2, 4): device-side errors only

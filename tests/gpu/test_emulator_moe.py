@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import os
 import sys
+import time
 import zlib
 
 import numpy as np
@@ -23,6 +24,7 @@ pytestmark = pytest.mark.gpu
 sys.path.insert(0, os.path.dirname(__file__))
 import emu_cases
 
+from pk_jax.runtime import vmm
 from pk_jax.testing import ops
 
 CALLS = int(os.environ.get("PK_JAX_EMU_MOE_CALLS", "400"))  # back-to-back calls per (op, P)
@@ -116,6 +118,60 @@ def test_big_and_unequal_partitions(worlds):
     for op in ops.MOE:
         assert _run(w, [emu_cases.moe_case(op, 4, rng, size="big") for _ in range(3)], rng) == []
         assert _run(w, [emu_cases.moe_case(op, 4, rng) for _ in range(20)], rng) == []
+
+
+LATE_NS = (1_000_000, 20_000_000, 200_000_000)  # the late-rank sweep's delays
+
+
+@pytest.mark.parametrize("p", (2, 4, 8))
+def test_a_late_rank_each_rank_in_turn(worlds, p):
+    """Every MoE op with one rank starting 1, 20 or 200 ms after the others, each rank in turn
+    (well inside the timeout): exact. Run 1 of 2026-12-01 saw moe_dispatch at P = 4 lose the
+    last rank's rows with rank 2 200 ms late (cuda/kernels/moe.cuh NOTES)."""
+    rng = np.random.default_rng(500 + p)
+    w = worlds(p)
+    problems: list[str] = []
+    for op, late, ns in itertools.product(ops.MOE, range(p), LATE_NS):
+        c = ops.Call(w, emu_cases.moe_case(op, p, rng), poison=0x7F if late % 2 else 0xFF)
+        try:
+            c.launch(delays_ns=[ns if r == late else 0 for r in range(p)])
+            w.synchronize()
+            problems += [f"rank {late} {ns / 1e6:g} ms late: {m}" for m in c.check()]
+        finally:
+            c.free()
+    assert problems == [], problems[:5]
+
+
+@pytest.mark.parametrize("p", (2, 4, 8))
+def test_dispatch_outputs_written_only_after_the_exchange(worlds, p):
+    """While the on-time ranks of a dispatch wait 400 ms in the count exchange for the last
+    rank, their dest and pos outputs are poisoned again by an unordered memset (what the
+    emulator's poison fills did in run 1): the route kernel writes them once, after the
+    exchange, so the call is still exact. (It used to keep each slot's local index in pos
+    across that wait.)"""
+    rng = np.random.default_rng(600 + p)
+    w = worlds(p)
+    cu = vmm.driver()
+    late = p - 1
+    c = ops.Call(w, emu_cases.moe_case("moe_dispatch", p, rng, t=157))
+    try:
+        start = time.monotonic()
+        c.launch(delays_ns=[400_000_000 if r == late else 0 for r in range(p)])
+        time.sleep(0.05)
+        for r in range(p):
+            if r != late:
+                for name in ("dest", "pos"):
+                    c.buffers[r][name].fill_async(0x7F)
+        while cu.cuStreamQuery(cu.CUstream(0))[0] == cu.CUresult.CUDA_ERROR_NOT_READY:
+            time.sleep(0.001)
+        landed_s = time.monotonic() - start
+        w.synchronize()
+        # Else the memset cannot have raced the exchange, and moe.cuh's diagnosis of run 1
+        # (legacy-stream work landing while the green contexts' kernels wait) is wrong.
+        assert landed_s < 0.3, f"the unordered memset finished {landed_s:.3f} s after launch"
+        assert c.check() == []
+    finally:
+        c.free()
 
 
 _failure = emu_cases.failure

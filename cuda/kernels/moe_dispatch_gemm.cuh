@@ -1,0 +1,233 @@
+/*
+ * moe_dispatch_gemm: expert-parallel dispatch fused with every local expert's first GEMM
+ * (pk.moe_dispatch_gemm; reference: moe_dispatch then grouped_matmul, pk_jax/ops/moe.py).
+ * WORK IN PROGRESS (2026-12-01): compiled, not yet run on a GPU; tested by the rank emulator
+ * (tests/gpu/test_emulator_moe_fused.py) and through JAX (tests/gpu/moe_fused_mp.py).
+ * pk.moe_dispatch_gemm runs it only with PK_JAX_MOE_FUSED=1 and composes the two ops
+ * otherwise.
+ *
+ * Per rank r (P ranks, E experts, EL = E / P local experts, k slots per token):
+ *   x [T, H], ids [T, k] int32, w1 [EL, H, N]  ->  h [C, N] = grouped GEMM of the rows r's
+ *   experts received (the rows moe_dispatch would return, in its order), group sizes [EL],
+ *   the handle (dest, pos [T, k], dropped, recv_dropped).
+ *
+ * Kernels (one stream, in this order):
+ *
+ *     kernel      grid                       rank r
+ *     route       1 block                    moe.cuh's route (count exchange, positions,
+ *                                            group sizes) plus `order`: r's slots sorted by
+ *                                            (expert, local index), and order_off [E + 1]
+ *     fused       G_comm + G_gemm blocks     comm blocks b < G_comm: for each expert e = b,
+ *                                            b + G_comm, ...: push r's kept rows of e into
+ *                                            ws_{dest(e)} at their positions (16-byte vector
+ *                                            stores), then ARRIVED[r][e] = epoch on dest(e)'s
+ *                                            pad (bar.sync, system fence, release);
+ *                                            compute blocks: grouped_matmul.cuh's persistent
+ *                                            (group, tile) loop over A = ws_r [C, H] (TMA);
+ *                                            the loader waits ARRIVED[s][e] >= epoch for every
+ *                                            s before the first load of a tile of local
+ *                                            expert e, then fence.proxy.async
+ *
+ * The GEMM of expert e starts as soon as every rank has pushed its rows of e, while the
+ * comm blocks still push the later experts: experts are pushed in increasing order and the
+ * tile walk meets them in increasing order too.
+ *
+ * Signals: ARRIVED[s][e] (moe.cuh's slot map: the count range's second half) has one writer,
+ * comm block e % G_comm of rank s; G_comm may differ between ranks (nobody waits for a block
+ * index). Epoch: the route kernel's EPOCH_D (shared with moe_dispatch: the two ops count
+ * calls together, every rank makes the same calls). ARRIVED carries epoch << 32, as COUNTS
+ * do, because a plain moe_dispatch with P x E above MAX_FUSED_COUNTS writes its counts into
+ * these slots: (e << 32 | count) of an earlier epoch stays below a later (e' << 32), and a
+ * later count exchange's values stay above an earlier ARRIVED.
+ *
+ * Workspace. Peers write ws_r only after every rank published its counts for this call (the
+ * exchange is the entry barrier, as in moe_dispatch). When the kernel ends no peer writes
+ * ws_r any more: every expert with kept rows has at least one tile, whose loader waited for
+ * every source's ARRIVED; an expert without kept rows receives no row.
+ *
+ * Pitfalls: a tile's A box may cover rows of the next expert, still being pushed (or stale
+ * rows past the kept ones): those output rows are never stored (grouped_matmul stores stay
+ * inside the group), so the race is harmless. Comm blocks come first in the grid, so they
+ * are resident before any compute block spins. Rows move by generic 16-byte stores (row
+ * bytes, x and the workspace 16-byte aligned: H % 8 == 0, checked on the host), released by
+ * the system fence before the signal; the loader orders its acquire before the async-proxy
+ * TMA reads with fence.proxy.async (as ag_gemm's loader). Peer data is read by TMA only
+ * (no L1).
+ */
+#pragma once
+
+#include "kernels/grouped_matmul.cuh"
+#include "kernels/moe.cuh"
+
+namespace pk::moe {
+
+/** @brief The fused kernel's dispatch half (the GEMM half is grouped_matmul::globals). */
+struct fused_args {
+  comm c;
+  const void* x;             ///< [T, row] tokens
+  const int32_t* dest;       ///< [T k] (route)
+  const int32_t* pos;        ///< [T k] (route)
+  const int32_t* order;      ///< [T k] (route)
+  const int32_t* order_off;  ///< [E + 1] (route)
+  int64_t capacity, row_bytes;
+  int32_t k, E, EL;
+  int32_t comm_blocks;       ///< G_comm
+};
+
+/** @brief Comm block: pushes this rank's kept rows of experts b, b + G_comm, ... */
+template <int THREADS_>
+__device__ inline void push_experts(const fused_args& f) {
+  constexpr int NW = THREADS_ / WARP_THREADS;
+  const comm& c = f.c;
+  const uint64_t epoch = c.epoch(EPOCH_D);
+  const int warp = threadIdx.x / WARP_THREADS, lane = threadIdx.x % WARP_THREADS;
+  const int64_t units = f.row_bytes / 16;
+  for (int e = blockIdx.x; e < f.E; e += f.comm_blocks) {
+    const int d = e / f.EL;
+    const int lo = f.order_off[e], hi = f.order_off[e + 1];
+    char* dst_ws = static_cast<char*>(c.ws[d]);
+    for (int q = lo + warp; q < hi; q += NW) {
+      const int32_t i = f.order[q];
+      const int32_t p = f.pos[i];
+      if (p < 0 || p >= f.capacity) continue;  // dropped (uniform over the warp)
+      const uint4* src =
+          reinterpret_cast<const uint4*>(static_cast<const char*>(f.x) + (i / f.k) * f.row_bytes);
+      uint4* dst = reinterpret_cast<uint4*>(dst_ws + int64_t(p) * f.row_bytes);
+      for (int64_t u = lane; u < units; u += WARP_THREADS) dst[u] = src[u];
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence_system();
+      signal(c.sig[d] + ARRIVED + uint64_t(c.rank) * f.E + e, epoch << 32);
+    }
+  }
+}
+
+/**
+ * @brief The fused launch: comm blocks first, then grouped_matmul's persistent loop (FWD)
+ * over blocks comm_blocks.. with the arrival wait in the loader.
+ */
+template <class K>
+__global__ void __launch_bounds__(K::THREADS, 1)
+    dispatch_gemm_kernel(const __grid_constant__ grouped_matmul::globals g,
+                         const __grid_constant__ fused_args f) {
+  static_assert(K::MODE == grouped_matmul::FWD, "moe_dispatch_gemm: the forward GEMM only");
+  if (static_cast<int>(blockIdx.x) < f.comm_blocks) {
+    push_experts<K::THREADS>(f);
+    return;
+  }
+  using shared_storage = typename K::shared_storage;
+  extern __shared__ unsigned char smem_raw[];
+  auto& s = *reinterpret_cast<shared_storage*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const comm& c = f.c;
+  const int bid = static_cast<int>(blockIdx.x) - f.comm_blocks;
+  const int nblk = static_cast<int>(gridDim.x) - f.comm_blocks;
+  if (threadIdx.x == 0) {
+    // NOTES: twice the signal bound, so that a missing peer is named by the loader's signal
+    // wait, not by a consumer's mbarrier wait on the loads that never start.
+    block_wait_bound() = wait_bound{c.error, c.op, c.rank, 2 * c.timeout_ns};
+    for (int i = 0; i < K::STAGES; ++i) {
+      mbar_init(&s.full[i], 1);
+      mbar_init(&s.empty[i], K::CONSUMERS);
+    }
+    fence_mbar_init();
+    tma::prefetch(&g.a);
+    tma::prefetch(&g.b);
+    tma::prefetch(&g.out);
+  }
+  if (threadIdx.x < 32) K::scan_groups(g, s);
+  __syncthreads();
+
+  const int num_tiles = K::num_tiles(g, s);
+  const int wg = warpgroup::index();
+
+  if (wg == 0) {
+    warpgroup::decrease_registers<40>();
+    if (warpgroup::thread() != 0) return;
+    const uint64_t epoch = c.epoch(EPOCH_D);
+    int stage = 0;
+    uint32_t phase = 0;
+    int ready = -1;  // the last expert whose arrivals this loader has seen
+    for (int id = bid; id < num_tiles; id += nblk) {
+      const grouped_matmul::work w = K::tile(g, s, id);
+      if (w.e != ready) {
+        const uint64_t e = uint64_t(c.rank) * f.EL + w.e;
+        for (int src = 0; src < c.world; ++src) {
+          wait(c.sig[c.rank] + ARRIVED + uint64_t(src) * f.E + e, epoch << 32, c.timeout_ns,
+               c.fail(), src);
+        }
+        fence_proxy_async_global();
+        ready = w.e;
+      }
+      for (int kk = 0; kk < w.k_iters; ++kk) {
+        mbar_wait(&s.empty[stage], phase ^ 1);
+        mbar_arrive_expect_tx(&s.full[stage], K::STAGE_BYTES);
+        K::loader(g, s.stages[stage], &s.full[stage], w, kk);
+        if (++stage == K::STAGES) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+    }
+    return;
+  }
+
+  warpgroup::increase_registers<232>();
+  const int cw = wg - 1;
+  const bool leader = warpgroup::thread() == 0;
+  const lcsc::storer_sync sync{1 + cw, leader};
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int id = bid; id < num_tiles; id += nblk) {
+    const grouped_matmul::work w = K::tile(g, s, id);
+    typename K::acc_t acc;
+#pragma unroll
+    for (int i = 0; i < K::BN / 2; ++i) acc[i] = 0.f;
+    int prev = 0;
+    for (int kk = 0; kk < w.k_iters; ++kk) {
+      mbar_wait(&s.full[stage], phase);
+      K::consumer(acc, s.stages[stage], cw, kk);
+      wgmma::wait<1>();
+      if (kk > 0 && leader) mbar_arrive(&s.empty[prev]);
+      prev = stage;
+      if (++stage == K::STAGES) {
+        stage = 0;
+        phase ^= 1;
+      }
+    }
+    wgmma::wait<0>();
+    if (w.k_iters > 0 && leader) mbar_arrive(&s.empty[prev]);
+    K::storer(g, acc, s.out[cw], cw, w, sync);
+  }
+  if (leader) tma::store_wait<0>();
+  // Rows past the kept ones are zero (grouped_matmul's zero_tail over the compute blocks).
+  const int total = s.row_off[g.groups];
+  if (total < g.m) {
+    using T = typename K::T;
+    constexpr int CT = K::CONSUMERS * WARPGROUP_THREADS;
+    const size_t chunks = static_cast<size_t>(g.m - total) * g.n / 8;
+    uint4* y = reinterpret_cast<uint4*>(static_cast<T*>(g.y) + static_cast<size_t>(total) * g.n);
+    for (size_t i = size_t(bid) * CT + (threadIdx.x - WARPGROUP_THREADS); i < chunks;
+         i += size_t(nblk) * CT) {
+      y[i] = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+/** @brief Launches the fused kernel: `comm_blocks` + `gemm_blocks` blocks, one per SM. */
+template <class C>
+inline cudaError_t launch_dispatch_gemm(const grouped_matmul::globals& g, const fused_args& f,
+                                        cudaStream_t stream, int device, int gemm_blocks) {
+  using K = grouped_matmul::kernel_def<C>;
+  constexpr size_t SMEM = grouped_matmul::smem_bytes<K>();
+  if (cudaError_t err = opt_in_smem(reinterpret_cast<const void*>(&dispatch_gemm_kernel<K>),
+                                    device, static_cast<int>(SMEM));
+      err != cudaSuccess) {
+    return err;
+  }
+  dispatch_gemm_kernel<K><<<f.comm_blocks + gemm_blocks, K::THREADS, SMEM, stream>>>(g, f);
+  return cudaGetLastError();
+}
+
+}  // namespace pk::moe

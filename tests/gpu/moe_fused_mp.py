@@ -1,0 +1,115 @@
+"""pk.moe_dispatch_gemm's fused kernel (PK_JAX_MOE_FUSED=1, work in progress) across P
+processes, through JAX: the FFI handler, the lowering and the custom VJP.
+
+    python -m pk_jax.launch -n 4 --share-gpu tests/gpu/moe_fused_mp.py
+
+Every process builds every rank's inputs from one seed and runs pk.moe_dispatch_gemm under
+jit(shard_map) twice: traced with PK_JAX_MOE_FUSED=1 (the fused kernel) and with it unset (the
+composition of pk.moe_dispatch and pk.grouped_matmul, tested by moe_mp.py and the grouped GEMM
+tests). Integer inputs in {-1, 0, 1}, so both are exact and must agree bit for bit: h, the
+group sizes and the whole handle; then the gradients of sum(h * g) with respect to x and w1;
+then two calls in a row, and a straggler (the last rank sleeps 1 s before its call).
+On a machine without a GPU both traces run the references (a check of the script itself).
+"""
+
+import os
+import time
+
+
+def main() -> None:
+    import pk_jax.launch
+
+    pk_jax.launch.initialize()
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import pk_jax as pk
+    from pk_jax.ops import moe as moe_ops
+
+    me, n = jax.process_index(), jax.process_count()
+    mesh = jax.make_mesh((n,), ("ep",))
+    pk.init(mesh)
+
+    def place(glob: np.ndarray):
+        return jax.make_array_from_callback(glob.shape, NamedSharding(mesh, P("ep")),
+                                            lambda idx: glob[idx])
+
+    def local(y) -> np.ndarray:
+        shards = y.addressable_shards
+        assert len(shards) == 1
+        return np.asarray(shards[0].data)
+
+    def build(experts, capacity, fused: bool):
+        def body(x, e, w):
+            h, sizes, hd = pk.moe_dispatch_gemm(x[0], e[0], w[0], "ep", num_experts=experts,
+                                                capacity=capacity)
+            return (h[None], sizes[None], hd.dest_rank[None], hd.position[None], hd.dropped,
+                    hd.received_dropped)
+
+        fwd = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 3,
+                                    out_specs=(P("ep"),) * 6))
+
+        def loss(x, e, w, g):
+            return jnp.sum(fwd(x, e, w)[0].astype(jnp.float32) * g)
+
+        grad = jax.jit(jax.grad(loss, argnums=(0, 2)))
+        if fused:
+            os.environ[moe_ops.FUSED_ENV] = "1"
+        else:
+            os.environ.pop(moe_ops.FUSED_ENV, None)
+        return fwd, grad
+
+    def case(seed, t, k, experts, h, nn, dtype, capacity_kind, *, calls=1, sleep_rank=None,
+             grads=False):
+        rng = np.random.default_rng(seed)
+        ids = rng.integers(0, experts, (n, t, k)).astype(np.int32)
+        total = n * t * k
+        capacity = total + 3 if capacity_kind == "generous" else max(1, total // (2 * n))
+        x = rng.integers(-1, 2, (n, t, h)).astype(np.float32)
+        w = rng.integers(-1, 2, (n, experts // n, h, nn)).astype(np.float32)
+        g = rng.integers(-1, 2, (n, capacity, nn)).astype(np.float32)
+        args = (place(x.astype(dtype)), place(ids), place(w.astype(dtype)))
+        results = {}
+        for fused in (True, False):
+            fwd, grad = build(experts, capacity, fused)
+            outs = None
+            for _ in range(calls):
+                if sleep_rank == me:
+                    time.sleep(1.0)
+                outs = [local(o) for o in jax.block_until_ready(fwd(*args))]
+            gr = None
+            if grads:
+                gr = [local(v) for v in jax.block_until_ready(grad(*args, place(g)))]
+            results[fused] = (outs, gr)
+        os.environ.pop(moe_ops.FUSED_ENV, None)
+        what = f"P={n} rank {me} case {seed}"
+        names = ("h", "group_sizes", "dest", "pos", "dropped", "received_dropped")
+        for name, a, b in zip(names, results[True][0], results[False][0]):
+            if not np.array_equal(a.astype(np.float64), b.astype(np.float64)):
+                raise AssertionError(f"{what}: fused {name} differs from the composition")
+        if grads:
+            for name, a, b in zip(("dx", "dw1"), results[True][1], results[False][1]):
+                if not np.array_equal(a.astype(np.float64), b.astype(np.float64)):
+                    raise AssertionError(f"{what}: fused {name} differs from the composition")
+
+    print(f"backend moe_dispatch={pk.backend_name('moe_dispatch', 'ep')}", flush=True)
+    t0 = time.time()
+    count = 0
+    for i, (t, k, e_per, h, nn, dtype) in enumerate([(37, 2, 2, 64, 64, "bfloat16"),
+                                                     (64, 4, 4, 128, 264, "float16"),
+                                                     (13, 8, 1, 256, 8, "bfloat16")]):
+        for kind in ("generous", "tight"):
+            case(10 * i + (kind == "tight"), t, k, e_per * n, h, nn, dtype, kind)
+            count += 1
+    case(91, 50, 2, 2 * n, 64, 64, "bfloat16", "tight", calls=2)
+    case(92, 50, 2, 2 * n, 64, 64, "bfloat16", "generous", calls=2, sleep_rank=n - 1)
+    case(93, 33, 4, 2 * n, 64, 64, "float16", "generous", grads=True)
+    count += 3
+    print(f"moe_fused_mp OK: P={n}, {count} cases in {time.time() - t0:.1f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
