@@ -58,7 +58,9 @@ Status LaunchUlyssesAttn(const Where& at, const UlyssesAttnArgs& a, const CommVi
   if (a.dtype != DType::kBF16 && a.dtype != DType::kF16) {
     return Invalid("q, k and v must all be bf16 or all fp16.");
   }
-  if (a.d != 64 && a.d != 128) return Invalid("head_dim must be 64 or 128, got " + std::to_string(a.d));
+  if (a.d != 64 && a.d != 128) {
+    return Invalid("head_dim must be 64 or 128, got " + std::to_string(a.d));
+  }
   if (a.hkv < 1 || a.h % a.hkv != 0) return Invalid("the K/V heads must divide the query heads.");
   if (a.h % P != 0 || a.hkv % P != 0) {
     return Invalid("the query heads (" + std::to_string(a.h) + ") and the K/V heads (" +

@@ -68,7 +68,7 @@ constexpr int MAX_COMM = 16;  // communication blocks at most
 // lies between the collectives' slots and the fused GEMMs' (pk/tp.cuh); Ulysses attention's
 // (kernels/ulysses_attn.cuh) follows it.
 constexpr uint64_t SLOT_BASE = 6400;
-constexpr uint64_t OP_SLOTS = 896;
+constexpr uint64_t OP_SLOTS = 640;
 constexpr uint64_t EPOCH = tp::EPOCH;                          // local: calls so far
 constexpr uint64_t ENTER = 16;                                 // [cb][s]
 constexpr uint64_t FULL = ENTER + uint64_t(MAX_COMM) * MAX_PEERS;  // [t][cb]

@@ -36,13 +36,14 @@
  *   tail kernel (TAIL blocks, the same count on every rank): block i barriers READY with block
  *   i of every peer (every peer's main kernel is over: its OW/LW are final), then copies its
  *   share of o[:, :, head group g] = OW of rank g at index r, and lse likewise, for every g
- *   (peer loads). No end barrier: a peer's next call writes OW only after a source pushed its
- *   next Q, which follows that source's ENTER barrier with everyone, i.e. my tail is over.
+ *   (peer loads), then barriers DONE with block i of every peer: when my tail kernel is over,
+ *   no peer reads my OW/LW any more (the next op may restage my workspace before any barrier
+ *   of its own, as the collectives do).
  *
  * Signal protocol (slots SLOT_BASE.. of the pad; e = this call's epoch, pk/tp.cuh epoch_kernel):
  * ENTER[cb][s], FULL[s][cb] (written by source s's comm block cb on the rank that owns the head
- * group), READY[i][s]. Every wait is bounded and names the peer; compute blocks wait 1/8 longer
- * than the comm blocks, whose ENTER barrier names a dead rank first.
+ * group), READY[i][s], DONE[i][s]. Every wait is bounded and names the peer; compute blocks
+ * wait 1/8 longer than the comm blocks, whose ENTER barrier names a dead rank first.
  *
  * Pitfalls: the comm blocks write with generic stores and the compute blocks read with TMA
  * (async proxy): writers fence (fence.proxy.async.global) before their release, the compute
@@ -70,12 +71,13 @@ constexpr int TAIL_THREADS = 512;
 
 // Signal pad: slots SLOT_BASE + these offsets, right after ring attention's range.
 constexpr uint64_t SLOT_BASE = ring_attn::SLOT_BASE + ring_attn::OP_SLOTS;
-constexpr uint64_t OP_SLOTS = 896;
+constexpr uint64_t OP_SLOTS = 1152;
 constexpr uint64_t EPOCH = tp::EPOCH;                                  // local: calls so far
 constexpr uint64_t ENTER = 16;                                         // [cb][s]
 constexpr uint64_t FULL = ENTER + uint64_t(MAX_COMM) * MAX_PEERS;     // [s][cb]
 constexpr uint64_t READY = FULL + uint64_t(MAX_PEERS) * MAX_COMM;     // [i][s]
-constexpr uint64_t END = READY + uint64_t(TAIL) * MAX_PEERS;
+constexpr uint64_t DONE = READY + uint64_t(TAIL) * MAX_PEERS;         // [i][s]
+constexpr uint64_t END = DONE + uint64_t(TAIL) * MAX_PEERS;
 constexpr uint64_t SLOTS_NEEDED = SLOT_BASE + OP_SLOTS;
 static_assert(EPOCH < ENTER && END <= OP_SLOTS, "ulysses_attn: slot layout");
 static_assert(SLOT_BASE >= ring_attn::SLOT_BASE + ring_attn::OP_SLOTS &&
@@ -443,21 +445,37 @@ static __global__ void __launch_bounds__(TAIL_THREADS) tail_kernel(
   const uint64_t step = uint64_t(gridDim.x) * blockDim.x;
   char* const o = static_cast<char*>(g.o);
   const uint64_t o_row = uint64_t(g.heads) * g.head_dim * 2;
-  for (uint64_t u = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; u < total; u += step) {
-    const uint64_t grp = u / per_group, w = u % per_group, row = w / upr, col = w % upr;
-    const char* src = static_cast<const char*>(c.ws[grp]) + g.ws.ow +
-                      (uint64_t(r) * rows + row) * gq + col * 16;
-    p2p::st16(o + row * o_row + grp * gq + col * 16, p2p::ld16(src));
+  auto src = [&](uint64_t u) {
+    const uint64_t grp = u / per_group, w = u % per_group;
+    return static_cast<const char*>(c.ws[grp]) + g.ws.ow + (uint64_t(r) * rows + w / upr) * gq +
+           (w % upr) * 16;
+  };
+  auto dst = [&](uint64_t u) {
+    const uint64_t grp = u / per_group, w = u % per_group;
+    return o + (w / upr) * o_row + grp * gq + (w % upr) * 16;
+  };
+  constexpr int U = 4;  // peer loads in flight per thread
+  uint64_t u = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (; u + (U - 1) * step < total; u += U * step) {
+    uint4 x[U];
+#pragma unroll
+    for (int i = 0; i < U; ++i) x[i] = p2p::ld16(src(u + i * step));
+#pragma unroll
+    for (int i = 0; i < U; ++i) p2p::st16(dst(u + i * step), x[i]);
   }
+  for (; u < total; u += step) p2p::st16(dst(u), p2p::ld16(src(u)));
   // lse [B, H, Sl]: head grp G + hh of batch b = LW of rank grp at [r, b, hh, :].
   const uint64_t n = uint64_t(g.d.b) * g.heads * g.d.s;
   const int G = g.d.h, sl = g.d.s;
   for (uint64_t i = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
     const uint64_t row = i % sl, bh = i / sl, hh = bh % g.heads, bb = bh / g.heads;
     const uint64_t grp = hh / G, hl = hh % G;
-    const float* lw = reinterpret_cast<const float*>(static_cast<const char*>(c.ws[grp]) + g.ws.lw);
+    const float* lw =
+        reinterpret_cast<const float*>(static_cast<const char*>(c.ws[grp]) + g.ws.lw);
     g.lse[i] = __ldcg(lw + ((uint64_t(r) * g.d.b + bb) * G + hl) * sl + row);
   }
+  barrier<MAX_PEERS>(c.sig, P, r, DONE + uint64_t(blockIdx.x) * MAX_PEERS, e, c.timeout_ns,
+                     c.fail());
 }
 
 /** @brief Launches the main grid (C comm blocks, then ceil(Sl/128) P G B compute blocks) and
