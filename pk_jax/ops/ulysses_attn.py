@@ -64,7 +64,8 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, 
     Raises:
         ValueError: `pk.init` not called, a bad axis, q/k/v not rank 4 or of mismatched
             shapes, Hkv not dividing H,
-            H not divisible by P, a scale that is not positive.
+            H not divisible by P, a scale that is not positive, or (fused kernel) a symmetric
+            workspace smaller than `workspace_need` (the message names workspace_bytes).
         TypeError: an unsupported or mismatched dtype, a non-bool causal, a non-number scale.
     """
     p = _checks.axis_size(NAME, axis_name)
