@@ -195,6 +195,23 @@ struct GroupedMatmulArgs {
 
 Status LaunchGroupedMatmul(const Where& at, const GroupedMatmulArgs& a);
 
+// Ulysses attention forward (cuda/kernels/ulysses_attn.cuh): q [b, s, h, d], k and v
+// [b, s, hkv, d] (this rank's S/P positions; P divides h and hkv) -> o like q and lse float32
+// [b, h, s]. num_comm_sms: communication blocks (the same on every rank).
+struct UlyssesAttnArgs {
+  DType dtype;
+  const void *q, *k, *v;
+  void* o;
+  float* lse;
+  const int32_t* rank;
+  int64_t b, s, h, hkv, d;
+  float scale;
+  bool causal;
+  int64_t num_comm_sms;
+};
+
+Status LaunchUlyssesAttn(const Where& at, const UlyssesAttnArgs& a, const CommView& v);
+
 // Refuses a launch once the communicator's error record holds an error (a peer timed out in
 // an earlier call): the message names op, rank and missing peer, and the call never starts
 // kernels that would wait for peers that are gone.

@@ -16,7 +16,17 @@ from test_ring_attn import (  # the shared references
     normal,
     qkv,
 )
-from util import FLOAT_DTYPES, WORLD_SIZES, P, assert_close, cpu_mesh, product, run, vjp_both
+from util import (
+    FLOAT_DTYPES,
+    WORLD_SIZES,
+    P,
+    assert_close,
+    cpu_mesh,
+    product,
+    run,
+    stand_in_kernels,
+    vjp_both,
+)
 
 import pk_jax as pk
 from pk_jax.ops import _attention
@@ -178,3 +188,92 @@ def test_large(monkeypatch, dtype, causal):
     q, k, v = qkv((2, 8 * 61, 8, 32), dtype)
     out = ulysses(cpu_mesh((8,), ("sp",)), q, k, v, causal=causal)
     assert_close(out, dense(q, k, v, causal=causal), dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused forward (target pk_ulysses_attn): its wiring on CPU with a jax.lax stand-in for the
+# FFI call (the kernel itself: tests/gpu/test_emulator_ulysses.py).
+
+def _stand_in_ulysses(monkeypatch) -> list[dict]:
+    """stand_in_kernels plus a stand-in for pk_ulysses_attn that returns what the kernel does:
+    o [B, S/P, H, D] and lse float32 [B, H, S/P], from K/V with the heads the call passes."""
+    from pk_jax import _ffi
+
+    calls = stand_in_kernels(monkeypatch)
+    inner = _ffi.call
+
+    def fake(target, results, *args, out_vma=None, **attrs):
+        if target != "pk_ulysses_attn":
+            return inner(target, results, *args, out_vma=out_vma, **attrs)
+        q, k, v, _ = args
+        calls.append({"target": target, "hkv": k.shape[2], "scale": float(attrs["scale"]),
+                      **{n: int(attrs[n]) for n in ("causal", "num_comm_sms")}})
+        k, v = _attention.repeat_kv(q, k, v)
+        qh, kh, vh = (jax.lax.all_to_all(x, "sp", 2, 1, tiled=True) for x in (q, k, v))
+        out, res = _attention._forward(qh, kh, vh, float(attrs["scale"]), bool(attrs["causal"]))
+        o = jax.lax.all_to_all(out, "sp", 1, 2, tiled=True)
+        lse = jax.lax.all_to_all(res[4], "sp", 1, 2, tiled=True).transpose(0, 2, 1)
+        assert o.shape == results[0].shape and lse.shape == results[1].shape
+        return o.astype(results[0].dtype), lse
+
+    monkeypatch.setattr(_ffi, "call", fake)
+    return calls
+
+
+@pytest.mark.parametrize("p,causal,hkv", [(2, True, 2), (4, False, 4), (2, False, 1),
+                                          (4, True, 2)])
+def test_fused_kernel_wiring_forward_and_backward(monkeypatch, p, causal, hkv):
+    """At P > 1 with bf16 and D = 64 the call takes pk_ulysses_attn (K/V heads passed as they
+    are when P divides them, else repeated up to H); its output and the reference backward on
+    its (out, lse) match the reference's."""
+    from pk_jax.ops import ulysses_attn
+
+    calls = _stand_in_ulysses(monkeypatch)
+    mesh = cpu_mesh((p,), ("sp",))
+    h = 2 * p
+    q = normal((2, 3 * p, h, 64), jnp.bfloat16, 0)
+    k, v = (normal((2, 3 * p, hkv, 64), jnp.bfloat16, i) for i in (1, 2))
+    dy = normal(q.shape, jnp.bfloat16, 3)
+
+    def ref(q, k, v):
+        kr, vr = _attention.repeat_kv(q, k, v)
+        return ulysses_attn.reference(q, kr, vr, "sp", causal=causal, scale=0.125)
+
+    ours, want = vjp_both(lambda *x: pk.ulysses_attention(*x, "sp", causal=causal), ref, mesh,
+                          (SEQ,) * 3, SEQ, (q, k, v), dy)
+    for a, b in zip(ours, want):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   rtol=2e-2, atol=2e-2)
+    fused = [c for c in calls if c["target"] == "pk_ulysses_attn"]
+    assert fused and all(c["hkv"] == (hkv if hkv % p == 0 else h) for c in fused), fused
+    assert all(c["causal"] == int(causal) and c["scale"] == 0.125 and
+               c["num_comm_sms"] == ulysses_attn.NUM_COMM_SMS for c in fused), fused
+
+
+def test_fused_kernel_takes_what_it_compiles(monkeypatch):
+    """bf16/fp16, head dims 64/128, P > 1; anything else runs the reference. The workspace
+    need is the kernel's layout; too small a workspace is a trace-time ValueError naming
+    workspace_bytes."""
+    from pk_jax.ops import ulysses_attn
+
+    bf = jax.ShapeDtypeStruct((1, 130, 4, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 130, 2, 128), jnp.bfloat16)
+    assert ulysses_attn.kernel_supports(bf, 2)
+    assert not ulysses_attn.kernel_supports(bf, 1)
+    assert not ulysses_attn.kernel_supports(jax.ShapeDtypeStruct((1, 130, 4, 128), jnp.float32),
+                                            4)
+    assert not ulysses_attn.kernel_supports(jax.ShapeDtypeStruct((1, 130, 4, 96), jnp.float16),
+                                            4)
+    up = lambda x: -(-x // 1024) * 1024
+    qb, kb = 130 * 4 * 128 * 2, 130 * 2 * 128 * 2
+    assert ulysses_attn.workspace_need(bf, kv, 2) == up(
+        up(up(up(up(qb) + kb) + kb) + qb) + 4 * 130 * 4)
+
+    calls = _stand_in_ulysses(monkeypatch)
+    mesh = cpu_mesh((2,), ("sp",))
+    pk.init(mesh, workspace_bytes=1 << 16)
+    q, k, v = qkv((1, 2 * 256, 2, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="pk.ulysses_attention: .*workspace_bytes="):
+        run(lambda a, b, c: pk.ulysses_attention(a, b, c, "sp"), mesh, (SEQ,) * 3, SEQ, q, k, v,
+            init=False)
+    assert not [c for c in calls if c["target"] == "pk_ulysses_attn"]

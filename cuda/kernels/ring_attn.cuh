@@ -65,9 +65,10 @@ constexpr int MAX_PEERS = tp::MAX_PEERS;
 constexpr int MAX_COMM = 16;  // communication blocks at most
 
 // Signal pad: slots SLOT_BASE + these offsets (the host passes pads already offset). The range
-// lies between the collectives' slots and the fused GEMMs' (pk/tp.cuh).
+// lies between the collectives' slots and the fused GEMMs' (pk/tp.cuh); Ulysses attention's
+// (kernels/ulysses_attn.cuh) follows it.
 constexpr uint64_t SLOT_BASE = 6400;
-constexpr uint64_t OP_SLOTS = 1792;
+constexpr uint64_t OP_SLOTS = 640;
 constexpr uint64_t EPOCH = tp::EPOCH;                          // local: calls so far
 constexpr uint64_t ENTER = 16;                                 // [cb][s]
 constexpr uint64_t FULL = ENTER + uint64_t(MAX_COMM) * MAX_PEERS;  // [t][cb]

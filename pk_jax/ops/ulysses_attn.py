@@ -13,15 +13,28 @@ Schedule:
     3. all_to_all back: split sequence, gather heads -> [B, S/P, H, D].
 
 The exchanges go through `pk.all_to_all`, so they use its CUDA kernel where one runs.
+
+On GPUs at P > 1 (bf16/fp16, head dim 64 or 128) the forward is one fused call (target
+pk_ulysses_attn, cuda/kernels/ulysses_attn.cuh): communication blocks of the attention grid
+push every rank's head-group slices of q, k, v into the owner's symmetric workspace, the
+attention blocks of a head group start on a source's rows as soon as those rows have landed,
+and a tail kernel pulls each rank's output rows back from every head group. The backward is
+the reference's (the all_to_alls and the blockwise attention backward above), on the kernel's
+out and lse.
 """
 
 from __future__ import annotations
 
-import jax
+import functools
 
-from pk_jax import _backend, _checks
-from pk_jax.ops import _attention
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pk_jax import _backend, _checks, _ffi
+from pk_jax.ops import _attention, _tp
 from pk_jax.ops.all_to_all import all_to_all
+from pk_jax.runtime import state
 
 STEM = "ulysses_attn"
 NAME = "ulysses_attention"  # the public name, used in error messages
@@ -51,7 +64,8 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, 
     Raises:
         ValueError: `pk.init` not called, a bad axis, q/k/v not rank 4 or of mismatched
             shapes, Hkv not dividing H,
-            H not divisible by P, a scale that is not positive.
+            H not divisible by P, a scale that is not positive, or (fused kernel) a symmetric
+            workspace smaller than `workspace_need` (the message names workspace_bytes).
         TypeError: an unsupported or mismatched dtype, a non-bool causal, a non-number scale.
     """
     p = _checks.axis_size(NAME, axis_name)
@@ -63,16 +77,77 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, 
     causal = _checks.is_bool(NAME, "causal", causal)
     scale = (_attention.default_scale(q.shape[-1]) if scale is None
              else _checks.positive_float(NAME, "scale", scale))
+    if _backend.route(STEM, axis_name, supported=kernel_supports(q, p)).path == "kernel":
+        if k.shape[2] % p:  # the kernel splits the K/V heads too: repeat them up to H
+            k, v = _attention.repeat_kv(q, k, v)
+        _tp.check_workspace(NAME, workspace_need(q, k, p),
+                            f"the head-group copies of q {q.shape}, k and v {k.shape}, the "
+                            "output and lse")
+        return _kernel_ulysses(q, k, v, axis_name, causal, float(scale))
     k, v = _attention.repeat_kv(q, k, v)  # grouped-query attention (a no-op at H = Hkv)
-    if _backend.route(STEM, axis_name).path == "kernel":
-        return _cuda_ulysses_attn(q, k, v, axis_name, causal=causal, scale=scale)
     return reference(q, k, v, axis_name, causal=causal, scale=scale)
 
 
-def _cuda_ulysses_attn(q, k, v, axis_name, **options):
-    # A fused kernel's FFI lowering (target pk_ulysses_attn) plugs in here. Unreachable until
-    # the extension registers pk_ulysses_attn, because _backend.route checks the target.
-    raise NotImplementedError("pk_jax: the CUDA ulysses_attn kernel is not wired yet.")
+# ---------------------------------------------------------------------------------------------
+# The fused kernel (target pk_ulysses_attn, cuda/kernels/ulysses_attn.cuh): the forward in one
+# call; the backward is the reference's on the kernel's (out, lse).
+
+HEAD_DIMS = (64, 128)
+NUM_COMM_SMS = 2  # communication blocks (the same on every rank; each moves 1/C of the data)
+
+
+def kernel_supports(q: jax.Array, p: int) -> bool:
+    """Whether the fused forward takes these (already checked) operands; P divides H."""
+    return (p > 1 and q.dtype in _checks.MATMUL_DTYPES_NP and q.shape[3] in HEAD_DIMS
+            and q.shape[0] * p < 65536 and q.shape[2] < 65536
+            and q.shape[1] * q.shape[2] * q.shape[3] < 2**31 and q.shape[1] * p < 2**30)
+
+
+def workspace_need(q: jax.Array, k: jax.Array, p: int) -> int:
+    """Bytes of symmetric workspace the kernel uses (ulysses_attn::make_layout): q's and the
+    output's head-group copies (each the size of q), k's and v's (each the size of k), and
+    lse, each section rounded up to 1 KiB."""
+    up = lambda x: -(-x // 1024) * 1024
+    b, s, h, d = q.shape
+    qb = b * s * h * d * 2
+    kb = int(np.prod(k.shape)) * 2
+    return up(up(up(up(up(qb) + kb) + kb) + qb) + b * h * s * 4)
+
+
+def _kernel_call(q, k, v, axis_name, causal, scale):
+    b, s, h, _ = q.shape
+    o, lse = _ffi.call(
+        "pk_ulysses_attn", [jax.ShapeDtypeStruct(q.shape, q.dtype),
+                            jax.ShapeDtypeStruct((b, h, s), jnp.float32)],
+        q, k, v, _backend.rank_operand(axis_name), comm_id=np.int64(state.comm_id(axis_name)),
+        scale=np.float32(scale), causal=np.int64(causal), num_comm_sms=np.int64(NUM_COMM_SMS))
+    return o, lse.transpose(0, 2, 1)  # lse as _attention.log_sum_exp: [B, S/P, H]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _kernel_ulysses(q, k, v, axis_name, causal, scale):
+    return _kernel_call(q, k, v, axis_name, causal, scale)[0]
+
+
+def _kernel_ulysses_fwd(q, k, v, axis_name, causal, scale):
+    o, lse = _kernel_call(q, k, v, axis_name, causal, scale)
+    return o, (q, k, v, o, lse)
+
+
+def _kernel_ulysses_bwd(axis_name, causal, scale, res, do):
+    # The reference backward: everything to head shards (lse [B, S/P, H] too), the blockwise
+    # attention backward over the whole sequence, the gradients back to sequence shards;
+    # repeat_kv's VJP sums each group's gradients back into its K/V head.
+    q, k, v, o, lse = res
+    (kr, vr), pull = jax.vjp(lambda k, v: _attention.repeat_kv(q, k, v), k, v)
+    heads = [all_to_all(x, axis_name, 2, 1) for x in (q, kr, vr, o, lse, do)]
+    dq, dkr, dvr = (all_to_all(g, axis_name, 1, 2) for g in
+                    _attention._backward(scale, causal, tuple(heads[:5]), heads[5]))
+    dk, dv = pull((dkr, dvr))
+    return dq, dk, dv
+
+
+_kernel_ulysses.defvjp(_kernel_ulysses_fwd, _kernel_ulysses_bwd)
 
 
 def reference(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, *, causal: bool,

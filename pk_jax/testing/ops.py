@@ -21,8 +21,9 @@ OPS = COLLECTIVES + GEMMS
 # Expert-parallel MoE: dispatch, its per-slot form (the combine's VJP), combine, and the
 # combine's unsummed gather (its weights' VJP). Their launcher fields are named in the cases.
 MOE = ("moe_dispatch", "moe_scatter", "moe_combine", "moe_gather")
-# Sequence parallelism: the fused ring attention forward (launcher fields named in the case).
-ATTENTION = ("ring_attn",)
+# Sequence parallelism: the fused ring and Ulysses attention forwards (launcher fields named
+# in the cases).
+ATTENTION = ("ring_attn", "ulysses_attn")
 # Dispatch fused with the first expert GEMM (work in progress: kept out of MOE's suites).
 FUSED_MOE = ("moe_dispatch_gemm",)
 TILE_128x128, TILE_128x256 = 1, 2
@@ -307,6 +308,19 @@ def ring_attn(qs, ks, vs, dtype: str, *, causal: bool, zigzag: bool = False,
     return Case("ring_attn", dtype,
                 [{"q": qs[r], "k": ks[r], "v": vs[r]} for r in range(p)], expected, params,
                 exact=False, atol=2e-2, rtol=2e-2)
+
+
+def ulysses_attn(qs, ks, vs, dtype: str, *, causal: bool, scale: float | None = None,
+                 num_comm_sms: int = 2) -> Case:
+    """o_r = softmax(scale q_r K^T) V over all ranks' keys, with the contiguous layout (rank r
+    holds positions [r S/P, (r+1) S/P)), and lse_r [B, H, S/P]: the same float32 reference over
+    the whole sequence as `ring_attn` (Ulysses changes how the work is split, not the result);
+    qs[r] [B, S/P, H, D], ks[r] and vs[r] [B, S/P, Hkv, D] with P dividing H and Hkv."""
+    ring = ring_attn(qs, ks, vs, dtype, causal=causal, zigzag=False, scale=scale,
+                     num_comm_sms=num_comm_sms)
+    params = {k: v for k, v in ring.params.items() if k != "zigzag"}
+    return Case("ulysses_attn", dtype, ring.inputs, ring.expected, params, exact=False,
+                atol=ring.atol, rtol=ring.rtol)
 
 
 # ---------------------------------------------------------------------------------------------

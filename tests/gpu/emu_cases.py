@@ -23,6 +23,8 @@ def case(op: str, p: int, rng: np.random.Generator, *, size: str = "small",
     above 16 blocks, several tiles per owner). rank_valued: x = rank everywhere."""
     if op in ops.MOE:
         return moe_case(op, p, rng, size=size, dtype=dtype, rank_valued=rank_valued)
+    if op == "ulysses_attn":
+        return ulysses_case(p, rng, dtype=dtype, size=size)
     if op in ops.ATTENTION:
         return ring_case(p, rng, dtype=dtype, size=size)
     big = size == "big"
@@ -172,6 +174,32 @@ def fused_case(p: int, rng: np.random.Generator, *, size: str = "small",
     ws = [ops.integers(rng, (num_experts // p, h, n), -1, 2) for _ in range(p)]
     return ops.moe_dispatch_gemm(xs, ids, ws, dt, num_experts=num_experts, capacity=cap,
                                  num_comm_sms=num_comm_sms)
+
+
+def ulysses_case(p: int, rng: np.random.Generator, *, dtype: str | None = None,
+                 size: str = "small", s_local: int | None = None, causal: bool | None = None,
+                 h: int | None = None, hkv: int | None = None, d: int | None = None,
+                 b: int | None = None, num_comm_sms: int | None = None) -> ops.Case:
+    """A random Ulysses attention case at world p: normal inputs, S/P often not a multiple of
+    the 128-row tile, P dividing H and Hkv (1 or 2 K/V heads per rank), GQA or not, causal or
+    not."""
+    big = size == "big"
+    dt = dtype or str(rng.choice(["bfloat16", "float16"]))
+    d = d or int(rng.choice([64, 128]))
+    sl = s_local or (int(rng.choice([1, 2, 64, 128, 130, 200, 256])) if not big else 1024)
+    hkv = hkv or p * int(rng.choice([1, 2]))
+    h = h or hkv * int(rng.choice([1, 2]))
+    b = b or int(rng.integers(1, 3))
+    causal = bool(rng.integers(0, 2)) if causal is None else causal
+    nc = num_comm_sms or int(rng.integers(1, 5))
+
+    def normal(shape):
+        return rng.standard_normal(shape)
+
+    qs = [normal((b, sl, h, d)) for _ in range(p)]
+    ks = [normal((b, sl, hkv, d)) for _ in range(p)]
+    vs = [normal((b, sl, hkv, d)) for _ in range(p)]
+    return ops.ulysses_attn(qs, ks, vs, dt, causal=causal, num_comm_sms=nc)
 
 
 def world_cache(**world_kw):

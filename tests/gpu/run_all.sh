@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark, on the H200 machine: tests/gpu/run_all.sh [section ...]
 # Sections: install sass unit runtime collectives collectives_mp tp tp_mp grouped attention
-# emulator moe moe_fused sanitize examples users bench link
+# emulator moe moe_fused ring ulysses sanitize examples users bench link
 # (default: all but moe_fused, bench and link). The P = 1 sections (install unit collectives tp
 # examples) may run side by side in separate invocations; the multi-process ones and bench
 # want the GPU alone.
@@ -198,6 +198,20 @@ section_moe_fused() {
   step "$PY" bench/bench_moe.py --fused
 }
 
+# The fused Ulysses attention forward (issue 11): P = 2, 4, 8 emulated ranks against the
+# float32 reference (tests/gpu/test_emulator_ulysses.py; PK_JAX_EMU_ULYSSES_CALLS sets the
+# back-to-back calls per P, default 100), pk.ulysses_attention's forward through JAX with 2 and
+# 4 processes sharing the GPU (tests/gpu/ulysses_mp.py), then the emulated benchmark (fused vs
+# unfused: all_to_all of q, k, v, pk.attention, all_to_all back).
+section_ulysses() {
+  export CUDA_MODULE_LOADING=EAGER  # pk_jax.testing.require_eager_loading says why
+  step "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_emulator_ulysses.py
+  for n in 2 4; do  # through JAX: FFI handler, lowering (processes share the GPU)
+    PK_JAX_TIMEOUT_S=30 step launch "$n" --timeout 250 tests/gpu/ulysses_mp.py
+  done
+  step "$PY" bench/bench_ulysses_attn.py --quick
+}
+
 # compute-sanitizer over a short emulated run of every op (P = 2, 4): device-side errors only
 # (host-side cuGetProcAddress probes are reported as CUDA_ERROR_INVALID_VALUE: ignored).
 section_sanitize() {
@@ -223,7 +237,7 @@ section_bench() {
 
 sections=("$@")
 [ ${#sections[@]} -eq 0 ] && sections=(install sass unit runtime collectives collectives_mp tp tp_mp \
-  grouped attention emulator moe ring sanitize examples users)
+  grouped attention emulator moe ring ulysses sanitize examples users)
 for s in "${sections[@]}"; do "section_$s"; done
 echo "=== summary: $passed passed, ${#failed[@]} failed"
 for f in "${failed[@]}"; do echo "failed: $f"; done

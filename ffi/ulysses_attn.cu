@@ -1,0 +1,195 @@
+// FFI handler and launcher of pk_ulysses_attn: the fused Ulysses attention forward (see
+// cuda/kernels/ulysses_attn.cuh). Launches on XLA's stream; no host synchronisation.
+#include <string>
+
+#include "ffi_util.h"
+#include "kernels/ulysses_attn.cuh"
+#include "launch.h"
+#include "tensor_map.h"
+
+namespace pk_ffi {
+namespace {
+
+// Op id of the error record (pk_jax/runtime/errors.py OP_NAMES).
+constexpr int kOpUlyssesAttn = 15;
+
+Status Invalid(const std::string& what) {
+  return Status::Invalid("pk.ulysses_attention: " + what);
+}
+
+// A 128B-swizzled map over [batch, s, heads, d] 2-byte elements: dims {d, heads, s, batch},
+// box {64, 1, 128, 1} (the attention forward's maps; batch = P B for the workspace sections).
+Status Map4d(const void* ptr, int64_t batch, int64_t s, int64_t heads, int64_t d, int dtype,
+             CUtensorMap* out) {
+  PFN_cuTensorMapEncodeTiled_v12000 encode = EncodeFn();
+  if (encode == nullptr) {
+    return Status::Internal("pk.ulysses_attention: cuTensorMapEncodeTiled is not available.");
+  }
+  const cuuint64_t dims[4] = {cuuint64_t(d), cuuint64_t(heads), cuuint64_t(s),
+                              cuuint64_t(batch)};
+  const cuuint64_t strides[3] = {cuuint64_t(d) * 2, cuuint64_t(heads * d) * 2,
+                                 cuuint64_t(s * heads * d) * 2};
+  const cuuint32_t box[4] = {64, 1, 128, 1};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  CUresult r = encode(out,
+                      dtype == 0 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                      4, const_cast<void*>(ptr), dims, strides, box, elem_strides,
+                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    return Status::Internal("pk.ulysses_attention: cuTensorMapEncodeTiled failed with CUresult " +
+                            std::to_string(static_cast<int>(r)));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status LaunchUlyssesAttn(const Where& at, const UlyssesAttnArgs& a, const CommView& v) {
+  namespace ua = pk::ulysses_attn;
+  if (Status s = CheckRecord("ulysses_attention", v); !s.ok()) return s;
+  if (v.signal_count < ua::SLOTS_NEEDED) {
+    return Invalid("the signal pad has " + std::to_string(v.signal_count) +
+                   " slots, the kernel needs " + std::to_string(ua::SLOTS_NEEDED));
+  }
+  const int P = v.world;
+  if (P > ua::MAX_PEERS) return Invalid("at most " + std::to_string(ua::MAX_PEERS) + " ranks");
+  if (a.dtype != DType::kBF16 && a.dtype != DType::kF16) {
+    return Invalid("q, k and v must all be bf16 or all fp16.");
+  }
+  if (a.d != 64 && a.d != 128) {
+    return Invalid("head_dim must be 64 or 128, got " + std::to_string(a.d));
+  }
+  if (a.hkv < 1 || a.h % a.hkv != 0) return Invalid("the K/V heads must divide the query heads.");
+  if (a.h % P != 0 || a.hkv % P != 0) {
+    return Invalid("the query heads (" + std::to_string(a.h) + ") and the K/V heads (" +
+                   std::to_string(a.hkv) + ") must both be divisible by the world size " +
+                   std::to_string(P) + ".");
+  }
+  if (a.num_comm_sms < 1 || a.num_comm_sms > ua::MAX_COMM) {
+    return Invalid("num_comm_sms must be in 1.." + std::to_string(ua::MAX_COMM) + ", got " +
+                   std::to_string(a.num_comm_sms));
+  }
+  if (a.b < 0 || a.s < 0 || a.h < 0 || a.b * P > 65535 || a.h > 65535 ||
+      a.s * a.h * a.d > INT32_MAX || a.s * int64_t(P) > INT32_MAX / 2 ||
+      (a.s + 127) / 128 * P * (a.h / P) * a.b > INT32_MAX / 2) {
+    return Invalid("sizes too large (P * batch and heads below 65536, S * H * D below 2^31).");
+  }
+  const ua::layout ws = ua::make_layout(P, a.b, a.s, a.h, a.hkv, a.d);
+  if (ws.total > v.workspace_bytes) {
+    return Invalid("the symmetric workspace has " + std::to_string(v.workspace_bytes) +
+                   " bytes and this call needs " + std::to_string(ws.total) +
+                   " (head-group copies of q, k, v, the output and lse); call pk.init(mesh, "
+                   "workspace_bytes=...) with at least that.");
+  }
+  // Every check above depends on shapes, attributes and the world only: every rank refuses or
+  // runs the call alike, so the epochs stay in step.
+  if (a.b == 0 || a.s == 0 || a.h == 0) return Status::Ok();
+
+  ua::globals g{};
+  pk::tp::comm& c = g.c;
+  for (int p = 0; p < P; ++p) {
+    c.ws[p] = v.workspace[p];
+    c.sig[p] = v.signals[p] + ua::SLOT_BASE;
+  }
+  c.error = v.error;
+  c.timeout_ns = v.timeout_ns;
+  c.world = P;
+  c.rank = v.rank;
+  c.op = kOpUlyssesAttn;
+  c.rank_ptr = a.rank;
+  const int type = a.dtype == DType::kBF16 ? 0 : 1;
+  const int64_t gh = a.h / P, gk = a.hkv / P;
+  g.d = pk::attention::dims{int(a.b), int(a.s), int(gh), int(gk), a.scale, a.causal ? 1 : 0};
+  g.heads = static_cast<int>(a.h);
+  g.kv_heads = static_cast<int>(a.hkv);
+  g.head_dim = static_cast<int>(a.d);
+  g.comm_blocks = static_cast<int>(a.num_comm_sms);
+  g.q_tiles = static_cast<int>((a.s + 127) / 128);
+  g.ws = ws;
+  g.q = a.q;
+  g.k = a.k;
+  g.v = a.v;
+  g.o = a.o;
+  g.lse = a.lse;
+  char* const mine = static_cast<char*>(v.workspace[v.rank]);
+  const int64_t pb = int64_t(P) * a.b;
+  if (Status s = Map4d(mine + ws.qw, pb, a.s, gh, a.d, type, &g.qw); !s.ok()) return s;
+  if (Status s = Map4d(mine + ws.kw, pb, a.s, gk, a.d, type, &g.kw); !s.ok()) return s;
+  if (Status s = Map4d(mine + ws.vw, pb, a.s, gk, a.d, type, &g.vw); !s.ok()) return s;
+  if (Status s = CudaStatus((pk::tp::epoch_kernel<<<1, 1, 0, at.stream>>>(c), cudaGetLastError()),
+                            "the epoch kernel");
+      !s.ok()) {
+    return s;
+  }
+  cudaError_t err;
+  if (type == 0) {
+    err = a.d == 64 ? ua::launch<__nv_bfloat16, 64>(g, at.stream, at.device)
+                    : ua::launch<__nv_bfloat16, 128>(g, at.stream, at.device);
+  } else {
+    err = a.d == 64 ? ua::launch<__half, 64>(g, at.stream, at.device)
+                    : ua::launch<__half, 128>(g, at.stream, at.device);
+  }
+  return CudaStatus(err, "ulysses_attention");
+}
+
+namespace {
+
+ffi::Error UlyssesAttnCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
+                           ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> rank,
+                           ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
+                           int64_t comm_id, float scale, int64_t causal, int64_t num_comm_sms) {
+  const CommView* view = nullptr;
+  if (ffi::Error e = LookupComm("ulysses_attention", comm_id, device, &view); e.failure()) {
+    return e;
+  }
+  UlyssesAttnArgs a{};
+  const ffi::DataType dt = q.element_type();
+  if (!ToDType(dt, &a.dtype) || k.element_type() != dt || v.element_type() != dt ||
+      o->element_type() != dt || lse->element_type() != ffi::DataType::F32) {
+    return ffi::Error::InvalidArgument(
+        "pk.ulysses_attention: q, k, v and o must share one 2-byte dtype; lse is float32.");
+  }
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || kd[0] != qd[0] ||
+      kd[1] != qd[1] || kd[3] != qd[3] || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2] ||
+      vd[3] != kd[3]) {
+    return ffi::Error::InvalidArgument(
+        "pk.ulysses_attention: expected q [B, S/P, H, D], k and v [B, S/P, Hkv, D].");
+  }
+  a.b = qd[0];
+  a.s = qd[1];
+  a.h = qd[2];
+  a.d = qd[3];
+  a.hkv = kd[2];
+  a.q = q.untyped_data();
+  a.k = k.untyped_data();
+  a.v = v.untyped_data();
+  a.o = o->untyped_data();
+  a.lse = static_cast<float*>(lse->untyped_data());
+  a.rank = rank.typed_data();
+  a.scale = scale;
+  a.causal = causal != 0;
+  a.num_comm_sms = num_comm_sms;
+  return ToError(LaunchUlyssesAttn(Where{stream, device, 0}, a, *view));
+}
+
+}  // namespace
+}  // namespace pk_ffi
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PkUlyssesAttn, pk_ffi::UlyssesAttnCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .Ctx<xla::ffi::DeviceOrdinal>()                 // device
+                                  .Arg<xla::ffi::AnyBuffer>()              // q [B, S/P, H, D]
+                                  .Arg<xla::ffi::AnyBuffer>()              // k [B, S/P, Hkv, D]
+                                  .Arg<xla::ffi::AnyBuffer>()              // v [B, S/P, Hkv, D]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // rank
+                                  .Ret<xla::ffi::AnyBuffer>()              // o [B, S/P, H, D]
+                                  .Ret<xla::ffi::AnyBuffer>()              // lse f32 [B, H, S/P]
+                                  .Attr<int64_t>("comm_id")                // comm_id
+                                  .Attr<float>("scale")                    // multiplies q . k
+                                  .Attr<int64_t>("causal")                 // 1: causal mask
+                                  .Attr<int64_t>("num_comm_sms"),          // comm blocks
+                              PK_FFI_CUDA_TRAITS);

@@ -1,0 +1,141 @@
+"""The fused Ulysses attention forward (pk.ulysses_attention at P > 1,
+kernels/ulysses_attn.cuh) under true concurrency: P emulated ranks on disjoint SM partitions of
+one GPU (pk_jax.testing.World), started through the launch function the FFI handler calls,
+against a float32 numpy reference over the whole sequence (pk_jax.testing.ops.ulysses_attn),
+with bf16/fp16 tolerances.
+
+Run on the H200: `bash tests/gpu/run_all.sh ulysses` (or, with CUDA_MODULE_LOADING=EAGER,
+`python -m pytest -m gpu tests/gpu/test_emulator_ulysses.py`). The dead-rank cases trap the
+CUDA context, so they run in subprocesses (tests/gpu/emu_failures.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+sys.path.insert(0, os.path.dirname(__file__))
+import emu_cases
+
+from pk_jax.testing import ops
+
+CALLS = int(os.environ.get("PK_JAX_EMU_ULYSSES_CALLS", "100"))  # back-to-back calls per P
+BATCH = 20                                                      # calls in flight between syncs
+SKEW_NS = 20_000                                                # random per-rank start skew
+WORKSPACE = 64 << 20
+PS = (2, 4, 8)
+
+
+@pytest.fixture(scope="module")
+def worlds():
+    yield from emu_cases.world_cache(workspace_bytes=WORKSPACE)
+
+
+def _run(world, cases, rng, *, skew_ns: int = 0, poison: int = 0xFF) -> list[str]:
+    return emu_cases.run_calls(world, cases, rng, skew_ns=skew_ns, poison=poison)
+
+
+@pytest.mark.parametrize("p,causal", list(itertools.product(PS, (False, True))))
+def test_random_against_the_float32_reference(worlds, p, causal):
+    """Random inputs, causal or not, D 64 and 128, bf16 and fp16, S/P a multiple of the tile
+    and not; every case called twice in a row on poisoned outputs."""
+    rng = np.random.default_rng(200 * p + causal)
+    w = worlds(p)
+    cases = [emu_cases.ulysses_case(p, rng, causal=causal, s_local=sl, d=d, dtype=dt, h=h,
+                                    hkv=h)
+             for sl, d, dt, h in ((128, 128, "bfloat16", p), (200, 64, "float16", 2 * p),
+                                  (256, 64, "bfloat16", p), (130, 128, "float16", 2 * p))]
+    assert _run(w, cases, rng) == []
+    assert _run(w, cases, rng, poison=0x7F) == []
+
+
+@pytest.mark.parametrize("p", PS)
+def test_grouped_query_attention(worlds, p):
+    """GQA 4:1 and 2:1 (Hkv = P, 2P: the smallest K/V head count P divides, so one K/V head
+    per rank is the MQA of a head group), batch 2, causal and not, odd S/P tails."""
+    rng = np.random.default_rng(17 + p)
+    w = worlds(p)
+    cases = [emu_cases.ulysses_case(p, rng, h=4 * p, hkv=p, b=2, s_local=192, causal=True),
+             emu_cases.ulysses_case(p, rng, h=4 * p, hkv=2 * p, b=1, s_local=66,
+                                    causal=True),
+             emu_cases.ulysses_case(p, rng, h=2 * p, hkv=p, b=2, s_local=300, causal=False)]
+    assert _run(w, cases, rng) == []
+
+
+@pytest.mark.parametrize("p", PS)
+def test_tiny_and_comm_block_counts(worlds, p):
+    """S/P = 1 and 2 (one partial tile per source), and 1, 3 and 16 communication blocks."""
+    rng = np.random.default_rng(400 + p)
+    w = worlds(p)
+    cases = [emu_cases.ulysses_case(p, rng, s_local=1, causal=True),
+             emu_cases.ulysses_case(p, rng, s_local=2, causal=False),
+             emu_cases.ulysses_case(p, rng, num_comm_sms=1),
+             emu_cases.ulysses_case(p, rng, num_comm_sms=3),
+             emu_cases.ulysses_case(p, rng, num_comm_sms=16)]
+    assert _run(w, cases, rng) == []
+
+
+def test_a_late_rank(worlds):
+    """One rank starts 200 ms after the others (well inside the timeout): still correct."""
+    rng = np.random.default_rng(6)
+    w = worlds(4)
+    for causal in (False, True):
+        c = ops.Call(w, emu_cases.ulysses_case(4, rng, causal=causal))
+        try:
+            c.launch(delays_ns=[0, 0, 200_000_000, 0])
+            w.synchronize()
+            assert c.check() == []
+        finally:
+            c.free()
+
+
+@pytest.mark.parametrize("p", PS)
+def test_back_to_back_with_skew(worlds, p):
+    """CALLS calls, BATCH at a time without host synchronisation, each rank starting each call
+    after a random delay, shapes changing every call."""
+    rng = np.random.default_rng(2000 + p)
+    w = worlds(p)
+    problems: list[str] = []
+    done = 0
+    while done < CALLS:
+        n = min(BATCH, CALLS - done)
+        cases = [emu_cases.ulysses_case(p, rng, s_local=int(rng.choice([1, 64, 130, 256])))
+                 for _ in range(n)]
+        problems += _run(w, cases, rng, skew_ns=SKEW_NS,
+                         poison=0xFF if done % 40 == 0 else 0x7F)
+        done += n
+    assert problems == [], problems[:5]
+
+
+@pytest.mark.parametrize("p", PS)
+def test_interleaved_with_the_other_ops_on_one_workspace(worlds, p):
+    """Ulysses attention mixed with ring attention, the collectives and the fused GEMMs on the
+    same workspace and pads (each op's entry barrier keeps the others' deferred reads safe),
+    with skew; every other call is Ulysses."""
+    rng = np.random.default_rng(88 + p)
+    w = worlds(p)
+    others = ("ring_attn",) + ops.OPS
+    seq = [("ulysses_attn" if i % 2 == 0 else str(rng.choice(others))) for i in range(BATCH)]
+    assert _run(w, [emu_cases.case(op, p, rng) for op in seq], rng, skew_ns=SKEW_NS) == []
+
+
+_failure = emu_cases.failure
+
+
+@pytest.mark.parametrize("p", PS)
+def test_a_rank_that_never_arrives(p):
+    """The others fail within timeout + 1 s with the record naming op, rank and missing peer;
+    a fresh world (a new process) runs the op."""
+    r = _failure("dead", "ulysses_attn", str(p))
+    assert r["failed"], r
+    assert r["elapsed_s"] < r["timeout_s"] + 1.0, r
+    assert r["code"] == 1 and r["op"] == r["expected_op"], r
+    assert r["peer"] == r["dead"] and r["rank"] != r["dead"], r
+    assert "ulysses_attn" in r["message"], r
+    assert _failure("fresh", "ulysses_attn", str(p))["fresh_world_ok"]

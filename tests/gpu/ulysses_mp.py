@@ -1,0 +1,100 @@
+"""pk.ulysses_attention's forward across P processes, through JAX (the FFI handler
+pk_ulysses_attn, the Python lowering and its attributes, which the rank emulator does not
+exercise).
+
+    python -m pk_jax.launch -n 2 --share-gpu tests/gpu/ulysses_mp.py
+
+P processes share the one GPU (run_all.sh section ulysses runs P = 2, 4). Every process builds
+every rank's inputs from one seed, runs pk.ulysses_attention under jit(shard_map) on a 1-D mesh
+over all processes, and compares its own shard with the float32 numpy reference over the whole
+sequence (pk_jax.testing.ops.ulysses_attn) at bf16/fp16 tolerance. Cases: causal or not, GQA
+(K/V heads divisible by P, and not: repeated to H), S/P not a multiple of the 128-row tile,
+B = 2, D 64 and 128; two calls in a row with a pk.all_reduce between them reusing the
+symmetric workspace; a straggler (the last rank sleeps 1 s). Gradients are not checked here
+(the backward is the reference's, tested on CPU).
+
+On a machine without a GPU the same script runs on CPU processes, where the op runs its
+reference: a check of the script itself.
+"""
+
+import time
+
+
+def main() -> None:
+    import pk_jax.launch
+
+    pk_jax.launch.initialize()
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import pk_jax as pk
+    from pk_jax.testing import ops
+
+    me, n = jax.process_index(), jax.process_count()
+    mesh = jax.make_mesh((n,), ("sp",))
+    pk.init(mesh)
+    print(f"backend ulysses_attn={pk.backend_name('ulysses_attn', 'sp')}", flush=True)
+    seq = P(None, "sp")
+
+    def place(glob: np.ndarray):
+        return jax.make_array_from_callback(glob.shape, NamedSharding(mesh, seq),
+                                            lambda idx: glob[idx])
+
+    def local(y) -> np.ndarray:
+        shards = y.addressable_shards
+        assert len(shards) == 1
+        return np.asarray(shards[0].data)
+
+    def forward(causal):
+        def body(q, k, v):
+            return pk.ulysses_attention(q, k, v, "sp", causal=causal)
+
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(seq,) * 3, out_specs=seq))
+
+    def case(seed, b, sl, h, hkv, d, dtype, causal, *, calls=1, between=False,
+             sleep_rank=None):
+        rng = np.random.default_rng(seed)
+        f = forward(causal)
+        for c in range(calls):
+            qs = [rng.standard_normal((b, sl, h, d)) for _ in range(n)]
+            ks = [rng.standard_normal((b, sl, hkv, d)) for _ in range(n)]
+            vs = [rng.standard_normal((b, sl, hkv, d)) for _ in range(n)]
+            want = ops.ulysses_attn(qs, ks, vs, dtype, causal=causal).expected[me]["o"]
+            dt = ops.np_dtype(dtype)
+            glob = [np.concatenate(xs, axis=1).astype(np.float32).astype(dt)
+                    for xs in (qs, ks, vs)]
+            if sleep_rank == me:
+                time.sleep(1.0)
+            got = local(f(*(place(x) for x in glob))).astype(np.float64)
+            what = (f"rank {me}: b={b} S/P={sl} h={h} hkv={hkv} d={d} {dtype} causal={causal} "
+                    f"call {c}")
+            if not (np.all(np.isfinite(got))
+                    and np.allclose(got, want.astype(np.float64), atol=2e-2, rtol=2e-2)):
+                err = np.nanmax(np.abs(got - want.astype(np.float64)))
+                raise AssertionError(f"{what}: output differs (max error {err})")
+            if between:  # a collective reuses the workspace before the next call
+                junk = jax.make_array_from_callback(
+                    (n * 256, 64), NamedSharding(mesh, P("sp")),
+                    lambda idx: np.full((n * 256, 64), 3.0, np.float32)[idx])
+                g = jax.jit(jax.shard_map(lambda a: pk.all_reduce(a, "sp"), mesh=mesh,
+                                          in_specs=(P("sp"),), out_specs=P("sp")))
+                jax.block_until_ready(g(junk))
+
+    t0 = time.time()
+    count = 0
+    for i, (b, sl, h, hkv, d, dtype) in enumerate([(1, 256, 4, 4, 128, "bfloat16"),
+                                                   (2, 130, 8, 4, 64, "float16"),
+                                                   (1, 200, 8, 1, 128, "bfloat16")]):
+        for causal in (False, True):
+            case(10 * i + causal, b, sl, h, hkv, d, dtype, causal)
+            count += 1
+    case(91, 1, 128, 4, 4, 64, "bfloat16", True, calls=2, between=True)
+    case(92, 1, 192, 8, 4, 128, "bfloat16", True, calls=2, sleep_rank=n - 1)
+    count += 2
+    print(f"ulysses_mp OK: P={n}, {count} cases in {time.time() - t0:.1f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
