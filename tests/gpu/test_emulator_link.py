@@ -23,7 +23,8 @@ import emu_cases
 
 from pk_jax.testing import ops, real_node_link_gbps
 
-CAP_GBPS = 5.0  # slow enough that the paced time dominates every op below
+CAP_GBPS = 2.0  # slow enough that the paced time dominates every op below (5.0 was too fast
+#                 for reduce_scatter, all_to_all and ag_gemm on the H200: floor < 3x unthrottled)
 
 
 @pytest.fixture(scope="module")
