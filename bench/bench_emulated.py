@@ -223,9 +223,10 @@ def bench_tp(world: World, links: list[Link], shapes, rng, rows: list) -> None:
         for m, n, k in shapes:
             b = tp_buffers(world, op, m, n, k, rng)
             k_dev = k if op == "ag_gemm" else k // p
+            n_dev = n // p if op == "ag_gemm" else n  # ag_gemm: each rank has w[:, N/P]
             for link in links:
                 world.set_link(link.gbps)
-                plan = model_plan(op, m, n, k_dev, p, link.gpu)
+                plan = model_plan(op, m, n_dev, k_dev, p, link.gpu)
                 comm_sms = 0
                 if op == "ag_gemm":
                     comm_sms = min(plan.num_comm_sms or 8, world.sms[0] // 2)
@@ -243,7 +244,7 @@ def bench_tp(world: World, links: list[Link], shapes, rng, rows: list) -> None:
                 t_fused = common.emulated_us(world, b["fused"].launch)
                 t_serial = common.emulated_us(world,
                                               lambda op=op, b=b: serial_launch(world, op, b))
-                pred = {md: cost_model.predict(op, m, n, k_dev, p, mode=md,
+                pred = {md: cost_model.predict(op, m, n_dev, k_dev, p, mode=md,
                                                num_comm_sms=comm_sms,
                                                gpu=link.gpu).predicted_us
                         for md in ("fused", "serial")}

@@ -134,6 +134,8 @@ void EmuLaunch(const std::string& op, int64_t comm_id, int device, uint64_t stre
     a.scale = static_cast<float>(nb::cast<double>(args["scale"]));
     a.causal = Get(args, "causal") != 0;
     Raise(pk_ffi::LaunchAttention(at, a));
+    return;
+  }
   if (op == "grouped_matmul") {  // local: the serial MoE path's expert GEMM (FWD)
     const pk_ffi::GroupedMatmulArgs a{static_cast<pk_ffi::DType>(Get(args, "dtype")),
                                       Ptr<const void>(args, "x"),

@@ -71,6 +71,11 @@ H200 = GPU("H200", 132, 989.0, 0.69, 4800.0, 450.0, 40.0, 3.0, 3.0)
 
 COMM_SMS_CANDIDATES = (2, 4, 8, 12, 16, 20, 24, 32)
 
+# The fused kernels' GEMM rate against pk.matmul's, forced fused at P = 1 where nothing crosses
+# ranks (bench/bench_tp.py --quick on the H200, geomean over its six shapes per op, 2026-12-01):
+# ag_gemm's loader also writes x_full and waits on row-block flags, so it multiplies slower.
+FUSED_EFFICIENCY = {"gemm_rs": 0.95, "ag_gemm": 0.80, "gemm_ar": 0.96}
+
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
@@ -172,7 +177,7 @@ def predict(op: str, m: int, n: int, k: int, p: int, *, mode: str, num_comm_sms:
         c = num_comm_sms if op == "ag_gemm" else 0
         if c >= gpu.sms:  # no SM left for the GEMM (a small GPU or an emulated partition)
             return Plan(mode, c, float("inf"), dict(t))
-        t["comp"] = flops / (rate * (gpu.sms - c) / gpu.sms) * us
+        t["comp"] = flops / (rate * (gpu.sms - c) / gpu.sms * FUSED_EFFICIENCY[op]) * us
         tile_wave = gpu.sms * 128 * 256 * itemsize
         if op in ("gemm_rs", "gemm_ar") and p == 1:  # direct: the epoch kernel + the GEMM
             t["launch"] = 2 * gpu.launch_us
@@ -190,6 +195,8 @@ def predict(op: str, m: int, n: int, k: int, p: int, *, mode: str, num_comm_sms:
             # my shard staged for the peers, then the peers' rows of the gather (P > 1)
             moved = (mp + (p - 1) * mp) * k * itemsize if p > 1 else 0
             t["comm"] = max((p - 1) * mp * k * itemsize / nvl, moved / copy) * us
+            # the last row block to arrive is multiplied after it lands: 1/P of the GEMM
+            t["comm"] += t["comp"] / p if p > 1 else 0.0
             t["mem"] += mp * k * itemsize / hbm * us  # my rows of x_full, from the stages
             first_block = 128 * k * itemsize / (gpu.pull_gbps_per_sm * 1e9) if p > 1 else 0.0
             t["non_overlap"] = first_block * us

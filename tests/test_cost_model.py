@@ -1,5 +1,7 @@
 """pk_jax.cost_model: the plan of the fused tensor-parallel GEMM ops (CPU only, no device)."""
 
+import dataclasses
+
 import pytest
 from util import product
 
@@ -76,7 +78,7 @@ def test_gpu_constants():
 @pytest.mark.parametrize("op", cm.OPS)
 def test_p1_fused_costs_little_more_than_local(op):
     # Forced fused at P = 1: gemm_rs and gemm_ar store their tiles straight into y (epoch
-    # kernel + GEMM); ag_gemm's loader stores x into x_full from its stages (no comm traffic).
+    # kernel + GEMM at FUSED_EFFICIENCY of pk.matmul's rate); ag_gemm's loader stores x into x_full from its stages (no comm traffic).
     k = 4096
     local = cm.predict(op, 4096, 4096, k, 1, mode="local").predicted_us
     fused = cm.predict(op, 4096, 4096, k, 1, mode="fused", num_comm_sms=4)
@@ -87,4 +89,18 @@ def test_p1_fused_costs_little_more_than_local(op):
             assert cm.plan(op, 4096, 4096, k, 1).num_comm_sms == min(cm.COMM_SMS_CANDIDATES)
     else:
         assert fused.terms["non_overlap"] == 0 and fused.terms["sync"] == 0
-        assert fused.predicted_us == pytest.approx(local + cm.H200.launch_us)
+        # the GEMM at the fused kernel's measured rate, plus the epoch kernel
+        comp = local - cm.H200.launch_us
+        assert fused.predicted_us == pytest.approx(
+            2 * cm.H200.launch_us + comp / cm.FUSED_EFFICIENCY[op])
+
+
+def test_ag_gemm_fused_waits_for_the_last_row_block():
+    # The last row block to arrive is multiplied after it lands: with a slow link the fused
+    # time is at least the gather plus 1/P of the GEMM.
+    slow = dataclasses.replace(cm.H200, nvlink_gbps=10.0)
+    p, m, n, k = 4, 8192, 2048, 4096
+    fused = cm.predict("ag_gemm", m, n, k, p, mode="fused", num_comm_sms=8, gpu=slow)
+    gather_us = (p - 1) * (m // p) * k * 2 / (slow.nvlink_gbps * 1e9) * 1e6
+    assert fused.terms["comm"] >= gather_us + fused.terms["comp"] / p - 1e-6
+    assert fused.predicted_us > gather_us + fused.terms["comp"] / p
