@@ -15,14 +15,16 @@ and picks how the op runs:
 Terms (every byte count uses the dtype's itemsize; M = rows of the whole product, K = the
 contraction length each device multiplies, N = output columns):
 
-- T_comp: 2 M N K / (peak x GEMM efficiency x compute SMs / SMs).
+- T_comp: 2 M N K / (peak x GEMM efficiency x compute SMs / SMs), and for the fused kernels
+  x FUSED_EFFICIENCY (their GEMM rate against pk.matmul's, measured at P = 1).
 - T_mem: the GEMM's HBM traffic (A, B once, C once) / HBM bandwidth.
 - T_comm: what crosses NVLink while the GEMM runs: gemm_rs and gemm_ar push (P-1)/P of the
   M x N partial product to its owners; ag_gemm's communication SMs copy M/P x K rows into the
   workspace and the other ranks' (P-1) M/P x K rows into the gathered x, over NVLink: the
   slower of that over NVLink and everything at num_comm_sms x the per-SM copy bandwidth (none
   at P = 1). ag_gemm's own M/P x K rows of the gathered x are stored by the GEMM's loader
-  from its pipeline stages: one more HBM write in T_mem.
+  from its pipeline stages: one more HBM write in T_mem. ag_gemm's T_comm also counts 1/P of
+  T_comp: the last row block to land is multiplied after it lands.
 - T_non_overlap: work before the first or after the last tile: gemm_rs zeroes its owner buffer
   and copies it out (3 M/P N bytes of HBM) plus the last wave's pushes; gemm_ar also gathers
   every owner's rows ((P-1)/P M N over NVLink, M N of HBM writes); ag_gemm waits for the
