@@ -23,8 +23,8 @@ contraction length each device multiplies, N = output columns):
   workspace and the other ranks' (P-1) M/P x K rows into the gathered x, over NVLink: the
   slower of that over NVLink and everything at num_comm_sms x the per-SM copy bandwidth (none
   at P = 1). ag_gemm's own M/P x K rows of the gathered x are stored by the GEMM's loader
-  from its pipeline stages: one more HBM write in T_mem. ag_gemm's T_comm also counts 1/P of
-  T_comp: the last row block to land is multiplied after it lands.
+  from its pipeline stages: one more HBM write in T_mem. ag_gemm's T_comm is also counted in
+  T_non_overlap: measured in the rank emulator, its fused kernel does not overlap it yet.
 - T_non_overlap: work before the first or after the last tile: gemm_rs zeroes its owner buffer
   and copies it out (3 M/P N bytes of HBM) plus the last wave's pushes; gemm_ar also gathers
   every owner's rows ((P-1)/P M N over NVLink, M N of HBM writes); ag_gemm waits for the
@@ -197,11 +197,14 @@ def predict(op: str, m: int, n: int, k: int, p: int, *, mode: str, num_comm_sms:
             # my shard staged for the peers, then the peers' rows of the gather (P > 1)
             moved = (mp + (p - 1) * mp) * k * itemsize if p > 1 else 0
             t["comm"] = max((p - 1) * mp * k * itemsize / nvl, moved / copy) * us
-            # the last row block to arrive is multiplied after it lands: 1/P of the GEMM
-            t["comm"] += t["comp"] / p if p > 1 else 0.0
             t["mem"] += mp * k * itemsize / hbm * us  # my rows of x_full, from the stages
             first_block = 128 * k * itemsize / (gpu.pull_gbps_per_sm * 1e9) if p > 1 else 0.0
-            t["non_overlap"] = first_block * us
+            # NOTES: measured, not overlapped: in the rank emulator (bench/results/
+            # emulated_notes.md, 12 cases at P = 2, 4, 8, link throttled and not) fused ag_gemm
+            # took about its GEMM on the remaining SMs plus its gather, 1.3-1.8x serial in 10
+            # of 12; the compute blocks wait on the row blocks' flags more than the overlap
+            # saves. Until the kernel overlaps, the gather counts in full.
+            t["non_overlap"] = first_block * us + t["comm"]
             t["launch"] = 2 * gpu.launch_us
             t["sync"] = 3 * gpu.barrier_us if p > 1 else 0.0  # P = 1: barriers with myself
     else:

@@ -95,12 +95,14 @@ def test_p1_fused_costs_little_more_than_local(op):
             2 * cm.H200.launch_us + comp / cm.FUSED_EFFICIENCY[op])
 
 
-def test_ag_gemm_fused_waits_for_the_last_row_block():
-    # The last row block to arrive is multiplied after it lands: with a slow link the fused
-    # time is at least the gather plus 1/P of the GEMM.
+def test_ag_gemm_fused_counts_its_gather_in_full():
+    # Measured in the rank emulator, fused ag_gemm does not overlap its gather with the GEMM
+    # (cost_model NOTES): its time is at least the GEMM plus the gather, so "auto" picks serial
+    # wherever the two move the same bytes.
     slow = dataclasses.replace(cm.H200, nvlink_gbps=10.0)
     p, m, n, k = 4, 8192, 2048, 4096
     fused = cm.predict("ag_gemm", m, n, k, p, mode="fused", num_comm_sms=8, gpu=slow)
     gather_us = (p - 1) * (m // p) * k * 2 / (slow.nvlink_gbps * 1e9) * 1e6
-    assert fused.terms["comm"] >= gather_us + fused.terms["comp"] / p - 1e-6
-    assert fused.predicted_us > gather_us + fused.terms["comp"] / p
+    assert fused.terms["non_overlap"] >= gather_us
+    assert fused.predicted_us > fused.terms["comp"] + gather_us
+    assert cm.plan("ag_gemm", m, n, k, p, gpu=slow).mode == "serial"
