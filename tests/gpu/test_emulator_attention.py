@@ -81,6 +81,17 @@ def test_tiny_and_comm_block_counts(worlds, p):
     assert _run(w, cases, rng) == []
 
 
+def test_chunks_of_several_tiles(worlds):
+    """S/P = 8300 (65 key tiles): chunks of 2 tiles (at most 64 chunks per K/V block), the last
+    one partial; causal zigzag and not, GQA."""
+    rng = np.random.default_rng(17)
+    w = worlds(2)
+    cases = [emu_cases.ring_case(2, rng, s_local=8300, h=2, hkv=1, d=64, b=1, causal=True,
+                                 zigzag=True),
+             emu_cases.ring_case(2, rng, s_local=8300, h=2, hkv=1, d=64, b=1, causal=False)]
+    assert _run(w, cases, rng) == []
+
+
 def test_a_late_rank(worlds):
     """One rank starts 200 ms after the others (well inside the timeout): still correct."""
     rng = np.random.default_rng(5)
