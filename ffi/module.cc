@@ -112,7 +112,7 @@ void EmuLaunch(const std::string& op, int64_t comm_id, int device, uint64_t stre
     Raise(pk_ffi::LaunchMatmul(at, gemm_args()));
     return;
   }
-  if (op == "attention") {  // local forward: no communicator (the unfused ring's per-block step)
+  if (op == "attention") {  // local, no communicator (the unfused ring's per-block step)
     pk_ffi::AttnArgs a{};
     a.dtype = static_cast<pk_ffi::DType>(Get(args, "dtype"));
     a.q = Ptr<const void>(args, "q");
@@ -127,6 +127,16 @@ void EmuLaunch(const std::string& op, int64_t comm_id, int device, uint64_t stre
     a.d = Get(args, "d");
     a.scale = static_cast<float>(nb::cast<double>(args["scale"]));
     a.causal = Get(args, "causal") != 0;
+    a.backward = Get(args, "backward", 0) != 0;  // the unfused ring backward's per-block step
+    if (a.backward) {
+      a.d_o = Ptr<const void>(args, "do");
+      a.lse_in = Ptr<const float>(args, "lse_in");
+      a.delta = Ptr<const float>(args, "delta");
+      a.dq = Ptr<void>(args, "dq");
+      a.dk = Ptr<void>(args, "dk");
+      a.dv = Ptr<void>(args, "dv");
+      a.sp = Get(args, "sp");
+    }
     Raise(pk_ffi::LaunchAttention(at, a));
     return;
   }

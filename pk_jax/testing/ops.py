@@ -21,7 +21,8 @@ OPS = COLLECTIVES + GEMMS
 # Expert-parallel MoE: dispatch, its per-slot form (the combine's VJP), combine, and the
 # combine's unsummed gather (its weights' VJP). Their launcher fields are named in the cases.
 MOE = ("moe_dispatch", "moe_scatter", "moe_combine", "moe_gather")
-# Sequence parallelism: the fused ring attention forward (launcher fields named in the case).
+# Sequence parallelism: the fused ring attention forward and backward (launcher fields named in
+# the case).
 ATTENTION = ("ring_attn", "ring_attn_bwd")
 TILE_128x128, TILE_128x256 = 1, 2
 
