@@ -215,10 +215,14 @@ def run_shape_bwd(world: World, p: int, sl: int, causal: bool, rng, rows: list) 
 
 
 def main() -> None:
+    global NUM_COMM_SMS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="S/P = 2048 only")
     parser.add_argument("--forward-only", action="store_true", help="skip the backward")
+    parser.add_argument("--num-comm-sms", type=int, default=2,
+                        help="communication blocks of the fused kernels (default: the op's)")
     args = parser.parse_args()
+    NUM_COMM_SMS = args.num_comm_sms
     rng = np.random.default_rng(0)
     rows: list = []
     for p in (2, 4, 8):

@@ -311,20 +311,20 @@ def ring_attn_bwd(qs, ks, vs, dos, dtype: str, *, causal: bool, zigzag: bool = F
         for hh in range(h):
             kv = hh // group
             kk, vv = k_all[:, :, kv], v_all[:, :, kv]  # [B, S, D]
-            sc = np.einsum("bqd,bkd->bqk", q[:, :, hh], kk) * scale
+            sc = np.einsum("bqd,bkd->bqk", q[:, :, hh], kk, optimize=True) * scale
             if causal:
                 sc = np.where(k_pos[None, None, :] > pos[r][None, :, None], -np.inf, sc)
             mx = sc.max(axis=-1, keepdims=True)
             e = np.exp(sc - mx)
             den = e.sum(axis=-1, keepdims=True)
             pr = e / den
-            o = np.einsum("bqk,bkd->bqd", pr, vv)
+            o = np.einsum("bqk,bkd->bqd", pr, vv, optimize=True)
             dl = np.sum(do[:, :, hh] * o, axis=-1)  # [B, Sl]
-            dp = np.einsum("bqd,bkd->bqk", do[:, :, hh], vv)
+            dp = np.einsum("bqd,bkd->bqk", do[:, :, hh], vv, optimize=True)
             ds = pr * (dp - dl[..., None])
-            dq[:, :, hh] = scale * np.einsum("bqk,bkd->bqd", ds, kk)
-            dk_all[:, :, kv] += scale * np.einsum("bqk,bqd->bkd", ds, q[:, :, hh])
-            dv_all[:, :, kv] += np.einsum("bqk,bqd->bkd", pr, do[:, :, hh])
+            dq[:, :, hh] = scale * np.einsum("bqk,bkd->bqd", ds, kk, optimize=True)
+            dk_all[:, :, kv] += scale * np.einsum("bqk,bqd->bkd", ds, q[:, :, hh], optimize=True)
+            dv_all[:, :, kv] += np.einsum("bqk,bqd->bkd", pr, do[:, :, hh], optimize=True)
             lse[:, hh, :sl] = (mx + np.log(den))[..., 0]
             delta[:, hh, :sl] = dl
         inputs.append({"q": qs[r], "k": ks[r], "v": vs[r], "do": dos[r], "lse": lse,

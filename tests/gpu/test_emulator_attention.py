@@ -188,15 +188,16 @@ def test_backward_grouped_query_attention(worlds, p):
     assert _run(w, cases, rng) == []
 
 
-def test_backward_more_items_than_lanes(worlds):
-    """P = 2, S/P 8300 (65 key tiles, chunks of 2), 4 K/V heads: 260 work items on 256 lanes
-    (some lanes take two), causal zigzag and not."""
+def test_backward_chunks_and_more_items_than_lanes(worlds):
+    """P = 2. S/P = 8300 (65 key tiles): chunks of 2 tiles, the last one partial, causal zigzag
+    and not. S/P = 130 with 8 K/V heads and batch 17: 272 work items on 256 lanes (some lanes
+    take two items), causal contiguous and not."""
     rng = np.random.default_rng(23)
     w = worlds(2)
-    cases = [_bwd_case(2, rng, s_local=8300, h=4, hkv=4, d=64, b=1, causal=True, zigzag=True,
-                       dtype="bfloat16"),
-             _bwd_case(2, rng, s_local=8300, h=4, hkv=4, d=64, b=1, causal=False,
-                       dtype="float16")]
+    cases = [_bwd_case(2, rng, s_local=8300, h=2, hkv=1, d=64, b=1, causal=True, zigzag=True),
+             _bwd_case(2, rng, s_local=8300, h=2, hkv=1, d=64, b=1, causal=False),
+             _bwd_case(2, rng, s_local=130, h=8, hkv=8, d=64, b=17, causal=True, zigzag=False),
+             _bwd_case(2, rng, s_local=130, h=8, hkv=8, d=64, b=17, causal=False)]
     assert _run(w, cases, rng) == []
 
 
