@@ -1,25 +1,35 @@
 """Emulated P-rank benchmarks: the seven cross-rank ops at P = 2, 4, 8 in the rank emulator
-(pk_jax.testing.World: P green-context partitions of one GPU, the FFI handlers' launchers).
+(pk_jax.testing.World: P green-context partitions of one GPU, the FFI handlers' launchers),
+unthrottled and with the link throttle at a real NVLink node's FLOP/byte ratio.
 
-What the numbers mean: each emulated rank has 1/P of the SMs and all ranks share one HBM, so a
-rank computes at about 1/P of the GPU and "links" at the shared-HBM rate, not NVLink's. The
-rows measure overlap and protocol cost under true concurrency, not NVLink speed; every row says
-`"emulated": true`, `"machine": "h200-emulated"`, `"link": "shared HBM (unthrottled)"`.
+What the numbers mean: each emulated rank has 1/P of the SMs and all ranks share one HBM, so
+a rank computes at about 1/P of the GPU. Unthrottled, it "links" at the shared-HBM rate (~240
+FLOP per byte: communication is nearly free, overlap barely matters). Throttled, every rank's
+cross-rank bytes are paced at link = (the partition's matmul TFLOP/s, measured in the same
+run) / 1750 FLOP per byte (a real H100/H200 node: 790 TFLOP/s against 450 GB/s per GPU per
+direction), so the emulated machine has a real node's balance of compute and communication.
+Neither is NVLink speed. Every row says `"emulated": true`, `"machine": "h200-emulated"`,
+`"world"`: P, `"link"`: "unthrottled" or "throttled 1750 FLOP/B" and `"link_gbps"` (the cap
+per rank, or the shared HBM's device-copy rate / P when unthrottled).
 
-Per P:
+Per P and link setting:
 - fused TP ops against the serial path launched the same way (pk.matmul's launcher, then the
   collective's): gemm_rs (matmul + reduce_scatter), ag_gemm (all_gather + matmul), gemm_ar
   (matmul + all_reduce), at a few (M, N, K) with K the whole contraction; the cost model's
   predictions for both modes next to the measurements, with the model's constants scaled to a
-  partition (SMs, peak, HBM / P, link = the measured copy rate / P);
+  partition (SMs, peak, HBM / P; link = the cap when throttled, the measured copy rate / P
+  when not);
 - the four collectives at 32 MiB per rank against a device copy of the same bytes on every
-  rank's stream at once (what the shared HBM allows).
+  rank's stream at once (what the shared HBM allows); throttled rows also give the link floor
+  (bytes each rank moves across ranks / cap).
 
 Correctness first: each configuration's outputs are checked against a float64 reference
-(tolerances as the ops' tests) before it is timed. Timing: back-to-back calls on every rank's
-stream, no host synchronisation inside a batch, wall clock per call, median of 5 batches.
+(tolerances as the ops' tests) before it is timed, throttled and unthrottled. Timing:
+back-to-back calls on every rank's stream, no host synchronisation inside a batch, wall clock
+per call, median of 5 batches.
 
-    python bench/bench_emulated.py [--worlds 2,4,8] [--quick]
+    CUDA_MODULE_LOADING=EAGER python bench/bench_emulated.py [--worlds 2,4,8] [--quick]
+        [--throttle both|real-node|off] [--flop-per-byte 1750] [--link-gbps G]
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 import argparse
 import dataclasses
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,21 +51,30 @@ import numpy as np
 
 from pk_jax import cost_model
 from pk_jax.runtime import vmm
-from pk_jax.testing import DeviceBuffer, World, ops
+from pk_jax.testing import REAL_NODE_FLOP_PER_BYTE, DeviceBuffer, World, ops, real_node_link_gbps
 
 MACHINE = "h200-emulated"
-LINK = "shared HBM (unthrottled)"
 BF16 = "bfloat16"
 
 
-def emulated_gpu(world: World, copy_gbps: float) -> cost_model.GPU:
-    """The cost model's constants for one partition of the H200."""
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """One link setting of a run: its row label, the cap (0: unthrottled) and the cost model's
+    constants for it."""
+
+    label: str
+    gbps: float          # the throttle's cap per rank; 0 = off
+    model_gbps: float    # the link rate the cost model is given
+    gpu: cost_model.GPU
+
+
+def emulated_gpu(world: World, link_gbps: float) -> cost_model.GPU:
+    """The cost model's constants for one partition of the H200, with link `link_gbps`."""
     h = cost_model.H200
     sms = world.sms[0]
     return dataclasses.replace(h, name=f"H200/{world.world}", sms=sms,
                                peak_tflops=h.peak_tflops * sms / h.sms,
-                               hbm_gbps=h.hbm_gbps / world.world,
-                               nvlink_gbps=copy_gbps / world.world)
+                               hbm_gbps=h.hbm_gbps / world.world, nvlink_gbps=link_gbps)
 
 
 def copy_rate_gbps(world: World, nbytes: int = 256 << 20) -> float:
@@ -71,6 +91,58 @@ def copy_rate_gbps(world: World, nbytes: int = 256 << 20) -> float:
     b.free()
     # One partition's copy engine path is not SM-bound: this is the shared HBM's copy rate.
     return nbytes / (us * 1e-6) / 1e9
+
+
+def partition_tflops(world: World, m: int = 8192, n: int = 8192, k: int = 2048) -> float:
+    """TFLOP/s of one rank's matmul (pk.matmul's launcher, the serial path's GEMM) while every
+    rank runs one at once: the emulated rank's compute rate, measured."""
+    p = world.world
+    bufs = [(DeviceBuffer(m * k * 2), DeviceBuffer(k * n * 2), DeviceBuffer(m * n * 2))
+            for _ in range(p)]
+    for x, w, _ in bufs:
+        x.fill(0x3C)  # bf16 0x3C3C: a small finite value
+        w.fill(0x3C)
+    dt = ops.DTYPES[BF16]
+
+    def all_ranks():
+        for r, (x, w, y) in enumerate(bufs):
+            world.launch("matmul", r, {"dtype": dt, "x": x, "w": w, "y": y, "m": m, "k": k,
+                                       "n": n, "y_rows": m, "y_cols": n, "config": 0,
+                                       "group_m": 8})
+
+    us = common.emulated_us(world, all_ranks)
+    for trio in bufs:
+        for b in trio:
+            b.free()
+    return 2.0 * m * n * k / (us * 1e-6) / 1e12
+
+
+def links_for(world: World, throttle: str, flop_per_byte: float, link_gbps: float | None,
+              copy_gbps: float, tflops: float) -> list[Link]:
+    """The link settings of this run: unthrottled and/or throttled."""
+    p = world.world
+    out = []
+    if throttle in ("both", "off"):
+        free = copy_gbps / p
+        out.append(Link("unthrottled", 0.0, free, emulated_gpu(world, free)))
+    if throttle in ("both", "real-node"):
+        cap = link_gbps or real_node_link_gbps(tflops, flop_per_byte)
+        label = (f"throttled {cap:.1f} GB/s" if link_gbps
+                 else f"throttled {flop_per_byte:g} FLOP/B")
+        out.append(Link(label, cap, cap, emulated_gpu(world, cap)))
+    return out
+
+
+def link_fields(world: World, link: Link) -> dict:
+    return {"emulated": True, "machine": MACHINE, "link": link.label,
+            "link_gbps": round(link.model_gbps, 2), "throttled": link.gbps > 0,
+            "sms_per_rank": world.sms[0]}
+
+
+def poison(call: ops.Call) -> None:
+    for r, bufs in enumerate(call.buffers):
+        for name in call.case.expected[r]:
+            bufs[name].fill(0xFF)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -145,45 +217,52 @@ def model_plan(op: str, m: int, n: int, k: int, p: int, gpu: cost_model.GPU):
     return min(plans, key=lambda pl: pl.predicted_us)
 
 
-def bench_tp(world: World, gpu: cost_model.GPU, shapes, rng, rows: list) -> None:
+def bench_tp(world: World, links: list[Link], shapes, rng, rows: list) -> None:
     p = world.world
     for op in ("gemm_rs", "ag_gemm", "gemm_ar"):
         for m, n, k in shapes:
             b = tp_buffers(world, op, m, n, k, rng)
             k_dev = k if op == "ag_gemm" else k // p
-            plan = model_plan(op, m, n, k_dev, p, gpu)
-            comm_sms = plan.num_comm_sms if op == "ag_gemm" else 0
-            if op == "ag_gemm":
-                comm_sms = comm_sms or 8
-                comm_sms = min(comm_sms, world.sms[0] // 2)
-                for a in b["fused"].args:
-                    a["num_comm_sms"] = comm_sms
-            b["fused"].launch()
-            serial_launch(world, op, b)
-            world.synchronize()
-            problems = b["fused"].check() + b["serial"].check()
-            if problems:
-                raise SystemExit(f"{op} P={p} {m}x{n}x{k}: wrong results: {problems[:3]}")
-            t_fused = common.emulated_us(world, b["fused"].launch)
-            t_serial = common.emulated_us(world, lambda op=op, b=b: serial_launch(world, op, b))
-            pred = {md: cost_model.predict(op, m, n, k_dev, p, mode=md, num_comm_sms=comm_sms,
-                                           gpu=gpu).predicted_us for md in ("fused", "serial")}
-            flops = 2.0 * m * n * k
-            shape = {"m": m, "n": n, "k": k}
-            common_fields = {"dtype": BF16, "world": p, "processes": 1, "emulated": True,
-                             "machine": MACHINE, "link": LINK, "sms_per_rank": world.sms[0],
-                             "predicted_fused_us": round(pred["fused"], 1),
-                             "predicted_serial_us": round(pred["serial"], 1),
-                             "model_choice": plan.mode, "num_comm_sms": comm_sms}
-            row = common.record(op=op, shape=shape, median_us=t_fused,
-                                tflops=flops / t_fused / 1e6, baseline="serial (emulated)",
-                                baseline_median_us=t_serial, mode="fused", **common_fields)
-            rows.append(row)
-            faster = "fused" if t_fused < t_serial else "serial"
-            print(f"P={p} {op:8s} {m}x{n}x{k}: fused {t_fused:9.1f} us "
-                  f"({flops / t_fused / 1e6:6.1f} TFLOP/s)  serial {t_serial:9.1f} us  "
-                  f"{t_serial / t_fused:5.2f}x vs serial | model fused {pred['fused']:8.1f} "
-                  f"serial {pred['serial']:8.1f} -> {plan.mode} (faster: {faster})", flush=True)
+            for link in links:
+                world.set_link(link.gbps)
+                plan = model_plan(op, m, n, k_dev, p, link.gpu)
+                comm_sms = 0
+                if op == "ag_gemm":
+                    comm_sms = min(plan.num_comm_sms or 8, world.sms[0] // 2)
+                    for a in b["fused"].args:
+                        a["num_comm_sms"] = comm_sms
+                for c in (b["fused"], b["serial"]):
+                    poison(c)
+                b["fused"].launch()
+                serial_launch(world, op, b)
+                world.synchronize()
+                problems = b["fused"].check() + b["serial"].check()
+                if problems:
+                    raise SystemExit(f"{op} P={p} {m}x{n}x{k} ({link.label}): wrong results: "
+                                     f"{problems[:3]}")
+                t_fused = common.emulated_us(world, b["fused"].launch)
+                t_serial = common.emulated_us(world,
+                                              lambda op=op, b=b: serial_launch(world, op, b))
+                pred = {md: cost_model.predict(op, m, n, k_dev, p, mode=md,
+                                               num_comm_sms=comm_sms,
+                                               gpu=link.gpu).predicted_us
+                        for md in ("fused", "serial")}
+                flops = 2.0 * m * n * k
+                row = common.record(
+                    op=op, shape={"m": m, "n": n, "k": k}, median_us=t_fused,
+                    tflops=flops / t_fused / 1e6, baseline="serial (emulated)",
+                    baseline_median_us=t_serial, mode="fused", dtype=BF16, world=p,
+                    processes=1, predicted_fused_us=round(pred["fused"], 1),
+                    predicted_serial_us=round(pred["serial"], 1), model_choice=plan.mode,
+                    num_comm_sms=comm_sms, **link_fields(world, link))
+                rows.append(row)
+                faster = "fused" if t_fused < t_serial else "serial"
+                print(f"P={p} {link.label:22s} {op:8s} {m}x{n}x{k}: fused {t_fused:9.1f} us "
+                      f"({flops / t_fused / 1e6:6.1f} TFLOP/s)  serial {t_serial:9.1f} us  "
+                      f"{t_serial / t_fused:5.2f}x | model fused {pred['fused']:8.1f} "
+                      f"serial {pred['serial']:8.1f} -> {plan.mode} (faster: {faster})",
+                      flush=True)
+            world.set_link(None)
             for c in (b["fused"], b["serial"]):
                 c.free()
             for t in b["tmp"]:
@@ -193,7 +272,18 @@ def bench_tp(world: World, gpu: cost_model.GPU, shapes, rng, rows: list) -> None
 # ---------------------------------------------------------------------------------------------
 # Collectives against a concurrent device copy of the same bytes
 
-def bench_collectives(world: World, nbytes: int, rng, rows: list) -> None:
+def link_bytes(op: str, case: ops.Case, p: int) -> int:
+    """Bytes each rank moves to or from other ranks' workspaces in one call (what the throttle
+    paces; pk/collective.cuh): pulls of the peers' staged data."""
+    nbytes = case.inputs[0]["x"].nbytes
+    if op == "all_reduce":  # one-shot at P <= 2 or <= 512 KiB, else two-shot (sum + gather)
+        return (p - 1) * nbytes if p <= 2 or nbytes <= 512 * 1024 else 2 * (p - 1) * nbytes // p
+    if op == "all_gather":
+        return (p - 1) * nbytes
+    return (p - 1) * nbytes // p  # reduce_scatter (my slice from every peer), all_to_all
+
+
+def bench_collectives(world: World, links: list[Link], nbytes: int, rng, rows: list) -> None:
     p = world.world
     n = nbytes // 2
     n -= n % (p * 8)
@@ -209,12 +299,6 @@ def bench_collectives(world: World, nbytes: int, rng, rows: list) -> None:
         else:
             case = ops.all_to_all([x.reshape(p * 8, -1) for x in xs], BF16, 0, 0)
         call = ops.Call(world, case)
-        call.launch()
-        world.synchronize()
-        problems = call.check()
-        if problems:
-            raise SystemExit(f"{op} P={p}: wrong results: {problems[:3]}")
-        t = common.emulated_us(world, call.launch)
         moved = case.expected[0]["y"].nbytes  # bytes each rank writes
         src = [DeviceBuffer(moved) for _ in range(p)]
         dst = [DeviceBuffer(moved) for _ in range(p)]
@@ -224,45 +308,89 @@ def bench_collectives(world: World, nbytes: int, rng, rows: list) -> None:
                 vmm.call("cuMemcpyDtoDAsync", dst[r].ptr, src[r].ptr, moved,
                          cu.CUstream(world.parts[r].stream))
 
+        world.set_link(None)
         t_copy = common.emulated_us(world, copies)
-        row = common.record(op=op, shape={"bytes_per_rank": case.inputs[0]["x"].nbytes},
-                            dtype=BF16, world=p, processes=1, median_us=t,
-                            gbps=moved / t / 1e3, baseline="concurrent device copy (emulated)",
-                            baseline_median_us=t_copy, emulated=True, machine=MACHINE,
-                            link=LINK, sms_per_rank=world.sms[0])
-        rows.append(row)
-        print(f"P={p} {op:14s} {case.inputs[0]['x'].nbytes >> 20:4d} MiB/rank: {t:9.1f} us "
-              f"({moved / t / 1e3:7.1f} GB/s written per rank)  copy {t_copy:8.1f} us",
-              flush=True)
+        linked = link_bytes(op, case, p)
+        for link in links:
+            world.set_link(link.gbps)
+            poison(call)
+            call.launch()
+            world.synchronize()
+            problems = call.check()
+            if problems:
+                raise SystemExit(f"{op} P={p} ({link.label}): wrong results: {problems[:3]}")
+            t = common.emulated_us(world, call.launch)
+            floor = linked / (link.gbps * 1e3) if link.gbps else None  # us
+            row = common.record(op=op, shape={"bytes_per_rank": case.inputs[0]["x"].nbytes},
+                                dtype=BF16, world=p, processes=1, median_us=t,
+                                gbps=moved / t / 1e3, baseline="concurrent device copy (emulated)",
+                                baseline_median_us=t_copy, link_bytes_per_rank=linked,
+                                link_floor_us=None if floor is None else round(floor, 1),
+                                **link_fields(world, link))
+            rows.append(row)
+            extra = f"  link floor {floor:8.1f} us" if floor else ""
+            print(f"P={p} {link.label:22s} {op:14s} {case.inputs[0]['x'].nbytes >> 20:4d} "
+                  f"MiB/rank: {t:9.1f} us ({moved / t / 1e3:7.1f} GB/s written per rank)  "
+                  f"copy {t_copy:8.1f} us{extra}", flush=True)
+        world.set_link(None)
         call.free()
         for bb in src + dst:
             bb.free()
 
 
+def summary(rows: list) -> None:
+    for label in dict.fromkeys(r["link"] for r in rows):
+        tp = [r for r in rows if r.get("mode") == "fused" and r["link"] == label]
+        if not tp:
+            continue
+        right = sum(1 for r in tp if (r["model_choice"] == "fused") == (r["ratio"] > 1.0))
+        wrong_fused = sum(1 for r in tp if r["model_choice"] == "fused" and r["ratio"] <= 1.0)
+        print(f"=== {label}: cost model (emulated constants) picked the faster mode in "
+              f"{right}/{len(tp)} cases; picked fused where serial was faster in {wrong_fused}; "
+              f"geomean fused vs serial {common.geomean([r['ratio'] for r in tp]):.3f}x")
+        for p in sorted({r["world"] for r in tp}):
+            at = [r["ratio"] for r in tp if r["world"] == p]
+            print(f"    P={p}: fused vs serial geomean {common.geomean(at):.3f}x "
+                  f"({', '.join(f'{x:.2f}' for x in at)})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--worlds", default="2,4,8")
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="two GEMM shapes, 16 MiB collectives")
+    ap.add_argument("--throttle", choices=("both", "real-node", "off"), default="both",
+                    help="unthrottled and real-node rows (default), or only one of them")
+    ap.add_argument("--flop-per-byte", type=float, default=REAL_NODE_FLOP_PER_BYTE,
+                    help="the real node's FLOP/byte the throttle reproduces (default 1750)")
+    ap.add_argument("--link-gbps", type=float, default=None,
+                    help="a fixed cap per rank (GB/s) instead of the FLOP/byte rule")
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     shapes = [(8192, 8192, 8192), (8192, 8192, 2048), (4096, 4096, 8192)]
+    coll_bytes = 32 << 20
     if args.quick:
-        shapes = shapes[:2]
+        shapes, coll_bytes = shapes[:2], 16 << 20
     rows: list = []
+    t0 = time.monotonic()
     for p in (int(s) for s in args.worlds.split(",")):
         with World(p, workspace_bytes=512 << 20, timeout_s=30.0) as world:
             rate = copy_rate_gbps(world)
-            gpu = emulated_gpu(world, rate)
-            print(f"=== P={p}: {world.sms} SMs per rank, device copy {rate:.0f} GB/s", flush=True)
-            bench_tp(world, gpu, shapes, rng, rows)
-            bench_collectives(world, 32 << 20, rng, rows)
-    tp = [r for r in rows if r.get("mode") == "fused"]
-    right = sum(1 for r in tp if (r["model_choice"] == "fused") == (r["ratio"] > 1.0))
-    wrong_fused = sum(1 for r in tp if r["model_choice"] == "fused" and r["ratio"] <= 1.0)
-    print(f"=== cost model (emulated constants): picked the faster mode in {right}/{len(tp)} "
-          f"cases; picked fused where serial was faster in {wrong_fused}")
-    if tp:
-        print(f"=== geomean fused vs serial: {common.geomean([r['ratio'] for r in tp]):.3f}x")
+            tflops = partition_tflops(world)
+            links = links_for(world, args.throttle, args.flop_per_byte, args.link_gbps, rate,
+                              tflops)
+            print(f"=== P={p}: {world.sms} SMs per rank, device copy {rate:.0f} GB/s "
+                  f"(/{p} = {rate / p:.0f} GB/s per rank unthrottled); matmul "
+                  f"{tflops:.1f} TFLOP/s per rank (all ranks at once) -> "
+                  f"{tflops * 1e3 / (rate / p):.0f} FLOP/B unthrottled; real-node cap "
+                  f"{tflops:.1f}e12 / {args.flop_per_byte:g} = "
+                  f"{real_node_link_gbps(tflops, args.flop_per_byte):.1f} GB/s per rank; "
+                  f"links: {', '.join(f'{lk.label} ({lk.model_gbps:.1f} GB/s)' for lk in links)}",
+                  flush=True)
+            bench_tp(world, links, shapes, rng, rows)
+            bench_collectives(world, links, coll_bytes, rng, rows)
+            print(f"=== P={p} done at {time.monotonic() - t0:.0f} s", flush=True)
+    summary(rows)
+    print(f"=== total {time.monotonic() - t0:.0f} s")
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ inline Status CollectiveGlobals(const char* op, int op_id, const CollArgs& a, co
   g->y = a.y;
   g->rank_ptr = a.rank;
   g->n = a.n;
+  g->link = pk::link_throttle{v.link_clock, v.link_ps_per_kib};  // off unless emulated
   return Status::Ok();
 }
 

@@ -90,6 +90,25 @@ void RegisterComm(int64_t comm_id, int device_ordinal, int rank, int world,
   it->second = std::move(view);
 }
 
+void SetCommLink(int64_t comm_id, int device_ordinal, double gbps, uint64_t clock_ptr) {
+  const std::string name = KeyName(comm_id, device_ordinal);
+  std::lock_guard<std::mutex> lock(TableMutex());
+  auto it = Table().find({comm_id, device_ordinal});
+  if (it == Table().end()) {
+    throw std::invalid_argument("pk_jax comm_set_link: " + name + " is not registered");
+  }
+  if (gbps > 0 && clock_ptr == 0) {
+    throw std::invalid_argument("pk_jax comm_set_link: " + name + " needs a link clock");
+  }
+  if (gbps > 0 && gbps < 0.1) {  // keeps bytes * ps_per_kib far from overflow
+    throw std::invalid_argument("pk_jax comm_set_link: " + name + ": a cap below 0.1 GB/s");
+  }
+  // ps per KiB: 1024 bytes at gbps * 1e9 bytes/s (pk/link.cuh).
+  const uint64_t ps = gbps > 0 ? static_cast<uint64_t>(1024.0 * 1000.0 / gbps + 0.5) : 0;
+  it->second->link_clock = ps > 0 ? reinterpret_cast<uint64_t*>(clock_ptr) : nullptr;
+  it->second->link_ps_per_kib = ps;
+}
+
 bool UnregisterComm(int64_t comm_id, int device_ordinal) {
   std::lock_guard<std::mutex> lock(TableMutex());
   return Table().erase({comm_id, device_ordinal}) > 0;

@@ -20,6 +20,11 @@ struct CommView {                  // passed to kernels by value
   uint64_t workspace_bytes;
   uint64_t signal_count;           // number of uint64 counters in each pad
   int32_t* error;                  // device pointer to a host-mapped int32[8] error record
+  // The rank emulator's link throttle (cuda/include/pk/link.cuh): this rank's link clock in
+  // device memory and the cap in ps per KiB. nullptr / 0 (off) unless pk_jax.testing set them
+  // through SetCommLink; pk.init never does.
+  uint64_t* link_clock;
+  uint64_t link_ps_per_kib;
 };
 
 // nullptr when no communicator comm_id is registered for this device ordinal.
@@ -45,6 +50,10 @@ void RegisterComm(int64_t comm_id, int device_ordinal, int rank, int world,
                   uint64_t signal_count, uint64_t timeout_ns, uint64_t error_ptr);
 // Returns whether a communicator was registered under the key.
 bool UnregisterComm(int64_t comm_id, int device_ordinal);
+// Rank emulator only: caps the registered communicator's link at `gbps` (1e9 bytes/s) using
+// the uint64 link clock at device address `clock_ptr`; gbps <= 0 turns the throttle off.
+// Throws std::invalid_argument when nothing is registered under the key or clock_ptr is 0.
+void SetCommLink(int64_t comm_id, int device_ordinal, double gbps, uint64_t clock_ptr);
 // Number of registered communicators (for tests).
 int CommCount();
 

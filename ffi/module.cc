@@ -64,6 +64,8 @@ nb::object CommInfo(int64_t comm_id, int device_ordinal) {
   d["workspace_bytes"] = v->workspace_bytes;
   d["signal_count"] = v->signal_count;
   d["error_ptr"] = reinterpret_cast<uint64_t>(v->error);
+  d["link_clock"] = reinterpret_cast<uint64_t>(v->link_clock);
+  d["link_ps_per_kib"] = v->link_ps_per_kib;
   return d;
 }
 
@@ -295,6 +297,9 @@ NB_MODULE(_pk_ffi, m) {
   m.def("comm_unregister", &pk_ffi::UnregisterComm, nb::arg("comm_id"),
         nb::arg("device_ordinal"), "Removes a communicator; returns whether one was registered.");
   m.def("comm_count", &pk_ffi::CommCount, "Number of registered communicators.");
+  m.def("comm_set_link", &pk_ffi::SetCommLink, nb::arg("comm_id"), nb::arg("device_ordinal"),
+        nb::arg("gbps"), nb::arg("clock_ptr"),
+        "Rank emulator only: caps a communicator's link at gbps (0: off), clock at clock_ptr.");
   m.def("comm_info", &CommInfo, nb::arg("comm_id"), nb::arg("device_ordinal"),
         "The registered view of (comm_id, device_ordinal) as a dict, or None.");
   // The rank emulator (pk_jax/testing).

@@ -47,6 +47,7 @@ Status MoeComm(const char* op, int op_id, const CommView& v, const int32_t* rank
   c->rank = v.rank;
   c->op = op_id;
   c->rank_ptr = rank;
+  c->link = pk::link_throttle{v.link_clock, v.link_ps_per_kib};  // off unless emulated
   return Status::Ok();
 }
 

@@ -93,6 +93,7 @@ Status LaunchRingAttn(const Where& at, const RingAttnArgs& a, const CommView& v)
   c.rank = v.rank;
   c.op = kOpRingAttn;
   c.rank_ptr = a.rank;
+  c.link = pk::link_throttle{v.link_clock, v.link_ps_per_kib};  // off unless emulated
   const int type = a.dtype == DType::kBF16 ? 0 : 1;
   g.d = pk::attention::dims{int(a.b), int(a.s), int(a.h), int(a.hkv), a.scale, a.causal ? 1 : 0};
   g.zigzag = a.causal && a.zigzag ? 1 : 0;

@@ -107,6 +107,7 @@ Status LaunchRingAttnBwd(const Where& at, const RingAttnBwdArgs& a, const CommVi
   c.rank = v.rank;
   c.op = kOpRingAttnBwd;
   c.rank_ptr = a.rank;
+  c.link = pk::link_throttle{v.link_clock, v.link_ps_per_kib};  // off unless emulated
   const int type = a.dtype == DType::kBF16 ? 0 : 1;
   f.d = pk::attention::dims{int(a.b), int(a.s), int(a.h), int(a.hkv), a.scale, a.causal ? 1 : 0};
   f.zigzag = a.causal && a.zigzag ? 1 : 0;

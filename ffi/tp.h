@@ -78,6 +78,7 @@ inline Status Comm(const char* op, int op_id, int index, const CommView& v,
   c->rank = v.rank;
   c->op = op_id;
   c->rank_ptr = rank_ptr;
+  c->link = pk::link_throttle{v.link_clock, v.link_ps_per_kib};  // off unless emulated
   return Status::Ok();
 }
 

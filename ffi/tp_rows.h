@@ -58,6 +58,7 @@ Status RowSplitGemm(const char* op, int op_id, int index, const Where& at, const
   pk::gemm_rs::globals g;
   std::memset(&g, 0, sizeof(g));
   static_cast<pk::matmul::globals&>(g) = base;
+  g.link = c.link;  // the rank emulator's link throttle (off unless pk_jax.testing set it)
   for (int o = 0; o < world; ++o) {
     if (Status s = TensorMap(op, {c.ws[o], uint64_t(mp), uint64_t(n), 64, 64, dt}, &g.acc[o]);
         !s.ok()) {
@@ -68,6 +69,15 @@ Status RowSplitGemm(const char* op, int op_id, int index, const Where& at, const
   g.tiles_per_owner = static_cast<int>((mp + bm - 1) / bm);
   g.world = world;
   g.rank = c.rank;
+  // P = 1: no peer adds into or gathers from the owner buffer, so the tiles go straight to y
+  // and the enter and leave kernels are not launched (cuda/kernels/gemm_rs.cuh, direct mode).
+  g.direct = world == 1 ? 1 : 0;
+  if (g.direct) {
+    if (Status s = TensorMap(op, {a.y, uint64_t(m_out), uint64_t(n), 64, 64, dt}, &g.y);
+        !s.ok()) {
+      return s;
+    }
+  }
   pk::tp::rows_args r;
   r.c = c;
   r.y = a.y;
@@ -85,6 +95,7 @@ Status RowSplitGemm(const char* op, int op_id, int index, const Where& at, const
       !s.ok()) {
     return s;
   }
+  if (g.direct) return Status::Ok();
   pk::tp::leave_kernel<GATHER><<<grid, pk::tp::THREADS, 0, at.stream>>>(r);
   return CudaStatus(cudaGetLastError(), op);
 }

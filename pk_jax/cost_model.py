@@ -19,12 +19,15 @@ contraction length each device multiplies, N = output columns):
 - T_mem: the GEMM's HBM traffic (A, B once, C once) / HBM bandwidth.
 - T_comm: what crosses NVLink while the GEMM runs: gemm_rs and gemm_ar push (P-1)/P of the
   M x N partial product to its owners; ag_gemm's communication SMs copy M/P x K rows into the
-  workspace and all M x K rows into the gathered x, (P-1) M/P x K of them over NVLink: the
-  slower of that over NVLink and everything at num_comm_sms x the per-SM copy bandwidth.
+  workspace and the other ranks' (P-1) M/P x K rows into the gathered x, over NVLink: the
+  slower of that over NVLink and everything at num_comm_sms x the per-SM copy bandwidth (none
+  at P = 1). ag_gemm's own M/P x K rows of the gathered x are stored by the GEMM's loader
+  from its pipeline stages: one more HBM write in T_mem.
 - T_non_overlap: work before the first or after the last tile: gemm_rs zeroes its owner buffer
   and copies it out (3 M/P N bytes of HBM) plus the last wave's pushes; gemm_ar also gathers
   every owner's rows ((P-1)/P M N over NVLink, M N of HBM writes); ag_gemm waits for the
-  first remote row block.
+  first remote row block (none at P = 1). At P = 1 (fused forced) gemm_rs and gemm_ar store their tiles
+  straight into y (no owner buffer, no enter or leave kernel): none of it.
 - T_sync: barriers x one NVLink round trip; T_launch: kernels x launch cost.
 
 "serial" is T_launch + max(T_comp, T_mem) at all SMs + the collective's time at its bandwidth.
@@ -171,7 +174,9 @@ def predict(op: str, m: int, n: int, k: int, p: int, *, mode: str, num_comm_sms:
             return Plan(mode, c, float("inf"), dict(t))
         t["comp"] = flops / (rate * (gpu.sms - c) / gpu.sms) * us
         tile_wave = gpu.sms * 128 * 256 * itemsize
-        if op in ("gemm_rs", "gemm_ar"):
+        if op in ("gemm_rs", "gemm_ar") and p == 1:  # direct: the epoch kernel + the GEMM
+            t["launch"] = 2 * gpu.launch_us
+        elif op in ("gemm_rs", "gemm_ar"):
             pushed = (p - 1) / p * out_bytes
             t["comm"] = pushed / nvl * us
             t["non_overlap"] = (3 * mp * n * itemsize / hbm + min(pushed, tile_wave) / nvl) * us
@@ -182,12 +187,14 @@ def predict(op: str, m: int, n: int, k: int, p: int, *, mode: str, num_comm_sms:
                 t["sync"] += gpu.barrier_us
         else:
             copy = max(c, 1) * gpu.pull_gbps_per_sm * 1e9
-            moved = (mp + m) * k * itemsize  # my shard staged, then every row of the gather
+            # my shard staged for the peers, then the peers' rows of the gather (P > 1)
+            moved = (mp + (p - 1) * mp) * k * itemsize if p > 1 else 0
             t["comm"] = max((p - 1) * mp * k * itemsize / nvl, moved / copy) * us
-            first_block = 128 * k * itemsize / (gpu.pull_gbps_per_sm * 1e9)
+            t["mem"] += mp * k * itemsize / hbm * us  # my rows of x_full, from the stages
+            first_block = 128 * k * itemsize / (gpu.pull_gbps_per_sm * 1e9) if p > 1 else 0.0
             t["non_overlap"] = first_block * us
             t["launch"] = 2 * gpu.launch_us
-            t["sync"] = 3 * gpu.barrier_us
+            t["sync"] = 3 * gpu.barrier_us if p > 1 else 0.0  # P = 1: barriers with myself
     else:
         raise ValueError(f"pk_jax.cost_model: mode={mode!r} is not fused, serial or local.")
     total = (t["launch"] + max(t["comp"], t["mem"], t["comm"]) + t["non_overlap"] + t["sync"])

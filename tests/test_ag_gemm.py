@@ -290,11 +290,11 @@ def test_error_not_rank_2():
 # GPU tests
 
 # P = 1 in one process. Modes (pk_jax/cost_model.py): "local" (the default at P = 1: pk.matmul,
-# x itself is the gather), "fused" (the full kernel at P = 1: epoch, comm blocks staging x into
-# the workspace, barriers, pulling every row block into x_full and flagging it, compute blocks
-# reading own rows from x) and "serial" (pk.all_gather + pk.matmul), with 1, 4 and 16
-# communication SMs. Shapes: odd M (not a multiple of the 128-row tile), K from 64 to 8192, N
-# not a multiple of 8 (padded), more tiles than SMs.
+# x itself is the gather), "fused" (the full kernel at P = 1: epoch, comm blocks meeting at
+# their barriers with nothing to stage or pull, compute blocks reading every row from x and
+# the loaders storing the A tiles of tile column 0 into x_full) and "serial" (pk.all_gather +
+# pk.matmul), with 1, 4 and 16 communication SMs. Shapes: odd M (not a multiple of the
+# 128-row tile), K from 64 to 8192, N not a multiple of 8 (padded), more tiles than SMs.
 
 GPU_SHAPES = [(1000, 64, 520), (333, 1024, 264), (1000, 8192, 256), (2100, 512, 2600),
               (130, 4096, 517)]

@@ -71,3 +71,20 @@ def test_override_errors(kw, match):
 def test_gpu_constants():
     assert cm.gpu_for("NVIDIA H200") is cm.H200
     assert cm.gpu_for("NVIDIA H100 80GB HBM3") is cm.H100
+
+
+@pytest.mark.parametrize("op", cm.OPS)
+def test_p1_fused_costs_little_more_than_local(op):
+    # Forced fused at P = 1: gemm_rs and gemm_ar store their tiles straight into y (epoch
+    # kernel + GEMM); ag_gemm's loader stores x into x_full from its stages (no comm traffic).
+    k = 4096
+    local = cm.predict(op, 4096, 4096, k, 1, mode="local").predicted_us
+    fused = cm.predict(op, 4096, 4096, k, 1, mode="fused", num_comm_sms=4)
+    if op == "ag_gemm":
+        assert fused.terms["comm"] == 0 and fused.terms["non_overlap"] == 0
+        assert fused.terms["sync"] == 0
+        with cm.override(mode="fused"):
+            assert cm.plan(op, 4096, 4096, k, 1).num_comm_sms == min(cm.COMM_SMS_CANDIDATES)
+    else:
+        assert fused.terms["non_overlap"] == 0 and fused.terms["sync"] == 0
+        assert fused.predicted_us == pytest.approx(local + cm.H200.launch_us)

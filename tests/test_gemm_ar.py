@@ -258,8 +258,9 @@ def test_error_not_rank_2():
 # GPU tests
 
 # P = 1 in one process. Modes (pk_jax/cost_model.py): "local" (the default at P = 1: one
-# matmul kernel writing y), "fused" (the full protocol at P = 1: epoch, zero + barriers, GEMM
-# tiles reduce-added into the workspace, gather of every owner's rows, end barrier) and
+# matmul kernel writing y), "fused" (the fused kernels at P = 1: the epoch kernel, then the
+# GEMM in direct mode, storing its tiles straight into y: no owner buffer, enter or leave
+# kernel; the accumulation and gather run at P > 1, tests/gpu) and
 # "serial" (pk.matmul + pk.all_reduce). Shapes: odd M (not a multiple of the 128-row tile), K
 # from 64 to 8192, N not a multiple of 8 (padded), more tiles than SMs.
 

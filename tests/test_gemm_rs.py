@@ -296,8 +296,9 @@ def test_error_not_rank_2():
 # GPU tests
 
 # P = 1 in one process. The CUDA path has three modes (pk_jax/cost_model.py): "local" (the
-# default at P = 1: one matmul kernel writing y), "fused" (the full protocol at P = 1: epoch,
-# zero + barriers, GEMM tiles reduce-added into the workspace, copy-out) and "serial" (pk.matmul
+# default at P = 1: one matmul kernel writing y), "fused" (the fused kernels at P = 1: the
+# epoch kernel, then the GEMM in direct mode, storing its tiles straight into y; the owner
+# buffer's zero-fill, reduce-adds and copy-out run at P > 1, tests/gpu) and "serial" (pk.matmul
 # + pk.reduce_scatter). Shapes: odd M (not a multiple of the 128-row tile), K from 64 to 8192,
 # N not a multiple of 8 (padded), more tiles than SMs.
 
@@ -359,7 +360,8 @@ def _check(shape, dtype, mode, *, integers):
 @pytest.mark.gpu
 def test_gpu_p1_fused_after_a_collective_reused_the_workspace():
     """A collective between two calls scribbles on the workspace that holds the accumulation
-    buffer: the fused op must zero it at the start of every call."""
+    buffer: the fused op must not read what it left there (at P > 1 it zeroes the buffer at the
+    start of every call; at P = 1 it never touches the workspace)."""
     mesh = gpu_mesh(gemm_rs.STEM)
     x, w = small_ints(KEYS[0], (300, 128), jnp.bfloat16), small_ints(KEYS[1], (128, 200),
                                                                        jnp.bfloat16)

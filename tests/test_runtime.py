@@ -407,7 +407,8 @@ def test_comm_table_register_find_unregister():
         info = m.comm_info(9001, 3)
         assert info == {"rank": 1, "world": 2, "timeout_ns": 10**9,
                         "workspace_ptrs": [0x1000, 0x2000], "signal_ptrs": [0x3000, 0x4000],
-                        "workspace_bytes": 4096, "signal_count": 64, "error_ptr": 0x5000}
+                        "workspace_bytes": 4096, "signal_count": 64, "error_ptr": 0x5000,
+                        "link_clock": 0, "link_ps_per_kib": 0}  # the link throttle is off
         assert m.comm_info(9001, 4) is None and m.comm_count() == base + 1
         with pytest.raises(ValueError, match="already registered"):
             m.comm_register(9001, 3, 0, 1, [1], [1], 1, 1, 1, 1)
@@ -420,6 +421,29 @@ def test_comm_table_register_find_unregister():
         with pytest.raises(ValueError, match=msg):
             m.comm_register(9002, 0, *args, 1, 1, 1, 1)
     assert m.comm_count() == base
+
+
+@pytest.mark.needs_ext
+def test_comm_table_link_throttle():
+    """comm_set_link (the rank emulator's link cap): GB/s -> ps per KiB, off again with 0."""
+    m = _ffi._pk_ffi
+    m.comm_register(9003, 0, 0, 1, [0x1000], [0x3000], 4096, 64, 10**9, 0x5000)
+    try:
+        m.comm_set_link(9003, 0, 50.0, 0x7000)
+        info = m.comm_info(9003, 0)
+        assert info["link_clock"] == 0x7000
+        assert info["link_ps_per_kib"] == round(1024 * 1000 / 50.0)  # 20480 ps = 1 KiB at 50 GB/s
+        m.comm_set_link(9003, 0, 0.0, 0x7000)
+        info = m.comm_info(9003, 0)
+        assert info["link_clock"] == 0 and info["link_ps_per_kib"] == 0
+        with pytest.raises(ValueError, match="needs a link clock"):
+            m.comm_set_link(9003, 0, 10.0, 0)
+        with pytest.raises(ValueError, match="below 0.1 GB/s"):
+            m.comm_set_link(9003, 0, 0.01, 0x7000)
+    finally:
+        assert m.comm_unregister(9003, 0)
+    with pytest.raises(ValueError, match="not registered"):
+        m.comm_set_link(9003, 0, 10.0, 0x7000)
 
 
 # ------------------------------------------------------------------------------------------
@@ -458,6 +482,7 @@ def test_gpu_single_process_communicators(shape, names):
         assert info["workspace_bytes"] == 3 << 20 and info["signal_count"] == rt.signal_count
         assert info["timeout_ns"] == int(state.options()["timeout_s"] * 1e9)
         assert info["error_ptr"] == rt.record.device_ptr
+        assert info["link_clock"] == 0 and info["link_ps_per_kib"] == 0  # never throttled
         ws, sig = info["workspace_ptrs"][0], info["signal_ptrs"][0]
         assert sig - ws == rt.signal_offset and ws not in seen
         seen.add(ws)

@@ -13,25 +13,40 @@
  *
  *     comm block cb (of C)                         compute blocks (persistent, grouped order)
  *     barrier 0 with peers' block cb               tiles with rows rotated to start at m0:
- *     stage x[cb-th 1/C] -> ws_r (bulk), signal    own block: TMA A from x itself, no wait
- *       staged[cb][r] on every peer                other block j: wait flag[j] >= e, then
+ *     stage x[cb-th 1/C] -> ws_r (bulk; P > 1      own block: TMA A from x itself, no wait
+ *       only), signal staged[cb][r] on every peer  other block j: wait flag[j] >= e, then
  *     for row blocks j = m_end, m_end + 1, ...       TMA A from x_full
  *       (u-th block to comm block u % C):          storer: y tiles (TMA store), as matmul
- *       wait staged[*][owner] >= e for the
- *       owners of j's rows; x_full[j] <- ws_owner
- *       (bulk copies); flag[j] = e (local)
+ *       skip j if it is an own block; rows of     loader, own block, tile column 0: the A
+ *       owner o != r: wait staged[*][o] >= e,       tile of every k step also goes to x_full
+ *       x_full rows <- ws_o; my own rows: x_full    (TMA store from the stage, see "Own
+ *       rows <- x (bulk copies); flag[j] = e        rows of x_full")
  *     barrier 2 with peers' block cb
  *
  * Signal protocol (e = this call's epoch, pk/tp.cuh): barrier 0 (slot bar_row(0, cb) + r on
  * every peer) proves every peer's earlier kernels are over, so none still reads my workspace
  * when I restage it; staged: comm block cb of rank s raises bar_row(1, cb) + s on every peer
  * after its share of x_s is in ws_s; flag[j] (slot FLAGS + j, local pad) is raised to e by the
- * comm block that wrote row block j of x_full; barrier 2 keeps my kernel alive until every
+ * comm block that wrote row block j of x_full (own blocks have none: the loaders write them and
+ * no compute block waits for them); barrier 2 keeps my kernel alive until every
  * peer has pulled what it needs from my workspace.
  *
  * Data movement: one thread of each comm block moves whole rows with bulk copies (global ->
  * shared -> global through pk/comm_ops.cuh's bulk_ring in the block's otherwise unused shared
  * memory), four 32 KiB stages in flight, instead of 16-byte loads and stores by every thread.
+ * Per call: Mp K staged into ws_r for the peers (skipped at P = 1, where nobody reads it) and
+ * the rows of x_full outside my own row blocks (none at P = 1); my rows of a block shared with
+ * another owner come straight from x (never through ws_r).
+ *
+ * Own rows of x_full: the compute blocks already load every own row block's A tiles from x
+ * into their stages; the loader stores those of tile column 0 (each own row block exactly once,
+ * all k) from the stage to x_full with a TMA store, so my rows cost one HBM write and no comm
+ * SM time. The store of fill f is issued one fill late, after the loader has issued fill
+ * f + 1's loads: it waits on fill f's full barrier (parity from the count of this block's
+ * fills; no later fill of that stage exists yet), which has usually completed by then, and
+ * stores. Every fill first waits until earlier stores have read their stages (a stage is
+ * refilled only STAGES >= 2 fills later). The block's last fill stores its own A tile at once,
+ * and the loader waits for all its stores to complete before it returns.
  *
  * Pitfalls: bulk copies and TMA loads are the async proxy, the signals the generic proxy, so
  * the copying thread and the loader fence.proxy.async.global around the release/acquire.
@@ -41,6 +56,9 @@
  * comm blocks pair up across ranks (barriers, staged[cb]), so num_comm_sms must be the same on
  * every rank: it is an attribute of the call, not derived from the local SM count; the compute
  * grid may differ between ranks. The staging buffer takes Mp K sizeof(T) bytes of workspace.
+ * The loader runs with PRODUCER_REGS = 40 registers (the consumers' setmaxnreg needs every
+ * register it frees): its x_full bookkeeping lives in shared memory and has one call site of
+ * the store; a version storing from per-stage arrays at the stage's refill spilled (ptxas).
  */
 #pragma once
 
@@ -74,15 +92,37 @@ struct kernel_def : matmul::kernel_def<C> {
     t.m = (t.m + ceil_div(g.c.rank * g.rows_per_rank, BM)) % ceil_div(g.m, BM);
     return t;
   }
-  __device__ static void setup(const globals& g, lcsc::block_info) {
+  /** @brief The loader's fills and its pending store (see "Own rows of x_full"). */
+  struct own_rows_state {
+    int fills;     // loader calls of this block so far
+    int total;     // loader calls of this block in all
+    int pending;   // fill whose A tile still goes to x_full (-1: none) ...
+    int row, col;  // ... at x_full box (col, row)
+  };
+  __device__ static own_rows_state& own_rows() {
+    __shared__ own_rows_state st;  // used by the loader thread only (which also runs setup)
+    return st;
+  }
+
+  __device__ static void setup(const globals& g, lcsc::block_info info) {
     const CUtensorMap* maps[] = {&g.x, &g.xl, &g.w, &g.y};
     for (const CUtensorMap* m : maps) tma::prefetch(m);
+    own_rows_state& st = own_rows();
+    const int tiles = base::scheduler(g).num_tiles();
+    st.fills = 0;
+    st.pending = -1;
+    st.total = (tiles - info.index + info.compute_blocks - 1) / info.compute_blocks *
+               base::k_iters(g);
   }
 
   __device__ static void loader(const globals& g, stage_t& s, mbarrier* full, tile_coord t,
                                 int k) {
+    own_rows_state& st = own_rows();
+    const int fill = st.fills++;
+    tma::store_wait_read<0>();  // an earlier fill's store to x_full has read its stage
     t = place(g, t);
-    if (own(g, t.m)) {
+    const bool mine = own(g, t.m);
+    if (mine) {
       tma::load_2d(s.a.data, &g.xl, full, k * BK, t.m * BM - g.c.rank * g.rows_per_rank);
     } else {
       if (k == 0) {
@@ -101,6 +141,29 @@ struct kernel_def : matmul::kernel_def<C> {
     for (int p = 0; p < base::b_tile::PANELS; ++p) {
       tma::load_2d(s.b.panel(p), &g.w, full, t.n * BN + p * 64, k * BK);
     }
+    const bool last = fill + 1 == st.total;
+    bool keep = mine && t.n == 0;  // my rows of x_full: this fill's A tile, stored next fill
+    for (;;) {  // one round, or two on the last fill (the pending tile, then this one)
+      if (st.pending >= 0) store_pending(g, st, &s - fill % C::STAGES, full - fill % C::STAGES);
+      if (!keep) break;
+      st.pending = fill;
+      st.row = t.m * BM;
+      st.col = k * BK;
+      if (!last) break;
+      keep = false;
+    }
+    if (last) tma::store_wait<0>();  // my stores complete before I return
+  }
+
+  /** @brief x_full <- the A tile of fill st.pending, once landed (stages[0], fulls[0]: lcsc's). */
+  __device__ static void store_pending(const globals& g, own_rows_state& st, stage_t* stages,
+                                       mbarrier* fulls) {
+    const int f = st.pending, i = f % C::STAGES;
+    mbar_wait(&fulls[i], (f / C::STAGES) & 1);  // lcsc's phase of fill f (its stage's latest)
+    tma::fence_smem_to_async();
+    tma::store_2d(&g.x, stages[i].a.data, st.col, st.row);
+    tma::store_commit();
+    st.pending = -1;
   }
 
   __device__ static void storer(const globals& g, acc_t& acc, out_t& out, int c, tile_coord t,
@@ -122,7 +185,7 @@ struct kernel_def : matmul::kernel_def<C> {
     const uint64_t shard_units = uint64_t(mp) * row_bytes / 16;
     if (lead) ring.init();
     c.barrier(0, cb, e);
-    if (lead) {  // my share of x -> ws_r
+    if (lead && c.world > 1) {  // my share of x -> ws_r, for the peers only
       fence_proxy_async_global();  // barrier 0's acquires before the bulk stores into ws_r
       const uint64_t lo = shard_units * cb / nc * 16, hi = shard_units * (cb + 1) / nc * 16;
       bulk_copy(ring, static_cast<char*>(c.ws[r]) + lo,
@@ -134,10 +197,11 @@ struct kernel_def : matmul::kernel_def<C> {
     uint32_t staged = 0;  // owners whose whole shard is staged (uniform across the block)
     for (int u = cb; u < tiles_m; u += nc) {
       const int j = (u + m_end) % tiles_m;
+      if (own(g, j)) continue;  // the compute blocks' loaders write it (uniform per block)
       const int64_t lo = int64_t(j) * BM, hi = lo + BM < g.m ? lo + BM : g.m;
       const int o_lo = static_cast<int>(lo / mp), o_hi = static_cast<int>((hi - 1) / mp);
       for (int o = o_lo; o <= o_hi; ++o) {
-        if (!((staged >> o) & 1u)) {
+        if (o != r && !((staged >> o) & 1u)) {  // my own rows come from x: no wait
           if (static_cast<int>(threadIdx.x) < nc) {
             wait(c.sig[r] + tp::bar_row(1, threadIdx.x) + o, e, c.timeout_ns, c.fail(), o);
           }
@@ -145,14 +209,16 @@ struct kernel_def : matmul::kernel_def<C> {
         }
       }
       __syncthreads();
-      if (lead) {  // rows [lo, hi) of x_full from their owners' workspaces
+      if (lead) {  // rows [lo, hi) of x_full from their owners' workspaces, mine from x
         fence_proxy_async_global();  // the staged acquires before the bulk loads
         for (int o = o_lo; o <= o_hi; ++o) {
+          ring.link = c.link.peer(o, r);  // emulator's link throttle: paces a peer's rows
           const int64_t a = lo > o * mp ? lo : o * mp;
           const int64_t b = hi < (o + 1) * mp ? hi : (o + 1) * mp;
+          const char* src = o == r ? static_cast<const char*>(g.x_local)
+                                   : static_cast<const char*>(c.ws[o]);
           bulk_copy(ring, static_cast<char*>(g.x_full) + a * row_bytes,
-                    static_cast<const char*>(c.ws[o]) + (a - o * mp) * row_bytes,
-                    (b - a) * row_bytes);
+                    src + (a - o * mp) * row_bytes, (b - a) * row_bytes);
         }
       }
       tp::publish(c, tp::FLAGS + j, e, /*local=*/true);  // flag[j]

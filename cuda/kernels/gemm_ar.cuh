@@ -16,6 +16,9 @@
  *     gemm     tile (o, i, n) of x @ w  --TMA add-->  ws_o          (rotated: first o = r + 1)
  *     leave    barrier 2; y[o Mp : (o+1) Mp] <- ws_o for every o (peer loads); barrier 3
  *
+ * At P = 1 (fused forced) the GEMM runs in gemm_rs.cuh's direct mode: tiles stored straight
+ * into y, no enter or leave kernel, the workspace untouched.
+ *
  * Signal protocol: barriers 0-2 as in gemm_rs.cuh. Barrier 3 (slot bar_row(3, b) + r raised to
  * e on every peer) proves every peer finished reading my buffer before my kernel ends, so the
  * next op (a collective staging into the same workspace) cannot overwrite rows still being

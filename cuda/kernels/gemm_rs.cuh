@@ -22,11 +22,19 @@
  *
  * Kernels of one call (XLA's stream; at P = 1 without mode=fused only the matmul kernel):
  *   epoch   (1 thread)   EPOCH += 1 (the epoch e of this call's signals), rank operand check;
- *                        launched before the call's arguments are checked (ffi/tp.h)
+ *                        launched after the call's arguments are checked (ffi/tp.h)
  *   enter   (G blocks)   barrier 0; zero my buffer ws_r[Mp, N]; barrier 1 (G from the problem
  *                        size only, the same on every rank: block b meets block b of peers)
  *   gemm    (LCSC)       tiles of x @ w, reduce-added into ws_owner (tensor maps of the peers)
  *   leave   (G blocks)   barrier 2; y <- ws_r                     (pk/tp.cuh)
+ *
+ * Direct mode (`direct`, set by the launcher at P = 1, the fused protocol forced there): the
+ * owner buffer only ever collects peers' contributions, and with no peers the GEMM's storer
+ * TMA-stores every tile (all of them are mine) straight into y, as pk.matmul does. The enter
+ * and leave kernels have nothing to zero, wait for or copy and are not launched: one call is
+ * the epoch kernel plus the GEMM. At P > 1 the protocol above runs unchanged (my own tiles
+ * are reduce-added into ws_r like every other tile, because gemm_ar's peers gather ws_r and
+ * gemm_rs's leave copy is cheaper than a read-modify-write of y in the tail).
  *
  * Signal protocol: barrier i of helper block b raises slot bar_row(i, b) + r to e on every
  * peer and waits for bar_row(i, b) + s >= e for every s. Barrier 0 proves that every peer's
@@ -48,12 +56,14 @@
 
 namespace pk::gemm_rs {
 
-/** @brief matmul's globals (x, w maps; y unused) plus the owners' buffers and the split. */
+/** @brief matmul's globals (x, w maps; y only in direct mode) plus the owners' buffers. */
 struct globals : matmul::globals {
   CUtensorMap acc[tp::MAX_PEERS];  // owner o's buffer: dims {N, Mp}, box {64, 64}
+  link_throttle link;              // the rank emulator's link cap (pk/link.cuh; off: one branch)
   int rows_per_owner;              // Mp
   int tiles_per_owner;             // ceil(Mp / BM)
   int world, rank;
+  int direct;                      // 1: P = 1, tiles go straight to y (matmul's y map: {N, Mp})
 };
 
 /** @brief matmul's pipeline with the owner split of the tile rows and a reduce-add storer. */
@@ -76,7 +86,11 @@ struct kernel_def : matmul::kernel_def<C> {
   __device__ static void setup(const globals& g, lcsc::block_info) {
     tma::prefetch(&g.x);
     tma::prefetch(&g.w);
-    for (int o = 0; o < g.world; ++o) tma::prefetch(&g.acc[o]);
+    if (g.direct) {
+      tma::prefetch(&g.y);
+    } else {
+      for (int o = 0; o < g.world; ++o) tma::prefetch(&g.acc[o]);
+    }
   }
 
   __device__ static void loader(const globals& g, stage_t& s, mbarrier* full, tile_coord t,
@@ -99,7 +113,14 @@ struct kernel_def : matmul::kernel_def<C> {
     const int o = t.m / g.tiles_per_owner;
     const int row0 = (t.m % g.tiles_per_owner) * BM + c * 64;  // row in owner o's buffer
     if (row0 >= g.rows_per_owner) return;  // uniform per warpgroup
+    if (g.direct) {  // P = 1: o == rank == 0 and y is my rows (see "Direct mode")
+      base::epilogue(g, acc, out, t.n * BN, sync, [&](const T* panel, int col) {
+        tma::store_2d(&g.y, panel, col, row0);
+      });
+      return;
+    }
     base::epilogue(g, acc, out, t.n * BN, sync, [&](const T* panel, int col) {
+      if (g.link.on() && o != g.rank) g.link.pace(64 * 64 * sizeof(T));  // a peer's panel
       tma::store_add_2d(&g.acc[o], panel, col, row0);
     });
   }
@@ -107,14 +128,17 @@ struct kernel_def : matmul::kernel_def<C> {
 
 /**
  * @brief The enter and GEMM kernels of one call (gemm_rs and gemm_ar), after the caller's
- * epoch kernel; the caller then launches its leave kernel with `a`. `g` has x, w, m, n, k,
- * group_m, bound and the owner fields; `helper_grid` is the same on every rank.
+ * epoch kernel; the caller then launches its leave kernel with `a` unless `g.direct`. `g` has
+ * x, w, m, n, k, group_m, bound and the owner fields (and y when direct); `helper_grid` is the
+ * same on every rank. Direct mode (P = 1) launches the GEMM alone.
  */
 template <class C>
 inline cudaError_t launch_front(const globals& g, const tp::rows_args& a, int helper_grid,
                                 cudaStream_t stream, int device, int num_sms) {
-  tp::enter_kernel<<<helper_grid, tp::THREADS, 0, stream>>>(a);
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  if (!g.direct) {
+    tp::enter_kernel<<<helper_grid, tp::THREADS, 0, stream>>>(a);
+    if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  }
   const int tiles = g.world * g.tiles_per_owner * ceil_div(g.n, C::BN);
   return lcsc::launch<kernel_def<C>>(g, stream, device, num_sms, /*comm_blocks=*/0, tiles);
 }

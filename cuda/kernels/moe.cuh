@@ -100,8 +100,30 @@ struct comm {
   uint64_t timeout_ns;
   int32_t world, rank, op;
   const int32_t* rank_ptr;
+  link_throttle link;  ///< the rank emulator's link cap (pk/link.cuh; off in production)
 
   __device__ fail_ctx fail() const { return fail_ctx{error, op, rank}; }
+  /**
+   * @brief Link throttle (emulator only): bytes of the kept rows this thread's share of the
+   * block's items moved to or from other ranks: items it = blockIdx.x * WARPS + warp, + grid
+   * stride, with `slots` (dest, pos) pairs each from it * slots (one from it when per_slot),
+   * lanes over the slots. Counted after the block's pass, away from its registers.
+   */
+  __device__ uint64_t peer_row_bytes(const int32_t* dest, const int32_t* pos, int64_t items,
+                                     int slots, bool per_slot, int64_t capacity,
+                                     int64_t row_bytes) const {
+    const int warp = threadIdx.x / WARP_THREADS, lane = threadIdx.x % WARP_THREADS;
+    uint64_t n = 0;
+    for (int64_t it = int64_t(blockIdx.x) * WARPS + warp; it < items;
+         it += int64_t(gridDim.x) * WARPS) {
+      for (int j = lane; j < (per_slot ? 1 : slots); j += WARP_THREADS) {
+        const int64_t i = per_slot ? it : it * slots + j;
+        const int32_t d = dest[i], p = pos[i];
+        if (d >= 0 && d < world && d != rank && p >= 0 && p < capacity) n += uint64_t(row_bytes);
+      }
+    }
+    return n;
+  }
   __device__ uint64_t epoch(uint64_t slot) const {
     return *reinterpret_cast<volatile const uint64_t*>(sig[rank] + slot);
   }
@@ -393,6 +415,10 @@ __global__ void __launch_bounds__(THREADS) push_kernel(const __grid_constant__ d
     }
     __syncwarp();
   }
+  if (c.link.on()) {
+    c.link.pace_block_sum(
+        c.peer_row_bytes(a.dest, a.pos, items, a.k, a.per_slot, a.capacity, a.row_bytes));
+  }
   c.publish(c.block_slot(PUSHED), epoch);
 }
 
@@ -515,6 +541,9 @@ __global__ void __launch_bounds__(THREADS) pull_kernel(const __grid_constant__ c
       static_cast<U*>(a.out)[t * units + u] = o;
     }
     __syncwarp();
+  }
+  if (c.link.on()) {
+    c.link.pace_block_sum(c.peer_row_bytes(a.dest, a.pos, a.T, k, false, a.capacity, a.row_bytes));
   }
   c.publish(c.block_slot(DONE), epoch);
 }

@@ -129,7 +129,10 @@ __device__ void communicate(const globals& g, int cb, void* smem) {
   const int nc = g.comm_blocks;
   const uint64_t e = c.epoch();
   const bool lead = threadIdx.x == 0;
-  if (lead) ring.init();
+  if (lead) {
+    ring.init();
+    ring.link = c.link.peer(next, r);  // the emulator's link throttle paces the pushes
+  }
   barrier<MAX_PEERS>(c.sig, P, r, ENTER + uint64_t(cb) * MAX_PEERS, e, c.timeout_ns, c.fail());
   if (!lead) return;
   const uint64_t bb = g.block_bytes;

@@ -48,6 +48,9 @@
  * lane and dq waits get 1/8 longer than the comm blocks' (a dead rank is named by the entry
  * barrier), mbarrier waits 1/4 longer.
  *
+ * The rank emulator's link throttle (pk/link.cuh) paces the comm blocks' bulk copies and, per
+ * step, each lane's partial (pace_block before its signal); off in production.
+ *
  * Pitfalls: remote fp32 stores are the generic proxy: every thread fences (system scope),
  * the block synchronises, thread 0 releases the signal; the receiver's thread 0 acquires, the
  * block synchronises, then reads with ld.global.cg (not L1). The issuer fences the async proxy
@@ -505,6 +508,7 @@ __device__ void dkdv_lane(const globals& g, int ln) {
                make_float4(dv[4 * i4], dv[4 * i4 + 1], dv[4 * i4 + 2], dv[4 * i4 + 3]));
       }
       __threadfence_system();
+      cm.link.peer(next, rank).pace_block(REGION);  // the emulator's link throttle (else off)
       __syncthreads();
       if (issuer) signal(cm.sig[next] + DKV + ln, code(e, wi, t + 1));
 #pragma unroll

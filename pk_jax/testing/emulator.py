@@ -23,6 +23,14 @@ trap): `World.close` releases what it can, and a new process starts clean.
 
 What it cannot show: NVLink speed. Each rank has 1/P of the SMs and all ranks share one HBM.
 
+The link throttle (`link_gbps`, `set_link`; cuda/include/pk/link.cuh): caps the rate at which
+each rank's kernels move bytes to or from other ranks' workspaces, a per-rank device-side
+token bucket on a link clock in device memory. Unthrottled, an emulated rank computes about
+790/P TFLOP/s and moves data at about 3.3/P TB/s of shared HBM (~240 FLOP per byte); a real
+NVLink H100/H200 node is ~1750 (790 TFLOP/s against 450 GB/s per direction), so overlap
+barely matters without it. `real_node_link_gbps(tflops_per_rank)` gives the cap that restores
+a real node's ratio. Only the emulator sets it: pk.init's communicators never pace.
+
 Needs CUDA_MODULE_LOADING=EAGER set before CUDA starts (`require_eager_loading` says why).
 """
 
@@ -38,6 +46,17 @@ from pk_jax.runtime import comm, errors, vmm
 
 # Communicator ids of emulated worlds: far above the ids pk.init uses (mesh axis indices).
 _EMU_COMM_BASE = 1 << 40
+# FLOP per byte of a real NVLink H100/H200 node: 790 TFLOP/s (bf16 dense) against 450 GB/s
+# per GPU per direction.
+REAL_NODE_FLOP_PER_BYTE = 1750.0
+
+
+def real_node_link_gbps(tflops_per_rank: float,
+                        flop_per_byte: float = REAL_NODE_FLOP_PER_BYTE) -> float:
+    """The link cap (GB/s per rank) giving an emulated rank that computes `tflops_per_rank`
+    a real node's FLOP/byte ratio: tflops * 1e12 / flop_per_byte / 1e9."""
+    return float(tflops_per_rank) * 1e3 / float(flop_per_byte)
+
 _world_ids = itertools.count()
 
 DTYPES = {"bfloat16": 0, "float16": 1, "float32": 2, "int32": 3}
@@ -203,10 +222,13 @@ class World:
         workspace_bytes: bytes of each rank's symmetric workspace.
         timeout_s: how long a kernel waits for a peer before it records the error and traps.
         device: the GPU ordinal.
+        link_gbps: the link throttle, GB/s (1e9 bytes/s) per rank of cross-rank traffic;
+            None or 0: unthrottled (the shared HBM's rate). See `set_link`.
     """
 
     def __init__(self, world: int, *, sms_per_rank: int | list[int] | None = None,
-                 workspace_bytes: int = 16 << 20, timeout_s: float = 5.0, device: int = 0):
+                 workspace_bytes: int = 16 << 20, timeout_s: float = 5.0, device: int = 0,
+                 link_gbps: float | None = None):
         from pk_jax import _ffi
 
         if not _ffi.HAS_CUDA or not hasattr(_ffi._pk_ffi, "emu_launch"):
@@ -228,6 +250,8 @@ class World:
         self.ranks: list[DeviceBuffer] = []
         self.record: vmm.HostRecord | None = None
         self.registered: list[int] = []
+        self.link_clocks: list[DeviceBuffer] = []
+        self.link_gbps = 0.0
         self.closed = False
         try:
             if sms_per_rank is None:
@@ -240,6 +264,8 @@ class World:
                                  f"{len(sms_per_rank)}.")
             self.parts = split_sms(self.device, list(sms_per_rank))
             self._build_memory()
+            if link_gbps:
+                self.set_link(link_gbps)
         except BaseException:
             self.close()
             raise
@@ -263,6 +289,27 @@ class World:
                                     int(self.timeout_s * 1e9), self.record.device_ptr)
             self.registered.append(self.comm_base + r)
             self.ranks.append(DeviceBuffer.from_array(np.array([r], np.int32)))
+
+    def set_link(self, gbps: float | None) -> None:
+        """Caps every rank's cross-rank traffic at `gbps` GB/s (None or 0: unthrottled).
+
+        Each rank gets a link clock (8 bytes of device memory, zeroed) that its kernels
+        reserve time on before moving bytes to or from a peer's workspace (pk/link.cuh), so
+        its aggregate rate never exceeds the cap, however many blocks or kernels move data.
+        Call between calls (after `synchronize`), not while kernels run.
+        """
+        gbps = float(gbps or 0.0)
+        if gbps < 0 or (0 < gbps < 0.1):
+            raise ValueError(f"World.set_link: gbps must be 0 (off) or at least 0.1, got {gbps}.")
+        if gbps and not self.link_clocks:
+            for _ in range(self.world):
+                clock = DeviceBuffer(128)  # its own 128-byte line: ranks never share one
+                clock.fill(0)
+                self.link_clocks.append(clock)
+        for r in range(self.world):
+            self._ffi.comm_set_link(self.comm_base + r, self.device, gbps,
+                                    self.link_clocks[r].ptr if gbps else 0)
+        self.link_gbps = gbps
 
     # -------------------------------------------------------------------------------------
     @property
@@ -365,8 +412,9 @@ class World:
         for p in self.parts:
             for s in (p.stream, p.side_stream):
                 cu.cuStreamSynchronize(cu.CUstream(s))
-        for b in self.ranks:
+        for b in self.ranks + self.link_clocks:
             b.free()
+        self.link_clocks = []
         for m in self.mappings:
             _quiet(m.unmap)
         for a in self.allocations:

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark, on the H200 machine: tests/gpu/run_all.sh [section ...]
 # Sections: install sass unit runtime collectives collectives_mp tp tp_mp grouped attention
-# emulator moe sanitize examples users bench
-# (default: all but bench). The P = 1 sections (install unit collectives tp examples) may run
-# side by side in separate invocations; the multi-process ones and bench want the GPU alone.
+# emulator moe sanitize examples users bench link
+# (default: all but bench and link). The P = 1 sections (install unit collectives tp examples)
+# may run side by side in separate invocations; the multi-process ones and bench want the GPU
+# alone.
 # Prints one PASSED/FAILED line per step and a summary; exits non-zero if any step failed.
 # Each pytest step is its own process: a kernel that times out traps, and a trapped CUDA
 # context is unusable for the rest of that process.
@@ -138,7 +139,18 @@ section_users() {
 section_emulator() {
   export CUDA_MODULE_LOADING=EAGER  # pk_jax.testing.require_eager_loading says why
   step "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_emulator.py
+  step "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_emulator_link.py
   step "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_reinit.py
+}
+
+# The emulator's link throttle (issue 10 item 7): pacing and exactness with the cap on
+# (tests/gpu/test_emulator_link.py, ~1 min), then the quick emulated benchmark, unthrottled
+# and at a real node's 1750 FLOP/B (~2.5 min; rows into bench/results/*.jsonl). Not a default
+# section: `tests/gpu/run_all.sh link`.
+section_link() {
+  export CUDA_MODULE_LOADING=EAGER  # pk_jax.testing.require_eager_loading says why
+  step "$PY" -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_emulator_link.py
+  step "$PY" bench/bench_emulated.py --quick
 }
 
 # The expert-parallel MoE kernels (issue 12): dispatch, its transpose, combine and its gather

@@ -36,6 +36,11 @@
  * across ranks without any host help, and signals only grow (red.max), so a fast peer already
  * in the next round never confuses a slow one.
  *
+ * Link throttle (rank emulator only, pk/link.cuh): bytes read from other ranks' workspaces are
+ * paced on `g.link` when it is on: the bulk path per piece (gather: each run from a peer; sum:
+ * each piece's P - 1 peer loads), the per-thread path per block and round; staging and reads
+ * of the own workspace are local and never paced. Off, it is one branch per piece.
+ *
  * Pitfalls: when a collective kernel returns, peers may still be reading this rank's regions
  * of its last rounds (the done-wait is deferred to the next collective on the communicator).
  * Another op that writes the same workspace must first meet every peer at a barrier (by stream
@@ -83,6 +88,7 @@ struct globals {
   int64_t B;                 ///< gather run (elements)
   int64_t chunk;             ///< elements per destination per block per round (multiple of VEC)
   uint64_t region_bytes;     ///< bytes of one (parity, block) region, multiple of 16
+  link_throttle link;        ///< the rank emulator's link cap (off: clock == nullptr)
 };
 
 template <int BYTES>
@@ -205,11 +211,11 @@ struct bulk {
   /**
    * @brief Thread 0: moves lanes d < D over [lo, hi) in runs cut at multiples of R; at(d, f0)
    * places each run, which is clipped to its room (array ends; the last < 16 bytes go through
-   * plain accesses).
+   * plain accesses). Lanes other than `local` (a peer's data; -1: none) are paced on `link`.
    */
   template <class At>
   __device__ static void move_runs(bulk_ring& sm, int D, int64_t lo, int64_t hi, int64_t R,
-                                   At at) {
+                                   At at, const link_throttle& link = {}, int local = -1) {
     run_walker w(D, lo, hi, R, MOVE_MAX);
     bulk_move(sm, [&](bulk_piece* pc) {
       int d;
@@ -221,10 +227,11 @@ struct bulk {
         pc->src = reinterpret_cast<const char*>(r.src);
         pc->dst = reinterpret_cast<char*>(r.dst);
         pc->bytes = split_tail(pc->src, pc->dst, len * int64_t(sizeof(T)));
+        pc->paced = d != local;
         if (pc->bytes > 0) return true;
       }
       return false;
-    });
+    }, link);
   }
 
   /** @brief ws_me[d][f - lo] = x[...] (thread 0). Elements past n are left as they are. */
@@ -234,7 +241,7 @@ struct bulk {
     move_runs(sm, D, lo, hi, g.S, [&](int d, int64_t f0) {
       const int64_t idx = (f0 / g.S) * g.world * g.S + d * g.S + f0 % g.S;
       return run_at{x + idx, mine + d * g.chunk + (f0 - lo), g.n - idx};
-    });
+    });  // local: never paced
   }
 
   /** @brief y[(f / B) P B + p B + f % B] = src_p[f - lo] for every peer p (thread 0). */
@@ -245,7 +252,7 @@ struct bulk {
       const int64_t o = (f0 / g.B) * g.world * g.B + p * g.B + f0 % g.B;
       const T* src = reinterpret_cast<const T*>(static_cast<const char*>(g.ws[p]) + src_off);
       return run_at{src + (f0 - lo), y + o, g.n_out - o};
-    });
+    }, g.link, g.rank);
   }
 
   /**
@@ -259,11 +266,13 @@ struct bulk {
     const int64_t bulk_hi = lo + (hi - lo) / UNIT * UNIT;
     const int n = static_cast<int>(ceil_div<int64_t>(bulk_hi - lo, piece_elems));
     const uint32_t phase = sm.phase;
+    uint64_t due = 0;  // thread 0: end of the last piece's link time
     auto issue = [&](int i) {
       const int s = i % bulk_ring::STAGES;
       const int64_t f = lo + i * piece_elems;
       const int64_t len = bulk_hi - f < piece_elems ? bulk_hi - f : piece_elems;
       const uint32_t bytes = static_cast<uint32_t>(len * sizeof(T));
+      if (g.link.on()) due = g.link.pace(uint64_t(bytes) * (P - 1));  // the peers' copies
       mbar_arrive_expect_tx(&sm.bar[s], bytes * P);
       for (int p = 0; p < P; ++p) {
         load_async(sm.buf[s] + p * piece_elems * sizeof(T),
@@ -295,7 +304,10 @@ struct bulk {
     for (int64_t f = bulk_hi + threadIdx.x; f < hi; f += THREADS) {
       dst[f] = p2p::reduce_scalar<T, MAX_PEERS>(g.ws, P, src_off + (f - lo) * sizeof(T));
     }
-    if (threadIdx.x == 0) sm.phase = advance_phase(phase, n);
+    if (threadIdx.x == 0) {
+      g.link.drain(due);
+      sm.phase = advance_phase(phase, n);
+    }
   }
 };
 
@@ -318,7 +330,7 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ glo
   const fail_ctx fc{g.error, g.op, r};
   __shared__ uint64_t s_base;
   if (lead) {
-    block_wait_bound() = wait_bound{g.error, g.op, r, g.timeout_ns};
+    block_wait_bound() = peer_wait_bound(g.error, g.op, r, g.timeout_ns);
     const int32_t got = *g.rank_ptr;
     if (got != r) fail(fc, ERR_RANK_MISMATCH, got);
     s_base = g.sig[r][SLOT_COUNTER + b];  // only this block of this device writes it
@@ -383,6 +395,11 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ glo
       gather(red_off, lo, hi);
     } else {
       gather(src_off, lo, hi);
+    }
+    if constexpr (!B16) {
+      // Per-thread path: the block's peer reads of this round, paced after the fact.
+      const int64_t peer_bytes = (hi - lo) * int64_t(sizeof(T)) * (P - 1);
+      g.link.pace_block(uint64_t(KIND == AR_TWOSHOT ? 2 * peer_bytes : peer_bytes));
     }
 
     __syncthreads();

@@ -12,6 +12,9 @@
  * - `p2p::reduce` / `p2p::all_reduce`: 16-byte vector loads of the same offset from every peer, summed in
  *   fp32 registers; all_reduce also stores the sum back to every peer.
  *
+ * The bulk-copy ring paces the pieces that cross ranks through the rank emulator's link
+ * throttle (pk/link.cuh) when its view carries one; off (production), that is one branch.
+ *
  * Bulk copies need 16-byte aligned addresses and sizes that are multiples of 16 bytes.
  */
 #pragma once
@@ -19,6 +22,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "pk/link.cuh"
 #include "pk/mbarrier.cuh"
 #include "pk/sync.cuh"
 
@@ -106,12 +110,15 @@ struct bulk_ring {
   char* dst[STAGES];     ///< bulk_move: where stage s's piece goes
   uint32_t bytes[STAGES];
   uint32_t phase;        ///< bit s: parity of stage s's next completion (one thread writes)
+  link_throttle link;    ///< bulk_copy's pacing (pk/link.cuh): off after init; set it to the
+                         ///< throttle for copies that cross ranks
   alignas(128) char buf[STAGES][STAGE_BYTES];
 
   /** @brief One thread, before any use. */
   __device__ void init() {
     for (int s = 0; s < STAGES; ++s) mbar_init(&bar[s], 1);
     phase = 0;
+    link = link_throttle{};
     fence_mbar_init();
   }
 };
@@ -121,6 +128,7 @@ struct bulk_piece {
   const char* src;
   char* dst;
   uint32_t bytes;
+  bool paced = false;  ///< crosses ranks: paced by bulk_move's link throttle (when on)
 };
 
 /** @brief Parity bits of the stages after `n` more completions starting at stage 0. */
@@ -136,16 +144,19 @@ __device__ inline uint32_t advance_phase(uint32_t phase, int n) {
 /**
  * @brief One thread: copies every piece `next(&piece)` yields, global -> shared -> global,
  * STAGES - 1 loads ahead of the stores. Returns with every store complete (not yet fenced
- * for generic-proxy readers: see fence_proxy_async_global).
+ * for generic-proxy readers: see fence_proxy_async_global). Pieces marked `paced` wait for
+ * their turn on `link` before their load and the last one's link time has passed on return.
  */
 template <class Next>
-__device__ inline void bulk_move(bulk_ring& ring, Next next) {
+__device__ inline void bulk_move(bulk_ring& ring, Next next, const link_throttle& link = {}) {
   uint32_t phase = ring.phase;
   int issued = 0;
   bool more = true;
+  uint64_t due = 0;  // end of the last paced piece's link time
   auto issue = [&]() {
     bulk_piece pc;
     if (!next(&pc)) return false;
+    if (link.on() && pc.paced) due = link.pace(pc.bytes);
     const int s = issued % bulk_ring::STAGES;
     ring.dst[s] = pc.dst;
     ring.bytes[s] = pc.bytes;
@@ -167,10 +178,14 @@ __device__ inline void bulk_move(bulk_ring& ring, Next next) {
     }
   }
   bulk_wait_all();
+  link.drain(due);
   ring.phase = phase;
 }
 
-/** @brief One thread: dst[0, bytes) = src[0, bytes) (16-byte aligned, bytes % 16 == 0). */
+/**
+ * @brief One thread: dst[0, bytes) = src[0, bytes) (16-byte aligned, bytes % 16 == 0); every
+ * piece paced by `ring.link` (off unless the caller set it: copies that cross ranks).
+ */
 __device__ inline void bulk_copy(bulk_ring& ring, void* dst, const void* src, uint64_t bytes) {
   uint64_t done = 0;
   bulk_move(ring, [&](bulk_piece* pc) {
@@ -180,9 +195,10 @@ __device__ inline void bulk_copy(bulk_ring& ring, void* dst, const void* src, ui
     pc->src = static_cast<const char*>(src) + done;
     pc->dst = static_cast<char*>(dst) + done;
     pc->bytes = static_cast<uint32_t>(n);
+    pc->paced = true;
     done += n;
     return true;
-  });
+  }, ring.link);
 }
 
 /**

@@ -81,6 +81,20 @@ struct wait_bound {
 };
 constexpr uint64_t MBAR_DEFAULT_TIMEOUT_NS = 60ull * 1000 * 1000 * 1000;
 
+/**
+ * @brief The bound of a cross-rank kernel's mbarrier waits: a quarter longer than its signal
+ * waits (`timeout_ns`).
+ *
+ * NOTES: when a peer never arrives, the block waiting on its signal and the warps waiting on an
+ * mbarrier that block would have filled start waiting at about the same time; the signal wait
+ * knows the missing peer, the mbarrier wait does not (peer -1). Seen on the H200 (ag_gemm, P =
+ * 8, one dead rank): the mbarrier timed out first and the record named peer -1.
+ */
+__host__ __device__ inline wait_bound peer_wait_bound(int32_t* error, int32_t op, int32_t rank,
+                                                      uint64_t timeout_ns) {
+  return wait_bound{error, op, rank, timeout_ns + timeout_ns / 4};
+}
+
 /** @brief This block's wait_bound (a static shared variable of every kernel that uses it). */
 __device__ inline wait_bound& block_wait_bound() {
   __shared__ wait_bound bound;

@@ -47,10 +47,13 @@ struct comm {
   uint64_t timeout_ns;
   int32_t world, rank, op;
   const int32_t* rank_ptr;   ///< XLA's rank operand (checked against `rank`)
+  link_throttle link;        ///< the rank emulator's link cap (pk/link.cuh; off in production)
 
   __device__ fail_ctx fail() const { return fail_ctx{error, op, rank}; }
-  /** @brief The same record and timeout for the kernel's mbarrier waits. */
-  __host__ __device__ wait_bound bound() const { return wait_bound{error, op, rank, timeout_ns}; }
+  /** @brief The same record for the kernel's mbarrier waits, bounded after the signal waits. */
+  __host__ __device__ wait_bound bound() const {
+    return peer_wait_bound(error, op, rank, timeout_ns);
+  }
   /** @brief This call's epoch (set by epoch_kernel before any other kernel of the call). */
   __device__ uint64_t epoch() const {
     return *reinterpret_cast<volatile const uint64_t*>(sig[rank] + EPOCH);
@@ -156,7 +159,11 @@ static __global__ void __launch_bounds__(THREADS)
              },
              uint64_t(blockIdx.x) * blockDim.x + threadIdx.x, uint64_t(gridDim.x) * blockDim.x,
              a.out_units);
-  if constexpr (GATHER) c.barrier(3, blockIdx.x, e);
+  if constexpr (GATHER) {
+    // Link throttle (emulator only): this block's share of the peer loads, after the fact.
+    c.link.pace_block((a.out_units - a.owner_units) * 16 / gridDim.x);
+    c.barrier(3, blockIdx.x, e);
+  }
 }
 
 /**
