@@ -333,13 +333,14 @@ def ring_attn_bwd(qs, ks, vs, dos, dtype: str, *, causal: bool, zigzag: bool = F
     expected = [{"dq": _cast(dqs[r], dtype),
                  "dk": _cast(dk_all[:, r * sl:(r + 1) * sl], dtype),
                  "dv": _cast(dv_all[:, r * sl:(r + 1) * sl], dtype)} for r in range(p)]
-    # bf16/fp16 P and dS feed the tensor cores: the tolerance follows the gradients' size.
+    # bf16/fp16 P and dS feed the tensor cores: the tolerance follows the gradients' size
+    # (numpy with bf16-rounded P and dS: 0.2-0.4% of the largest gradient, S 3072, GQA 4:1).
     big = max(1.0, max(float(np.abs(x.astype(np.float32)).max()) for e in expected
                        for x in e.values()))
     params = {"b": b, "s": sl, "h": h, "hkv": hkv, "d": d, "scale": scale,
               "causal": int(causal), "zigzag": int(zig), "num_comm_sms": num_comm_sms}
     return Case("ring_attn_bwd", dtype, inputs, expected, params, exact=False,
-                atol=2.5e-2 * big, rtol=2.5e-2)
+                atol=1.5e-2 * big, rtol=1.5e-2)
 
 
 # ---------------------------------------------------------------------------------------------
