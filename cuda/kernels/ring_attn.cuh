@@ -69,7 +69,10 @@ using attention::THREADS;
 
 constexpr int MAX_PEERS = tp::MAX_PEERS;
 constexpr int MAX_COMM = 16;    // communication blocks at most
-constexpr int MAX_CHUNKS = 64;  // chunks of a K/V block (signal granularity)
+// Chunks of a K/V block (signal granularity). 16 keeps FULL (and the backward's DKV,
+// kernels/ring_attn_bwd.cuh) within 640 slots, the ring's range once Ulysses attention's slots
+// follow it (kernels/ulysses_attn.cuh, branch uly).
+constexpr int MAX_CHUNKS = 16;
 
 // Signal pad: slots SLOT_BASE + these offsets (the host passes pads already offset). The range
 // lies between the collectives' slots and the fused GEMMs' (pk/tp.cuh).

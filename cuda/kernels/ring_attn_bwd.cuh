@@ -72,10 +72,12 @@ using ring_attn::MAX_CHUNKS;
 using ring_attn::MAX_PEERS;
 using ring_attn::PARTIAL;
 
-constexpr int MAX_LANES = 256;
+constexpr int MAX_LANES = 112;
 constexpr uint64_t DKV = ring_attn::END;  // [lane]
 constexpr uint64_t END = DKV + MAX_LANES;
 static_assert(END <= ring_attn::OP_SLOTS, "ring_attn_bwd: slot layout");
+// The ring's range shrinks to 640 slots where Ulysses attention's follow it (branch uly).
+static_assert(END <= 640, "ring_attn_bwd: the layout must fit the ring's 640 slots");
 constexpr int MAX_ITEMS_PER_LANE = 1 << 18;
 
 __device__ inline uint64_t code(uint64_t e, int i, int s) {

@@ -82,13 +82,13 @@ def test_tiny_and_comm_block_counts(worlds, p):
 
 
 def test_chunks_of_several_tiles(worlds):
-    """S/P = 8300 (65 key tiles): chunks of 2 tiles (at most 64 chunks per K/V block), the last
-    one partial; causal zigzag and not, GQA."""
+    """S/P = 8500 (67 key tiles): chunks of 5 tiles (at most 16 chunks per K/V block), the last
+    one of 2 tiles, the last tile partial; causal zigzag and not, GQA."""
     rng = np.random.default_rng(17)
     w = worlds(2)
-    cases = [emu_cases.ring_case(2, rng, s_local=8300, h=2, hkv=1, d=64, b=1, causal=True,
+    cases = [emu_cases.ring_case(2, rng, s_local=8500, h=2, hkv=1, d=64, b=1, causal=True,
                                  zigzag=True),
-             emu_cases.ring_case(2, rng, s_local=8300, h=2, hkv=1, d=64, b=1, causal=False)]
+             emu_cases.ring_case(2, rng, s_local=8500, h=2, hkv=1, d=64, b=1, causal=False)]
     assert _run(w, cases, rng) == []
 
 
@@ -177,7 +177,7 @@ def test_backward_against_the_float32_reference(worlds, p, layout):
 @pytest.mark.parametrize("p", PS)
 def test_backward_grouped_query_attention(worlds, p):
     """GQA 4:1 and MQA (Hkv = 1), batch 2, causal zigzag and contiguous, odd S/P tails, and
-    more work items than dK/dV lanes (S/P 4096, 2 K/V heads, batch 2: 128 items x P)."""
+    S/P = 2 with one communication block."""
     rng = np.random.default_rng(70 + p)
     w = worlds(p)
     cases = [_bwd_case(p, rng, h=8, hkv=2, b=2, s_local=192, causal=True, zigzag=True),
@@ -189,13 +189,13 @@ def test_backward_grouped_query_attention(worlds, p):
 
 
 def test_backward_chunks_and_more_items_than_lanes(worlds):
-    """P = 2. S/P = 8300 (65 key tiles): chunks of 2 tiles, the last one partial, causal zigzag
-    and not. S/P = 130 with 8 K/V heads and batch 17: 272 work items on 256 lanes (some lanes
-    take two items), causal contiguous and not."""
+    """P = 2. S/P = 8500 (67 key tiles): chunks of 5 tiles, the last one of 2, causal zigzag and
+    not. S/P = 130 with 8 K/V heads and batch 17: 272 work items on 112 lanes (lanes take two
+    or three items), causal contiguous and not."""
     rng = np.random.default_rng(23)
     w = worlds(2)
-    cases = [_bwd_case(2, rng, s_local=8300, h=2, hkv=1, d=64, b=1, causal=True, zigzag=True),
-             _bwd_case(2, rng, s_local=8300, h=2, hkv=1, d=64, b=1, causal=False),
+    cases = [_bwd_case(2, rng, s_local=8500, h=2, hkv=1, d=64, b=1, causal=True, zigzag=True),
+             _bwd_case(2, rng, s_local=8500, h=2, hkv=1, d=64, b=1, causal=False),
              _bwd_case(2, rng, s_local=130, h=8, hkv=8, d=64, b=17, causal=True, zigzag=False),
              _bwd_case(2, rng, s_local=130, h=8, hkv=8, d=64, b=17, causal=False)]
     assert _run(w, cases, rng) == []
