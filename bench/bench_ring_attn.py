@@ -1,4 +1,4 @@
-"""Fused ring attention forward (pk_ring_attn), emulated at P = 2, 4, 8 (pk_jax.testing.World:
+"""Fused ring attention forward (pk_ring_attn) and backward (pk_ring_attn_bwd), emulated at P = 2, 4, 8 (pk_jax.testing.World:
 P green-context partitions of one GPU, the FFI handler's launcher), against the unfused ring in
 the same run.
 
@@ -13,6 +13,10 @@ and not):
 
 What the numbers mean: each emulated rank has 1/P of the SMs, and all ranks share one HBM, so
 "links" run at the shared-HBM rate, not NVLink's; every row says `"emulated": true`.
+
+Backward (run_shape_bwd): the fused pk_ring_attn_bwd call against all_gather of [k | v] plus
+one pk.attention backward per visible block (dq and dk/dv sums not counted); 2.5 x the
+forward's FLOPs.
 
 Correctness first: before timing, ranks 0 and P - 1 of the fused call are compared (head 0, all
 rows) with a float32 numpy reference over the whole sequence (bf16 tolerance), and the
@@ -130,10 +134,95 @@ def run_shape(world: World, p: int, sl: int, causal: bool, rng, rows: list) -> N
     gather.free()
 
 
+def run_shape_bwd(world: World, p: int, sl: int, causal: bool, rng, rows: list) -> None:
+    """The fused backward (pk_ring_attn_bwd) against the unfused one: all_gather of [k | v],
+    then one pk.attention backward (dq, dk, dv of the block) per visible block on each rank's
+    stream; the sums of the blocks' dq and the reduce-scatter of dk/dv are not counted (which
+    favours the baseline). lse and delta are random finite stand-ins (timing only; the
+    emulator tests check the values); the fused gradients must come out finite."""
+    dt = np_dtype(BF16)
+
+    def normal(shape):
+        return rng.standard_normal(shape).astype(np.float32).astype(dt)
+
+    qs, dos = ([normal((B, sl, H, D)) for _ in range(p)] for _ in range(2))
+    ks, vs = ([normal((B, sl, HKV, D)) for _ in range(p)] for _ in range(2))
+    sp = -(-sl // 128) * 128
+    lse = [(np.log(sl * p) + rng.standard_normal((B, H, sp))).astype(np.float32)
+           for _ in range(p)]
+    delta = [rng.standard_normal((B, H, sp)).astype(np.float32) for _ in range(p)]
+    scale = float(1.0 / np.sqrt(D))
+    params = {"b": B, "s": sl, "h": H, "hkv": HKV, "d": D, "scale": scale,
+              "causal": int(causal), "zigzag": 0, "num_comm_sms": NUM_COMM_SMS}
+    case = ops.Case("ring_attn_bwd", BF16,
+                    [{"q": qs[r], "k": ks[r], "v": vs[r], "do": dos[r], "lse": lse[r],
+                      "delta": delta[r]} for r in range(p)],
+                    [{"dq": np.zeros((B, sl, H, D), dt), "dk": np.zeros((B, sl, HKV, D), dt),
+                      "dv": np.zeros((B, sl, HKV, D), dt)} for _ in range(p)], params,
+                    exact=False)
+    fused = ops.Call(world, case)
+    fused.launch()
+    world.synchronize()
+    for r in (0, p - 1):
+        for name, y in fused.outputs(r).items():
+            if not np.all(np.isfinite(y.astype(np.float32))):
+                raise SystemExit(f"bench_ring_attention: non-finite {name} from the fused "
+                                 f"backward (P={p}, S/P={sl}, causal={causal}, rank {r})")
+
+    kv = [np.concatenate([k.reshape(-1), v.reshape(-1)]) for k, v in zip(ks, vs)]
+    gather = ops.Call(world, ops.all_gather(kv, BF16))
+    block = B * sl * HKV * D * 2
+    grads = [[DeviceBuffer(n) for n in (B * sl * H * D * 2, block, block)] for _ in range(p)]
+
+    def unfused():
+        gather.launch()
+        for r in range(p):
+            y = gather.buffers[r]["y"].ptr
+            bufs = fused.buffers[r]
+            for t in range(p):
+                j = (r - t) % p
+                if causal and j > r:
+                    continue
+                world.launch("attention", r, {
+                    "dtype": DTYPES[BF16], "q": bufs["q"], "k": y + 2 * j * block,
+                    "v": y + (2 * j + 1) * block, "o": 0, "lse": 0, "b": B, "s": sl, "h": H,
+                    "hkv": HKV, "d": D, "scale": scale, "causal": int(causal and j == r),
+                    "backward": 1, "do": bufs["do"], "lse_in": bufs["lse"],
+                    "delta": bufs["delta"], "dq": grads[r][0], "dk": grads[r][1],
+                    "dv": grads[r][2], "sp": sp})
+
+    t_fused = common.emulated_us(world, fused.launch)
+    t_base = common.emulated_us(world, unfused)
+    s_total = sl * p
+    flops = 10 * B * H * D * s_total * s_total * (0.5 if causal else 1.0)  # all ranks
+    shape = {"b": B, "s": s_total, "s_local": sl, "h": H, "hkv": HKV, "d": D,
+             "causal": causal, "layout": "contiguous", "num_comm_sms": NUM_COMM_SMS,
+             "pass": "backward"}
+    rows.append(common.record(
+        op="ring_attention", shape=shape, dtype=BF16, world=p, processes=1,
+        median_us=t_fused, tflops=flops / t_fused / 1e6,
+        baseline="unfused: all_gather of K/V, then pk.attention backward per block (emulated)",
+        baseline_median_us=t_base, emulated=True, machine=MACHINE, link=LINK,
+        sms_per_rank=world.sms[0], path=common.RESULTS / "ring_attention.jsonl"))
+    print(f"P={p} S/P={sl:5d} causal={causal!s:5s} backward: fused {t_fused:9.1f} us "
+          f"({flops / t_fused / 1e6:6.1f} TFLOP/s over all ranks)  unfused {t_base:9.1f} us  "
+          f"{t_base / t_fused:5.2f}x", flush=True)
+    for bufs in grads:
+        for buf in bufs:
+            buf.free()
+    fused.free()
+    gather.free()
+
+
 def main() -> None:
+    global NUM_COMM_SMS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="S/P = 2048 only")
+    parser.add_argument("--forward-only", action="store_true", help="skip the backward")
+    parser.add_argument("--num-comm-sms", type=int, default=2,
+                        help="communication blocks of the fused kernels (default: the op's)")
     args = parser.parse_args()
+    NUM_COMM_SMS = args.num_comm_sms
     rng = np.random.default_rng(0)
     rows: list = []
     for p in (2, 4, 8):
@@ -142,9 +231,14 @@ def main() -> None:
             for sl in ((2048,) if args.quick else (2048, 4096)):
                 for causal in (False, True):
                     run_shape(world, p, sl, causal, rng, rows)
-    ratios = [r["ratio"] for r in rows if r["ratio"]]
-    print(f"geomean fused vs unfused: {common.geomean(ratios):.2f}x ({len(ratios)} rows, "
-          "emulated)")
+                    if not args.forward_only:
+                        run_shape_bwd(world, p, sl, causal, rng, rows)
+    for name, sel in (("forward", False), ("backward", True)):
+        ratios = [r["ratio"] for r in rows
+                  if r["ratio"] and (r["shape"].get("pass") == "backward") == sel]
+        if ratios:
+            print(f"geomean fused vs unfused, {name}: {common.geomean(ratios):.2f}x "
+                  f"({len(ratios)} rows, emulated)")
 
 
 if __name__ == "__main__":

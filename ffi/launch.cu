@@ -21,6 +21,8 @@ const char* OpName(int op) {
                                        "all_to_all", "gemm_rs",  "ag_gemm",    "gemm_ar"};
   if (op == 12) return "moe_dispatch";
   if (op == 13) return "moe_combine";
+  if (op == 14) return "ring_attn";
+  if (op == 16) return "ring_attn_bwd";
   return op >= 0 && op < 8 ? kNames[op] : "an op";
 }
 

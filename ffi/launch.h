@@ -212,6 +212,25 @@ struct UlyssesAttnArgs {
 
 Status LaunchUlyssesAttn(const Where& at, const UlyssesAttnArgs& a, const CommView& v);
 
+// Ring attention backward (cuda/kernels/ring_attn_bwd.cuh): q, d_o [b, s, h, d], k and v
+// [b, s, hkv, d], lse and delta float32 [b, h, SP] (SP = s rounded up to 128; lse = +inf and
+// delta = 0 past s) -> dq, dk, dv like q, k, v. P >= 2.
+struct RingAttnBwdArgs {
+  DType dtype;
+  const void *q, *k, *v, *d_o;
+  const float *lse, *delta;
+  void *dq, *dk, *dv;
+  const int32_t* rank;
+  int64_t b, s, h, hkv, d;
+  float scale;
+  bool causal, zigzag;
+  int64_t num_comm_sms;
+};
+
+// Bytes of symmetric workspace one backward call uses at world P.
+uint64_t RingAttnBwdWorkspace(int64_t b, int64_t s, int64_t hkv, int64_t d, int world);
+Status LaunchRingAttnBwd(const Where& at, const RingAttnBwdArgs& a, const CommView& v);
+
 // Refuses a launch once the communicator's error record holds an error (a peer timed out in
 // an earlier call): the message names op, rank and missing peer, and the call never starts
 // kernels that would wait for peers that are gone.

@@ -48,6 +48,7 @@ const Registration kRegistrations[] = {
     {"pk_ring_attn", "CUDA", reinterpret_cast<void*>(PkRingAttn)},
     {"pk_moe_dispatch_gemm", "CUDA", reinterpret_cast<void*>(PkMoeDispatchGemm)},
     {"pk_ulysses_attn", "CUDA", reinterpret_cast<void*>(PkUlyssesAttn)},
+    {"pk_ring_attn_bwd", "CUDA", reinterpret_cast<void*>(PkRingAttnBwd)},
 };
 
 // The communicator table's view of one key, for tests; None when nothing is registered.
@@ -118,7 +119,7 @@ void EmuLaunch(const std::string& op, int64_t comm_id, int device, uint64_t stre
     Raise(pk_ffi::LaunchMatmul(at, gemm_args()));
     return;
   }
-  if (op == "attention") {  // local forward: no communicator (the unfused ring's per-block step)
+  if (op == "attention") {  // local, no communicator (the unfused ring's per-block step)
     pk_ffi::AttnArgs a{};
     a.dtype = static_cast<pk_ffi::DType>(Get(args, "dtype"));
     a.q = Ptr<const void>(args, "q");
@@ -133,6 +134,16 @@ void EmuLaunch(const std::string& op, int64_t comm_id, int device, uint64_t stre
     a.d = Get(args, "d");
     a.scale = static_cast<float>(nb::cast<double>(args["scale"]));
     a.causal = Get(args, "causal") != 0;
+    a.backward = Get(args, "backward", 0) != 0;  // the unfused ring backward's per-block step
+    if (a.backward) {
+      a.d_o = Ptr<const void>(args, "do");
+      a.lse_in = Ptr<const float>(args, "lse_in");
+      a.delta = Ptr<const float>(args, "delta");
+      a.dq = Ptr<void>(args, "dq");
+      a.dk = Ptr<void>(args, "dk");
+      a.dv = Ptr<void>(args, "dv");
+      a.sp = Get(args, "sp");
+    }
     Raise(pk_ffi::LaunchAttention(at, a));
     return;
   }
@@ -284,6 +295,31 @@ void EmuLaunch(const std::string& op, int64_t comm_id, int device, uint64_t stre
     a.causal = Get(args, "causal") != 0;
     a.num_comm_sms = Get(args, "num_comm_sms", 2);
     Raise(pk_ffi::LaunchUlyssesAttn(at, a, *v));
+    return;
+  }
+  if (op == "ring_attn_bwd") {
+    pk_ffi::RingAttnBwdArgs a{};
+    a.dtype = dtype;
+    a.q = Ptr<const void>(args, "q");
+    a.k = Ptr<const void>(args, "k");
+    a.v = Ptr<const void>(args, "v");
+    a.d_o = Ptr<const void>(args, "do");
+    a.lse = Ptr<const float>(args, "lse");
+    a.delta = Ptr<const float>(args, "delta");
+    a.dq = Ptr<void>(args, "dq");
+    a.dk = Ptr<void>(args, "dk");
+    a.dv = Ptr<void>(args, "dv");
+    a.rank = Ptr<const int32_t>(args, "rank");
+    a.b = Get(args, "b");
+    a.s = Get(args, "s");
+    a.h = Get(args, "h");
+    a.hkv = Get(args, "hkv");
+    a.d = Get(args, "d");
+    a.scale = static_cast<float>(nb::cast<double>(args["scale"]));
+    a.causal = Get(args, "causal") != 0;
+    a.zigzag = Get(args, "zigzag") != 0;
+    a.num_comm_sms = Get(args, "num_comm_sms", 2);
+    Raise(pk_ffi::LaunchRingAttnBwd(at, a, *v));
     return;
   }
   throw std::invalid_argument("pk_jax emulator: unknown op '" + op + "'");

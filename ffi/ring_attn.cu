@@ -99,6 +99,8 @@ Status LaunchRingAttn(const Where& at, const RingAttnArgs& a, const CommView& v)
   g.zigzag = a.causal && a.zigzag ? 1 : 0;
   g.comm_blocks = static_cast<int>(a.num_comm_sms);
   g.q_tiles = static_cast<int>((a.s + 127) / 128);
+  g.chunk_tiles = (g.q_tiles + ra::MAX_CHUNKS - 1) / ra::MAX_CHUNKS;
+  g.n_chunks = (g.q_tiles + g.chunk_tiles - 1) / g.chunk_tiles;
   g.block_bytes = block_bytes;
   g.o = a.o;
   g.lse = a.lse;

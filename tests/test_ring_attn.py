@@ -324,3 +324,32 @@ def test_fused_kernel_takes_what_it_compiles():
     assert not ring_attn.kernel_supports(jax.ShapeDtypeStruct((1, 130, 4, 96), jnp.float16),
                                          kv, 4)
     assert ring_attn.workspace_need(kv, 4) == 2 * 3 * 130 * 2 * 128 * 2
+    # The fused backward (pk_ring_attn_bwd): the forward's K/V ring plus P fp32 dK/dV blocks
+    # of whole 128-row tiles (130 rows: 2 tiles per K/V head).
+    assert ring_attn.workspace_need_bwd(kv, 4) == (2 * 3 * 130 * 2 * 128 * 2
+                                                   + 4 * (2 * 2 * 1) * 2 * 128 * 128 * 4)
+    assert ring_attn.FUSED_BACKWARD
+
+
+@pytest.mark.parametrize("causal,zigzag", [(False, False), (True, False), (True, True)])
+def test_emulator_backward_reference_matches_autodiff(causal, zigzag):
+    """pk_jax.testing.ops.ring_attn_bwd (the GPU emulator tests' expected gradients of the
+    fused backward) equals the autodiff gradients of dense attention over the whole sequence
+    in global order, GQA 2:1, P = 3 with zigzag shards."""
+    from pk_jax.testing import ops
+
+    p, b, sl, h, hkv, d = 3, 1, 6, 4, 2, 8
+    rng = np.random.default_rng(3)
+    xs = [[rng.standard_normal(shape) for _ in range(p)]
+          for shape in ((b, sl, h, d), (b, sl, hkv, d), (b, sl, hkv, d), (b, sl, h, d))]
+    case = ops.ring_attn_bwd(*xs, "float32", causal=causal, zigzag=zigzag)
+    pos = np.concatenate([ops.seq_positions(p, r, sl, causal and zigzag) for r in range(p)])
+    order = np.argsort(pos)  # global order of the concatenated shards
+    q, k, v, w = (np.concatenate(x, axis=1)[:, order].astype(np.float32) for x in xs)
+    k, v = (np.repeat(x, h // hkv, axis=2) for x in (k, v))
+    want = [np.asarray(g) for g in dense_grads(q, k, v, w, causal=causal)]
+    want[1], want[2] = (x.reshape(b, p * sl, hkv, h // hkv, d).sum(3) for x in want[1:])
+    inv = np.argsort(order)  # back to shard order
+    for i, name in enumerate(("dq", "dk", "dv")):
+        got = np.concatenate([case.expected[r][name] for r in range(p)], axis=1)
+        np.testing.assert_allclose(got, want[i][:, inv], rtol=1e-4, atol=1e-4)

@@ -12,17 +12,23 @@
  * 128 rows, head, batch), the attention forward's block (kernels/attention.cuh). At step t
  * rank r holds the K/V block of rank j = (r - t) mod P:
  *
- *     step t    comm block cb of rank r                 compute block (any tile of rank r)
+ *     step t    comm block cb of rank r (its chunks     compute block (any tile of rank r)
+ *               ch = cb, cb + C, ... in order)
  *     ------    ------------------------------------    -----------------------------------
  *       0       barrier with every peer's block cb;     K/V tiles of the local k, v (TMA)
- *               push my cb-th share of k, v into
- *               slot 1 of rank r+1; FULL[1][cb] there
- *     1..P-2    wait FULL[t][cb] here; forward the      wait FULL[t][*] (thread 0, when it
- *               share of slot t to slot t+1 of r+1;     issues the step's first tile); K/V
- *               FULL[t+1][cb] there                     tiles of slot t (TMA)
- *      P-1      wait FULL[P-1][cb] here (the last       as above; then O / l and lse out
+ *               push chunk ch of k, v into slot 1 of
+ *               rank r+1; FULL[1][ch] there
+ *     1..P-2    wait FULL[t][ch] here; forward chunk    wait FULL[t][ch] for the chunk of
+ *               ch of slot t to slot t+1 of r+1;        the next tile it loads (thread 0,
+ *               FULL[t+1][ch] there                     the issuer); K/V tiles of slot t
+ *      P-1      wait FULL[P-1][ch] here (the last       as above; then O / l and lse out
  *               block landed: after this kernel
  *               nobody writes my workspace)
+ *
+ * A chunk is CT consecutive 128-row key tiles of a K/V block (all heads, every batch), CT the
+ * smallest that gives at most MAX_CHUNKS chunks: a chunk is forwarded as soon as it has landed,
+ * so a hop costs one chunk's copy, not a block's, and a compute block waits only for the
+ * chunks of the tiles it loads.
  *
  * The compute block keeps Q, the running max and sum and the O accumulator in registers over
  * all P steps: the K/V tiles of all steps form one stream through its mbarrier ring, and the
@@ -38,9 +44,9 @@
  *
  * Signal protocol (slots SLOT_BASE.. of the pad; e = this call's epoch, pk/tp.cuh epoch_kernel):
  * ENTER[cb][s] (barrier of comm block cb with every peer: every peer's earlier kernels are over,
- * so none still reads a workspace I am about to write); FULL[t][cb], written by rank r-1's comm
- * block cb after its share of slot t landed in my workspace (release at system scope), read by
- * my comm block cb and by every compute block (acquire). Every wait is bounded and names the
+ * so none still reads a workspace I am about to write); FULL[t][ch], written by rank r-1's comm
+ * block ch % C after chunk ch of slot t landed in my workspace (release at system scope), read
+ * by my comm block ch % C and by the compute blocks that load a tile of chunk ch (acquire). Every wait is bounded and names the
  * peer; compute blocks wait 1/8 longer than the comm blocks, whose timeouts name a dead rank.
  *
  * Pitfalls: bulk copies and TMA loads are the async proxy, the signals the generic proxy: the
@@ -62,7 +68,11 @@ using attention::LOG2E;
 using attention::THREADS;
 
 constexpr int MAX_PEERS = tp::MAX_PEERS;
-constexpr int MAX_COMM = 16;  // communication blocks at most
+constexpr int MAX_COMM = 16;    // communication blocks at most
+// Chunks of a K/V block (signal granularity). 16 keeps FULL (and the backward's DKV,
+// kernels/ring_attn_bwd.cuh) within 640 slots, the ring's range once Ulysses attention's slots
+// follow it (kernels/ulysses_attn.cuh, branch uly).
+constexpr int MAX_CHUNKS = 16;
 
 // Signal pad: slots SLOT_BASE + these offsets (the host passes pads already offset). The range
 // lies between the collectives' slots and the fused GEMMs' (pk/tp.cuh); Ulysses attention's
@@ -71,8 +81,8 @@ constexpr uint64_t SLOT_BASE = 6400;
 constexpr uint64_t OP_SLOTS = 640;
 constexpr uint64_t EPOCH = tp::EPOCH;                          // local: calls so far
 constexpr uint64_t ENTER = 16;                                 // [cb][s]
-constexpr uint64_t FULL = ENTER + uint64_t(MAX_COMM) * MAX_PEERS;  // [t][cb]
-constexpr uint64_t END = FULL + uint64_t(MAX_PEERS) * MAX_COMM;
+constexpr uint64_t FULL = ENTER + uint64_t(MAX_COMM) * MAX_PEERS;  // [t][ch]
+constexpr uint64_t END = FULL + uint64_t(MAX_PEERS) * MAX_CHUNKS;
 constexpr uint64_t SLOTS_NEEDED = SLOT_BASE + OP_SLOTS;
 static_assert(EPOCH < ENTER && END <= OP_SLOTS, "ring_attn: slot layout");
 static_assert(SLOT_BASE >= coll::SLOTS && SLOTS_NEEDED <= tp::SLOT_BASE,
@@ -91,6 +101,8 @@ struct globals {
   int zigzag;            // causal with the zigzag layout
   int comm_blocks;       // C
   int q_tiles;           // ceil(Sl / 128)
+  int chunk_tiles;       // CT: 128-row key tiles per chunk
+  int n_chunks;          // ceil(q_tiles / CT)
   uint64_t block_bytes;  // of one K (or V) block: B Sl Hkv D sizeof(T)
 };
 
@@ -109,7 +121,7 @@ __device__ inline int2 span(const globals& g, int owner, int lo, int hi) {
 
 enum tile_kind : int { HIDDEN = 0, FULL_TILE = 1, PARTIAL = 2 };
 
-/** @brief One communication block (see the schedule): thread 0 moves its share with bulk
+/** @brief One communication block (see the schedule): thread 0 moves its chunks with bulk
  * copies through the block's shared memory. */
 template <class C>
 __device__ void communicate(const globals& g, int cb, void* smem) {
@@ -127,24 +139,51 @@ __device__ void communicate(const globals& g, int cb, void* smem) {
   }
   barrier<MAX_PEERS>(c.sig, P, r, ENTER + uint64_t(cb) * MAX_PEERS, e, c.timeout_ns, c.fail());
   if (!lead) return;
-  const uint64_t bb = g.block_bytes, units = bb / 16;
-  const uint64_t lo = units * cb / nc * 16, hi = units * (cb + 1) / nc * 16;
+  const uint64_t bb = g.block_bytes;
+  const uint64_t row_bytes = uint64_t(g.d.hkv) * C::HEAD_DIM * sizeof(typename C::dtype);
+  const int s = g.d.s, batch = g.d.b, chunk_rows = g.chunk_tiles * C::BN;
   char* const mine = static_cast<char*>(c.ws[r]);
   char* const theirs = static_cast<char*>(c.ws[next]);
   const uint64_t v_off = uint64_t(P - 1) * bb;
   for (int t = 0; t + 1 < P; ++t) {
-    if (t > 0) wait(c.sig[r] + FULL + uint64_t(t) * MAX_COMM + cb, e, c.timeout_ns, c.fail(), prev);
-    fence_proxy_async_global();  // the acquire (or barrier) before the bulk reads and writes
     const char* src_k = t == 0 ? static_cast<const char*>(g.k_local) : mine + (t - 1) * bb;
     const char* src_v = t == 0 ? static_cast<const char*>(g.v_local) : mine + v_off + (t - 1) * bb;
-    bulk_copy(ring, theirs + uint64_t(t) * bb + lo, src_k + lo, hi - lo);
-    bulk_copy(ring, theirs + v_off + uint64_t(t) * bb + lo, src_v + lo, hi - lo);
-    fence_proxy_async_global();  // the bulk writes before the release
-    __threadfence_system();
-    signal(c.sig[next] + FULL + uint64_t(t + 1) * MAX_COMM + cb, e);
+    char* const dst = theirs + uint64_t(t) * bb;
+    for (int ch = cb; ch < g.n_chunks; ch += nc) {
+      if (t > 0) {
+        wait(c.sig[r] + FULL + uint64_t(t) * MAX_CHUNKS + ch, e, c.timeout_ns, c.fail(), prev);
+      }
+      fence_proxy_async_global();  // the acquire (or barrier) before the bulk reads and writes
+      const int r0 = ch * chunk_rows, r1 = min(r0 + chunk_rows, s);
+      const uint64_t span = uint64_t(r1 - r0) * row_bytes;
+      // Rows [r0, r1) of K, then of V, of every batch: 2 B contiguous pieces of `span` bytes.
+      int part = 0;
+      uint64_t done = 0;
+      bulk_move(ring, [&](bulk_piece* pc) {
+        if (done >= span) {
+          ++part;
+          done = 0;
+        }
+        if (part >= 2 * batch) return false;
+        const int b = part / 2;
+        const uint64_t off = (uint64_t(b) * s + r0) * row_bytes + done;
+        const uint64_t n = span - done < bulk_ring::STAGE_BYTES ? span - done
+                                                                : bulk_ring::STAGE_BYTES;
+        pc->src = ((part % 2) ? src_v : src_k) + off;
+        pc->dst = dst + ((part % 2) ? v_off : 0) + off;
+        pc->bytes = static_cast<uint32_t>(n);
+        done += n;
+        return true;
+      });
+      fence_proxy_async_global();  // the bulk writes before the release
+      __threadfence_system();
+      signal(c.sig[next] + FULL + uint64_t(t + 1) * MAX_CHUNKS + ch, e);
+    }
   }
   if (P > 1) {
-    wait(c.sig[r] + FULL + uint64_t(P - 1) * MAX_COMM + cb, e, c.timeout_ns, c.fail(), prev);
+    for (int ch = cb; ch < g.n_chunks; ch += nc) {
+      wait(c.sig[r] + FULL + uint64_t(P - 1) * MAX_CHUNKS + ch, e, c.timeout_ns, c.fail(), prev);
+    }
   }
 }
 
@@ -201,18 +240,17 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ glo
   };
 
   const bool issuer = threadIdx.x == 0;
-  item pit{0, -1};  // the issuer's next item to load
-  int waited = 0;   // the issuer has seen FULL for steps <= waited
+  item pit{0, -1};         // the issuer's next item to load
+  item waited{0, 0};       // the last (step, chunk) whose FULL the issuer has seen
   auto issue = [&](int j) {
     const int st = j % STAGES;
     const item it = pit;
-    if (it.t > waited) {
-      for (int cb = 0; cb < g.comm_blocks; ++cb) {
-        wait(cm.sig[rank] + FULL + uint64_t(it.t) * MAX_COMM + cb, e,
-             cm.timeout_ns + cm.timeout_ns / 8, cm.fail(), (rank + P - 1) % P);
-      }
-      fence_proxy_async_global();  // the acquires before the TMA reads of the slot
-      waited = it.t;
+    const int ch = it.n / g.chunk_tiles;
+    if (it.t > 0 && (it.t != waited.t || ch != waited.n)) {
+      wait(cm.sig[rank] + FULL + uint64_t(it.t) * MAX_CHUNKS + ch, e,
+           cm.timeout_ns + cm.timeout_ns / 8, cm.fail(), (rank + P - 1) % P);
+      fence_proxy_async_global();  // the acquire before the TMA reads of the slot
+      waited = item{it.t, ch};
     }
     const CUtensorMap* km = it.t == 0 ? &g.k : &g.ks;
     const CUtensorMap* vm = it.t == 0 ? &g.v : &g.vs;

@@ -26,8 +26,10 @@ one more send brings every dK/dV block home. dQ stays on its rank. Memory stays 
 
 On GPUs at P > 1 (bf16/fp16, head dim 64 or 128) the forward is one fused kernel per call
 (target pk_ring_attn, cuda/kernels/ring_attn.cuh: the K/V blocks travel through P - 1 slots
-of the symmetric workspace, pushed by communication blocks of the same grid); the backward is
-the reference ring above, on the kernel's out and lse.
+of the symmetric workspace, pushed by communication blocks of the same grid), and so is the
+backward (target pk_ring_attn_bwd, cuda/kernels/ring_attn_bwd.cuh: K/V travel as in the
+forward, and each K/V block's fp32 dK/dV partial sums travel one hop behind it, home after
+P steps; dQ stays in registers), on the kernel's out and lse.
 """
 
 from __future__ import annotations
@@ -129,7 +131,7 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, *,
 
 # ---------------------------------------------------------------------------------------------
 # The fused kernel (target pk_ring_attn, cuda/kernels/ring_attn.cuh): the forward in one launch
-# per call; the backward is still the reference ring above on the kernel's (out, lse).
+# per call, and the backward (pk_ring_attn_bwd, cuda/kernels/ring_attn_bwd.cuh) likewise.
 
 HEAD_DIMS = (64, 128)
 NUM_COMM_SMS = 2  # communication blocks (the same on every rank; each moves 1/C of a block)
@@ -147,6 +149,19 @@ def workspace_need(k: jax.Array, p: int) -> int:
     return 2 * (p - 1) * int(np.prod(k.shape)) * k.dtype.itemsize
 
 
+def workspace_need_bwd(k: jax.Array, p: int) -> int:
+    """Bytes of symmetric workspace the fused backward uses: the forward's P - 1 K and V
+    blocks, then P fp32 dK/dV blocks of ceil(S/P / 128) 128-row tiles per K/V head and batch
+    (ffi/ring_attn_bwd.cu RingAttnBwdWorkspace)."""
+    b, s, hkv, d = k.shape
+    tiles = -(-s // 128) * hkv * b
+    return workspace_need(k, p) + p * tiles * 2 * 128 * d * 4
+
+
+# Whether the custom VJP of the fused path runs the fused backward (else the reference ring).
+FUSED_BACKWARD = True
+
+
 def _kernel_call(q, k, v, axis_name, causal, scale, zigzag):
     b, s, h, _ = q.shape
     o, lse = _ffi.call(
@@ -155,7 +170,7 @@ def _kernel_call(q, k, v, axis_name, causal, scale, zigzag):
         q, k, v, _backend.rank_operand(axis_name), comm_id=np.int64(state.comm_id(axis_name)),
         scale=np.float32(scale), causal=np.int64(causal), zigzag=np.int64(zigzag),
         num_comm_sms=np.int64(NUM_COMM_SMS))
-    return o, lse.transpose(0, 2, 1)  # lse as _attention.log_sum_exp: [B, S/P, H]
+    return o, lse  # lse [B, H, S/P]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
@@ -169,9 +184,12 @@ def _kernel_ring_fwd(q, k, v, axis_name, causal, scale, p, zigzag):
 
 
 def _kernel_ring_bwd(axis_name, causal, scale, p, zigzag, res, do):
+    if FUSED_BACKWARD:
+        return _fused_bwd(axis_name, causal, scale, p, zigzag, res, do)
     # The reference ring backward on the kernel's out and lse, over the repeated K/V heads;
     # repeat_kv's VJP sums each group's gradients back into its K/V head.
     q, k, v, o, lse = res
+    lse = lse.transpose(0, 2, 1)  # as _attention.log_sum_exp: [B, S/P, H]
     (kr, vr), pull = jax.vjp(lambda k, v: _attention.repeat_kv(q, k, v), k, v)
     if zigzag:
         dq, dkr, dvr = _zigzag_bwd(axis_name, scale, p, (q, kr, vr, o, lse), do)
@@ -179,6 +197,28 @@ def _kernel_ring_bwd(axis_name, causal, scale, p, zigzag, res, do):
         dq, dkr, dvr = _ring_bwd(axis_name, causal, scale, p, (q, kr, vr, o, lse), do)
     dk, dv = pull((dkr, dvr))
     return dq, dk, dv
+
+
+def _fused_bwd(axis_name, causal, scale, p, zigzag, res, do):
+    # One pk_ring_attn_bwd call: delta = rowsum(dO * O) and the lse padded to whole 128-row
+    # tiles (lse = +inf, delta = 0 past S/P: those rows get P = 0).
+    q, k, v, o, lse = res
+    _tp.check_workspace(NAME, workspace_need_bwd(k, p),
+                        f"the backward's {p - 1} K/V blocks and {p} float32 dK/dV blocks of "
+                        f"{k.shape}")
+    s = q.shape[1]
+    pad = ((0, 0), (0, 0), (0, -(-s // 128) * 128 - s))
+    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)
+    delta = jnp.pad(delta.transpose(0, 2, 1), pad)
+    lse = jnp.pad(lse, pad, constant_values=jnp.inf)
+    dq, dk, dv = _ffi.call(
+        "pk_ring_attn_bwd", [jax.ShapeDtypeStruct(q.shape, q.dtype),
+                             jax.ShapeDtypeStruct(k.shape, k.dtype),
+                             jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        q, k, v, do.astype(q.dtype), lse, delta, _backend.rank_operand(axis_name),
+        comm_id=np.int64(state.comm_id(axis_name)), scale=np.float32(scale),
+        causal=np.int64(causal), zigzag=np.int64(zigzag), num_comm_sms=np.int64(NUM_COMM_SMS))
+    return tuple(_vjp.fit(g, x) for g, x in ((dq, q), (dk, k), (dv, v)))
 
 
 _kernel_ring.defvjp(_kernel_ring_fwd, _kernel_ring_bwd)

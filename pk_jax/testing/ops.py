@@ -21,9 +21,9 @@ OPS = COLLECTIVES + GEMMS
 # Expert-parallel MoE: dispatch, its per-slot form (the combine's VJP), combine, and the
 # combine's unsummed gather (its weights' VJP). Their launcher fields are named in the cases.
 MOE = ("moe_dispatch", "moe_scatter", "moe_combine", "moe_gather")
-# Sequence parallelism: the fused ring and Ulysses attention forwards (launcher fields named
-# in the cases).
-ATTENTION = ("ring_attn", "ulysses_attn")
+# Sequence parallelism: the fused ring attention forward and backward and the fused Ulysses
+# forward (launcher fields named in the cases).
+ATTENTION = ("ring_attn", "ring_attn_bwd", "ulysses_attn")
 # Dispatch fused with the first expert GEMM (work in progress: kept out of MOE's suites).
 FUSED_MOE = ("moe_dispatch_gemm",)
 TILE_128x128, TILE_128x256 = 1, 2
@@ -321,6 +321,68 @@ def ulysses_attn(qs, ks, vs, dtype: str, *, causal: bool, scale: float | None = 
     params = {k: v for k, v in ring.params.items() if k != "zigzag"}
     return Case("ulysses_attn", dtype, ring.inputs, ring.expected, params, exact=False,
                 atol=ring.atol, rtol=ring.rtol)
+
+
+def ring_attn_bwd(qs, ks, vs, dos, dtype: str, *, causal: bool, zigzag: bool = False,
+                  scale: float | None = None, num_comm_sms: int = 2) -> Case:
+    """The backward of `ring_attn`: dq_r, dk_r, dv_r of sum_r <o_r, do_r> (float32 reference
+    over the whole sequence, causal on global positions). Inputs: q, k, v, do in `dtype`, and
+    the float32 reference lse and delta = rowsum(do * o), [B, H, SP] (SP = S/P rounded up to
+    128; lse = +inf and delta = 0 past S/P), as the kernel takes them."""
+    p = len(qs)
+    b, sl, h, d = qs[0].shape
+    hkv = ks[0].shape[2]
+    scale = float(1.0 / np.sqrt(d)) if scale is None else float(scale)
+    zig = bool(causal and zigzag)
+    qs, ks, vs, dos = ([_cast(x, dtype) for x in xs] for xs in (qs, ks, vs, dos))
+    pos = [seq_positions(p, r, sl, zig) for r in range(p)]
+    k_all = np.concatenate([k.astype(np.float32) for k in ks], axis=1)  # [B, S, Hkv, D]
+    v_all = np.concatenate([v.astype(np.float32) for v in vs], axis=1)
+    k_pos = np.concatenate(pos)
+    group = h // hkv
+    sp = -(-sl // 128) * 128
+    dk_all = np.zeros_like(k_all)
+    dv_all = np.zeros_like(v_all)
+    inputs, dqs = [], []
+    for r in range(p):
+        q = qs[r].astype(np.float32)
+        do = dos[r].astype(np.float32)
+        dq = np.zeros((b, sl, h, d), np.float32)
+        lse = np.full((b, h, sp), np.inf, np.float32)
+        delta = np.zeros((b, h, sp), np.float32)
+        for hh in range(h):
+            kv = hh // group
+            kk, vv = k_all[:, :, kv], v_all[:, :, kv]  # [B, S, D]
+            sc = np.einsum("bqd,bkd->bqk", q[:, :, hh], kk, optimize=True) * scale
+            if causal:
+                sc = np.where(k_pos[None, None, :] > pos[r][None, :, None], -np.inf, sc)
+            mx = sc.max(axis=-1, keepdims=True)
+            e = np.exp(sc - mx)
+            den = e.sum(axis=-1, keepdims=True)
+            pr = e / den
+            o = np.einsum("bqk,bkd->bqd", pr, vv, optimize=True)
+            dl = np.sum(do[:, :, hh] * o, axis=-1)  # [B, Sl]
+            dp = np.einsum("bqd,bkd->bqk", do[:, :, hh], vv, optimize=True)
+            ds = pr * (dp - dl[..., None])
+            dq[:, :, hh] = scale * np.einsum("bqk,bkd->bqd", ds, kk, optimize=True)
+            dk_all[:, :, kv] += scale * np.einsum("bqk,bqd->bkd", ds, q[:, :, hh], optimize=True)
+            dv_all[:, :, kv] += np.einsum("bqk,bqd->bkd", pr, do[:, :, hh], optimize=True)
+            lse[:, hh, :sl] = (mx + np.log(den))[..., 0]
+            delta[:, hh, :sl] = dl
+        inputs.append({"q": qs[r], "k": ks[r], "v": vs[r], "do": dos[r], "lse": lse,
+                       "delta": delta})
+        dqs.append(dq)
+    expected = [{"dq": _cast(dqs[r], dtype),
+                 "dk": _cast(dk_all[:, r * sl:(r + 1) * sl], dtype),
+                 "dv": _cast(dv_all[:, r * sl:(r + 1) * sl], dtype)} for r in range(p)]
+    # bf16/fp16 P and dS feed the tensor cores: the tolerance follows the gradients' size
+    # (numpy with bf16-rounded P and dS: 0.2-0.4% of the largest gradient, S 3072, GQA 4:1).
+    big = max(1.0, max(float(np.abs(x.astype(np.float32)).max()) for e in expected
+                       for x in e.values()))
+    params = {"b": b, "s": sl, "h": h, "hkv": hkv, "d": d, "scale": scale,
+              "causal": int(causal), "zigzag": int(zig), "num_comm_sms": num_comm_sms}
+    return Case("ring_attn_bwd", dtype, inputs, expected, params, exact=False,
+                atol=1.5e-2 * big, rtol=1.5e-2)
 
 
 # ---------------------------------------------------------------------------------------------

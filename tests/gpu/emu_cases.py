@@ -26,7 +26,7 @@ def case(op: str, p: int, rng: np.random.Generator, *, size: str = "small",
     if op == "ulysses_attn":
         return ulysses_case(p, rng, dtype=dtype, size=size)
     if op in ops.ATTENTION:
-        return ring_case(p, rng, dtype=dtype, size=size)
+        return ring_case(p, rng, dtype=dtype, size=size, backward=op == "ring_attn_bwd")
     big = size == "big"
 
     def ints(shape, r):
@@ -126,8 +126,8 @@ def moe_case(op: str, p: int, rng: np.random.Generator, *, size: str = "small",
 def ring_case(p: int, rng: np.random.Generator, *, dtype: str | None = None,
               size: str = "small", s_local: int | None = None, causal: bool | None = None,
               zigzag: bool | None = None, h: int | None = None, hkv: int | None = None,
-              d: int | None = None, b: int | None = None, num_comm_sms: int | None = None
-              ) -> ops.Case:
+              d: int | None = None, b: int | None = None, num_comm_sms: int | None = None,
+              backward: bool = False) -> ops.Case:
     """A random ring attention case at world p: normal inputs, S/P often not a multiple of the
     128-row tile (even, so zigzag applies), GQA or not, causal or not, zigzag or contiguous."""
     big = size == "big"
@@ -136,7 +136,7 @@ def ring_case(p: int, rng: np.random.Generator, *, dtype: str | None = None,
     sl = s_local or (int(rng.choice([2, 64, 128, 130, 200, 256, 384])) if not big else 1024)
     hkv = hkv or int(rng.choice([1, 2]))
     h = h or hkv * int(rng.choice([1, 2, 4]))
-    b = b or int(rng.integers(1, 3))
+    b = b or (1 if backward else int(rng.integers(1, 3)))  # backward: P fp32 dK/dV blocks
     causal = bool(rng.integers(0, 2)) if causal is None else causal
     zigzag = bool(rng.integers(0, 2)) if zigzag is None else zigzag
     nc = num_comm_sms or int(rng.integers(1, 5))
@@ -147,6 +147,10 @@ def ring_case(p: int, rng: np.random.Generator, *, dtype: str | None = None,
     qs = [normal((b, sl, h, d)) for _ in range(p)]
     ks = [normal((b, sl, hkv, d)) for _ in range(p)]
     vs = [normal((b, sl, hkv, d)) for _ in range(p)]
+    if backward:  # the fused backward (ring_attn_bwd): dO random as well
+        dos = [normal((b, sl, h, d)) for _ in range(p)]
+        return ops.ring_attn_bwd(qs, ks, vs, dos, dt, causal=causal, zigzag=zigzag,
+                                 num_comm_sms=nc)
     return ops.ring_attn(qs, ks, vs, dt, causal=causal, zigzag=zigzag, num_comm_sms=nc)
 
 

@@ -9,8 +9,9 @@ over all processes, and compares its own shard with the float32 numpy reference 
 sequence (pk_jax.testing.ops.ring_attn) at bf16/fp16 tolerance. Cases: causal or not, zigzag
 or contiguous, GQA, S/P not a multiple of the 128-row tile, B = 2, D 64 and 128; two calls in a
 row with a pk.all_reduce between them reusing the symmetric workspace; a straggler (the last
-rank sleeps 1 s). Gradients are not checked here: the backward is the reference ring of
-lax.ppermutes, and XLA's collectives cannot run with two ranks on one GPU.
+rank sleeps 1 s). Gradients (the fused backward, pk_ring_attn_bwd: no XLA collective) of
+jax.vjp through pk.ring_attention against the float32 reference gradients
+(pk_jax.testing.ops.ring_attn_bwd): causal or not, zigzag or contiguous, GQA, tails, twice.
 
 On a machine without a GPU the same script runs on CPU processes, where the op runs its
 reference: a check of the script itself.
@@ -82,8 +83,43 @@ def main() -> None:
                                           in_specs=(P("sp"),), out_specs=P("sp")))
                 jax.block_until_ready(g(junk))
 
+    def backward(causal, layout):
+        def body(q, k, v, do):
+            _, pull = jax.vjp(lambda q, k, v: pk.ring_attention(q, k, v, "sp", causal=causal,
+                                                                layout=layout), q, k, v)
+            return pull(do)
+
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(seq,) * 4,
+                                     out_specs=(seq,) * 3))
+
+    def grad_case(seed, b, sl, h, hkv, d, dtype, causal, layout, *, calls=1):
+        rng = np.random.default_rng(seed)
+        f = backward(causal, layout)
+        for c in range(calls):
+            xs = [[rng.standard_normal(shape) for _ in range(n)]
+                  for shape in ((b, sl, h, d), (b, sl, hkv, d), (b, sl, hkv, d), (b, sl, h, d))]
+            ref = ops.ring_attn_bwd(*xs, dtype, causal=causal, zigzag=layout == "zigzag")
+            dt = ops.np_dtype(dtype)
+            glob = [np.concatenate(x, axis=1).astype(np.float32).astype(dt) for x in xs]
+            got = f(*(place(x) for x in glob))
+            what = (f"rank {me}: grads b={b} S/P={sl} h={h} hkv={hkv} d={d} {dtype} "
+                    f"causal={causal} {layout} call {c}")
+            for name, y in zip(("dq", "dk", "dv"), got):
+                g = local(y).astype(np.float64)
+                w = ref.expected[me][name].astype(np.float64)
+                if not (np.all(np.isfinite(g)) and np.allclose(g, w, atol=ref.atol,
+                                                               rtol=ref.rtol)):
+                    err = np.nanmax(np.abs(g - w))
+                    raise AssertionError(f"{what}: {name} differs (max error {err})")
+
     t0 = time.time()
     count = 0
+    for i, (b, sl, h, hkv, d, dtype) in enumerate([(1, 256, 4, 4, 128, "bfloat16"),
+                                                   (1, 130, 8, 2, 64, "float16")]):
+        for causal, layout in ((False, "contiguous"), (True, "contiguous"), (True, "zigzag")):
+            grad_case(50 + 10 * i + 2 * causal + (layout == "zigzag"), b, sl, h, hkv, d, dtype,
+                      causal, layout, calls=2)
+            count += 1
     for i, (b, sl, h, hkv, d, dtype) in enumerate([(1, 256, 4, 4, 128, "bfloat16"),
                                                    (2, 130, 8, 2, 64, "float16"),
                                                    (1, 200, 4, 1, 128, "bfloat16")]):

@@ -171,9 +171,10 @@ section_moe() {
     ! grep -E 'Invalid (__global__|__shared__|__local__)|Out of bounds|Misaligned|Error: process didn' $log/moe_memcheck.log && grep -q 'emu_short: OK' $log/moe_memcheck.log"
 }
 
-# The fused ring attention forward (issue 11): P = 2, 4, 8 emulated ranks against the float32
-# reference (tests/gpu/test_emulator_attention.py; PK_JAX_EMU_RING_CALLS sets the back-to-back
-# calls per P, default 100), pk.ring_attention's forward through JAX with 2 and 4 processes
+# The fused ring attention forward and backward (issue 11): P = 2, 4, 8 emulated ranks against
+# the float32 reference (tests/gpu/test_emulator_attention.py, the backward's tests named
+# test_backward_*; PK_JAX_EMU_RING_CALLS sets the back-to-back forward calls per P, default
+# 100), pk.ring_attention's forward and gradients through JAX with 2 and 4 processes
 # sharing the GPU (tests/gpu/ring_mp.py), then the emulated benchmark (fused vs unfused:
 # all_gather of K/V, then pk.attention per block).
 section_ring() {

@@ -81,6 +81,17 @@ def test_tiny_and_comm_block_counts(worlds, p):
     assert _run(w, cases, rng) == []
 
 
+def test_chunks_of_several_tiles(worlds):
+    """S/P = 8500 (67 key tiles): chunks of 5 tiles (at most 16 chunks per K/V block), the last
+    one of 2 tiles, the last tile partial; causal zigzag and not, GQA."""
+    rng = np.random.default_rng(17)
+    w = worlds(2)
+    cases = [emu_cases.ring_case(2, rng, s_local=8500, h=2, hkv=1, d=64, b=1, causal=True,
+                                 zigzag=True),
+             emu_cases.ring_case(2, rng, s_local=8500, h=2, hkv=1, d=64, b=1, causal=False)]
+    assert _run(w, cases, rng) == []
+
+
 def test_a_late_rank(worlds):
     """One rank starts 200 ms after the others (well inside the timeout): still correct."""
     rng = np.random.default_rng(5)
@@ -138,3 +149,91 @@ def test_a_rank_that_never_arrives(p):
     assert r["peer"] == r["dead"] and r["rank"] != r["dead"], r
     assert "ring_attn" in r["message"], r
     assert _failure("fresh", "ring_attn", str(p))["fresh_world_ok"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused backward (ring_attn_bwd, kernels/ring_attn_bwd.cuh): dq, dk, dv against the float32
+# reference gradients over the whole sequence (pk_jax.testing.ops.ring_attn_bwd).
+
+def _bwd_case(p, rng, **kw):
+    return emu_cases.ring_case(p, rng, backward=True, **kw)
+
+
+@pytest.mark.parametrize("p,layout", list(itertools.product(PS, LAYOUTS)))
+def test_backward_against_the_float32_reference(worlds, p, layout):
+    """Random inputs and dO, causal or not, zigzag or contiguous, D 64 and 128, bf16 and fp16,
+    S/P a multiple of the tile and not; every case called twice on poisoned gradients."""
+    causal, zigzag = layout
+    rng = np.random.default_rng(500 + 100 * p + 10 * causal + zigzag)
+    w = worlds(p)
+    cases = [_bwd_case(p, rng, causal=causal, zigzag=zigzag, s_local=sl, d=d, dtype=dt, h=4,
+                       hkv=4)
+             for sl, d, dt in ((128, 128, "bfloat16"), (200, 64, "float16"),
+                               (256, 64, "bfloat16"), (130, 128, "float16"))]
+    assert _run(w, cases, rng) == []
+    assert _run(w, cases, rng, poison=0x7F) == []
+
+
+@pytest.mark.parametrize("p", PS)
+def test_backward_grouped_query_attention(worlds, p):
+    """GQA 4:1 and MQA (Hkv = 1), batch 2, causal zigzag and contiguous, odd S/P tails, and
+    S/P = 2 with one communication block."""
+    rng = np.random.default_rng(70 + p)
+    w = worlds(p)
+    cases = [_bwd_case(p, rng, h=8, hkv=2, b=2, s_local=192, causal=True, zigzag=True),
+             _bwd_case(p, rng, h=4, hkv=1, b=1, s_local=66, causal=True, zigzag=False),
+             _bwd_case(p, rng, h=8, hkv=2, b=2, s_local=300, causal=False),
+             _bwd_case(p, rng, h=2, hkv=1, b=1, s_local=2, causal=True, zigzag=True,
+                       num_comm_sms=1)]
+    assert _run(w, cases, rng) == []
+
+
+def test_backward_chunks_and_more_items_than_lanes(worlds):
+    """P = 2. S/P = 8500 (67 key tiles): chunks of 5 tiles, the last one of 2, causal zigzag and
+    not. S/P = 130 with 8 K/V heads and batch 17: 272 work items on 112 lanes (lanes take two
+    or three items), causal contiguous and not."""
+    rng = np.random.default_rng(23)
+    w = worlds(2)
+    cases = [_bwd_case(2, rng, s_local=8500, h=2, hkv=1, d=64, b=1, causal=True, zigzag=True),
+             _bwd_case(2, rng, s_local=8500, h=2, hkv=1, d=64, b=1, causal=False),
+             _bwd_case(2, rng, s_local=130, h=8, hkv=8, d=64, b=17, causal=True, zigzag=False),
+             _bwd_case(2, rng, s_local=130, h=8, hkv=8, d=64, b=17, causal=False)]
+    assert _run(w, cases, rng) == []
+
+
+def test_backward_a_late_rank(worlds):
+    """One rank starts 200 ms after the others: still correct."""
+    rng = np.random.default_rng(6)
+    w = worlds(4)
+    for layout in LAYOUTS:
+        c = ops.Call(w, _bwd_case(4, rng, causal=layout[0], zigzag=layout[1]))
+        try:
+            c.launch(delays_ns=[0, 0, 200_000_000, 0])
+            w.synchronize()
+            assert c.check() == []
+        finally:
+            c.free()
+
+
+@pytest.mark.parametrize("p", PS)
+def test_backward_back_to_back_with_skew(worlds, p):
+    """Forward and backward calls mixed, BATCH at a time without host synchronisation, each
+    rank starting each call after a random delay (the two share one slot range and epoch)."""
+    rng = np.random.default_rng(2000 + p)
+    w = worlds(p)
+    cases = [emu_cases.ring_case(p, rng, s_local=int(rng.choice([2, 64, 130, 256])),
+                                 backward=bool(i % 2)) for i in range(BATCH)]
+    assert _run(w, cases, rng, skew_ns=SKEW_NS) == []
+
+
+@pytest.mark.parametrize("p", PS)
+def test_backward_a_rank_that_never_arrives(p):
+    """The others fail within timeout + 1 s with the record naming ring_attn_bwd, rank and the
+    missing peer; a fresh world runs the op."""
+    r = _failure("dead", "ring_attn_bwd", str(p))
+    assert r["failed"], r
+    assert r["elapsed_s"] < r["timeout_s"] + 1.0, r
+    assert r["code"] == 1 and r["op"] == r["expected_op"], r
+    assert r["peer"] == r["dead"] and r["rank"] != r["dead"], r
+    assert "ring_attn_bwd" in r["message"], r
+    assert _failure("fresh", "ring_attn_bwd", str(p))["fresh_world_ok"]

@@ -1,0 +1,244 @@
+// FFI handler and launcher of pk_ring_attn_bwd: the fused ring attention backward (see
+// cuda/kernels/ring_attn_bwd.cuh). Launches on XLA's stream; no host synchronisation.
+#include <string>
+
+#include "ffi_util.h"
+#include "kernels/ring_attn_bwd.cuh"
+#include "launch.h"
+#include "tensor_map.h"
+
+namespace pk_ffi {
+namespace {
+
+// Op id of the error record (pk_jax/runtime/errors.py OP_NAMES).
+constexpr int kOpRingAttnBwd = 16;
+
+Status Invalid(const std::string& what) {
+  return Status::Invalid("pk.ring_attention (backward): " + what);
+}
+
+// A 128B-swizzled map over [batch, s, heads, d] 2-byte elements: dims {d, heads, s, batch},
+// box {64, 1, rows, 1}.
+Status Map4d(const void* ptr, int64_t batch, int64_t s, int64_t heads, int64_t d, int dtype,
+             uint32_t rows, CUtensorMap* out) {
+  PFN_cuTensorMapEncodeTiled_v12000 encode = EncodeFn();
+  if (encode == nullptr) {
+    return Status::Internal("pk.ring_attention: cuTensorMapEncodeTiled is not available.");
+  }
+  const cuuint64_t dims[4] = {cuuint64_t(d), cuuint64_t(heads), cuuint64_t(s),
+                              cuuint64_t(batch)};
+  const cuuint64_t strides[3] = {cuuint64_t(d) * 2, cuuint64_t(heads * d) * 2,
+                                 cuuint64_t(s * heads * d) * 2};
+  const cuuint32_t box[4] = {64, 1, rows, 1};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  CUresult r = encode(out,
+                      dtype == 0 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                      4, const_cast<void*>(ptr), dims, strides, box, elem_strides,
+                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    return Status::Internal("pk.ring_attention: cuTensorMapEncodeTiled failed with CUresult " +
+                            std::to_string(static_cast<int>(r)));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+uint64_t RingAttnBwdWorkspace(int64_t b, int64_t s, int64_t hkv, int64_t d, int world) {
+  const uint64_t block_bytes = uint64_t(b) * s * hkv * d * 2;
+  const uint64_t items = uint64_t((s + 127) / 128) * hkv * b;
+  return 2 * uint64_t(world - 1) * block_bytes + uint64_t(world) * items * 2 * 128 * d * 4;
+}
+
+Status LaunchRingAttnBwd(const Where& at, const RingAttnBwdArgs& a, const CommView& v) {
+  namespace ra = pk::ring_attn;
+  namespace rb = pk::ring_attn_bwd;
+  if (Status s = CheckRecord("ring_attention (backward)", v); !s.ok()) return s;
+  if (v.signal_count < ra::SLOTS_NEEDED) {
+    return Invalid("the signal pad has " + std::to_string(v.signal_count) +
+                   " slots, the kernel needs " + std::to_string(ra::SLOTS_NEEDED));
+  }
+  if (v.world > ra::MAX_PEERS) return Invalid("at most " + std::to_string(ra::MAX_PEERS) + " ranks");
+  if (v.world < 2) return Invalid("the fused backward needs at least 2 ranks.");
+  if (a.dtype != DType::kBF16 && a.dtype != DType::kF16) {
+    return Invalid("q, k, v and dO must all be bf16 or all fp16.");
+  }
+  if (a.d != 64 && a.d != 128) return Invalid("head_dim must be 64 or 128, got " + std::to_string(a.d));
+  if (a.hkv < 1 || a.h % a.hkv != 0) return Invalid("the K/V heads must divide the query heads.");
+  if (a.zigzag && a.s % 2 != 0) return Invalid("zigzag needs an even local sequence length.");
+  if (a.num_comm_sms < 1 || a.num_comm_sms > ra::MAX_COMM) {
+    return Invalid("num_comm_sms must be in 1.." + std::to_string(ra::MAX_COMM) + ", got " +
+                   std::to_string(a.num_comm_sms));
+  }
+  if (a.b < 0 || a.s < 0 || a.h < 0 || a.b > 65535 || a.h > 65535 ||
+      a.s * a.h * a.d > INT32_MAX || a.s * int64_t(v.world) > INT32_MAX / 2) {
+    return Invalid("sizes too large (batch and heads below 65536, S * H * D below 2^31).");
+  }
+  const int P = v.world;
+  const int64_t q_tiles = (a.s + 127) / 128;
+  const int64_t items = q_tiles * a.hkv * a.b;
+  if (items > int64_t(rb::MAX_LANES) * rb::MAX_ITEMS_PER_LANE) {
+    return Invalid("too many 128-key tiles (ceil(S/P / 128) Hkv B) for the dK/dV lanes.");
+  }
+  const uint64_t block_bytes = uint64_t(a.b) * a.s * a.hkv * a.d * 2;
+  const uint64_t need = RingAttnBwdWorkspace(a.b, a.s, a.hkv, a.d, P);
+  if (need > v.workspace_bytes) {
+    return Invalid("the symmetric workspace has " + std::to_string(v.workspace_bytes) +
+                   " bytes and this call needs " + std::to_string(need) +
+                   " (2 (P-1) K/V blocks and P fp32 dK/dV blocks); call pk.init(mesh, "
+                   "workspace_bytes=...) with at least that.");
+  }
+  // Every check above depends on shapes, attributes and the world only: every rank refuses or
+  // runs the call alike, so the epochs stay in step.
+  if (a.b == 0 || a.s == 0 || a.h == 0) return Status::Ok();
+
+  rb::globals g{};
+  ra::globals& f = g.f;
+  pk::tp::comm& c = f.c;
+  for (int p = 0; p < P; ++p) {
+    c.ws[p] = v.workspace[p];
+    c.sig[p] = v.signals[p] + ra::SLOT_BASE;  // the forward's range and epoch (see the kernel)
+  }
+  c.error = v.error;
+  c.timeout_ns = v.timeout_ns;
+  c.world = P;
+  c.rank = v.rank;
+  c.op = kOpRingAttnBwd;
+  c.rank_ptr = a.rank;
+  c.link = pk::link_throttle{v.link_clock, v.link_ps_per_kib};  // off unless emulated
+  const int type = a.dtype == DType::kBF16 ? 0 : 1;
+  f.d = pk::attention::dims{int(a.b), int(a.s), int(a.h), int(a.hkv), a.scale, a.causal ? 1 : 0};
+  f.zigzag = a.causal && a.zigzag ? 1 : 0;
+  f.comm_blocks = static_cast<int>(a.num_comm_sms);
+  f.q_tiles = static_cast<int>(q_tiles);
+  f.chunk_tiles = (f.q_tiles + ra::MAX_CHUNKS - 1) / ra::MAX_CHUNKS;
+  f.n_chunks = (f.q_tiles + f.chunk_tiles - 1) / f.chunk_tiles;
+  f.block_bytes = block_bytes;
+  f.k_local = a.k;
+  f.v_local = a.v;
+  g.lse = a.lse;
+  g.delta = a.delta;
+  g.sp = static_cast<int>(q_tiles * 128);
+  g.dq = a.dq;
+  g.dk = a.dk;
+  g.dv = a.dv;
+  g.n_items = static_cast<int>(items);
+  g.lanes = static_cast<int>(items < rb::MAX_LANES ? items : rb::MAX_LANES);
+  g.acc_off = 2 * uint64_t(P - 1) * block_bytes;
+  g.acc_slot_bytes = uint64_t(items) * 2 * 128 * a.d * 4;
+  char* ws = static_cast<char*>(v.workspace[v.rank]);
+  const int64_t slots = int64_t(P - 1) * a.b;
+  char* vs = ws + uint64_t(P - 1) * block_bytes;
+  const struct {
+    const void* ptr;
+    int64_t batch, heads;
+    uint32_t rows;
+    CUtensorMap* map;
+  } maps[] = {
+      {a.q, a.b, a.h, 128, &f.q},        {a.d_o, a.b, a.h, 128, &g.d_o},
+      {a.q, a.b, a.h, 64, &g.q64},       {a.d_o, a.b, a.h, 64, &g.do64},
+      {a.k, a.b, a.hkv, 128, &f.k},      {a.v, a.b, a.hkv, 128, &f.v},
+      {ws, slots, a.hkv, 128, &f.ks},    {vs, slots, a.hkv, 128, &f.vs},
+      {a.k, a.b, a.hkv, 64, &g.k64},     {a.v, a.b, a.hkv, 64, &g.v64},
+      {ws, slots, a.hkv, 64, &g.ks64},   {vs, slots, a.hkv, 64, &g.vs64},
+  };
+  for (const auto& m : maps) {
+    if (Status s = Map4d(m.ptr, m.batch, a.s, m.heads, a.d, type, m.rows, m.map); !s.ok()) {
+      return s;
+    }
+  }
+  if (Status s = CudaStatus((pk::tp::epoch_kernel<<<1, 1, 0, at.stream>>>(c), cudaGetLastError()),
+                            "the epoch kernel");
+      !s.ok()) {
+    return s;
+  }
+  cudaError_t err;
+  if (type == 0) {
+    err = a.d == 64 ? rb::launch<__nv_bfloat16, 64>(g, at.stream, at.device)
+                    : rb::launch<__nv_bfloat16, 128>(g, at.stream, at.device);
+  } else {
+    err = a.d == 64 ? rb::launch<__half, 64>(g, at.stream, at.device)
+                    : rb::launch<__half, 128>(g, at.stream, at.device);
+  }
+  return CudaStatus(err, "ring_attention (backward)");
+}
+
+namespace {
+
+ffi::Error RingAttnBwdCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
+                           ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer d_o,
+                           ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> delta,
+                           ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> dq,
+                           ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                           int64_t comm_id, float scale, int64_t causal, int64_t zigzag,
+                           int64_t num_comm_sms) {
+  const CommView* view = nullptr;
+  if (ffi::Error e = LookupComm("ring_attention", comm_id, device, &view); e.failure()) return e;
+  RingAttnBwdArgs a{};
+  const ffi::DataType dt = q.element_type();
+  if (!ToDType(dt, &a.dtype) || k.element_type() != dt || v.element_type() != dt ||
+      d_o.element_type() != dt || dq->element_type() != dt || dk->element_type() != dt ||
+      dv->element_type() != dt) {
+    return ffi::Error::InvalidArgument(
+        "pk.ring_attention (backward): q, k, v, dO and the gradients must share one 2-byte "
+        "dtype.");
+  }
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(),
+             od = d_o.dimensions(), ld = lse.dimensions(), dd = delta.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || od.size() != 4 ||
+      ld.size() != 3 || dd.size() != 3 || kd[0] != qd[0] || kd[1] != qd[1] ||
+      kd[3] != qd[3] || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2] ||
+      vd[3] != kd[3] || od[0] != qd[0] || od[1] != qd[1] || od[2] != qd[2] ||
+      od[3] != qd[3] || ld[0] != qd[0] || ld[1] != qd[2] || ld[2] != (qd[1] + 127) / 128 * 128 ||
+      dd[0] != ld[0] || dd[1] != ld[1] || dd[2] != ld[2]) {
+    return ffi::Error::InvalidArgument(
+        "pk.ring_attention (backward): expected q, dO [B, S/P, H, D], k and v "
+        "[B, S/P, Hkv, D], lse and delta float32 [B, H, S/P rounded up to 128].");
+  }
+  a.b = qd[0];
+  a.s = qd[1];
+  a.h = qd[2];
+  a.d = qd[3];
+  a.hkv = kd[2];
+  a.q = q.untyped_data();
+  a.k = k.untyped_data();
+  a.v = v.untyped_data();
+  a.d_o = d_o.untyped_data();
+  a.lse = lse.typed_data();
+  a.delta = delta.typed_data();
+  a.dq = dq->untyped_data();
+  a.dk = dk->untyped_data();
+  a.dv = dv->untyped_data();
+  a.rank = rank.typed_data();
+  a.scale = scale;
+  a.causal = causal != 0;
+  a.zigzag = zigzag != 0;
+  a.num_comm_sms = num_comm_sms;
+  return ToError(LaunchRingAttnBwd(Where{stream, device, 0}, a, *view));
+}
+
+}  // namespace
+}  // namespace pk_ffi
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PkRingAttnBwd, pk_ffi::RingAttnBwdCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .Ctx<xla::ffi::DeviceOrdinal>()                 // device
+                                  .Arg<xla::ffi::AnyBuffer>()              // q [B, S/P, H, D]
+                                  .Arg<xla::ffi::AnyBuffer>()              // k [B, S/P, Hkv, D]
+                                  .Arg<xla::ffi::AnyBuffer>()              // v [B, S/P, Hkv, D]
+                                  .Arg<xla::ffi::AnyBuffer>()              // dO [B, S/P, H, D]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // lse [B, H, SP]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // delta [B, H, SP]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // rank
+                                  .Ret<xla::ffi::AnyBuffer>()              // dq like q
+                                  .Ret<xla::ffi::AnyBuffer>()              // dk like k
+                                  .Ret<xla::ffi::AnyBuffer>()              // dv like v
+                                  .Attr<int64_t>("comm_id")                // comm_id
+                                  .Attr<float>("scale")                    // multiplies q . k
+                                  .Attr<int64_t>("causal")                 // 1: causal mask
+                                  .Attr<int64_t>("zigzag")                 // 1: zigzag layout
+                                  .Attr<int64_t>("num_comm_sms"),          // comm blocks
+                              PK_FFI_CUDA_TRAITS);
