@@ -142,7 +142,10 @@ def test_a_late_rank_each_rank_in_turn(worlds, p):
     assert problems == [], problems[:5]
 
 
-@pytest.mark.parametrize("p", (2, 4, 8))
+# NOTES: not at P = 8: there the 8 partitions hold 128 of the 132 SMs and the unordered memset
+# landed only after the late rank released the others (0.40 s, twice on the H200), so it cannot
+# race the exchange; the test's own first assert says so instead of passing vacuously.
+@pytest.mark.parametrize("p", (2, 4))
 def test_dispatch_outputs_written_only_after_the_exchange(worlds, p):
     """While the on-time ranks of a dispatch wait 400 ms in the count exchange for the last
     rank, their dest and pos outputs are poisoned again by an unordered memset (what the

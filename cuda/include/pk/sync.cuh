@@ -39,23 +39,22 @@ __device__ inline uint64_t globaltimer_ns() {
   return t;
 }
 
-/** @brief Set by the first thread of this module that writes the error record (see fail). */
-static __device__ int fail_claim;
-
 /**
  * @brief Writes the error record and stops the kernel with a trap.
  *
  * NOTES: the record lives in host memory, where device atomics are not guaranteed, so the
- * fields are plain stores and the code is written last after a system fence. Only the first
- * failing thread of the module writes it (a claim in device memory): two blocks failing at once
- * with different causes interleaved their fields before (seen on the H200: the code of one
- * with the peer of the other). The trap makes the XLA call fail (the CUDA context is then
- * unusable, as after any fatal peer loss, so the claim is never released); the host reads the
+ * fields are plain stores and the code is written last after a system fence; two blocks failing
+ * at once write equivalent records (the mbarrier waits of cross-rank kernels are bounded after
+ * their signal waits, pk/mbarrier.cuh peer_wait_bound, so they do not race them). No claim: a
+ * first-failure claim in device memory was tried (2026-12-01) and lost records on the H200 (MoE
+ * dispatch, P = 8, one dead rank: code 0), most likely because a losing block trapped the
+ * context before the winner's stores to host memory had landed. The trap makes the XLA call
+ * fail (the CUDA context is then unusable, as after any fatal peer loss); the host reads the
  * record to name the culprit.
  */
 __device__ inline void fail(const fail_ctx& f, int code, int peer) {
   volatile int32_t* rec = f.error;
-  if (rec != nullptr && atomicCAS(&fail_claim, 0, 1) == 0 && rec[0] == 0) {
+  if (rec != nullptr && rec[0] == 0) {
     rec[1] = f.op;
     rec[2] = f.rank;
     rec[3] = peer;
