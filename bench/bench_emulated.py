@@ -70,11 +70,15 @@ class Link:
 
 def emulated_gpu(world: World, link_gbps: float) -> cost_model.GPU:
     """The cost model's constants for one partition of the H200, with link `link_gbps`."""
+    return partition_gpu(world.world, world.sms[0], link_gbps)
+
+
+def partition_gpu(p: int, sms: int, link_gbps: float) -> cost_model.GPU:
+    """The H200's constants scaled to one of P partitions of `sms` SMs (peak by SMs, HBM / P),
+    with link `link_gbps` (also bench/check_cost_model.py, from a row's fields)."""
     h = cost_model.H200
-    sms = world.sms[0]
-    return dataclasses.replace(h, name=f"H200/{world.world}", sms=sms,
-                               peak_tflops=h.peak_tflops * sms / h.sms,
-                               hbm_gbps=h.hbm_gbps / world.world, nvlink_gbps=link_gbps)
+    return dataclasses.replace(h, name=f"H200/{p}", sms=sms, peak_tflops=h.peak_tflops * sms / h.sms,
+                               hbm_gbps=h.hbm_gbps / p, nvlink_gbps=link_gbps)
 
 
 def copy_rate_gbps(world: World, nbytes: int = 256 << 20) -> float:

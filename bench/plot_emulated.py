@@ -1,41 +1,25 @@
 """Plots the rank emulator's rows of bench/results/{gemm_rs,ag_gemm,gemm_ar}.jsonl (latest row
 per op, link setting, P and shape, `"emulated": true`): fused against serial time per P, one
 row of panels unthrottled (shared HBM) and one throttled (the link cap at a real node's FLOP
-per byte), bars colored by the cost model's choice, into bench/results/emulated.png. Runs
-anywhere matplotlib is installed."""
+per byte), bars colored by the current cost model's choice (bench/check_cost_model.py), into
+bench/results/emulated.png. Runs anywhere matplotlib is installed."""
 
 from __future__ import annotations
 
-import json
 import pathlib
+import sys
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from check_cost_model import latest_rows, model_choice
+
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 OPS = ("gemm_rs", "ag_gemm", "gemm_ar")
 LINKS = ("unthrottled", "throttled")
-
-
-def link_kind(r: dict) -> str:
-    """Rows before the throttle existed say "shared HBM (unthrottled)"."""
-    return "throttled" if r.get("throttled") or str(r.get("link", "")).startswith(
-        "throttled") else "unthrottled"
-
-
-def rows(op: str) -> dict:
-    latest = {}
-    path = RESULTS / f"{op}.jsonl"
-    if not path.exists():
-        return latest
-    for line in path.read_text().splitlines():
-        r = json.loads(line)
-        if r.get("emulated") and r.get("mode") == "fused":
-            s = r["shape"]
-            latest[(link_kind(r), r["world"], s["m"], s["n"], s["k"])] = r
-    return latest
 
 
 def main() -> None:
@@ -43,12 +27,12 @@ def main() -> None:
                              squeeze=False)
     for i, kind in enumerate(LINKS):
         for ax, op in zip(axes[i], OPS):
-            data = {key[1:]: r for key, r in rows(op).items() if key[0] == kind}
+            data = {key[1:]: r for key, r in latest_rows(op).items() if key[0] == kind}
             keys = sorted(data)
             labels = [f"P={p}\nK={k}" if m == n == 8192 else f"P={p}\n{m}x{n}x{k}"
                       for p, m, n, k in keys]
             ratios = [data[k]["ratio"] for k in keys]
-            colors = ["#d62728" if data[k]["model_choice"] == "fused" else "#1f77b4"
+            colors = ["#d62728" if model_choice(data[k]) == "fused" else "#1f77b4"
                       for k in keys]
             ax.bar(range(len(keys)), ratios, color=colors)
             ax.axhline(1.0, color="black", lw=0.8)

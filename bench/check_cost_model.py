@@ -1,0 +1,82 @@
+"""Checks the cost model (pk_jax/cost_model.py) as it is now against the rank emulator's
+measurements in bench/results/{gemm_rs,ag_gemm,gemm_ar}.jsonl (issue 10 item 6): for every
+emulated (op, P, shape, link) case, the latest row's measured fused and serial times against
+what the model picks with that row's constants (a partition's SMs and peak, HBM / P, the row's
+link rate: bench_emulated.partition_gpu). The rows' own `model_choice` is what the model of
+their commit picked; this recomputes it, so a model change can be judged on recorded data.
+
+    python bench/check_cost_model.py [--min-commit-rows N]
+
+Prints one line per case and the summary: how often the model picks the faster mode, and
+whether every fused pick was faster. Runs anywhere (no GPU).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from bench_emulated import model_plan, partition_gpu
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+OPS = ("gemm_rs", "ag_gemm", "gemm_ar")
+
+
+def link_kind(r: dict) -> str:
+    """Rows before the throttle existed say "shared HBM (unthrottled)"."""
+    return "throttled" if r.get("throttled") or str(r.get("link", "")).startswith(
+        "throttled") else "unthrottled"
+
+
+def latest_rows(op: str) -> dict:
+    """The latest emulated fused-vs-serial row per (link, P, M, N, K)."""
+    latest = {}
+    path = RESULTS / f"{op}.jsonl"
+    if not path.exists():
+        return latest
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        if r.get("emulated") and r.get("mode") == "fused":
+            s = r["shape"]
+            latest[(link_kind(r), r["world"], s["m"], s["n"], s["k"])] = r
+    return latest
+
+
+def model_choice(r: dict) -> str:
+    """What the current cost model picks for row r's case, with the row's constants (rows from
+    before the throttle lack them: their recorded choice)."""
+    if "sms_per_rank" not in r or "link_gbps" not in r:
+        return r.get("model_choice", "serial")
+    p, s = r["world"], r["shape"]
+    op = r["op"]
+    n = s["n"] // p if op == "ag_gemm" else s["n"]  # ag_gemm: each rank has w[:, N/P]
+    k = s["k"] if op == "ag_gemm" else s["k"] // p
+    gpu = partition_gpu(p, r["sms_per_rank"], r["link_gbps"])
+    return model_plan(op, s["m"], n, k, p, gpu).mode
+
+
+def main() -> None:
+    right = picks = bad_picks = total = 0
+    for op in OPS:
+        for (kind, p, m, n, k), r in sorted(latest_rows(op).items()):
+            if "sms_per_rank" not in r or "link_gbps" not in r:
+                continue  # rows from before the throttle lack the constants
+            faster = "fused" if r["median_us"] < r["baseline_median_us"] else "serial"
+            pick = model_choice(r)
+            total += 1
+            right += pick == faster
+            picks += pick == "fused"
+            bad_picks += pick == "fused" and faster != "fused"
+            print(f"{op:8s} P={p} {m}x{n}x{k:<5d} {kind:11s} fused {r['median_us']:8.1f} us "
+                  f"serial {r['baseline_median_us']:8.1f} us ({r['commit']}): picks {pick:6s} "
+                  f"{'right' if pick == faster else 'WRONG'}")
+    print(f"the model picks the faster mode in {right} of {total} cases "
+          f"({100 * right / max(total, 1):.0f}%, target 90%); it picks fused in {picks}, "
+          f"of which {bad_picks} were slower than serial (target 0)")
+
+
+if __name__ == "__main__":
+    main()
