@@ -17,71 +17,33 @@ On a machine without a GPU the same script runs on CPU processes, where the op r
 reference: a check of the script itself.
 """
 
+import os
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from attn_mp import Harness
 
 
 def main() -> None:
-    import pk_jax.launch
-
-    pk_jax.launch.initialize()
+    t = Harness("ring_attn")
     import jax
     import numpy as np
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     import pk_jax as pk
     from pk_jax.testing import ops
 
-    me, n = jax.process_index(), jax.process_count()
-    mesh = jax.make_mesh((n,), ("sp",))
-    pk.init(mesh)
-    print(f"backend ring_attn={pk.backend_name('ring_attn', 'sp')}", flush=True)
-    seq = P(None, "sp")
-
-    def place(glob: np.ndarray):
-        return jax.make_array_from_callback(glob.shape, NamedSharding(mesh, seq),
-                                            lambda idx: glob[idx])
-
-    def local(y) -> np.ndarray:
-        shards = y.addressable_shards
-        assert len(shards) == 1
-        return np.asarray(shards[0].data)
-
     def forward(causal, layout):
-        def body(q, k, v):
-            return pk.ring_attention(q, k, v, "sp", causal=causal, layout=layout)
+        return t.jit(lambda q, k, v: pk.ring_attention(q, k, v, "sp", causal=causal,
+                                                       layout=layout), 3)
 
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(seq,) * 3, out_specs=seq))
+    def case(seed, b, sl, h, hkv, d, dtype, causal, layout, **kw):
+        def reference(qs, ks, vs):
+            return ops.ring_attn(qs, ks, vs, dtype, causal=causal,
+                                 zigzag=layout == "zigzag").expected[t.me]["o"]
 
-    def case(seed, b, sl, h, hkv, d, dtype, causal, layout, *, calls=1, between=False,
-             sleep_rank=None):
-        rng = np.random.default_rng(seed)
-        f = forward(causal, layout)
-        for c in range(calls):
-            qs = [rng.standard_normal((b, sl, h, d)) for _ in range(n)]
-            ks = [rng.standard_normal((b, sl, hkv, d)) for _ in range(n)]
-            vs = [rng.standard_normal((b, sl, hkv, d)) for _ in range(n)]
-            want = ops.ring_attn(qs, ks, vs, dtype, causal=causal,
-                                 zigzag=layout == "zigzag").expected[me]["o"]
-            dt = ops.np_dtype(dtype)
-            glob = [np.concatenate(xs, axis=1).astype(np.float32).astype(dt)
-                    for xs in (qs, ks, vs)]
-            if sleep_rank == me:
-                time.sleep(1.0)
-            got = local(f(*(place(x) for x in glob))).astype(np.float64)
-            what = (f"rank {me}: b={b} S/P={sl} h={h} hkv={hkv} d={d} {dtype} causal={causal} "
-                    f"{layout} call {c}")
-            if not (np.all(np.isfinite(got))
-                    and np.allclose(got, want.astype(np.float64), atol=2e-2, rtol=2e-2)):
-                err = np.nanmax(np.abs(got - want.astype(np.float64)))
-                raise AssertionError(f"{what}: output differs (max error {err})")
-            if between:  # a collective reuses the workspace before the next call
-                junk = jax.make_array_from_callback(
-                    (n * 256, 64), NamedSharding(mesh, P("sp")),
-                    lambda idx: np.full((n * 256, 64), 3.0, np.float32)[idx])
-                g = jax.jit(jax.shard_map(lambda a: pk.all_reduce(a, "sp"), mesh=mesh,
-                                          in_specs=(P("sp"),), out_specs=P("sp")))
-                jax.block_until_ready(g(junk))
+        t.check_forward(forward(causal, layout), reference, seed, b, sl, h, hkv, d, dtype,
+                        f"causal={causal} {layout}", **kw)
 
     def backward(causal, layout):
         def body(q, k, v, do):
@@ -89,24 +51,21 @@ def main() -> None:
                                                                 layout=layout), q, k, v)
             return pull(do)
 
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(seq,) * 4,
-                                     out_specs=(seq,) * 3))
+        return t.jit(body, 4, 3)
 
     def grad_case(seed, b, sl, h, hkv, d, dtype, causal, layout, *, calls=1):
         rng = np.random.default_rng(seed)
         f = backward(causal, layout)
         for c in range(calls):
-            xs = [[rng.standard_normal(shape) for _ in range(n)]
-                  for shape in ((b, sl, h, d), (b, sl, hkv, d), (b, sl, hkv, d), (b, sl, h, d))]
+            xs, glob = t.inputs(rng, dtype, (b, sl, h, d), (b, sl, hkv, d), (b, sl, hkv, d),
+                                (b, sl, h, d))
             ref = ops.ring_attn_bwd(*xs, dtype, causal=causal, zigzag=layout == "zigzag")
-            dt = ops.np_dtype(dtype)
-            glob = [np.concatenate(x, axis=1).astype(np.float32).astype(dt) for x in xs]
-            got = f(*(place(x) for x in glob))
-            what = (f"rank {me}: grads b={b} S/P={sl} h={h} hkv={hkv} d={d} {dtype} "
+            got = f(*(t.place(x) for x in glob))
+            what = (f"rank {t.me}: grads b={b} S/P={sl} h={h} hkv={hkv} d={d} {dtype} "
                     f"causal={causal} {layout} call {c}")
             for name, y in zip(("dq", "dk", "dv"), got):
-                g = local(y).astype(np.float64)
-                w = ref.expected[me][name].astype(np.float64)
+                g = t.local(y).astype(np.float64)
+                w = ref.expected[t.me][name].astype(np.float64)
                 if not (np.all(np.isfinite(g)) and np.allclose(g, w, atol=ref.atol,
                                                                rtol=ref.rtol)):
                     err = np.nanmax(np.abs(g - w))
@@ -128,9 +87,9 @@ def main() -> None:
                  layout)
             count += 1
     case(91, 1, 128, 4, 2, 64, "bfloat16", True, "zigzag", calls=2, between=True)
-    case(92, 1, 192, 4, 4, 128, "bfloat16", True, "contiguous", calls=2, sleep_rank=n - 1)
+    case(92, 1, 192, 4, 4, 128, "bfloat16", True, "contiguous", calls=2, sleep_rank=t.n - 1)
     count += 2
-    print(f"ring_mp OK: P={n}, {count} cases in {time.time() - t0:.1f} s", flush=True)
+    print(f"ring_mp OK: P={t.n}, {count} cases in {time.time() - t0:.1f} s", flush=True)
 
 
 if __name__ == "__main__":

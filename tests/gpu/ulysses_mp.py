@@ -17,70 +17,28 @@ On a machine without a GPU the same script runs on CPU processes, where the op r
 reference: a check of the script itself.
 """
 
+import os
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from attn_mp import Harness
 
 
 def main() -> None:
-    import pk_jax.launch
-
-    pk_jax.launch.initialize()
-    import jax
-    import numpy as np
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
+    t = Harness("ulysses_attn")
     import pk_jax as pk
     from pk_jax.testing import ops
 
-    me, n = jax.process_index(), jax.process_count()
-    mesh = jax.make_mesh((n,), ("sp",))
-    pk.init(mesh)
-    print(f"backend ulysses_attn={pk.backend_name('ulysses_attn', 'sp')}", flush=True)
-    seq = P(None, "sp")
-
-    def place(glob: np.ndarray):
-        return jax.make_array_from_callback(glob.shape, NamedSharding(mesh, seq),
-                                            lambda idx: glob[idx])
-
-    def local(y) -> np.ndarray:
-        shards = y.addressable_shards
-        assert len(shards) == 1
-        return np.asarray(shards[0].data)
-
     def forward(causal):
-        def body(q, k, v):
-            return pk.ulysses_attention(q, k, v, "sp", causal=causal)
+        return t.jit(lambda q, k, v: pk.ulysses_attention(q, k, v, "sp", causal=causal), 3)
 
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(seq,) * 3, out_specs=seq))
+    def case(seed, b, sl, h, hkv, d, dtype, causal, **kw):
+        def reference(qs, ks, vs):
+            return ops.ulysses_attn(qs, ks, vs, dtype, causal=causal).expected[t.me]["o"]
 
-    def case(seed, b, sl, h, hkv, d, dtype, causal, *, calls=1, between=False,
-             sleep_rank=None):
-        rng = np.random.default_rng(seed)
-        f = forward(causal)
-        for c in range(calls):
-            qs = [rng.standard_normal((b, sl, h, d)) for _ in range(n)]
-            ks = [rng.standard_normal((b, sl, hkv, d)) for _ in range(n)]
-            vs = [rng.standard_normal((b, sl, hkv, d)) for _ in range(n)]
-            want = ops.ulysses_attn(qs, ks, vs, dtype, causal=causal).expected[me]["o"]
-            dt = ops.np_dtype(dtype)
-            glob = [np.concatenate(xs, axis=1).astype(np.float32).astype(dt)
-                    for xs in (qs, ks, vs)]
-            if sleep_rank == me:
-                time.sleep(1.0)
-            got = local(f(*(place(x) for x in glob))).astype(np.float64)
-            what = (f"rank {me}: b={b} S/P={sl} h={h} hkv={hkv} d={d} {dtype} causal={causal} "
-                    f"call {c}")
-            if not (np.all(np.isfinite(got))
-                    and np.allclose(got, want.astype(np.float64), atol=2e-2, rtol=2e-2)):
-                err = np.nanmax(np.abs(got - want.astype(np.float64)))
-                raise AssertionError(f"{what}: output differs (max error {err})")
-            if between:  # a collective reuses the workspace before the next call
-                junk = jax.make_array_from_callback(
-                    (n * 256, 64), NamedSharding(mesh, P("sp")),
-                    lambda idx: np.full((n * 256, 64), 3.0, np.float32)[idx])
-                g = jax.jit(jax.shard_map(lambda a: pk.all_reduce(a, "sp"), mesh=mesh,
-                                          in_specs=(P("sp"),), out_specs=P("sp")))
-                jax.block_until_ready(g(junk))
+        t.check_forward(forward(causal), reference, seed, b, sl, h, hkv, d, dtype,
+                        f"causal={causal}", **kw)
 
     t0 = time.time()
     count = 0
@@ -91,9 +49,9 @@ def main() -> None:
             case(10 * i + causal, b, sl, h, hkv, d, dtype, causal)
             count += 1
     case(91, 1, 128, 4, 4, 64, "bfloat16", True, calls=2, between=True)
-    case(92, 1, 192, 8, 4, 128, "bfloat16", True, calls=2, sleep_rank=n - 1)
+    case(92, 1, 192, 8, 4, 128, "bfloat16", True, calls=2, sleep_rank=t.n - 1)
     count += 2
-    print(f"ulysses_mp OK: P={n}, {count} cases in {time.time() - t0:.1f} s", flush=True)
+    print(f"ulysses_mp OK: P={t.n}, {count} cases in {time.time() - t0:.1f} s", flush=True)
 
 
 if __name__ == "__main__":
