@@ -11,30 +11,10 @@
 namespace pk_ffi {
 namespace {
 
-// A 128B-swizzled map over a [B, S, heads, D] tensor of 2-byte elements: dims {D, heads, S, B},
-// box {64, 1, rows, 1} (one swizzled panel of `rows` positions of one head).
-Status Map4d(const void* ptr, int64_t b, int64_t s, int64_t heads, int64_t d, int rows,
-             int dtype, CUtensorMap* out) {
-  PFN_cuTensorMapEncodeTiled_v12000 encode = EncodeFn();
-  if (encode == nullptr) {
-    return Status::Internal("pk.attention: cuTensorMapEncodeTiled is not available.");
-  }
-  const cuuint64_t dims[4] = {cuuint64_t(d), cuuint64_t(heads), cuuint64_t(s), cuuint64_t(b)};
-  const cuuint64_t strides[3] = {cuuint64_t(d) * 2, cuuint64_t(heads * d) * 2,
-                                 cuuint64_t(s * heads * d) * 2};
-  const cuuint32_t box[4] = {64, 1, cuuint32_t(rows), 1};
-  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
-  CUresult r = encode(out,
-                      dtype == 0 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-                                 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-                      4, const_cast<void*>(ptr), dims, strides, box, elem_strides,
-                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) {
-    return Status::Internal("pk.attention: cuTensorMapEncodeTiled failed with CUresult " +
-                            std::to_string(static_cast<int>(r)));
-  }
-  return Status::Ok();
+// The operands' 4-D map (tensor_map.h Map4d): one swizzled panel of `rows` positions of one head.
+Status Map(const void* ptr, int64_t b, int64_t s, int64_t heads, int64_t d, int rows, int dtype,
+           CUtensorMap* out) {
+  return Map4d("attention", ptr, b, s, heads, d, uint32_t(rows), dtype, out);
 }
 
 template <typename T>
@@ -77,9 +57,9 @@ Status LaunchAttention(const Where& at, const AttnArgs& a) {
     f.o = a.o;
     f.lse = a.lse;
     f.d = dm;
-    if (Status s = Map4d(a.q, a.b, a.s, a.h, a.d, 128, type, &f.q); !s.ok()) return s;
-    if (Status s = Map4d(a.k, a.b, a.s, a.hkv, a.d, 128, type, &f.k); !s.ok()) return s;
-    if (Status s = Map4d(a.v, a.b, a.s, a.hkv, a.d, 128, type, &f.v); !s.ok()) return s;
+    if (Status s = Map(a.q, a.b, a.s, a.h, a.d, 128, type, &f.q); !s.ok()) return s;
+    if (Status s = Map(a.k, a.b, a.s, a.hkv, a.d, 128, type, &f.k); !s.ok()) return s;
+    if (Status s = Map(a.v, a.b, a.s, a.hkv, a.d, 128, type, &f.v); !s.ok()) return s;
     err = type == 0 ? Launch<__nv_bfloat16>(a, &f, nullptr, at.stream, at.device)
                     : Launch<__half>(a, &f, nullptr, at.stream, at.device);
   } else {
@@ -100,7 +80,7 @@ Status LaunchAttention(const Where& at, const AttnArgs& a) {
                 {a.v, a.hkv, 64, &g.v},   {a.q, a.h, 64, &g.q64},    {a.d_o, a.h, 64, &g.do64},
                 {a.k, a.hkv, 128, &g.k128}, {a.v, a.hkv, 128, &g.v128}};
     for (const auto& m : maps) {
-      if (Status s = Map4d(m.ptr, a.b, a.s, m.heads, a.d, m.rows, type, m.out); !s.ok()) {
+      if (Status s = Map(m.ptr, a.b, a.s, m.heads, a.d, m.rows, type, m.out); !s.ok()) {
         return s;
       }
     }

@@ -17,31 +17,10 @@ Status Invalid(const std::string& what) {
   return Status::Invalid("pk.ring_attention: " + what);
 }
 
-// A 128B-swizzled map over [batch, s, heads, d] 2-byte elements: dims {d, heads, s, batch},
-// box {64, 1, 128, 1} (the attention forward's maps).
-Status Map4d(const void* ptr, int64_t batch, int64_t s, int64_t heads, int64_t d, int dtype,
-             CUtensorMap* out) {
-  PFN_cuTensorMapEncodeTiled_v12000 encode = EncodeFn();
-  if (encode == nullptr) {
-    return Status::Internal("pk.ring_attention: cuTensorMapEncodeTiled is not available.");
-  }
-  const cuuint64_t dims[4] = {cuuint64_t(d), cuuint64_t(heads), cuuint64_t(s),
-                              cuuint64_t(batch)};
-  const cuuint64_t strides[3] = {cuuint64_t(d) * 2, cuuint64_t(heads * d) * 2,
-                                 cuuint64_t(s * heads * d) * 2};
-  const cuuint32_t box[4] = {64, 1, 128, 1};
-  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
-  CUresult r = encode(out,
-                      dtype == 0 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-                                 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-                      4, const_cast<void*>(ptr), dims, strides, box, elem_strides,
-                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) {
-    return Status::Internal("pk.ring_attention: cuTensorMapEncodeTiled failed with CUresult " +
-                            std::to_string(static_cast<int>(r)));
-  }
-  return Status::Ok();
+// The 4-D map of an operand or slot section (tensor_map.h Map4d), panels of 128 positions.
+Status Map(const void* ptr, int64_t batch, int64_t s, int64_t heads, int64_t d, int dtype,
+           CUtensorMap* out) {
+  return Map4d("ring_attention", ptr, batch, s, heads, d, 128, dtype, out);
 }
 
 }  // namespace
@@ -108,12 +87,12 @@ Status LaunchRingAttn(const Where& at, const RingAttnArgs& a, const CommView& v)
   g.v_local = a.v;
   char* ws = static_cast<char*>(v.workspace[v.rank]);
   const int64_t slots = P > 1 ? int64_t(P - 1) * a.b : a.b;
-  if (Status s = Map4d(a.q, a.b, a.s, a.h, a.d, type, &g.q); !s.ok()) return s;
-  if (Status s = Map4d(a.k, a.b, a.s, a.hkv, a.d, type, &g.k); !s.ok()) return s;
-  if (Status s = Map4d(a.v, a.b, a.s, a.hkv, a.d, type, &g.v); !s.ok()) return s;
+  if (Status s = Map(a.q, a.b, a.s, a.h, a.d, type, &g.q); !s.ok()) return s;
+  if (Status s = Map(a.k, a.b, a.s, a.hkv, a.d, type, &g.k); !s.ok()) return s;
+  if (Status s = Map(a.v, a.b, a.s, a.hkv, a.d, type, &g.v); !s.ok()) return s;
   // P = 1: no slots (the maps are never used; any valid map will do).
-  if (Status s = Map4d(P > 1 ? ws : a.k, slots, a.s, a.hkv, a.d, type, &g.ks); !s.ok()) return s;
-  if (Status s = Map4d(P > 1 ? ws + uint64_t(P - 1) * block_bytes : a.v, slots, a.s, a.hkv,
+  if (Status s = Map(P > 1 ? ws : a.k, slots, a.s, a.hkv, a.d, type, &g.ks); !s.ok()) return s;
+  if (Status s = Map(P > 1 ? ws + uint64_t(P - 1) * block_bytes : a.v, slots, a.s, a.hkv,
                        a.d, type, &g.vs);
       !s.ok()) {
     return s;

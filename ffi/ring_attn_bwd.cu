@@ -17,31 +17,10 @@ Status Invalid(const std::string& what) {
   return Status::Invalid("pk.ring_attention (backward): " + what);
 }
 
-// A 128B-swizzled map over [batch, s, heads, d] 2-byte elements: dims {d, heads, s, batch},
-// box {64, 1, rows, 1}.
-Status Map4d(const void* ptr, int64_t batch, int64_t s, int64_t heads, int64_t d, int dtype,
-             uint32_t rows, CUtensorMap* out) {
-  PFN_cuTensorMapEncodeTiled_v12000 encode = EncodeFn();
-  if (encode == nullptr) {
-    return Status::Internal("pk.ring_attention: cuTensorMapEncodeTiled is not available.");
-  }
-  const cuuint64_t dims[4] = {cuuint64_t(d), cuuint64_t(heads), cuuint64_t(s),
-                              cuuint64_t(batch)};
-  const cuuint64_t strides[3] = {cuuint64_t(d) * 2, cuuint64_t(heads * d) * 2,
-                                 cuuint64_t(s * heads * d) * 2};
-  const cuuint32_t box[4] = {64, 1, rows, 1};
-  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
-  CUresult r = encode(out,
-                      dtype == 0 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-                                 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-                      4, const_cast<void*>(ptr), dims, strides, box, elem_strides,
-                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) {
-    return Status::Internal("pk.ring_attention: cuTensorMapEncodeTiled failed with CUresult " +
-                            std::to_string(static_cast<int>(r)));
-  }
-  return Status::Ok();
+// The 4-D map of an operand or slot section (tensor_map.h Map4d), panels of `rows` positions.
+Status Map(const void* ptr, int64_t batch, int64_t s, int64_t heads, int64_t d, int dtype,
+           uint32_t rows, CUtensorMap* out) {
+  return Map4d("ring_attention", ptr, batch, s, heads, d, rows, dtype, out);
 }
 
 }  // namespace
@@ -145,7 +124,7 @@ Status LaunchRingAttnBwd(const Where& at, const RingAttnBwdArgs& a, const CommVi
       {ws, slots, a.hkv, 64, &g.ks64},   {vs, slots, a.hkv, 64, &g.vs64},
   };
   for (const auto& m : maps) {
-    if (Status s = Map4d(m.ptr, m.batch, a.s, m.heads, a.d, type, m.rows, m.map); !s.ok()) {
+    if (Status s = Map(m.ptr, m.batch, a.s, m.heads, a.d, type, m.rows, m.map); !s.ok()) {
       return s;
     }
   }

@@ -1,5 +1,5 @@
-// Host helpers shared by the GEMM handlers (matmul and the fused TP ops): TMA tensor maps and
-// the SM count.
+// Host helpers shared by the handlers: TMA tensor maps (2-D for the GEMMs, 4-D for attention)
+// and the SM count.
 //
 // Tensor maps are encoded with cuTensorMapEncodeTiled, fetched once through
 // cudaGetDriverEntryPointByVersion so that the module never links libcuda (it must import on a
@@ -90,6 +90,35 @@ inline Status TensorMap(const char* op, const MapKey& key, CUtensorMap* out) {
   valid[next] = true;
   next = (next + 1) % kSize;
   *out = map;
+  return Status::Ok();
+}
+
+// A 128B-swizzled map over a [b, s, heads, d] tensor of 2-byte elements: dims {d, heads, s, b},
+// box {64, 1, rows, 1} (one swizzled panel of `rows` positions of one head); the attention
+// kernels' operands and workspace slots. Encoded on every call (not cached).
+inline Status Map4d(const char* op, const void* ptr, int64_t b, int64_t s, int64_t heads,
+                    int64_t d, uint32_t rows, int dtype, CUtensorMap* out) {
+  PFN_cuTensorMapEncodeTiled_v12000 encode = EncodeFn();
+  if (encode == nullptr) {
+    return Status::Internal(std::string("pk.") + op +
+                            ": cuTensorMapEncodeTiled is not available.");
+  }
+  const cuuint64_t dims[4] = {cuuint64_t(d), cuuint64_t(heads), cuuint64_t(s), cuuint64_t(b)};
+  const cuuint64_t strides[3] = {cuuint64_t(d) * 2, cuuint64_t(heads * d) * 2,
+                                 cuuint64_t(s * heads * d) * 2};
+  const cuuint32_t box[4] = {64, 1, rows, 1};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  CUresult r = encode(out,
+                      dtype == 0 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                      4, const_cast<void*>(ptr), dims, strides, box, elem_strides,
+                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    return Status::Internal(std::string("pk.") + op +
+                            ": cuTensorMapEncodeTiled failed with CUresult " +
+                            std::to_string(static_cast<int>(r)));
+  }
   return Status::Ok();
 }
 

@@ -17,31 +17,11 @@ Status Invalid(const std::string& what) {
   return Status::Invalid("pk.ulysses_attention: " + what);
 }
 
-// A 128B-swizzled map over [batch, s, heads, d] 2-byte elements: dims {d, heads, s, batch},
-// box {64, 1, 128, 1} (the attention forward's maps; batch = P B for the workspace sections).
-Status Map4d(const void* ptr, int64_t batch, int64_t s, int64_t heads, int64_t d, int dtype,
-             CUtensorMap* out) {
-  PFN_cuTensorMapEncodeTiled_v12000 encode = EncodeFn();
-  if (encode == nullptr) {
-    return Status::Internal("pk.ulysses_attention: cuTensorMapEncodeTiled is not available.");
-  }
-  const cuuint64_t dims[4] = {cuuint64_t(d), cuuint64_t(heads), cuuint64_t(s),
-                              cuuint64_t(batch)};
-  const cuuint64_t strides[3] = {cuuint64_t(d) * 2, cuuint64_t(heads * d) * 2,
-                                 cuuint64_t(s * heads * d) * 2};
-  const cuuint32_t box[4] = {64, 1, 128, 1};
-  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
-  CUresult r = encode(out,
-                      dtype == 0 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-                                 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-                      4, const_cast<void*>(ptr), dims, strides, box, elem_strides,
-                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) {
-    return Status::Internal("pk.ulysses_attention: cuTensorMapEncodeTiled failed with CUresult " +
-                            std::to_string(static_cast<int>(r)));
-  }
-  return Status::Ok();
+// The 4-D map of a workspace section (tensor_map.h Map4d), panels of 128 positions; batch =
+// P B for the sections.
+Status Map(const void* ptr, int64_t batch, int64_t s, int64_t heads, int64_t d, int dtype,
+           CUtensorMap* out) {
+  return Map4d("ulysses_attention", ptr, batch, s, heads, d, 128, dtype, out);
 }
 
 }  // namespace
@@ -115,9 +95,9 @@ Status LaunchUlyssesAttn(const Where& at, const UlyssesAttnArgs& a, const CommVi
   g.lse = a.lse;
   char* const mine = static_cast<char*>(v.workspace[v.rank]);
   const int64_t pb = int64_t(P) * a.b;
-  if (Status s = Map4d(mine + ws.qw, pb, a.s, gh, a.d, type, &g.qw); !s.ok()) return s;
-  if (Status s = Map4d(mine + ws.kw, pb, a.s, gk, a.d, type, &g.kw); !s.ok()) return s;
-  if (Status s = Map4d(mine + ws.vw, pb, a.s, gk, a.d, type, &g.vw); !s.ok()) return s;
+  if (Status s = Map(mine + ws.qw, pb, a.s, gh, a.d, type, &g.qw); !s.ok()) return s;
+  if (Status s = Map(mine + ws.kw, pb, a.s, gk, a.d, type, &g.kw); !s.ok()) return s;
+  if (Status s = Map(mine + ws.vw, pb, a.s, gk, a.d, type, &g.vw); !s.ok()) return s;
   if (Status s = CudaStatus((pk::tp::epoch_kernel<<<1, 1, 0, at.stream>>>(c), cudaGetLastError()),
                             "the epoch kernel");
       !s.ok()) {
