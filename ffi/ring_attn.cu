@@ -6,6 +6,7 @@
 #include "kernels/ring_attn.cuh"
 #include "launch.h"
 #include "tensor_map.h"
+#include "tp.h"
 
 namespace pk_ffi {
 namespace {
@@ -62,17 +63,7 @@ Status LaunchRingAttn(const Where& at, const RingAttnArgs& a, const CommView& v)
 
   pk::ring_attn::globals g{};
   pk::tp::comm& c = g.c;
-  for (int p = 0; p < P; ++p) {
-    c.ws[p] = v.workspace[p];
-    c.sig[p] = v.signals[p] + ra::SLOT_BASE;
-  }
-  c.error = v.error;
-  c.timeout_ns = v.timeout_ns;
-  c.world = P;
-  c.rank = v.rank;
-  c.op = kOpRingAttn;
-  c.rank_ptr = a.rank;
-  c.link = pk::link_throttle{v.link_clock, v.link_ps_per_kib};  // off unless emulated
+  tp::View(kOpRingAttn, ra::SLOT_BASE, v, a.rank, &c);
   const int type = a.dtype == DType::kBF16 ? 0 : 1;
   g.d = pk::attention::dims{int(a.b), int(a.s), int(a.h), int(a.hkv), a.scale, a.causal ? 1 : 0};
   g.zigzag = a.causal && a.zigzag ? 1 : 0;
@@ -97,11 +88,7 @@ Status LaunchRingAttn(const Where& at, const RingAttnArgs& a, const CommView& v)
       !s.ok()) {
     return s;
   }
-  if (Status s = CudaStatus((pk::tp::epoch_kernel<<<1, 1, 0, at.stream>>>(c), cudaGetLastError()),
-                            "the epoch kernel");
-      !s.ok()) {
-    return s;
-  }
+  if (Status s = tp::StartEpoch(at.stream, c); !s.ok()) return s;
   cudaError_t err;
   if (type == 0) {
     err = a.d == 64 ? pk::ring_attn::launch<__nv_bfloat16, 64>(g, at.stream, at.device)

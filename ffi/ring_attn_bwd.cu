@@ -6,6 +6,7 @@
 #include "kernels/ring_attn_bwd.cuh"
 #include "launch.h"
 #include "tensor_map.h"
+#include "tp.h"
 
 namespace pk_ffi {
 namespace {
@@ -76,17 +77,7 @@ Status LaunchRingAttnBwd(const Where& at, const RingAttnBwdArgs& a, const CommVi
   rb::globals g{};
   ra::globals& f = g.f;
   pk::tp::comm& c = f.c;
-  for (int p = 0; p < P; ++p) {
-    c.ws[p] = v.workspace[p];
-    c.sig[p] = v.signals[p] + ra::SLOT_BASE;  // the forward's range and epoch (see the kernel)
-  }
-  c.error = v.error;
-  c.timeout_ns = v.timeout_ns;
-  c.world = P;
-  c.rank = v.rank;
-  c.op = kOpRingAttnBwd;
-  c.rank_ptr = a.rank;
-  c.link = pk::link_throttle{v.link_clock, v.link_ps_per_kib};  // off unless emulated
+  tp::View(kOpRingAttnBwd, ra::SLOT_BASE, v, a.rank, &c);  // the forward's range and epoch
   const int type = a.dtype == DType::kBF16 ? 0 : 1;
   f.d = pk::attention::dims{int(a.b), int(a.s), int(a.h), int(a.hkv), a.scale, a.causal ? 1 : 0};
   f.zigzag = a.causal && a.zigzag ? 1 : 0;
@@ -128,11 +119,7 @@ Status LaunchRingAttnBwd(const Where& at, const RingAttnBwdArgs& a, const CommVi
       return s;
     }
   }
-  if (Status s = CudaStatus((pk::tp::epoch_kernel<<<1, 1, 0, at.stream>>>(c), cudaGetLastError()),
-                            "the epoch kernel");
-      !s.ok()) {
-    return s;
-  }
+  if (Status s = tp::StartEpoch(at.stream, c); !s.ok()) return s;
   cudaError_t err;
   if (type == 0) {
     err = a.d == 64 ? rb::launch<__nv_bfloat16, 64>(g, at.stream, at.device)

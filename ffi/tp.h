@@ -53,6 +53,25 @@ inline Status GemmOperands(const char* op, const GemmArgs& a) {
   return Status::Ok();
 }
 
+// The kernels' view of communicator `v` with every pad offset to `slot_base` (no checks: the
+// caller checked the record, the pad's size and the world). Also the attention ops' view, whose
+// slot ranges are their own (kernels/ring_attn.cuh, ulysses_attn.cuh).
+inline void View(int op_id, uint64_t slot_base, const CommView& v, const int32_t* rank_ptr,
+                 pk::tp::comm* c) {
+  *c = pk::tp::comm{};
+  for (int p = 0; p < v.world; ++p) {
+    c->ws[p] = v.workspace[p];
+    c->sig[p] = v.signals[p] + slot_base;
+  }
+  c->error = v.error;
+  c->timeout_ns = v.timeout_ns;
+  c->world = v.world;
+  c->rank = v.rank;
+  c->op = op_id;
+  c->rank_ptr = rank_ptr;
+  c->link = pk::link_throttle{v.link_clock, v.link_ps_per_kib};  // off unless emulated
+}
+
 // The kernels' view of communicator `v`, pads offset to op `index`'s range.
 inline Status Comm(const char* op, int op_id, int index, const CommView& v,
                    const int32_t* rank_ptr, pk::tp::comm* c) {
@@ -66,19 +85,7 @@ inline Status Comm(const char* op, int op_id, int index, const CommView& v,
     return Status::Invalid(std::string("pk.") + op + ": at most " +
                            std::to_string(pk::tp::MAX_PEERS) + " ranks.");
   }
-  *c = pk::tp::comm{};
-  const uint64_t base = pk::tp::SLOT_BASE + uint64_t(index) * pk::tp::OP_SLOTS;
-  for (int p = 0; p < v.world; ++p) {
-    c->ws[p] = v.workspace[p];
-    c->sig[p] = v.signals[p] + base;
-  }
-  c->error = v.error;
-  c->timeout_ns = v.timeout_ns;
-  c->world = v.world;
-  c->rank = v.rank;
-  c->op = op_id;
-  c->rank_ptr = rank_ptr;
-  c->link = pk::link_throttle{v.link_clock, v.link_ps_per_kib};  // off unless emulated
+  View(op_id, pk::tp::SLOT_BASE + uint64_t(index) * pk::tp::OP_SLOTS, v, rank_ptr, c);
   return Status::Ok();
 }
 

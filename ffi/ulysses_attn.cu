@@ -6,6 +6,7 @@
 #include "kernels/ulysses_attn.cuh"
 #include "launch.h"
 #include "tensor_map.h"
+#include "tp.h"
 
 namespace pk_ffi {
 namespace {
@@ -69,16 +70,7 @@ Status LaunchUlyssesAttn(const Where& at, const UlyssesAttnArgs& a, const CommVi
 
   ua::globals g{};
   pk::tp::comm& c = g.c;
-  for (int p = 0; p < P; ++p) {
-    c.ws[p] = v.workspace[p];
-    c.sig[p] = v.signals[p] + ua::SLOT_BASE;
-  }
-  c.error = v.error;
-  c.timeout_ns = v.timeout_ns;
-  c.world = P;
-  c.rank = v.rank;
-  c.op = kOpUlyssesAttn;
-  c.rank_ptr = a.rank;
+  tp::View(kOpUlyssesAttn, ua::SLOT_BASE, v, a.rank, &c);
   const int type = a.dtype == DType::kBF16 ? 0 : 1;
   const int64_t gh = a.h / P, gk = a.hkv / P;
   g.d = pk::attention::dims{int(a.b), int(a.s), int(gh), int(gk), a.scale, a.causal ? 1 : 0};
@@ -98,11 +90,7 @@ Status LaunchUlyssesAttn(const Where& at, const UlyssesAttnArgs& a, const CommVi
   if (Status s = Map(mine + ws.qw, pb, a.s, gh, a.d, type, &g.qw); !s.ok()) return s;
   if (Status s = Map(mine + ws.kw, pb, a.s, gk, a.d, type, &g.kw); !s.ok()) return s;
   if (Status s = Map(mine + ws.vw, pb, a.s, gk, a.d, type, &g.vw); !s.ok()) return s;
-  if (Status s = CudaStatus((pk::tp::epoch_kernel<<<1, 1, 0, at.stream>>>(c), cudaGetLastError()),
-                            "the epoch kernel");
-      !s.ok()) {
-    return s;
-  }
+  if (Status s = tp::StartEpoch(at.stream, c); !s.ok()) return s;
   cudaError_t err;
   if (type == 0) {
     err = a.d == 64 ? ua::launch<__nv_bfloat16, 64>(g, at.stream, at.device)
