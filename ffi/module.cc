@@ -93,9 +93,26 @@ T* Ptr(const nb::dict& d, const char* key) {
   return reinterpret_cast<T*>(static_cast<uintptr_t>(Get(d, key)));
 }
 
-// Runs op `op` ("all_reduce", ..., "ag_gemm") for the communicator registered under
-// (comm_id, device) on `stream`, with `num_sms` SMs; `args` holds the launcher's fields
-// (ffi/launch.h: CollArgs, GemmArgs, MoeDispatchArgs or MoeCombineArgs) by name, buffers as device addresses.
+// The fields the attention launchers' arguments share (AttnArgs, RingAttnArgs,
+// UlyssesAttnArgs, RingAttnBwdArgs): q, k, v, the shape, the scale and the causal flag.
+template <class A>
+void AttentionFields(const nb::dict& d, A* a) {
+  a->q = Ptr<const void>(d, "q");
+  a->k = Ptr<const void>(d, "k");
+  a->v = Ptr<const void>(d, "v");
+  a->b = Get(d, "b");
+  a->s = Get(d, "s");
+  a->h = Get(d, "h");
+  a->hkv = Get(d, "hkv");
+  a->d = Get(d, "d");
+  a->scale = static_cast<float>(nb::cast<double>(d["scale"]));
+  a->causal = Get(d, "causal") != 0;
+}
+
+// Runs op `op` ("all_reduce", ..., "ulysses_attn"; "matmul", "attention" and "grouped_matmul"
+// without a communicator) for the communicator registered under (comm_id, device) on
+// `stream`, with `num_sms` SMs; `args` holds the launcher's fields (ffi/launch.h) by name,
+// buffers as device addresses.
 void EmuLaunch(const std::string& op, int64_t comm_id, int device, uint64_t stream,
                int num_sms, const nb::dict& args) {
   const pk_ffi::Where at{reinterpret_cast<cudaStream_t>(stream), device, num_sms};
@@ -122,18 +139,9 @@ void EmuLaunch(const std::string& op, int64_t comm_id, int device, uint64_t stre
   if (op == "attention") {  // local, no communicator (the unfused ring's per-block step)
     pk_ffi::AttnArgs a{};
     a.dtype = static_cast<pk_ffi::DType>(Get(args, "dtype"));
-    a.q = Ptr<const void>(args, "q");
-    a.k = Ptr<const void>(args, "k");
-    a.v = Ptr<const void>(args, "v");
+    AttentionFields(args, &a);
     a.o = Ptr<void>(args, "o");
     a.lse = Ptr<float>(args, "lse");
-    a.b = Get(args, "b");
-    a.s = Get(args, "s");
-    a.h = Get(args, "h");
-    a.hkv = Get(args, "hkv");
-    a.d = Get(args, "d");
-    a.scale = static_cast<float>(nb::cast<double>(args["scale"]));
-    a.causal = Get(args, "causal") != 0;
     a.backward = Get(args, "backward", 0) != 0;  // the unfused ring backward's per-block step
     if (a.backward) {
       a.d_o = Ptr<const void>(args, "do");
@@ -259,19 +267,10 @@ void EmuLaunch(const std::string& op, int64_t comm_id, int device, uint64_t stre
   if (op == "ring_attn") {
     pk_ffi::RingAttnArgs a{};
     a.dtype = dtype;
-    a.q = Ptr<const void>(args, "q");
-    a.k = Ptr<const void>(args, "k");
-    a.v = Ptr<const void>(args, "v");
+    AttentionFields(args, &a);
     a.o = Ptr<void>(args, "o");
     a.lse = Ptr<float>(args, "lse");
     a.rank = Ptr<const int32_t>(args, "rank");
-    a.b = Get(args, "b");
-    a.s = Get(args, "s");
-    a.h = Get(args, "h");
-    a.hkv = Get(args, "hkv");
-    a.d = Get(args, "d");
-    a.scale = static_cast<float>(nb::cast<double>(args["scale"]));
-    a.causal = Get(args, "causal") != 0;
     a.zigzag = Get(args, "zigzag") != 0;
     a.num_comm_sms = Get(args, "num_comm_sms", 2);
     Raise(pk_ffi::LaunchRingAttn(at, a, *v));
@@ -280,19 +279,10 @@ void EmuLaunch(const std::string& op, int64_t comm_id, int device, uint64_t stre
   if (op == "ulysses_attn") {
     pk_ffi::UlyssesAttnArgs a{};
     a.dtype = dtype;
-    a.q = Ptr<const void>(args, "q");
-    a.k = Ptr<const void>(args, "k");
-    a.v = Ptr<const void>(args, "v");
+    AttentionFields(args, &a);
     a.o = Ptr<void>(args, "o");
     a.lse = Ptr<float>(args, "lse");
     a.rank = Ptr<const int32_t>(args, "rank");
-    a.b = Get(args, "b");
-    a.s = Get(args, "s");
-    a.h = Get(args, "h");
-    a.hkv = Get(args, "hkv");
-    a.d = Get(args, "d");
-    a.scale = static_cast<float>(nb::cast<double>(args["scale"]));
-    a.causal = Get(args, "causal") != 0;
     a.num_comm_sms = Get(args, "num_comm_sms", 2);
     Raise(pk_ffi::LaunchUlyssesAttn(at, a, *v));
     return;
@@ -300,9 +290,7 @@ void EmuLaunch(const std::string& op, int64_t comm_id, int device, uint64_t stre
   if (op == "ring_attn_bwd") {
     pk_ffi::RingAttnBwdArgs a{};
     a.dtype = dtype;
-    a.q = Ptr<const void>(args, "q");
-    a.k = Ptr<const void>(args, "k");
-    a.v = Ptr<const void>(args, "v");
+    AttentionFields(args, &a);
     a.d_o = Ptr<const void>(args, "do");
     a.lse = Ptr<const float>(args, "lse");
     a.delta = Ptr<const float>(args, "delta");
@@ -310,13 +298,6 @@ void EmuLaunch(const std::string& op, int64_t comm_id, int device, uint64_t stre
     a.dk = Ptr<void>(args, "dk");
     a.dv = Ptr<void>(args, "dv");
     a.rank = Ptr<const int32_t>(args, "rank");
-    a.b = Get(args, "b");
-    a.s = Get(args, "s");
-    a.h = Get(args, "h");
-    a.hkv = Get(args, "hkv");
-    a.d = Get(args, "d");
-    a.scale = static_cast<float>(nb::cast<double>(args["scale"]));
-    a.causal = Get(args, "causal") != 0;
     a.zigzag = Get(args, "zigzag") != 0;
     a.num_comm_sms = Get(args, "num_comm_sms", 2);
     Raise(pk_ffi::LaunchRingAttnBwd(at, a, *v));
