@@ -7,10 +7,11 @@
  * past S arrive as zeros; the kernels mask those keys and never store those rows.
  *
  * Three kernels, one block of 2 consumer warpgroups each, 64 rows each of the block's
- * stationary tile, streaming the other operand through a ring of STAGES buffers with full/empty
- * mbarriers. Thread 0 is the producer: it issues every TMA copy, the first STAGES tiles before
- * the loop and each later one as soon as both warpgroups have released the stage (see NOTES at
- * THREADS for why the producer is not a warpgroup of its own):
+ * stationary tile, streaming the other operand through a ring of STAGES buffers with full
+ * mbarriers. Thread 0 issues the first STAGES tiles before the loop; each later one is issued
+ * by the leader of whichever warpgroup releases its stage last (release_stage), so neither
+ * warpgroup waits for the other to free a stage (see NOTES at THREADS for why there is no
+ * producer warpgroup):
  *
  *   kernel | block owns (stationary)  | streams (per step)      | consumer step
  *   -------+--------------------------+-------------------------+-------------------------------
@@ -25,7 +26,9 @@
  *
  * The forward overlaps each step's softmax with the previous step's P V: step j issues
  * S_j = Q K_j^T and O += P_{j-1} V_{j-1}, waits for S_j only, runs the softmax of S_j while the
- * tensor cores finish P V, then rescales O. It writes O and lse = scale * max + log(sum) per
+ * tensor cores finish P V, then rescales O. The two warpgroups also take turns issuing their
+ * GEMMs (named barriers FWD_TURN, FWD_TURN + 1: ping-pong), so one's softmax runs under the
+ * other's GEMMs. It writes O and lse = scale * max + log(sum) per
  * row. The backward recomputes P = exp(scale q k^T - lse) from the saved lse; delta =
  * rowsum(dO * O) comes from the caller (padded with lse = +inf past S, so padded rows give
  * P = 0). dK and dV sum over the group's query heads in registers; dQ has its own pass, so no
@@ -134,6 +137,21 @@ __device__ inline void store_rows(void* out, const float (&acc)[D / 2], float mu
   }
 }
 
+/** @brief The calling warpgroup is done with streamed tile r (its GEMMs reading r's stage have
+ * completed). `released` counts the warpgroups' releases of each stage, forever (CONSUMERS per
+ * round); the leader of the last warpgroup to release refills the stage with tile
+ * r + STAGES (`issue`), so no warpgroup ever waits for another to free a stage. */
+template <int STAGES, class Issue>
+__device__ inline void release_stage(int (&released)[STAGES], int r, int n_tiles,
+                                     const Issue& issue) {
+  if (warpgroup::thread() == 0) {
+    __threadfence_block();
+    const int before = atomicAdd(&released[r % STAGES], 1);
+    if (before % CONSUMERS == CONSUMERS - 1 && r + STAGES < n_tiles) issue(r + STAGES);
+  }
+  __syncwarp();
+}
+
 // ---------------------------------------------------------------------------------------------
 // Forward.
 
@@ -149,10 +167,16 @@ struct fwd_config {
     q_tile q;
     kv_tile k[STAGES];
     kv_tile v[STAGES];
-    mbarrier q_full, k_full[STAGES], v_full[STAGES], empty[STAGES];
+    mbarrier q_full, k_full[STAGES], v_full[STAGES];
+    mbarrier empty[STAGES];  // ring_attn.cuh's kernel (same storage) frees stages with these
+    int released[STAGES];    // see release_stage
   };
   static constexpr size_t SMEM = sizeof(storage_t) + 1024;
 };
+
+// Named barriers of the forward's ping-pong: warpgroup c issues its GEMMs after passing
+// FWD_TURN + c, and then lets the other warpgroup pass.
+constexpr int FWD_TURN = 1;
 
 template <class C>
 __global__ void __launch_bounds__(THREADS, 1) fwd_kernel(const __grid_constant__ fwd_globals g) {
@@ -181,7 +205,7 @@ __global__ void __launch_bounds__(THREADS, 1) fwd_kernel(const __grid_constant__
     for (int i = 0; i < STAGES; ++i) {
       mbar_init(&s.k_full[i], 1);
       mbar_init(&s.v_full[i], 1);
-      mbar_init(&s.empty[i], CONSUMERS);
+      s.released[i] = 0;
     }
     fence_mbar_init();
     mbar_arrive_expect_tx(&s.q_full, C::q_tile::BYTES);
@@ -193,18 +217,16 @@ __global__ void __launch_bounds__(THREADS, 1) fwd_kernel(const __grid_constant__
   const int c = warpgroup::index();
   const int t = warpgroup::thread();
   const int lane = t % 32;
-  const bool leader = t == 0;
-  // This warpgroup is done with tile r; the issuer refills r's stage with tile r + STAGES
-  // once both warpgroups are.
-  auto release = [&](int r) {
-    const int st = r % STAGES;
-    if (leader) mbar_arrive(&s.empty[st]);
-    if (issuer && r + STAGES < n_tiles) {
-      mbar_wait(&s.empty[st], (r / STAGES) & 1);
-      issue(r + STAGES);
-    }
-    __syncwarp();
+  auto release = [&](int r) { release_stage(s.released, r, n_tiles, issue); };
+  // Ping-pong: the warpgroups take turns issuing their GEMMs, so one's softmax runs under the
+  // other's GEMMs instead of both at once. Warpgroup 1 opens warpgroup 0's first turn; every
+  // turn but warpgroup 1's last hands the next one over (n_tiles + 1 turns each).
+  int turns_left = n_tiles + 1;
+  auto take_turn = [&]() { warpgroup::sync(FWD_TURN + c, THREADS); };
+  auto end_turn = [&]() {
+    if (--turns_left > 0 || c == 0) warpgroup::arrive(FWD_TURN + 1 - c, THREADS);
   };
+  if (c == 1) warpgroup::arrive(FWD_TURN, THREADS);
   const int row_lo = q0 + c * 64 + 16 * (t / 32) + lane / 4;  // rows row_lo, row_lo + 8
   const float sl2 = dm.scale * LOG2E;
 
@@ -291,7 +313,9 @@ __global__ void __launch_bounds__(THREADS, 1) fwd_kernel(const __grid_constant__
 
   mbar_wait(&s.q_full, 0);
   mbar_wait(&s.k_full[0], 0);
+  take_turn();
   qk(0);
+  end_turn();
   wgmma::wait<0>();
   wgmma::fence_regs(sc);
   softmax(0);
@@ -299,10 +323,12 @@ __global__ void __launch_bounds__(THREADS, 1) fwd_kernel(const __grid_constant__
   for (int j = 1; j < n_tiles; ++j) {
     const int st = j % STAGES, prev = (j - 1) % STAGES;
     mbar_wait(&s.k_full[st], (j / STAGES) & 1);
-    qk(st);
     mbar_wait(&s.v_full[prev], ((j - 1) / STAGES) & 1);
+    take_turn();
+    qk(st);
     wgmma::fence_regs(o);
     pv(prev);
+    end_turn();
     wgmma::wait<1>();
     wgmma::fence_regs(sc);
     softmax(j);
@@ -315,8 +341,10 @@ __global__ void __launch_bounds__(THREADS, 1) fwd_kernel(const __grid_constant__
   }
   const int last = (n_tiles - 1) % STAGES;
   mbar_wait(&s.v_full[last], ((n_tiles - 1) / STAGES) & 1);
+  take_turn();
   wgmma::fence_regs(o);
   pv(last);
+  end_turn();
   wgmma::wait<0>();
   wgmma::fence_regs(o);
   frag::fence_regs(p);
@@ -351,7 +379,9 @@ struct dq_config {
     q_tile q, d_o;
     kv_tile k[STAGES];
     kv_tile v[STAGES];
-    mbarrier q_full, full[STAGES], empty[STAGES];
+    mbarrier q_full, full[STAGES];
+    mbarrier empty[STAGES];  // ring_attn_bwd.cuh's kernel (same storage) frees stages with these
+    int released[STAGES];    // see release_stage
   };
   static constexpr size_t SMEM = sizeof(storage_t) + 1024;
 };
@@ -380,7 +410,7 @@ __global__ void __launch_bounds__(THREADS, 1) dq_kernel(const __grid_constant__ 
     mbar_init(&s.q_full, 1);
     for (int i = 0; i < STAGES; ++i) {
       mbar_init(&s.full[i], 1);
-      mbar_init(&s.empty[i], CONSUMERS);
+      s.released[i] = 0;
     }
     fence_mbar_init();
     mbar_arrive_expect_tx(&s.q_full, 2 * C::q_tile::BYTES);
@@ -393,18 +423,7 @@ __global__ void __launch_bounds__(THREADS, 1) dq_kernel(const __grid_constant__ 
   const int c = warpgroup::index();
   const int t = warpgroup::thread();
   const int lane = t % 32;
-  const bool leader = t == 0;
-  // This warpgroup is done with tile r; the issuer refills r's stage with tile r + STAGES
-  // once both warpgroups are.
-  auto release = [&](int r) {
-    const int st = r % STAGES;
-    if (leader) mbar_arrive(&s.empty[st]);
-    if (issuer && r + STAGES < n_tiles) {
-      mbar_wait(&s.empty[st], (r / STAGES) & 1);
-      issue(r + STAGES);
-    }
-    __syncwarp();
-  };
+  auto release = [&](int r) { release_stage(s.released, r, n_tiles, issue); };
   const int row_lo = q0 + c * 64 + 16 * (t / 32) + lane / 4;
   const float sl2 = dm.scale * LOG2E;
   float lse2[2], delta[2];
@@ -497,7 +516,9 @@ struct dkdv_config {
   struct storage_t {
     kv_tile k, v;
     stage_t st[STAGES];
-    mbarrier kv_full, full[STAGES], empty[STAGES];
+    mbarrier kv_full, full[STAGES];
+    mbarrier empty[STAGES];  // ring_attn_bwd.cuh's kernel (same storage) frees stages with these
+    int released[STAGES];    // see release_stage
   };
   static constexpr uint32_t STAGE_BYTES = 2 * q_tile::BYTES + 2 * BQ * sizeof(float);
   static constexpr size_t SMEM = sizeof(storage_t) + 1024;
@@ -535,7 +556,7 @@ __global__ void __launch_bounds__(THREADS, 1) dkdv_kernel(const __grid_constant_
     mbar_init(&s.kv_full, 1);
     for (int i = 0; i < STAGES; ++i) {
       mbar_init(&s.full[i], 1);
-      mbar_init(&s.empty[i], CONSUMERS);
+      s.released[i] = 0;
     }
     fence_mbar_init();
     mbar_arrive_expect_tx(&s.kv_full, 2 * C::kv_tile::BYTES);
@@ -548,18 +569,7 @@ __global__ void __launch_bounds__(THREADS, 1) dkdv_kernel(const __grid_constant_
   const int c = warpgroup::index();
   const int t = warpgroup::thread();
   const int lane = t % 32;
-  const bool leader = t == 0;
-  // This warpgroup is done with tile r; the issuer refills r's stage with tile r + STAGES
-  // once both warpgroups are.
-  auto release = [&](int r) {
-    const int st = r % STAGES;
-    if (leader) mbar_arrive(&s.empty[st]);
-    if (issuer && r + STAGES < n_tiles) {
-      mbar_wait(&s.empty[st], (r / STAGES) & 1);
-      issue(r + STAGES);
-    }
-    __syncwarp();
-  };
+  auto release = [&](int r) { release_stage(s.released, r, n_tiles, issue); };
   const int key_lo = k0 + c * 64 + 16 * (t / 32) + lane / 4;  // keys key_lo, key_lo + 8
   const float sl2 = dm.scale * LOG2E;
 

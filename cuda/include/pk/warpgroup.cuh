@@ -32,4 +32,10 @@ __device__ inline void sync(int id, int threads = WARPGROUP_THREADS) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
+/** @brief Arrives at named barrier `id` over `threads` threads without waiting (the partner
+ * of `sync`: the barrier completes when `threads` threads have arrived or synced). */
+__device__ inline void arrive(int id, int threads = WARPGROUP_THREADS) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 }  // namespace pk::warpgroup
