@@ -329,6 +329,26 @@ def test_kernel_backward_matches_the_reference_backward(monkeypatch, p, h, hkv, 
                                    rtol=2e-2, atol=2e-2 if dtype == jnp.bfloat16 else 4e-3)
 
 
+def test_kernel_backward_typing_on_2d_mesh_with_q_replicated_over_dp(monkeypatch):
+    """The kernel-backed backward's cotangents carry their primals' varying axes (dq summed
+    over dp, where q is replicated) and equal the reference backward's."""
+    from pk_jax.ops import ulysses_attn
+
+    _stand_in_ulysses(monkeypatch)
+    mesh = cpu_mesh((2, 2), ("dp", "sp"))
+    q = normal((2, 2 * 64, 4, 64), jnp.bfloat16, 0)
+    k, v = (normal((4, 2 * 64, 2, 64), jnp.bfloat16, i) for i in (1, 2))
+    dy = normal((4, 2 * 64, 4, 64), jnp.bfloat16, 3)
+    f = lambda *x: pk.ulysses_attention(*x, "sp", causal=True)
+    specs = (P(None, "sp"), P("dp", "sp"), P("dp", "sp"))
+    got = vjp_both(f, f, mesh, specs, P("dp", "sp"), (q, k, v), dy)[0][1:]
+    monkeypatch.setattr(ulysses_attn, "KERNEL_BACKWARD", False)
+    want = vjp_both(f, f, mesh, specs, P("dp", "sp"), (q, k, v), dy)[0][1:]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                   rtol=2e-2, atol=3e-2)
+
+
 def test_kernel_backward_exchanges(monkeypatch):
     """The kernel-backed backward's traffic: pk.all_to_all of q, dO, k, v and of (lse, delta)
     to head shards, one pk_attention backward, pk.all_to_all of dq, dk, dv back (8

@@ -104,10 +104,11 @@ class UlyssesBackward:
             lse.write(np.pad(st[0], pad, constant_values=np.inf))
             delta.write(np.pad(st[1], pad))
 
-    def launch(self) -> None:
+    def launch(self, *, delays_ns: list[int] | None = None) -> None:
         """Queues steps 1-3 on every rank's stream (no host synchronization unless S needs
-        padding)."""
-        for c in (*self.ins, self.stats):
+        padding); delays_ns[r] holds rank r's stream before its first step."""
+        self.ins[0].launch(delays_ns=delays_ns)
+        for c in (*self.ins[1:], self.stats):
             c.launch()
         if self.padded is not None:
             self._pad()
