@@ -225,6 +225,7 @@ section_ulysses_bwd() {
   step "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_emulator_ulysses.py -k backward
   PK_JAX_TIMEOUT_S=30 step launch 2 --timeout 250 tests/gpu/ulysses_mp.py
   step "$PY" bench/bench_ulysses_attn.py --quick
+  step "$PY" bench/plot_sp_attention.py  # bench/results/sp_attention.png (ring and Ulysses rows)
 }
 
 # compute-sanitizer over a short emulated run of every op (P = 2, 4): device-side errors only
