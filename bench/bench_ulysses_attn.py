@@ -22,7 +22,20 @@ and the baseline's attention output with the fused one. Timing: back-to-back cal
 rank's stream, no host synchronisation inside a batch, wall clock per call, median of 5
 batches of 10.
 
-    CUDA_MODULE_LOADING=EAGER python bench/bench_ulysses_attn.py [--quick]
+Backward (run_shape_bwd; no fused Ulysses backward kernel yet): the kernel-backed backward that
+pk.ulysses_attention's VJP runs on GPUs (pk_jax.testing.ulysses_bwd: pk all_to_all of q, dO,
+k, v and (lse, delta) to head shards, the pk.attention backward for the head group, all_to_all
+of dq, dk, dv back; delta's XLA reduction not counted) against the fused ring backward
+(pk_ring_attn_bwd) at the same shape, the other sequence-parallel backward, in the same run;
+`attention_only_us` is the head-group attention backward alone (the composed path's compute
+floor). Before timing, heads 0 and H - 1 (their lse and delta exact, the other heads' random
+finite stand-ins) are compared on ranks 0 and P - 1 with a float32 numpy reference over the
+whole sequence (the ring backward's tolerance), and the ring backward's gradients must come
+out finite. 2.5 x the forward's FLOPs; median of 3 batches of 5.
+
+    CUDA_MODULE_LOADING=EAGER python bench/bench_ulysses_attn.py [--quick] [--forward-only]
+
+--quick: S/P = 2048 only, the backward causal only (about 90 s on the H200, estimated).
 """
 
 from __future__ import annotations
@@ -42,6 +55,7 @@ import numpy as np
 
 from pk_jax.testing import DeviceBuffer, World, ops
 from pk_jax.testing.emulator import DTYPES, np_dtype
+from pk_jax.testing.ulysses_bwd import UlyssesBackward
 
 MACHINE = "h200-emulated"
 LINK = "shared HBM (unthrottled)"
@@ -143,21 +157,147 @@ def run_shape(world: World, p: int, sl: int, causal: bool, rng, rows: list) -> N
         c.free()
 
 
+def _reference_grads_head(q, k, v, do, causal: bool, scale: float, chunk: int = 2048):
+    """lse, delta [S] and dq, dk, dv [S, D] of one head over the whole sequence (float32
+    numpy, query rows in chunks)."""
+    s = q.shape[0]
+    lse, delta = np.empty(s, np.float32), np.empty(s, np.float32)
+    dq, dk, dv = (np.zeros_like(q) for _ in range(3))
+    for a in range(0, s, chunk):
+        sc = (q[a:a + chunk] @ k.T) * scale
+        if causal:
+            sc = np.where(np.arange(s)[None, :] > np.arange(a, a + sc.shape[0])[:, None],
+                          -np.inf, sc)
+        m = sc.max(axis=-1, keepdims=True)
+        e = np.exp(sc - m)
+        den = e.sum(axis=-1, keepdims=True)
+        pr = e / den
+        dl = np.sum(do[a:a + chunk] * (pr @ v), axis=-1)
+        ds = pr * ((do[a:a + chunk] @ v.T) - dl[:, None])
+        lse[a:a + chunk], delta[a:a + chunk] = (m + np.log(den))[:, 0], dl
+        dq[a:a + chunk] = scale * (ds @ k)
+        dk += scale * (ds.T @ q[a:a + chunk])
+        dv += pr.T @ do[a:a + chunk]
+    return lse, delta, dq, dk, dv
+
+
+def run_shape_bwd(world: World, p: int, sl: int, causal: bool, rng, rows: list) -> None:
+    """The kernel-backed Ulysses backward against the fused ring backward (module docstring)."""
+    dt = np_dtype(BF16)
+    h = GROUP * p
+    s_total = sl * p
+    scale = float(1.0 / np.sqrt(D))
+
+    def normal(shape):
+        return rng.standard_normal(shape, np.float32).astype(dt)
+
+    qs, ks, vs, dos = ([normal((B, sl, h, D)) for _ in range(p)] for _ in range(4))
+    sp = -(-sl // 128) * 128
+    lses = [(np.log(s_total) + rng.standard_normal((B, h, sp))).astype(np.float32)
+            for _ in range(p)]
+    deltas = [rng.standard_normal((B, h, sp)).astype(np.float32) for _ in range(p)]
+    checked = (0, h - 1)
+    want = {}
+    for hh in checked:  # exact lse and delta for the checked heads
+        full = [np.concatenate([x[0, :, hh] for x in xs]).astype(np.float32)
+                for xs in (qs, ks, vs, dos)]
+        lse, dl, *grads = _reference_grads_head(*full, causal, scale)
+        want[hh] = grads
+        for r in range(p):
+            lses[r][0, hh, :sl] = lse[r * sl:(r + 1) * sl]
+            deltas[r][0, hh, :sl] = dl[r * sl:(r + 1) * sl]
+
+    ulysses = UlyssesBackward(world, BF16, qs, ks, vs, dos, lses, deltas, causal=causal,
+                              scale=scale)
+    ulysses.launch()
+    world.synchronize()
+    for r in (0, p - 1):
+        got = ulysses.grads(r)
+        for hh in checked:
+            for name, ref in zip(("dq", "dk", "dv"), want[hh]):
+                g = got[name][0, :, hh].astype(np.float32)
+                w = ref[r * sl:(r + 1) * sl]
+                big = max(1.0, float(np.abs(w).max()))
+                if not (np.all(np.isfinite(g)) and np.allclose(g, w, atol=1.5e-2 * big,
+                                                               rtol=1.5e-2)):
+                    raise SystemExit(f"bench_ulysses_attention: wrong {name} before timing "
+                                     f"(backward, P={p}, S/P={sl}, causal={causal}, rank {r}, "
+                                     f"head {hh}): max error {np.abs(g - w).max()}")
+
+    params = {"b": B, "s": sl, "h": h, "hkv": h, "d": D, "scale": scale,
+              "causal": int(causal), "zigzag": 0, "num_comm_sms": NUM_COMM_SMS}
+    ring = ops.Call(world, ops.Case(
+        "ring_attn_bwd", BF16,
+        [{"q": qs[r], "k": ks[r], "v": vs[r], "do": dos[r], "lse": lses[r], "delta": deltas[r]}
+         for r in range(p)],
+        [{n: np.zeros((B, sl, h, D), dt) for n in ("dq", "dk", "dv")} for _ in range(p)],
+        params, exact=False))
+    ring.launch()
+    world.synchronize()
+    for r in (0, p - 1):
+        for name, y in ring.outputs(r).items():
+            if not np.all(np.isfinite(y.astype(np.float32))):
+                raise SystemExit(f"bench_ulysses_attention: non-finite {name} from the fused "
+                                 f"ring backward (P={p}, S/P={sl}, causal={causal}, rank {r})")
+
+    # Median of 3 batches of 5 (a call is 2.5 forwards: the quick run stays short).
+    t_ours = common.emulated_us(world, ulysses.launch, iters=5, reps=3)
+    t_ring = common.emulated_us(world, ring.launch, iters=5, reps=3)
+    t_attn = common.emulated_us(world, ulysses.launch_attention, iters=5, reps=3)
+    flops = 10 * B * h * D * s_total * s_total * (0.5 if causal else 1.0)  # all ranks
+    shape = {"b": B, "s": s_total, "s_local": sl, "h": h, "hkv": h, "d": D,
+             "causal": causal, "num_comm_sms": NUM_COMM_SMS, "pass": "backward",
+             "path": "composed"}
+    rows.append(common.record(
+        op="ulysses_attention", shape=shape, dtype=BF16, world=p, processes=1,
+        median_us=t_ours, tflops=flops / t_ours / 1e6,
+        baseline="fused ring attention backward (pk_ring_attn_bwd), same shape (emulated)",
+        baseline_median_us=t_ring, attention_only_us=round(t_attn, 3), emulated=True,
+        machine=MACHINE, link=LINK, sms_per_rank=world.sms[0],
+        path=common.RESULTS / "ulysses_attention.jsonl"))
+    print(f"P={p} S/P={sl:5d} causal={causal!s:5s} backward: composed {t_ours:9.1f} us "
+          f"({flops / t_ours / 1e6:6.1f} TFLOP/s over all ranks; attention alone "
+          f"{t_attn:9.1f} us)  ring fused {t_ring:9.1f} us  {t_ring / t_ours:5.2f}x",
+          flush=True)
+    ulysses.free()
+    ring.free()
+
+
+def _workspace_bytes(p: int, sl: int) -> int:
+    """The largest need of one world: the fused ring backward's P - 1 K/V blocks and P fp32
+    dK/dV blocks (ring_attn.workspace_need_bwd) at H = GROUP P, else 512 MiB (the forward's
+    sections and the all_to_alls' staging)."""
+    kv = B * sl * GROUP * p * D * 2
+    ring = 2 * (p - 1) * kv + p * (-(-sl // 128) * GROUP * p * B) * 2 * 128 * D * 4
+    return max(512 << 20, -(-(ring + (64 << 20)) // (64 << 20)) * (64 << 20))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="S/P = 2048 only")
+    parser.add_argument("--quick", action="store_true",
+                        help="S/P = 2048 only, the backward causal only")
+    parser.add_argument("--forward-only", action="store_true", help="skip the backward")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     rows: list = []
     for p in (2, 4, 8):
-        # Ulysses: 2 q-sized + 2 k-sized sections (+ lse); the all_to_alls' staging the rest.
-        with World(p, timeout_s=30.0, workspace_bytes=512 << 20) as world:
-            for sl in ((2048,) if args.quick else (2048, 4096)):
+        sls = (2048,) if args.quick else (2048, 4096)
+        # Ulysses: 2 q-sized + 2 k-sized sections (+ lse); the all_to_alls' staging the rest;
+        # the ring backward (the backward's baseline) more.
+        ws = 512 << 20 if args.forward_only else _workspace_bytes(p, max(sls))
+        with World(p, timeout_s=30.0, workspace_bytes=ws) as world:
+            for sl in sls:
                 for causal in (False, True):
                     run_shape(world, p, sl, causal, rng, rows)
-    ratios = [r["ratio"] for r in rows if r["ratio"]]
-    print(f"geomean fused vs unfused: {common.geomean(ratios):.2f}x ({len(ratios)} rows, "
-          "emulated)")
+                    if not args.forward_only and (causal or not args.quick):
+                        run_shape_bwd(world, p, sl, causal, rng, rows)
+    for name, sel in (("forward, fused vs unfused", False),
+                      ("backward, composed vs fused ring", True)):
+        ratios = [r["ratio"] for r in rows
+                  if r["ratio"] and (r["shape"].get("pass") == "backward") == sel]
+        if ratios:
+            print(f"geomean {name}: {common.geomean(ratios):.2f}x ({len(ratios)} rows, "
+                  "emulated)")
 
 
 if __name__ == "__main__":

@@ -194,15 +194,52 @@ def test_large(monkeypatch, dtype, causal):
 # The fused forward (target pk_ulysses_attn): its wiring on CPU with a jax.lax stand-in for the
 # FFI call (the kernel itself: tests/gpu/test_emulator_ulysses.py).
 
+def _dense_gqa_grads(q, k, v, dy, causal):
+    """float32 gradients of sum(dense attention * dy), each K/V head used by H / Hkv query
+    heads (scale 1/sqrt(D))."""
+    g = q.shape[2] // k.shape[2]
+    f32 = lambda x: jnp.asarray(np.asarray(x, np.float32))
+    dq, dk, dv = dense_grads(f32(q), f32(np.repeat(k, g, 2)), f32(np.repeat(v, g, 2)), f32(dy),
+                             causal=causal)
+    b, s, hkv, d = k.shape
+    return (np.asarray(dq), *(np.asarray(x).reshape(b, s, hkv, g, d).sum(3) for x in (dk, dv)))
+
+
+def _stand_in_attention_backward(calls, results, q, k, v, do, lse, delta, attrs):
+    """What the pk_attention backward returns: dq, dk, dv in the operands' dtypes from lse and
+    delta [B, H, SP] (padded past S with +inf and 0), K/V heads read in place (GQA)."""
+    b, s, h, d = q.shape
+    hkv = k.shape[2]
+    sp = lse.shape[2]
+    calls.append({"target": "pk_attention", "backward": int(attrs["backward"]), "h": h,
+                  "hkv": hkv, "s": s, "sp": sp, "scale": float(attrs["scale"]),
+                  "causal": int(attrs["causal"])})
+    assert sp % 128 == 0 and s <= sp < s + 128 and delta.shape == lse.shape == (b, h, sp)
+    assert do.dtype == q.dtype and lse.dtype == delta.dtype == jnp.float32
+    kr, vr = _attention.repeat_kv(q, k, v)
+    dq, dk, dv = _attention.blockwise_grads(
+        q, kr, vr, do.astype(jnp.float32), lse[:, :, :s].transpose(0, 2, 1),
+        delta[:, :, :s].transpose(0, 2, 1), scale=float(attrs["scale"]),
+        causal=bool(attrs["causal"]))
+    dk, dv = (g.reshape(b, s, hkv, h // hkv, d).sum(axis=3) for g in (dk, dv))
+    out = [g.astype(r.dtype) for g, r in zip((dq, dk, dv), results)]
+    assert all(g.shape == r.shape for g, r in zip(out, results))
+    return out
+
+
 def _stand_in_ulysses(monkeypatch) -> list[dict]:
     """stand_in_kernels plus a stand-in for pk_ulysses_attn that returns what the kernel does:
-    o [B, S/P, H, D] and lse float32 [B, H, S/P], from K/V with the heads the call passes."""
+    o [B, S/P, H, D] and lse float32 [B, H, S/P], from K/V with the heads the call passes; and
+    one for the pk_attention backward (the kernel-backed backward's head-group pass)."""
     from pk_jax import _ffi
 
     calls = stand_in_kernels(monkeypatch)
     inner = _ffi.call
 
     def fake(target, results, *args, out_vma=None, **attrs):
+        if target == "pk_attention":
+            assert int(attrs["backward"]) == 1  # the forward is pk_ulysses_attn's
+            return _stand_in_attention_backward(calls, results, *args, attrs)
         if target != "pk_ulysses_attn":
             return inner(target, results, *args, out_vma=out_vma, **attrs)
         q, k, v, _ = args
@@ -220,17 +257,20 @@ def _stand_in_ulysses(monkeypatch) -> list[dict]:
     return calls
 
 
-@pytest.mark.parametrize("p,causal,hkv", [(2, True, 2), (4, False, 4), (2, False, 1),
-                                          (4, True, 2)])
-def test_fused_kernel_wiring_forward_and_backward(monkeypatch, p, causal, hkv):
+@pytest.mark.parametrize("p,causal,hkv,backward", [
+    (2, True, 2, True), (4, False, 4, True), (2, False, 1, True), (4, True, 2, True),
+    (4, True, 2, False), (2, False, 1, False)])
+def test_fused_kernel_wiring_forward_and_backward(monkeypatch, p, causal, hkv, backward):
     """At P > 1 with bf16 and D = 64 the call takes pk_ulysses_attn (K/V heads passed as they
-    are when P divides them, else repeated up to H); its output and the reference backward on
-    its (out, lse) match the reference's."""
+    are when P divides them, else repeated up to lcm(Hkv, P)); its output and the backward on
+    its (out, lse), kernel-backed (pk_attention's backward on head shards) or the reference's
+    (KERNEL_BACKWARD = False), match the reference's."""
     from pk_jax.ops import ulysses_attn
 
+    monkeypatch.setattr(ulysses_attn, "KERNEL_BACKWARD", backward)
     calls = _stand_in_ulysses(monkeypatch)
     mesh = cpu_mesh((p,), ("sp",))
-    h = 2 * p
+    h = 4 * p
     q = normal((2, 3 * p, h, 64), jnp.bfloat16, 0)
     k, v = (normal((2, 3 * p, hkv, 64), jnp.bfloat16, i) for i in (1, 2))
     dy = normal(q.shape, jnp.bfloat16, 3)
@@ -241,13 +281,91 @@ def test_fused_kernel_wiring_forward_and_backward(monkeypatch, p, causal, hkv):
 
     ours, want = vjp_both(lambda *x: pk.ulysses_attention(*x, "sp", causal=causal), ref, mesh,
                           (SEQ,) * 3, SEQ, (q, k, v), dy)
-    for a, b in zip(ours, want):
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                                   rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(np.asarray(ours[0], np.float32), np.asarray(want[0], np.float32),
+                               rtol=2e-2, atol=2e-2)
+    # The gradients against float32 ones (the bf16 reference sums the repeated heads' dK/dV
+    # in bf16, which cancels badly), at the ring backward's tolerance.
+    for g, w in zip(ours[1:], _dense_gqa_grads(q, k, v, dy, causal)):
+        big = max(1.0, float(np.abs(w).max()))
+        np.testing.assert_allclose(np.asarray(g, np.float32), w, rtol=1.5e-2, atol=1.5e-2 * big)
     fused = [c for c in calls if c["target"] == "pk_ulysses_attn"]
-    assert fused and all(c["hkv"] == (hkv if hkv % p == 0 else h) for c in fused), fused
+    lcm = hkv * p // np.gcd(hkv, p)
+    assert fused and all(c["hkv"] == lcm for c in fused), fused
     assert all(c["causal"] == int(causal) and c["scale"] == 0.125 and
                c["num_comm_sms"] == ulysses_attn.NUM_COMM_SMS for c in fused), fused
+    bwd = [c for c in calls if c["target"] == "pk_attention"]
+    if not backward:
+        assert not bwd, bwd
+        return
+    # One head group per rank: H/P query heads and lcm/P K/V heads over the whole sequence.
+    assert bwd and all(c["h"] == h // p and c["hkv"] == lcm // p and c["s"] == 3 * p and
+                       c["sp"] == 128 and c["causal"] == int(causal) and c["scale"] == 0.125
+                       for c in bwd), bwd
+
+
+@pytest.mark.parametrize("p,h,hkv,dtype,d,causal", [
+    (2, 4, 2, jnp.float16, 128, True), (4, 8, 1, jnp.bfloat16, 64, False),
+    (4, 4, 4, jnp.float16, 64, True), (2, 6, 3, jnp.bfloat16, 128, False)])
+def test_kernel_backward_matches_the_reference_backward(monkeypatch, p, h, hkv, dtype, d,
+                                                        causal):
+    """The kernel-backed backward (stand-ins) against the reference backward on the same
+    forward, both in the operands' dtype: equal to a few ulps (shapes, GQA with Hkv that P
+    divides or not (3 heads at P = 2: lcm 6), fp16/bf16, D 64/128, S/P = 130, past one
+    128-row tile); the gradients come back in the operands' shapes and dtypes."""
+    from pk_jax.ops import ulysses_attn
+
+    _stand_in_ulysses(monkeypatch)
+    mesh = cpu_mesh((p,), ("sp",))
+    q = normal((1, 130 * p, h, d), dtype, 0)
+    k, v = (normal((1, 130 * p, hkv, d), dtype, i) for i in (1, 2))
+    dy = normal(q.shape, dtype, 3)
+    f = lambda *x: pk.ulysses_attention(*x, "sp", causal=causal, scale=0.1)
+    got = vjp_both(f, f, mesh, (SEQ,) * 3, SEQ, (q, k, v), dy)[0][1:]
+    monkeypatch.setattr(ulysses_attn, "KERNEL_BACKWARD", False)
+    want = vjp_both(f, f, mesh, (SEQ,) * 3, SEQ, (q, k, v), dy)[0][1:]
+    for g, w, x in zip(got, want, (q, k, v)):
+        assert g.shape == x.shape and g.dtype == x.dtype
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                   rtol=2e-2, atol=2e-2 if dtype == jnp.bfloat16 else 4e-3)
+
+
+def test_kernel_backward_typing_on_2d_mesh_with_q_replicated_over_dp(monkeypatch):
+    """The kernel-backed backward's cotangents carry their primals' varying axes (dq summed
+    over dp, where q is replicated) and equal the reference backward's."""
+    from pk_jax.ops import ulysses_attn
+
+    _stand_in_ulysses(monkeypatch)
+    mesh = cpu_mesh((2, 2), ("dp", "sp"))
+    q = normal((2, 2 * 64, 4, 64), jnp.bfloat16, 0)
+    k, v = (normal((4, 2 * 64, 2, 64), jnp.bfloat16, i) for i in (1, 2))
+    dy = normal((4, 2 * 64, 4, 64), jnp.bfloat16, 3)
+    f = lambda *x: pk.ulysses_attention(*x, "sp", causal=True)
+    specs = (P(None, "sp"), P("dp", "sp"), P("dp", "sp"))
+    got = vjp_both(f, f, mesh, specs, P("dp", "sp"), (q, k, v), dy)[0][1:]
+    monkeypatch.setattr(ulysses_attn, "KERNEL_BACKWARD", False)
+    want = vjp_both(f, f, mesh, specs, P("dp", "sp"), (q, k, v), dy)[0][1:]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                   rtol=2e-2, atol=3e-2)
+
+
+def test_kernel_backward_exchanges(monkeypatch):
+    """The kernel-backed backward's traffic: pk.all_to_all of q, dO, k, v and of (lse, delta)
+    to head shards, one pk_attention backward, pk.all_to_all of dq, dk, dv back (8
+    all_to_alls); the forward is the one pk_ulysses_attn call."""
+    calls = _stand_in_ulysses(monkeypatch)
+    mesh = cpu_mesh((2,), ("sp",))
+    pk.init(mesh)
+    q, k, v = (jax.device_put(x, NamedSharding(mesh, SEQ))
+               for x in qkv((1, 2 * 64, 4, 64), jnp.bfloat16))
+    f = jax.shard_map(lambda a, b, c: pk.ulysses_attention(a, b, c, "sp", causal=True),
+                      mesh=mesh, in_specs=(SEQ,) * 3, out_specs=SEQ)
+    jax.make_jaxpr(jax.grad(lambda *x: jnp.sum(f(*x).astype(jnp.float32)),
+                            argnums=(0, 1, 2)))(q, k, v)
+    targets = [c["target"] for c in calls]
+    assert sorted(set(targets)) == ["pk_all_to_all", "pk_attention", "pk_ulysses_attn"], targets
+    assert targets.count("pk_ulysses_attn") == 1 and targets.count("pk_attention") == 1
+    assert targets.count("pk_all_to_all") == 8, targets
 
 
 def test_fused_kernel_takes_what_it_compiles(monkeypatch):

@@ -19,20 +19,26 @@ pk_ulysses_attn, cuda/kernels/ulysses_attn.cuh): communication blocks of the att
 push every rank's head-group slices of q, k, v into the owner's symmetric workspace, the
 attention blocks of a head group start on a source's rows as soon as those rows have landed,
 and a tail kernel pulls each rank's output rows back from every head group. The backward is
-the reference's (the all_to_alls and the blockwise attention backward above), on the kernel's
-out and lse.
+composed of kernels (on the kernel's out and lse): delta = rowsum(dO * O) on the local rows,
+`pk.all_to_all` of q, dO, k, v and of (lse, delta) to head shards, the pk.attention backward
+kernels (dQ, dK/dV; grouped-query heads read in place) over the whole sequence for the rank's
+head group, and `pk.all_to_all` of dq, dk, dv back to sequence shards. K/V heads that P does
+not divide are repeated only up to lcm(Hkv, P) heads, and their gradients summed back in
+float32.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pk_jax import _backend, _checks, _ffi
-from pk_jax.ops import _attention, _tp
+from pk_jax.ops import _attention, _tp, _vjp
+from pk_jax.ops import attention as _attention_op
 from pk_jax.ops.all_to_all import all_to_all
 from pk_jax.runtime import state
 
@@ -78,22 +84,28 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, 
     scale = (_attention.default_scale(q.shape[-1]) if scale is None
              else _checks.positive_float(NAME, "scale", scale))
     if _backend.route(STEM, axis_name, supported=kernel_supports(q, p)).path == "kernel":
-        if k.shape[2] % p:  # the kernel splits the K/V heads too: repeat them up to H
-            k, v = _attention.repeat_kv(q, k, v)
-        _tp.check_workspace(NAME, workspace_need(q, k, p),
-                            f"the head-group copies of q {q.shape}, k and v {k.shape}, the "
+        rep = kv_repeats(k.shape[2], p)
+        kr = jax.ShapeDtypeStruct((*k.shape[:2], k.shape[2] * rep, k.shape[3]), k.dtype)
+        _tp.check_workspace(NAME, workspace_need(q, kr, p),
+                            f"the head-group copies of q {q.shape}, k and v {kr.shape}, the "
                             "output and lse")
-        return _kernel_ulysses(q, k, v, axis_name, causal, float(scale))
+        backward = ("kernel" if KERNEL_BACKWARD and _backend.use_kernel(_attention_op.NAME)
+                    else "reference")
+        return _kernel_ulysses(q, k, v, axis_name, causal, float(scale), rep, backward)
     k, v = _attention.repeat_kv(q, k, v)  # grouped-query attention (a no-op at H = Hkv)
     return reference(q, k, v, axis_name, causal=causal, scale=scale)
 
 
 # ---------------------------------------------------------------------------------------------
 # The fused kernel (target pk_ulysses_attn, cuda/kernels/ulysses_attn.cuh): the forward in one
-# call; the backward is the reference's on the kernel's (out, lse).
+# call; the backward composed of pk.all_to_all and the pk.attention backward kernels.
 
 HEAD_DIMS = (64, 128)
 NUM_COMM_SMS = 2  # communication blocks (the same on every rank; each moves 1/C of the data)
+# Whether the custom VJP of the fused path runs the kernel-backed backward (all_to_all, the
+# pk_attention backward, all_to_all back) where pk_attention runs, else the reference's.
+KERNEL_BACKWARD = True
+_PAD = 128  # the pk_attention backward reads lse and delta in tiles of up to 128 rows
 
 
 def kernel_supports(q: jax.Array, p: int) -> bool:
@@ -103,15 +115,36 @@ def kernel_supports(q: jax.Array, p: int) -> bool:
             and q.shape[1] * q.shape[2] * q.shape[3] < 2**31 and q.shape[1] * p < 2**30)
 
 
+def kv_repeats(hkv: int, p: int) -> int:
+    """How many times the kernel path repeats each K/V head: the kernels split the K/V heads
+    over the P ranks too, so Hkv is raised to lcm(Hkv, P) (which divides H, as Hkv and P do);
+    1 when P divides Hkv."""
+    return p // math.gcd(hkv, p)
+
+
 def workspace_need(q: jax.Array, k: jax.Array, p: int) -> int:
     """Bytes of symmetric workspace the kernel uses (ulysses_attn::make_layout): q's and the
-    output's head-group copies (each the size of q), k's and v's (each the size of k), and
-    lse, each section rounded up to 1 KiB."""
+    output's head-group copies (each the size of q), k's and v's (each the size of k, with the
+    heads the kernel is given), and lse, each section rounded up to 1 KiB."""
     up = lambda x: -(-x // 1024) * 1024
     b, s, h, d = q.shape
     qb = b * s * h * d * 2
     kb = int(np.prod(k.shape)) * 2
     return up(up(up(up(up(qb) + kb) + kb) + qb) + b * h * s * 4)
+
+
+def _repeat(x: jax.Array, rep: int) -> jax.Array:
+    """Each K/V head repeated `rep` times, next to each other (as `_attention.repeat_kv`)."""
+    return x if rep == 1 else jnp.repeat(x, rep, axis=2)
+
+
+def _unrepeat(g: jax.Array, rep: int, like: jax.Array) -> jax.Array:
+    """The VJP of `_repeat`: each head's `rep` gradients summed in float32."""
+    if rep == 1:
+        return g
+    b, s, h, d = g.shape
+    return jnp.sum(g.astype(jnp.float32).reshape(b, s, h // rep, rep, d), axis=3
+                   ).astype(like.dtype)
 
 
 def _kernel_call(q, k, v, axis_name, causal, scale):
@@ -121,30 +154,59 @@ def _kernel_call(q, k, v, axis_name, causal, scale):
                             jax.ShapeDtypeStruct((b, h, s), jnp.float32)],
         q, k, v, _backend.rank_operand(axis_name), comm_id=np.int64(state.comm_id(axis_name)),
         scale=np.float32(scale), causal=np.int64(causal), num_comm_sms=np.int64(NUM_COMM_SMS))
-    return o, lse.transpose(0, 2, 1)  # lse as _attention.log_sum_exp: [B, S/P, H]
+    return o, lse  # lse [B, H, S/P]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _kernel_ulysses(q, k, v, axis_name, causal, scale):
-    return _kernel_call(q, k, v, axis_name, causal, scale)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _kernel_ulysses(q, k, v, axis_name, causal, scale, rep, backward):
+    return _kernel_call(q, _repeat(k, rep), _repeat(v, rep), axis_name, causal, scale)[0]
 
 
-def _kernel_ulysses_fwd(q, k, v, axis_name, causal, scale):
-    o, lse = _kernel_call(q, k, v, axis_name, causal, scale)
+def _kernel_ulysses_fwd(q, k, v, axis_name, causal, scale, rep, backward):
+    o, lse = _kernel_call(q, _repeat(k, rep), _repeat(v, rep), axis_name, causal, scale)
     return o, (q, k, v, o, lse)
 
 
-def _kernel_ulysses_bwd(axis_name, causal, scale, res, do):
-    # The reference backward: everything to head shards (lse [B, S/P, H] too), the blockwise
-    # attention backward over the whole sequence, the gradients back to sequence shards;
-    # repeat_kv's VJP sums each group's gradients back into its K/V head.
+def _kernel_ulysses_bwd(axis_name, causal, scale, rep, backward, res, do):
     q, k, v, o, lse = res
-    (kr, vr), pull = jax.vjp(lambda k, v: _attention.repeat_kv(q, k, v), k, v)
-    heads = [all_to_all(x, axis_name, 2, 1) for x in (q, kr, vr, o, lse, do)]
-    dq, dkr, dvr = (all_to_all(g, axis_name, 1, 2) for g in
-                    _attention._backward(scale, causal, tuple(heads[:5]), heads[5]))
-    dk, dv = pull((dkr, dvr))
-    return dq, dk, dv
+    if backward == "kernel":
+        dq, dkr, dvr = _composed_bwd(axis_name, causal, scale,
+                                     (q, _repeat(k, rep), _repeat(v, rep), o, lse), do)
+        dk, dv = _unrepeat(dkr, rep, k), _unrepeat(dvr, rep, v)
+    else:
+        # The reference backward: everything to head shards (K/V heads repeated up to H, lse
+        # as [B, S/P, H]), the blockwise attention backward over the whole sequence, the
+        # gradients back to sequence shards.
+        full = q.shape[2] // k.shape[2]
+        heads = [all_to_all(x, axis_name, 2, 1) for x in
+                 (q, _repeat(k, full), _repeat(v, full), o, lse.transpose(0, 2, 1), do)]
+        dq, dkh, dvh = (all_to_all(g, axis_name, 1, 2) for g in
+                        _attention._backward(scale, causal, tuple(heads[:5]), heads[5]))
+        dk, dv = _unrepeat(dkh, full, k), _unrepeat(dvh, full, v)
+    return tuple(_vjp.fit(g, x) for g, x in ((dq, q), (dk, k), (dv, v)))
+
+
+def _composed_bwd(axis_name, causal, scale, res, do):
+    """dq, dk, dv in sequence shards from the pk_attention backward on head shards; k, v with
+    the heads the forward kernel was given (P divides them)."""
+    q, k, v, o, lse = res
+    do = do.astype(q.dtype)
+    # delta = rowsum(dO * O) on the local rows: [B, H, S/P] like lse, so the exchange moves
+    # two float32 rows per query and head instead of O.
+    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
+    # [B, S/P, H, D] -> [B, S, H/P, D]: split heads, gather the sequence in rank order;
+    # [2, B, H, S/P] -> [2, B, H/P, S] likewise for (lse, delta).
+    qh, doh, kh, vh = (all_to_all(x, axis_name, 2, 1) for x in (q, do, k, v))
+    stats = all_to_all(jnp.stack([lse, delta]), axis_name, 2, 3)
+    s = qh.shape[1]
+    pad = ((0, 0), (0, 0), (0, -s % _PAD))  # lse = +inf past S: those rows get P = 0
+    lse_h = jnp.pad(stats[0], pad, constant_values=jnp.inf)
+    delta_h = jnp.pad(stats[1], pad)
+    dq, dk, dv = _ffi.call("pk_attention", [jax.ShapeDtypeStruct(x.shape, x.dtype)
+                                            for x in (qh, kh, vh)],
+                           qh, kh, vh, doh, lse_h, delta_h, scale=np.float32(scale),
+                           causal=np.int64(causal), backward=np.int64(1))
+    return tuple(all_to_all(g, axis_name, 1, 2) for g in (dq, dk, dv))
 
 
 _kernel_ulysses.defvjp(_kernel_ulysses_fwd, _kernel_ulysses_bwd)

@@ -2,7 +2,8 @@
 mesh over all processes (axis "sp"), the sequence-sharded placement of inputs built alike on
 every process, and the forward check (every rank's inputs from one seed, the op under
 jit(shard_map), this process's shard against the float32 numpy reference; twice in a row, a
-pk.all_reduce reusing the workspace in between, a straggler).
+pk.all_reduce reusing the workspace in between, a straggler), and the gradient check (jax.vjp
+through the op against the float32 reference gradients).
 """
 
 from __future__ import annotations
@@ -87,3 +88,33 @@ class Harness:
                 g = jax.jit(jax.shard_map(lambda a: pk.all_reduce(a, "sp"), mesh=self.mesh,
                                           in_specs=(P("sp"),), out_specs=P("sp")))
                 jax.block_until_ready(g(junk))
+
+    def check_backward(self, op, reference, seed: int, b, sl, h, hkv, d, dtype, what: str, *,
+                       calls: int = 1, sleep_rank: int | None = None):
+        """Runs jax.vjp of op(q, k, v) under jit(shard_map) `calls` times on new inputs and
+        cotangents, and compares this process's dq, dk, dv with reference(qs, ks, vs, dos)
+        (a pk_jax.testing.ops Case: expected[me], atol, rtol); `sleep_rank` starts 1 s late."""
+        np, jax = self.np, self.jax
+
+        def body(q, k, v, do):
+            _, pull = jax.vjp(op, q, k, v)
+            return pull(do)
+
+        f = self.jit(body, 4, 3)
+        rng = np.random.default_rng(seed)
+        for c in range(calls):
+            xs, glob = self.inputs(rng, dtype, (b, sl, h, d), (b, sl, hkv, d), (b, sl, hkv, d),
+                                   (b, sl, h, d))
+            ref = reference(*xs)
+            if sleep_rank == self.me:
+                time.sleep(1.0)
+            got = f(*(self.place(x) for x in glob))
+            where = (f"rank {self.me}: grads b={b} S/P={sl} h={h} hkv={hkv} d={d} {dtype} "
+                     f"{what} call {c}")
+            for name, y in zip(("dq", "dk", "dv"), got):
+                g = self.local(y).astype(np.float64)
+                w = ref.expected[self.me][name].astype(np.float64)
+                if not (np.all(np.isfinite(g)) and np.allclose(g, w, atol=ref.atol,
+                                                               rtol=ref.rtol)):
+                    err = np.nanmax(np.abs(g - w))
+                    raise AssertionError(f"{where}: {name} differs (max error {err})")

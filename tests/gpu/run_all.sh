@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark, on the H200 machine: tests/gpu/run_all.sh [section ...]
 # Sections: install sass unit runtime collectives collectives_mp tp tp_mp grouped attention
-# emulator moe moe_fused ring ulysses sanitize examples users bench link
-# (default: all but moe_fused, bench and link). The P = 1 sections (install unit collectives tp
+# emulator moe moe_fused ring ulysses ulysses_bwd sanitize examples users bench link
+# (default: all but moe_fused, ulysses_bwd, bench and link). The P = 1 sections (install unit collectives tp
 # examples) may run side by side in separate invocations; the multi-process ones and bench
 # want the GPU alone.
 # Prints one PASSED/FAILED line per step and a summary; exits non-zero if any step failed.
@@ -199,11 +199,13 @@ section_moe_fused() {
   step "$PY" bench/bench_moe.py --fused
 }
 
-# The fused Ulysses attention forward (issue 11): P = 2, 4, 8 emulated ranks against the
-# float32 reference (tests/gpu/test_emulator_ulysses.py; PK_JAX_EMU_ULYSSES_CALLS sets the
-# back-to-back calls per P, default 100), pk.ulysses_attention's forward through JAX with 2 and
-# 4 processes sharing the GPU (tests/gpu/ulysses_mp.py), then the emulated benchmark (fused vs
-# unfused: all_to_all of q, k, v, pk.attention, all_to_all back).
+# The fused Ulysses attention forward and the kernel-backed backward (issue 11): P = 2, 4, 8
+# emulated ranks against the float32 reference (tests/gpu/test_emulator_ulysses.py, the
+# backward's tests named test_backward_*; PK_JAX_EMU_ULYSSES_CALLS sets the back-to-back calls
+# per P, default 100), pk.ulysses_attention's forward and gradients through JAX with 2 and 4
+# processes sharing the GPU (tests/gpu/ulysses_mp.py), then the emulated benchmark (forward
+# fused vs unfused: all_to_all of q, k, v, pk.attention, all_to_all back; backward composed vs
+# the fused ring backward).
 section_ulysses() {
   export CUDA_MODULE_LOADING=EAGER  # pk_jax.testing.require_eager_loading says why
   step "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_emulator_ulysses.py
@@ -211,6 +213,19 @@ section_ulysses() {
     PK_JAX_TIMEOUT_S=30 step launch "$n" --timeout 250 tests/gpu/ulysses_mp.py
   done
   step "$PY" bench/bench_ulysses_attn.py --quick
+}
+
+# The kernel-backed Ulysses backward alone (issue 11; a subset of section ulysses, ~3.5 min):
+# the emulator's backward tests at P = 2, 4, 8 (pk all_to_all to head shards, the pk.attention
+# backward, all_to_all back, against the float32 reference gradients), pk.ulysses_attention's
+# forward and gradients through JAX with 2 processes sharing the GPU, then the emulated
+# benchmark (forward fused vs unfused; backward composed vs the fused ring backward).
+section_ulysses_bwd() {
+  export CUDA_MODULE_LOADING=EAGER  # pk_jax.testing.require_eager_loading says why
+  step "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_emulator_ulysses.py -k backward
+  PK_JAX_TIMEOUT_S=30 step launch 2 --timeout 250 tests/gpu/ulysses_mp.py
+  step "$PY" bench/bench_ulysses_attn.py --quick
+  step "$PY" bench/plot_sp_attention.py  # bench/results/sp_attention.png (ring and Ulysses rows)
 }
 
 # compute-sanitizer over a short emulated run of every op (P = 2, 4): device-side errors only

@@ -1,5 +1,6 @@
 """The fused Ulysses attention forward (pk.ulysses_attention at P > 1,
-kernels/ulysses_attn.cuh) under true concurrency: P emulated ranks on disjoint SM partitions of
+kernels/ulysses_attn.cuh), and its kernel-backed backward (pk all_to_all, the pk.attention
+backward on head shards, all_to_all back: pk_jax.testing.ulysses_bwd), under true concurrency: P emulated ranks on disjoint SM partitions of
 one GPU (pk_jax.testing.World), started through the launch function the FFI handler calls,
 against a float32 numpy reference over the whole sequence (pk_jax.testing.ops.ulysses_attn),
 with bf16/fp16 tolerances.
@@ -24,6 +25,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import emu_cases
 
 from pk_jax.testing import ops
+from pk_jax.testing.ulysses_bwd import UlyssesBackward
 
 CALLS = int(os.environ.get("PK_JAX_EMU_ULYSSES_CALLS", "100"))  # back-to-back calls per P
 BATCH = 20                                                      # calls in flight between syncs
@@ -66,6 +68,75 @@ def test_grouped_query_attention(worlds, p):
                                     causal=True),
              emu_cases.ulysses_case(p, rng, h=2 * p, hkv=p, b=2, s_local=300, causal=False)]
     assert _run(w, cases, rng) == []
+
+
+def _backward_case(w, p, rng, b, sl, h, hkv, d, dt, causal):
+    """A composed backward on world w with random inputs, and its float32 reference
+    (ops.ring_attn_bwd, contiguous: the same function, with the reference lse and delta)."""
+    xs = [[rng.standard_normal(shape) for _ in range(p)]
+          for shape in ((b, sl, h, d), (b, sl, hkv, d), (b, sl, hkv, d), (b, sl, h, d))]
+    ref = ops.ring_attn_bwd(*xs, dt, causal=causal)
+    bwd = UlyssesBackward(w, dt, *([x[n] for x in ref.inputs]
+                                   for n in ("q", "k", "v", "do", "lse", "delta")),
+                          causal=causal, scale=ref.params["scale"])
+    return bwd, ref
+
+
+def _backward_problems(bwd, ref, what: str) -> list[str]:
+    problems = []
+    for r in range(ref.world):
+        for name, got in bwd.grads(r).items():
+            g = got.astype(np.float64)
+            want = ref.expected[r][name].astype(np.float64)
+            if not (np.all(np.isfinite(g)) and np.allclose(g, want, atol=ref.atol,
+                                                           rtol=ref.rtol)):
+                problems.append(f"{what} rank {r} {name}: max error "
+                                f"{np.nanmax(np.abs(g - want))}")
+    return problems
+
+
+@pytest.mark.parametrize("p", PS)
+def test_backward_against_the_float32_reference(worlds, p):
+    """The kernel-backed backward against the float32 reference gradients over the whole
+    sequence, at the ring backward's tolerance: causal or not, GQA (Hkv = P, 2P), S a multiple
+    of the 128-row tile and not (lse/delta padded), B = 2, D 64 and 128, bf16 and fp16; every
+    case called twice on poisoned gradients."""
+    rng = np.random.default_rng(300 + p)
+    w = worlds(p)
+    problems: list[str] = []
+    for b, sl, h, hkv, d, dt, causal in ((1, 128, p, p, 128, "bfloat16", False),
+                                         (2, 130, 2 * p, p, 64, "float16", True),
+                                         (1, 200, 4 * p, 2 * p, 128, "bfloat16", True),
+                                         (1, 64, 2 * p, 2 * p, 64, "float16", False)):
+        bwd, ref = _backward_case(w, p, rng, b, sl, h, hkv, d, dt, causal)
+        try:
+            for call in range(2):
+                for c in bwd.outs:
+                    for bufs in c.buffers:
+                        bufs["y"].fill(0xFF if call == 0 else 0x7F)
+                bwd.launch()
+                w.synchronize()
+                problems += _backward_problems(bwd, ref, f"P={p} b={b} S/P={sl} h={h} "
+                                               f"hkv={hkv} d={d} {dt} causal={causal} call "
+                                               f"{call}")
+        finally:
+            bwd.free()
+    assert problems == [], problems[:5]
+
+
+def test_backward_with_a_late_rank(worlds):
+    """One rank starts the backward 200 ms after the others (well inside the timeout): still
+    correct."""
+    rng = np.random.default_rng(7)
+    w = worlds(4)
+    for causal in (False, True):
+        bwd, ref = _backward_case(w, 4, rng, 1, 192, 8, 4, 128, "bfloat16", causal)
+        try:
+            bwd.launch(delays_ns=[0, 0, 200_000_000, 0])
+            w.synchronize()
+            assert _backward_problems(bwd, ref, f"late rank, causal={causal}") == []
+        finally:
+            bwd.free()
 
 
 @pytest.mark.parametrize("p", PS)

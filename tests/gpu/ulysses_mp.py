@@ -1,6 +1,6 @@
-"""pk.ulysses_attention's forward across P processes, through JAX (the FFI handler
-pk_ulysses_attn, the Python lowering and its attributes, which the rank emulator does not
-exercise).
+"""pk.ulysses_attention's forward and gradients across P processes, through JAX (the FFI
+handler pk_ulysses_attn, the kernel-backed backward: pk_all_to_all and the pk_attention
+backward, the Python lowering and its attributes, which the rank emulator does not exercise).
 
     python -m pk_jax.launch -n 2 --share-gpu tests/gpu/ulysses_mp.py
 
@@ -10,8 +10,12 @@ over all processes, and compares its own shard with the float32 numpy reference 
 sequence (pk_jax.testing.ops.ulysses_attn) at bf16/fp16 tolerance. Cases: causal or not, GQA
 (K/V heads divisible by P, and not: repeated to H), S/P not a multiple of the 128-row tile,
 B = 2, D 64 and 128; two calls in a row with a pk.all_reduce between them reusing the
-symmetric workspace; a straggler (the last rank sleeps 1 s). Gradients are not checked here
-(the backward is the reference's, tested on CPU).
+symmetric workspace; a straggler (the last rank sleeps 1 s). Gradients (jax.vjp through
+pk.ulysses_attention: all_to_all of q, dO, k, v, lse and delta, the pk_attention backward on
+the head group, all_to_all of dq, dk, dv back; no XLA collective) against the float32
+reference gradients over the whole sequence (pk_jax.testing.ops.ring_attn_bwd, contiguous:
+the same function): causal or not, GQA (K/V heads divisible by P and not), tails, D 64 and
+128, bf16 and fp16, twice in a row, a straggler.
 
 On a machine without a GPU the same script runs on CPU processes, where the op runs its
 reference: a check of the script itself.
@@ -40,8 +44,26 @@ def main() -> None:
         t.check_forward(forward(causal), reference, seed, b, sl, h, hkv, d, dtype,
                         f"causal={causal}", **kw)
 
+    def grad_case(seed, b, sl, h, hkv, d, dtype, causal, **kw):
+        def op(q, k, v):
+            return pk.ulysses_attention(q, k, v, "sp", causal=causal)
+
+        def reference(qs, ks, vs, dos):
+            return ops.ring_attn_bwd(qs, ks, vs, dos, dtype, causal=causal)
+
+        t.check_backward(op, reference, seed, b, sl, h, hkv, d, dtype, f"causal={causal}",
+                         **kw)
+
     t0 = time.time()
     count = 0
+    for i, (b, sl, h, hkv, d, dtype) in enumerate([(1, 256, 4, 4, 128, "bfloat16"),
+                                                   (2, 130, 8, 4, 64, "float16"),
+                                                   (1, 200, 8, 1, 128, "bfloat16")]):
+        for causal in (False, True):
+            grad_case(50 + 10 * i + causal, b, sl, h, hkv, d, dtype, causal, calls=2)
+            count += 1
+    grad_case(93, 1, 192, 8, 2, 64, "bfloat16", True, sleep_rank=t.n - 1)
+    count += 1
     for i, (b, sl, h, hkv, d, dtype) in enumerate([(1, 256, 4, 4, 128, "bfloat16"),
                                                    (2, 130, 8, 4, 64, "float16"),
                                                    (1, 200, 8, 1, 128, "bfloat16")]):
