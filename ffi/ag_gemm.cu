@@ -84,13 +84,14 @@ Status LaunchAgGemm(const Where& at, const GemmArgs& a, const CommView& v) {
 
 namespace {
 
-ffi::Error AgGemmCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
+ffi::Error AgGemmCuda(cudaStream_t stream, int32_t device, CommState* state, ffi::AnyBuffer x,
+                      ffi::AnyBuffer w,
                       ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> y,
-                      ffi::Result<ffi::AnyBuffer> x_full, int64_t comm_id, int64_t config,
+                      ffi::Result<ffi::AnyBuffer> x_full, int64_t /*comm_id*/, int64_t config,
                       int64_t group_m, int64_t num_comm_sms) {
   ffi::AnyBuffer full = *x_full;
-  return tp::RunGemm("all_gather_gemm", LaunchAgGemm, stream, device, x, w, rank, *y, &full,
-                     comm_id, config, group_m, num_comm_sms);
+  return tp::RunGemm("all_gather_gemm", LaunchAgGemm, stream, device, state, x, w, rank, *y,
+                     &full, config, group_m, num_comm_sms);
 }
 
 }  // namespace
@@ -100,6 +101,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkAgGemm, pk_ffi::AgGemmCuda,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
                                   .Ctx<xla::ffi::DeviceOrdinal>()                 // device
+                                  .Ctx<PK_FFI_COMM_STATE>()  // the executable's communicator
                                   .Arg<xla::ffi::AnyBuffer>()                     // x [M/P, K]
                                   .Arg<xla::ffi::AnyBuffer>()                     // w [K, N]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // rank
@@ -109,4 +111,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkAgGemm, pk_ffi::AgGemmCuda,
                                   .Attr<int64_t>("config")                        // tile config
                                   .Attr<int64_t>("group_m")        // block-rows per band
                                   .Attr<int64_t>("num_comm_sms"),  // communication blocks
-                              PK_FFI_CUDA_TRAITS);
+                              PK_FFI_COMM_TRAITS);

@@ -1,6 +1,7 @@
 // FFI handler and launcher of pk_all_gather: y = every rank's x concatenated along one axis
 // (see cuda/kernels/all_gather.cuh). Launches on XLA's stream; no host synchronisation.
 #include "collective.h"
+#include "comm_state.h"
 #include "ffi_util.h"
 #include "kernels/all_gather.cuh"
 
@@ -23,10 +24,11 @@ Status LaunchAllGather(const Where& at, const CollArgs& a, const CommView& v) {
 
 namespace {
 
-ffi::Error AllGatherCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
-                ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> y, int64_t comm_id,
-                int64_t run) {
-  return RunCollective("all_gather", LaunchAllGather, stream, device, x, rank, *y, comm_id, run, 0);
+ffi::Error AllGatherCuda(cudaStream_t stream, int32_t device, CommState* state, ffi::AnyBuffer x,
+                         ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> y,
+                         int64_t /*comm_id*/, int64_t run) {
+  return RunCollective("all_gather", LaunchAllGather, stream, device, state, x, rank, *y, run,
+                       0);
 }
 
 }  // namespace
@@ -36,9 +38,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkAllGather, pk_ffi::AllGatherCuda,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
                                   .Ctx<xla::ffi::DeviceOrdinal>()                 // device
+                                  .Ctx<PK_FFI_COMM_STATE>()  // the executable's communicator
                                   .Arg<xla::ffi::AnyBuffer>()                     // x
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // rank
                                   .Ret<xla::ffi::AnyBuffer>()                     // y
                                   .Attr<int64_t>("comm_id")                       // comm_id
                                   .Attr<int64_t>("run"),  // run: x elements from axis on,
-                              PK_FFI_CUDA_TRAITS);
+                              PK_FFI_COMM_TRAITS);

@@ -1,6 +1,7 @@
 // FFI handler and launcher of pk_all_reduce: y = sum over the communicator's ranks of x (see
 // cuda/kernels/all_reduce.cuh). Launches on XLA's stream; no host synchronisation.
 #include "collective.h"
+#include "comm_state.h"
 #include "ffi_util.h"
 #include "kernels/all_reduce.cuh"
 
@@ -30,10 +31,11 @@ Status LaunchAllReduce(const Where& at, const CollArgs& a, const CommView& v) {
 
 namespace {
 
-ffi::Error AllReduceCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
-                ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> y, int64_t comm_id,
-                int64_t algo) {
-  return RunCollective("all_reduce", LaunchAllReduce, stream, device, x, rank, *y, comm_id, algo, 0);
+ffi::Error AllReduceCuda(cudaStream_t stream, int32_t device, CommState* state, ffi::AnyBuffer x,
+                         ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> y,
+                         int64_t /*comm_id*/, int64_t algo) {
+  return RunCollective("all_reduce", LaunchAllReduce, stream, device, state, x, rank, *y, algo,
+                       0);
 }
 
 }  // namespace
@@ -43,9 +45,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkAllReduce, pk_ffi::AllReduceCuda,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
                                   .Ctx<xla::ffi::DeviceOrdinal>()                 // device
+                                  .Ctx<PK_FFI_COMM_STATE>()  // the executable's communicator
                                   .Arg<xla::ffi::AnyBuffer>()                     // x
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // rank
                                   .Ret<xla::ffi::AnyBuffer>()                     // y
                                   .Attr<int64_t>("comm_id")                       // comm_id
                                   .Attr<int64_t>("algo"),  // algo: 0 auto, 1 one-shot, 2 two-shot,
-                              PK_FFI_CUDA_TRAITS);
+                              PK_FFI_COMM_TRAITS);

@@ -1,6 +1,7 @@
 // FFI handler and launcher of pk_all_to_all: block j of x's split axis goes to rank j (see
 // cuda/kernels/all_to_all.cuh). Launches on XLA's stream; no host synchronisation.
 #include "collective.h"
+#include "comm_state.h"
 #include "ffi_util.h"
 #include "kernels/all_to_all.cuh"
 
@@ -27,10 +28,11 @@ Status LaunchAllToAll(const Where& at, const CollArgs& a, const CommView& v) {
 
 namespace {
 
-ffi::Error AllToAllCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
-                ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> y, int64_t comm_id,
-                int64_t split_run, int64_t concat_run) {
-  return RunCollective("all_to_all", LaunchAllToAll, stream, device, x, rank, *y, comm_id, split_run, concat_run);
+ffi::Error AllToAllCuda(cudaStream_t stream, int32_t device, CommState* state, ffi::AnyBuffer x,
+                        ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> y,
+                        int64_t /*comm_id*/, int64_t split_run, int64_t concat_run) {
+  return RunCollective("all_to_all", LaunchAllToAll, stream, device, state, x, rank, *y,
+                       split_run, concat_run);
 }
 
 }  // namespace
@@ -40,10 +42,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkAllToAll, pk_ffi::AllToAllCuda,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
                                   .Ctx<xla::ffi::DeviceOrdinal>()                 // device
+                                  .Ctx<PK_FFI_COMM_STATE>()  // the executable's communicator
                                   .Arg<xla::ffi::AnyBuffer>()                     // x
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // rank
                                   .Ret<xla::ffi::AnyBuffer>()                     // y
                                   .Attr<int64_t>("comm_id")                       // comm_id
                                   .Attr<int64_t>("split_run")    // x elements from split on
                                   .Attr<int64_t>("concat_run"),  // y elements from concat on,
-                              PK_FFI_CUDA_TRAITS);
+                              PK_FFI_COMM_TRAITS);

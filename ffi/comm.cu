@@ -3,6 +3,7 @@
 // view into its kernel's arguments at launch, so no lock is held across a launch.
 #include "comm.h"
 
+#include <atomic>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -24,6 +25,9 @@ std::map<Key, std::unique_ptr<CommView>>& Table() {
   static auto* table = new std::map<Key, std::unique_ptr<CommView>>();  // never destroyed
   return *table;
 }
+
+std::atomic<uint64_t> g_version{0};  // CommTableVersion
+uint64_t g_serial = 0;                 // the last serial given out (under TableMutex)
 
 std::string KeyName(int64_t comm_id, int device_ordinal) {
   return "communicator " + std::to_string(comm_id) + " on device " +
@@ -87,6 +91,7 @@ void RegisterComm(int64_t comm_id, int device_ordinal, int rank, int world,
     throw std::invalid_argument("pk_jax comm_register: " + name +
                                 " is already registered; unregister it first");
   }
+  view->serial = ++g_serial;
   it->second = std::move(view);
 }
 
@@ -111,7 +116,26 @@ void SetCommLink(int64_t comm_id, int device_ordinal, double gbps, uint64_t cloc
 
 bool UnregisterComm(int64_t comm_id, int device_ordinal) {
   std::lock_guard<std::mutex> lock(TableMutex());
-  return Table().erase({comm_id, device_ordinal}) > 0;
+  if (Table().erase({comm_id, device_ordinal}) == 0) return false;
+  g_version.fetch_add(1, std::memory_order_release);
+  return true;
+}
+
+uint64_t CommTableVersion() { return g_version.load(std::memory_order_acquire); }
+
+uint64_t CommSerial(int64_t comm_id, int device_ordinal) {
+  std::lock_guard<std::mutex> lock(TableMutex());
+  auto it = Table().find({comm_id, device_ordinal});
+  return it == Table().end() ? 0 : it->second->serial;
+}
+
+std::vector<std::pair<int, CommView>> CommMembers(int64_t comm_id) {
+  std::lock_guard<std::mutex> lock(TableMutex());
+  std::vector<std::pair<int, CommView>> out;
+  for (const auto& [key, view] : Table()) {
+    if (key.first == comm_id) out.emplace_back(key.second, *view);
+  }
+  return out;
 }
 
 int CommCount() {

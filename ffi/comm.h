@@ -1,11 +1,13 @@
 // The communicator table: per (communicator id, device ordinal), the symmetric workspaces and
 // signal pads of every peer as mapped in this process. pk_jax/runtime/comm.py fills it at
-// pk.init (comm_register) and empties it at pk.shutdown (comm_unregister); FFI handlers look
-// their communicator up by the comm_id attribute and Ctx<DeviceOrdinal> and pass the view to
-// their kernels by value.
+// pk.init (comm_register) and empties it at pk.shutdown (comm_unregister). FFI handlers do not
+// read it on every call: their instantiate stage copies the views of their comm_id into a
+// per-executable state (comm_state.h), and each call only checks that the registration it
+// copied is still the live one (CommTableVersion, CommSerial).
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace pk_ffi {
@@ -25,6 +27,9 @@ struct CommView {                  // passed to kernels by value
   // through SetCommLink; pk.init never does.
   uint64_t* link_clock;
   uint64_t link_ps_per_kib;
+  // Unique per registration in this process (never 0, never reused): a view copied from the
+  // table is current while the table holds a view of the same serial under its key.
+  uint64_t serial;
 };
 
 // nullptr when no communicator comm_id is registered for this device ordinal.
@@ -56,5 +61,13 @@ bool UnregisterComm(int64_t comm_id, int device_ordinal);
 void SetCommLink(int64_t comm_id, int device_ordinal, double gbps, uint64_t clock_ptr);
 // Number of registered communicators (for tests).
 int CommCount();
+
+// Moves whenever a communicator is unregistered (pk.shutdown, or a pk.init that failed
+// halfway): while it has not moved, every view copied from the table is still registered.
+uint64_t CommTableVersion();
+// The serial of the view registered under the key, 0 when none is.
+uint64_t CommSerial(int64_t comm_id, int device_ordinal);
+// Copies of every view registered under comm_id, with their device ordinals.
+std::vector<std::pair<int, CommView>> CommMembers(int64_t comm_id);
 
 }  // namespace pk_ffi

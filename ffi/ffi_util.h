@@ -36,25 +36,16 @@ inline bool ToDType(ffi::DataType t, DType* out) {
   }
 }
 
-// Communicator `comm_id` of `device`, or an error naming the fix.
-inline ffi::Error LookupComm(const char* op, int64_t comm_id, int32_t device,
-                             const CommView** out) {
-  *out = FindComm(comm_id, device);
-  if (*out != nullptr) return ffi::Error::Success();
-  return ffi::Error::InvalidArgument(
-      std::string("pk.") + op + ": no communicator " + std::to_string(comm_id) + " on device " +
-      std::to_string(device) +
-      "; call pk.init(mesh) on every process before using the op (and not after "
-      "pk.shutdown()).");
-}
+struct CommState;  // comm_state.h: the executable's communicator, bound at instantiation
 
 // The body of the four collective handlers: binds XLA's x, rank and y into CollArgs (p0, p1:
-// the op's parameters, see launch.h), finds the communicator, and calls `launch`.
+// the op's parameters, see launch.h), takes the communicator from the executable's state, and
+// calls `launch`.
 ffi::Error RunCollective(const char* op, Status (*launch)(const Where&, const CollArgs&,
                                                          const CommView&),
-                         cudaStream_t stream, int32_t device, const ffi::AnyBuffer& x,
-                         const ffi::Buffer<ffi::S32>& rank, ffi::AnyBuffer y, int64_t comm_id,
-                         int64_t p0, int64_t p1);
+                         cudaStream_t stream, int32_t device, CommState* state,
+                         const ffi::AnyBuffer& x, const ffi::Buffer<ffi::S32>& rank,
+                         ffi::AnyBuffer y, int64_t p0, int64_t p1);
 
 // NOTES: every CUDA call in a handler goes through PK_CUDA_CHECK so that a failure becomes an
 // ffi::Error (a Python exception naming the call) instead of a crash or a silent wrong answer.
@@ -76,12 +67,13 @@ inline ffi::Error CudaError(cudaError_t err, const char* expr, const char* file,
 // Checks the launch that was just issued on the current thread.
 #define PK_CUDA_CHECK_LAUNCH() PK_CUDA_CHECK(cudaGetLastError())
 
-// Traits of every CUDA handler: it only enqueues work on XLA's stream (no host
-// synchronisation; epochs and counters live on the device), so XLA may record it into a
-// command buffer (CUDA graph) and replay it.
+// Traits of the CUDA handlers without a communicator: they only enqueue work on XLA's stream (no
+// host synchronisation), so XLA may record them into a command buffer (CUDA graph) and replay
+// them. The communicator handlers are not (comm_state.h PK_FFI_COMM_TRAITS).
 #define PK_FFI_CUDA_TRAITS {xla::ffi::Traits::kCmdBufferCompatible}
 
 // Handler symbols, one block per op; module.cc registers them.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(PkCommInstantiate);  // every communicator handler's instantiate
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PkPing);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PkPingCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PkAllReduce);

@@ -2,6 +2,7 @@
 // record check, and the body of the collective handlers.
 #include <string>
 
+#include "comm_state.h"
 #include "ffi_util.h"
 #include "launch.h"
 #include "tensor_map.h"
@@ -50,11 +51,12 @@ Status CheckRecord(const char* op, const CommView& v) {
 
 ffi::Error RunCollective(const char* op, Status (*launch)(const Where&, const CollArgs&,
                                                          const CommView&),
-                         cudaStream_t stream, int32_t device, const ffi::AnyBuffer& x,
-                         const ffi::Buffer<ffi::S32>& rank, ffi::AnyBuffer y, int64_t comm_id,
-                         int64_t p0, int64_t p1) {
+                         cudaStream_t stream, int32_t device, CommState* state,
+                         const ffi::AnyBuffer& x, const ffi::Buffer<ffi::S32>& rank,
+                         ffi::AnyBuffer y, int64_t p0, int64_t p1) {
   const CommView* v = nullptr;
-  if (ffi::Error e = LookupComm(op, comm_id, device, &v); e.failure()) return e;
+  int num_sms = 0;
+  if (ffi::Error e = BindComm(op, state, device, &v, &num_sms); e.failure()) return e;
   CollArgs a;
   if (!ToDType(x.element_type(), &a.dtype) || y.element_type() != x.element_type()) {
     return ffi::Error::InvalidArgument(std::string("pk.") + op +
@@ -68,8 +70,6 @@ ffi::Error RunCollective(const char* op, Status (*launch)(const Where&, const Co
   a.n_out = static_cast<int64_t>(y.element_count());
   a.p0 = p0;
   a.p1 = p1;
-  int num_sms = 0;
-  if (ffi::Error e = NumSms(device, &num_sms); e.failure()) return e;
   return ToError(launch(Where{stream, device, num_sms}, a, *v));
 }
 

@@ -39,12 +39,17 @@ struct Status {
 // Status of a CUDA runtime error, naming the call; Ok for cudaSuccess.
 Status CudaStatus(cudaError_t err, const char* what);
 
+struct PeerMaps;  // tensor_map.h
+
 // Where a call runs: the stream, the device ordinal (shared-memory opt-ins are per device) and
 // the SMs its persistent grids may use (the device's, or an emulated rank's partition).
+// peer_maps: the executable's cache of tensor maps over the peers' workspaces (its FFI state,
+// comm_state.h); nullptr (the rank emulator) encodes them through the process-wide cache.
 struct Where {
   cudaStream_t stream;
   int device;
   int num_sms;
+  PeerMaps* peer_maps = nullptr;
 };
 
 // The four collectives. x and y are device buffers of `dtype`; rank points at the int32 rank

@@ -12,6 +12,7 @@
 #include <tuple>
 
 #include "comm.h"
+#include "comm_state.h"
 #include "ffi_util.h"
 #include "launch.h"
 
@@ -25,30 +26,32 @@ namespace {
 struct Registration {
   const char* target;    // FFI target name, pk_<stem>
   const char* platform;  // "CUDA" or "cpu"
-  void* handler;         // XLA_FFI_Handler*
+  void* handler;         // XLA_FFI_Handler* (the execute stage)
+  bool comm = false;     // takes its communicator from a CommState (comm_state.h), made by
+                         // the shared instantiate stage PkCommInstantiate
 };
 
 // One line per (target, platform).
 const Registration kRegistrations[] = {
     {"pk_ping", "CUDA", reinterpret_cast<void*>(PkPing)},
     {"pk_ping", "cpu", reinterpret_cast<void*>(PkPingCpu)},
-    {"pk_all_reduce", "CUDA", reinterpret_cast<void*>(PkAllReduce)},
-    {"pk_all_gather", "CUDA", reinterpret_cast<void*>(PkAllGather)},
-    {"pk_reduce_scatter", "CUDA", reinterpret_cast<void*>(PkReduceScatter)},
-    {"pk_all_to_all", "CUDA", reinterpret_cast<void*>(PkAllToAll)},
+    {"pk_all_reduce", "CUDA", reinterpret_cast<void*>(PkAllReduce), true},
+    {"pk_all_gather", "CUDA", reinterpret_cast<void*>(PkAllGather), true},
+    {"pk_reduce_scatter", "CUDA", reinterpret_cast<void*>(PkReduceScatter), true},
+    {"pk_all_to_all", "CUDA", reinterpret_cast<void*>(PkAllToAll), true},
     {"pk_matmul", "CUDA", reinterpret_cast<void*>(PkMatmul)},
-    {"pk_gemm_rs", "CUDA", reinterpret_cast<void*>(PkGemmRs)},
-    {"pk_ag_gemm", "CUDA", reinterpret_cast<void*>(PkAgGemm)},
-    {"pk_gemm_ar", "CUDA", reinterpret_cast<void*>(PkGemmAr)},
+    {"pk_gemm_rs", "CUDA", reinterpret_cast<void*>(PkGemmRs), true},
+    {"pk_ag_gemm", "CUDA", reinterpret_cast<void*>(PkAgGemm), true},
+    {"pk_gemm_ar", "CUDA", reinterpret_cast<void*>(PkGemmAr), true},
     {"pk_grouped_matmul", "CUDA", reinterpret_cast<void*>(PkGroupedMatmul)},
     {"pk_attention", "CUDA", reinterpret_cast<void*>(PkAttention)},
-    {"pk_moe_dispatch", "CUDA", reinterpret_cast<void*>(PkMoeDispatch)},
-    {"pk_moe_scatter", "CUDA", reinterpret_cast<void*>(PkMoeScatter)},
-    {"pk_moe_combine", "CUDA", reinterpret_cast<void*>(PkMoeCombine)},
-    {"pk_ring_attn", "CUDA", reinterpret_cast<void*>(PkRingAttn)},
-    {"pk_moe_dispatch_gemm", "CUDA", reinterpret_cast<void*>(PkMoeDispatchGemm)},
-    {"pk_ulysses_attn", "CUDA", reinterpret_cast<void*>(PkUlyssesAttn)},
-    {"pk_ring_attn_bwd", "CUDA", reinterpret_cast<void*>(PkRingAttnBwd)},
+    {"pk_moe_dispatch", "CUDA", reinterpret_cast<void*>(PkMoeDispatch), true},
+    {"pk_moe_scatter", "CUDA", reinterpret_cast<void*>(PkMoeScatter), true},
+    {"pk_moe_combine", "CUDA", reinterpret_cast<void*>(PkMoeCombine), true},
+    {"pk_ring_attn", "CUDA", reinterpret_cast<void*>(PkRingAttn), true},
+    {"pk_moe_dispatch_gemm", "CUDA", reinterpret_cast<void*>(PkMoeDispatchGemm), true},
+    {"pk_ulysses_attn", "CUDA", reinterpret_cast<void*>(PkUlyssesAttn), true},
+    {"pk_ring_attn_bwd", "CUDA", reinterpret_cast<void*>(PkRingAttnBwd), true},
 };
 
 // The communicator table's view of one key, for tests; None when nothing is registered.
@@ -71,6 +74,7 @@ nb::object CommInfo(int64_t comm_id, int device_ordinal) {
   d["error_ptr"] = reinterpret_cast<uint64_t>(v->error);
   d["link_clock"] = reinterpret_cast<uint64_t>(v->link_clock);
   d["link_ps_per_kib"] = v->link_ps_per_kib;
+  d["serial"] = v->serial;
   return d;
 }
 
@@ -319,20 +323,47 @@ void EmuMbarStall(uint64_t stream, uint64_t error_ptr, int op, int rank, uint64_
                                 reinterpret_cast<int32_t*>(error_ptr), op, rank, timeout_ns));
 }
 
+// (target, platform, handler): handler is the execute stage's capsule, or for a communicator
+// handler the dict of its stages {"instantiate": ..., "execute": ...}.
 nb::list Registrations() {
   nb::list out;
   for (const Registration& r : kRegistrations) {
-    out.append(nb::make_tuple(r.target, r.platform, nb::capsule(r.handler)));
+    if (!r.comm) {
+      out.append(nb::make_tuple(r.target, r.platform, nb::capsule(r.handler)));
+      continue;
+    }
+    nb::dict stages;
+    stages["instantiate"] = nb::capsule(reinterpret_cast<void*>(PkCommInstantiate));
+    stages["execute"] = nb::capsule(r.handler);
+    out.append(nb::make_tuple(r.target, r.platform, stages));
   }
   return out;
 }
+
+// The state type of the communicator handlers, for jax.ffi.register_ffi_type: its TypeId (XLA
+// writes the id it assigns into it) and TypeInfo (the deleter XLA calls with the executable).
+nb::dict CommStateType() {
+  nb::dict d;
+  d["type_id"] = nb::capsule(reinterpret_cast<void*>(&pk_ffi::CommState::id));
+  d["type_info"] = nb::capsule(reinterpret_cast<void*>(&pk_ffi::CommState::info));
+  return d;
+}
+
+// The id XLA gave the state type (0 until registered), for tests.
+int64_t CommStateTypeId() { return pk_ffi::CommState::id.type_id; }
 
 }  // namespace
 
 NB_MODULE(_pk_ffi, m) {
   m.doc() = "pk_jax XLA FFI handlers";
   m.def("registrations", &Registrations,
-        "List of (target_name, platform, handler capsule) for jax.ffi.register_ffi_target.");
+        "List of (target_name, platform, handler capsule or dict of stage capsules) for "
+        "jax.ffi.register_ffi_target.");
+  m.def("comm_state_type", &CommStateType,
+        "{'type_id', 'type_info'} capsules of the communicator handlers' state type, for "
+        "jax.ffi.register_ffi_type.");
+  m.def("comm_state_type_id", &CommStateTypeId,
+        "The id XLA assigned the communicator state type (0 before registration).");
   // The communicator table (ffi/comm.h), filled by pk_jax/runtime/comm.py.
   m.def("comm_register", &pk_ffi::RegisterComm, nb::arg("comm_id"), nb::arg("device_ordinal"),
         nb::arg("rank"), nb::arg("world"), nb::arg("workspace_ptrs"), nb::arg("signal_ptrs"),
@@ -341,6 +372,8 @@ NB_MODULE(_pk_ffi, m) {
   m.def("comm_unregister", &pk_ffi::UnregisterComm, nb::arg("comm_id"),
         nb::arg("device_ordinal"), "Removes a communicator; returns whether one was registered.");
   m.def("comm_count", &pk_ffi::CommCount, "Number of registered communicators.");
+  m.def("comm_table_version", &pk_ffi::CommTableVersion,
+        "A counter that moves whenever a communicator is unregistered.");
   m.def("comm_set_link", &pk_ffi::SetCommLink, nb::arg("comm_id"), nb::arg("device_ordinal"),
         nb::arg("gbps"), nb::arg("clock_ptr"),
         "Rank emulator only: caps a communicator's link at gbps (0: off), clock at clock_ptr.");

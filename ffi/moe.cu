@@ -7,6 +7,7 @@
 #include <initializer_list>
 #include <string>
 
+#include "comm_state.h"
 #include "ffi_util.h"
 #include "kernels/moe.cuh"
 #include "kernels/moe_dispatch_gemm.cuh"
@@ -340,26 +341,21 @@ Status LaunchMoeDispatchGemm(const Where& at, const MoeDispatchGemmArgs& a, cons
 
 namespace {
 
-ffi::Error Comm(const char* op, int64_t comm_id, int32_t device, const CommView** v,
-                int* num_sms) {
-  if (ffi::Error e = LookupComm(op, comm_id, device, v); e.failure()) return e;
-  return NumSms(device, num_sms);
-}
-
 bool Is2d(const ffi::AnyBuffer& b) { return b.dimensions().size() == 2; }
 
-ffi::Error DispatchCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+ffi::Error DispatchCuda(cudaStream_t stream, int32_t device, CommState* state,
+                        ffi::AnyBuffer x,
                         ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> rank,
                         ffi::Result<ffi::AnyBuffer> tokens,
                         ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,
                         ffi::Result<ffi::Buffer<ffi::S32>> dest,
                         ffi::Result<ffi::Buffer<ffi::S32>> pos,
                         ffi::Result<ffi::Buffer<ffi::S32>> dropped,
-                        ffi::Result<ffi::Buffer<ffi::S32>> recv_dropped, int64_t comm_id,
+                        ffi::Result<ffi::Buffer<ffi::S32>> recv_dropped, int64_t /*comm_id*/,
                         int64_t num_experts, int64_t capacity) {
   const CommView* v = nullptr;
   int num_sms = 0;
-  if (ffi::Error e = Comm("moe_dispatch", comm_id, device, &v, &num_sms); e.failure()) return e;
+  if (ffi::Error e = BindComm("moe_dispatch", state, device, &v, &num_sms); e.failure()) return e;
   MoeDispatchArgs a{};
   const auto id = ids.dimensions();
   if (!ToDType(x.element_type(), &a.dtype) || tokens->element_type() != x.element_type() ||
@@ -390,14 +386,15 @@ ffi::Error DispatchCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
   return ToError(LaunchMoeDispatch(Where{stream, device, num_sms}, a, *v));
 }
 
-ffi::Error ScatterCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer rows,
+ffi::Error ScatterCuda(cudaStream_t stream, int32_t device, CommState* state,
+                       ffi::AnyBuffer rows,
                        ffi::Buffer<ffi::S32> dest, ffi::Buffer<ffi::S32> pos,
                        ffi::Buffer<ffi::S32> group_sizes, ffi::Buffer<ffi::S32> rank,
-                       ffi::Result<ffi::AnyBuffer> tokens, int64_t comm_id, int64_t num_experts,
+                       ffi::Result<ffi::AnyBuffer> tokens, int64_t /*comm_id*/, int64_t num_experts,
                        int64_t capacity) {
   const CommView* v = nullptr;
   int num_sms = 0;
-  if (ffi::Error e = Comm("moe_dispatch", comm_id, device, &v, &num_sms); e.failure()) return e;
+  if (ffi::Error e = BindComm("moe_dispatch", state, device, &v, &num_sms); e.failure()) return e;
   MoeDispatchArgs a{};
   const auto dd = dest.dimensions();
   if (!ToDType(rows.element_type(), &a.dtype) || tokens->element_type() != rows.element_type() ||
@@ -424,13 +421,14 @@ ffi::Error ScatterCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer rows,
   return ToError(LaunchMoeDispatch(Where{stream, device, num_sms}, a, *v));
 }
 
-ffi::Error CombineCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
+ffi::Error CombineCuda(cudaStream_t stream, int32_t device, CommState* state,
+                       ffi::AnyBuffer y,
                        ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::S32> dest,
                        ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::S32> rank,
-                       ffi::Result<ffi::AnyBuffer> out, int64_t comm_id, int64_t mode) {
+                       ffi::Result<ffi::AnyBuffer> out, int64_t /*comm_id*/, int64_t mode) {
   const CommView* v = nullptr;
   int num_sms = 0;
-  if (ffi::Error e = Comm("moe_combine", comm_id, device, &v, &num_sms); e.failure()) return e;
+  if (ffi::Error e = BindComm("moe_combine", state, device, &v, &num_sms); e.failure()) return e;
   MoeCombineArgs a{};
   const auto dd = dest.dimensions();
   const int64_t out_rows = dd.size() == 2 ? (mode == 1 ? dd[0] * dd[1] : dd[0]) : -1;
@@ -456,7 +454,8 @@ ffi::Error CombineCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer y,
   return ToError(LaunchMoeCombine(Where{stream, device, num_sms}, a, *v));
 }
 
-ffi::Error DispatchGemmCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+ffi::Error DispatchGemmCuda(cudaStream_t stream, int32_t device, CommState* state,
+                            ffi::AnyBuffer x,
                             ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer w,
                             ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> y,
                             ffi::Result<ffi::Buffer<ffi::S32>> group_sizes,
@@ -465,11 +464,11 @@ ffi::Error DispatchGemmCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
                             ffi::Result<ffi::Buffer<ffi::S32>> dropped,
                             ffi::Result<ffi::Buffer<ffi::S32>> recv_dropped,
                             ffi::Result<ffi::Buffer<ffi::S32>> order,
-                            ffi::Result<ffi::Buffer<ffi::S32>> order_off, int64_t comm_id,
+                            ffi::Result<ffi::Buffer<ffi::S32>> order_off, int64_t /*comm_id*/,
                             int64_t num_experts, int64_t capacity) {
   const CommView* v = nullptr;
   int num_sms = 0;
-  if (ffi::Error e = Comm("moe_dispatch_gemm", comm_id, device, &v, &num_sms); e.failure()) {
+  if (ffi::Error e = BindComm("moe_dispatch_gemm", state, device, &v, &num_sms); e.failure()) {
     return e;
   }
   MoeDispatchGemmArgs a{};
@@ -517,6 +516,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkMoeDispatchGemm, pk_ffi::DispatchGemmCuda,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
                                   .Ctx<xla::ffi::DeviceOrdinal>()                 // device
+                                  .Ctx<PK_FFI_COMM_STATE>()  // the executable's communicator
                                   .Arg<xla::ffi::AnyBuffer>()                     // x [T, H]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // ids [T, k]
                                   .Arg<xla::ffi::AnyBuffer>()                  // w1 [EL, H, N]
@@ -532,12 +532,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkMoeDispatchGemm, pk_ffi::DispatchGemmCuda,
                                   .Attr<int64_t>("comm_id")                    // comm_id
                                   .Attr<int64_t>("num_experts")                // E
                                   .Attr<int64_t>("capacity"),                  // C
-                              PK_FFI_CUDA_TRAITS);
+                              PK_FFI_COMM_TRAITS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PkMoeDispatch, pk_ffi::DispatchCuda,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
                                   .Ctx<xla::ffi::DeviceOrdinal>()                 // device
+                                  .Ctx<PK_FFI_COMM_STATE>()  // the executable's communicator
                                   .Arg<xla::ffi::AnyBuffer>()                     // x [T, H]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // ids [T, k]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // rank
@@ -550,12 +551,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkMoeDispatch, pk_ffi::DispatchCuda,
                                   .Attr<int64_t>("comm_id")                    // comm_id
                                   .Attr<int64_t>("num_experts")                // E
                                   .Attr<int64_t>("capacity"),                  // C
-                              PK_FFI_CUDA_TRAITS);
+                              PK_FFI_COMM_TRAITS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PkMoeScatter, pk_ffi::ScatterCuda,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
                                   .Ctx<xla::ffi::DeviceOrdinal>()                 // device
+                                  .Ctx<PK_FFI_COMM_STATE>()  // the executable's communicator
                                   .Arg<xla::ffi::AnyBuffer>()                  // rows [T k, H]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()      // dest [T, k]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()      // pos [T, k]
@@ -565,12 +567,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkMoeScatter, pk_ffi::ScatterCuda,
                                   .Attr<int64_t>("comm_id")                    // comm_id
                                   .Attr<int64_t>("num_experts")                // E
                                   .Attr<int64_t>("capacity"),                  // C
-                              PK_FFI_CUDA_TRAITS);
+                              PK_FFI_COMM_TRAITS);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PkMoeCombine, pk_ffi::CombineCuda,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
                                   .Ctx<xla::ffi::DeviceOrdinal>()                 // device
+                                  .Ctx<PK_FFI_COMM_STATE>()  // the executable's communicator
                                   .Arg<xla::ffi::AnyBuffer>()                  // y [C, H]
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()      // weights [T, k]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()      // dest [T, k]
@@ -579,4 +582,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkMoeCombine, pk_ffi::CombineCuda,
                                   .Ret<xla::ffi::AnyBuffer>()                  // out
                                   .Attr<int64_t>("comm_id")                    // comm_id
                                   .Attr<int64_t>("mode"),   // 0 combine, 1 gather (VJP)
-                              PK_FFI_CUDA_TRAITS);
+                              PK_FFI_COMM_TRAITS);

@@ -1,6 +1,7 @@
 // FFI handler and launcher of pk_reduce_scatter: y = my slice of the sum over ranks of x (see
 // cuda/kernels/reduce_scatter.cuh). Launches on XLA's stream; no host synchronisation.
 #include "collective.h"
+#include "comm_state.h"
 #include "ffi_util.h"
 #include "kernels/reduce_scatter.cuh"
 
@@ -33,10 +34,12 @@ Status LaunchReduceScatter(const Where& at, const CollArgs& a, const CommView& v
 
 namespace {
 
-ffi::Error ReduceScatterCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
-                ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> y, int64_t comm_id,
-                int64_t run) {
-  return RunCollective("reduce_scatter", LaunchReduceScatter, stream, device, x, rank, *y, comm_id, run, 0);
+ffi::Error ReduceScatterCuda(cudaStream_t stream, int32_t device, CommState* state,
+                             ffi::AnyBuffer x,
+                             ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> y,
+                             int64_t /*comm_id*/, int64_t run) {
+  return RunCollective("reduce_scatter", LaunchReduceScatter, stream, device, state, x, rank,
+                       *y, run, 0);
 }
 
 }  // namespace
@@ -46,9 +49,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkReduceScatter, pk_ffi::ReduceScatterCuda,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
                                   .Ctx<xla::ffi::DeviceOrdinal>()                 // device
+                                  .Ctx<PK_FFI_COMM_STATE>()  // the executable's communicator
                                   .Arg<xla::ffi::AnyBuffer>()                     // x
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // rank
                                   .Ret<xla::ffi::AnyBuffer>()                     // y
                                   .Attr<int64_t>("comm_id")                       // comm_id
                                   .Attr<int64_t>("run"),  // run: elements of one slice row,
-                              PK_FFI_CUDA_TRAITS);
+                              PK_FFI_COMM_TRAITS);

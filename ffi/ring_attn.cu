@@ -2,6 +2,7 @@
 // cuda/kernels/ring_attn.cuh). Launches on XLA's stream; no host synchronisation.
 #include <string>
 
+#include "comm_state.h"
 #include "ffi_util.h"
 #include "kernels/ring_attn.cuh"
 #include "launch.h"
@@ -102,13 +103,14 @@ Status LaunchRingAttn(const Where& at, const RingAttnArgs& a, const CommView& v)
 
 namespace {
 
-ffi::Error RingAttnCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
+ffi::Error RingAttnCuda(cudaStream_t stream, int32_t device, CommState* state,
+                        ffi::AnyBuffer q, ffi::AnyBuffer k,
                         ffi::AnyBuffer v, ffi::Buffer<ffi::S32> rank,
                         ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
-                        int64_t comm_id, float scale, int64_t causal, int64_t zigzag,
+                        int64_t /*comm_id*/, float scale, int64_t causal, int64_t zigzag,
                         int64_t num_comm_sms) {
   const CommView* view = nullptr;
-  if (ffi::Error e = LookupComm("ring_attention", comm_id, device, &view); e.failure()) return e;
+  if (ffi::Error e = BindComm("ring_attention", state, device, &view); e.failure()) return e;
   RingAttnArgs a{};
   const ffi::DataType dt = q.element_type();
   if (!ToDType(dt, &a.dtype) || k.element_type() != dt || v.element_type() != dt ||
@@ -148,6 +150,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkRingAttn, pk_ffi::RingAttnCuda,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
                                   .Ctx<xla::ffi::DeviceOrdinal>()                 // device
+                                  .Ctx<PK_FFI_COMM_STATE>()  // the executable's communicator
                                   .Arg<xla::ffi::AnyBuffer>()              // q [B, S/P, H, D]
                                   .Arg<xla::ffi::AnyBuffer>()              // k [B, S/P, Hkv, D]
                                   .Arg<xla::ffi::AnyBuffer>()              // v [B, S/P, Hkv, D]
@@ -159,4 +162,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkRingAttn, pk_ffi::RingAttnCuda,
                                   .Attr<int64_t>("causal")                 // 1: causal mask
                                   .Attr<int64_t>("zigzag")                 // 1: zigzag layout
                                   .Attr<int64_t>("num_comm_sms"),          // comm blocks
-                              PK_FFI_CUDA_TRAITS);
+                              PK_FFI_COMM_TRAITS);

@@ -2,6 +2,7 @@
 // cuda/kernels/ring_attn_bwd.cuh). Launches on XLA's stream; no host synchronisation.
 #include <string>
 
+#include "comm_state.h"
 #include "ffi_util.h"
 #include "kernels/ring_attn_bwd.cuh"
 #include "launch.h"
@@ -133,15 +134,16 @@ Status LaunchRingAttnBwd(const Where& at, const RingAttnBwdArgs& a, const CommVi
 
 namespace {
 
-ffi::Error RingAttnBwdCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
+ffi::Error RingAttnBwdCuda(cudaStream_t stream, int32_t device, CommState* state,
+                           ffi::AnyBuffer q,
                            ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer d_o,
                            ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> delta,
                            ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> dq,
                            ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                           int64_t comm_id, float scale, int64_t causal, int64_t zigzag,
+                           int64_t /*comm_id*/, float scale, int64_t causal, int64_t zigzag,
                            int64_t num_comm_sms) {
   const CommView* view = nullptr;
-  if (ffi::Error e = LookupComm("ring_attention", comm_id, device, &view); e.failure()) return e;
+  if (ffi::Error e = BindComm("ring_attention", state, device, &view); e.failure()) return e;
   RingAttnBwdArgs a{};
   const ffi::DataType dt = q.element_type();
   if (!ToDType(dt, &a.dtype) || k.element_type() != dt || v.element_type() != dt ||
@@ -192,6 +194,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkRingAttnBwd, pk_ffi::RingAttnBwdCuda,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
                                   .Ctx<xla::ffi::DeviceOrdinal>()                 // device
+                                  .Ctx<PK_FFI_COMM_STATE>()  // the executable's communicator
                                   .Arg<xla::ffi::AnyBuffer>()              // q [B, S/P, H, D]
                                   .Arg<xla::ffi::AnyBuffer>()              // k [B, S/P, Hkv, D]
                                   .Arg<xla::ffi::AnyBuffer>()              // v [B, S/P, Hkv, D]
@@ -207,4 +210,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkRingAttnBwd, pk_ffi::RingAttnBwdCuda,
                                   .Attr<int64_t>("causal")                 // 1: causal mask
                                   .Attr<int64_t>("zigzag")                 // 1: zigzag layout
                                   .Attr<int64_t>("num_comm_sms"),          // comm blocks
-                              PK_FFI_CUDA_TRAITS);
+                              PK_FFI_COMM_TRAITS);

@@ -5,8 +5,9 @@
 // cudaGetDriverEntryPointByVersion so that the module never links libcuda (it must import on a
 // machine without a driver). A map embeds the buffer address, and XLA may hand a different
 // address on every call, so maps are cached per (address, shape, box, dtype): steady-state
-// calls on the same buffers (jitted loops, training steps) and the peers' workspaces (fixed
-// while the communicator lives) skip the encode.
+// calls on the same buffers (jitted loops, training steps) skip the encode. The maps over the
+// peers' workspaces (fixed while the communicator lives) are kept by the executable's FFI
+// state instead (PeerMaps, comm_state.h).
 #pragma once
 
 #include <cuda.h>
@@ -90,6 +91,47 @@ inline Status TensorMap(const char* op, const MapKey& key, CUtensorMap* out) {
   valid[next] = true;
   next = (next + 1) % kSize;
   *out = map;
+  return Status::Ok();
+}
+
+// The tensor maps over every peer's symmetric workspace seen as one [rows, cols] matrix
+// (box_rows x box_cols panels): they depend only on the communicator and the call's shapes,
+// so an executable keeps them in its FFI state (comm_state.h) and encodes them once.
+struct PeerMaps {
+  std::mutex mu;
+  bool valid = false;
+  MapKey key{};  // key.ptr: peer 0's workspace
+  int world = 0;
+  CUtensorMap maps[kMaxPeers];
+};
+
+// Maps over ws[0..world) as [rows, cols] matrices of `dtype` with box_rows x box_cols panels,
+// from `cache` when it holds them (and stored there otherwise); without a cache, through the
+// process-wide cache of TensorMap.
+inline Status PeerTensorMaps(const char* op, void* const* ws, int world, uint64_t rows,
+                             uint64_t cols, uint32_t box_rows, uint32_t box_cols, int dtype,
+                             PeerMaps* cache, CUtensorMap* out) {
+  const MapKey key{ws[0], rows, cols, box_rows, box_cols, dtype};
+  if (cache != nullptr) {
+    std::lock_guard<std::mutex> lock(cache->mu);
+    if (cache->valid && cache->world == world && cache->key == key) {
+      for (int p = 0; p < world; ++p) out[p] = cache->maps[p];
+      return Status::Ok();
+    }
+  }
+  for (int p = 0; p < world; ++p) {
+    if (Status s = TensorMap(op, {ws[p], rows, cols, box_rows, box_cols, dtype}, &out[p]);
+        !s.ok()) {
+      return s;
+    }
+  }
+  if (cache != nullptr) {
+    std::lock_guard<std::mutex> lock(cache->mu);
+    for (int p = 0; p < world; ++p) cache->maps[p] = out[p];
+    cache->key = key;
+    cache->world = world;
+    cache->valid = true;
+  }
   return Status::Ok();
 }
 

@@ -8,6 +8,7 @@
 
 #include <string>
 
+#include "comm_state.h"
 #include "ffi_util.h"
 #include "kernels/matmul.cuh"
 #include "launch.h"
@@ -108,16 +109,20 @@ inline Status WorkspaceCheck(const char* op, uint64_t need, uint64_t have) {
                          "; call pk.init(mesh, workspace_bytes=...) with at least that.");
 }
 
-// The body of the three handlers: binds XLA's buffers into GemmArgs, finds the communicator
-// and calls `launch`. x_full is ag_gemm's second result (nullptr for the others).
+// The body of the three handlers: binds XLA's buffers into GemmArgs, takes the communicator,
+// SM count and peer-map cache from the executable's state and calls `launch`. x_full is
+// ag_gemm's second result (nullptr for the others).
 inline ffi::Error RunGemm(const char* op, Status (*launch)(const Where&, const GemmArgs&,
                                                           const CommView&),
-                          cudaStream_t stream, int32_t device, const ffi::AnyBuffer& x,
-                          const ffi::AnyBuffer& w, const ffi::Buffer<ffi::S32>& rank,
-                          ffi::AnyBuffer y, ffi::AnyBuffer* x_full, int64_t comm_id,
-                          int64_t config, int64_t group_m, int64_t num_comm_sms) {
+                          cudaStream_t stream, int32_t device, CommState* state,
+                          const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
+                          const ffi::Buffer<ffi::S32>& rank, ffi::AnyBuffer y,
+                          ffi::AnyBuffer* x_full, int64_t config, int64_t group_m,
+                          int64_t num_comm_sms) {
   const CommView* v = nullptr;
-  if (ffi::Error e = LookupComm(op, comm_id, device, &v); e.failure()) return e;
+  int num_sms = 0;
+  PeerMaps* maps = nullptr;
+  if (ffi::Error e = BindComm(op, state, device, &v, &num_sms, &maps); e.failure()) return e;
   GemmArgs a;
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y.dimensions();
   const bool same = w.element_type() == x.element_type() &&
@@ -151,9 +156,7 @@ inline ffi::Error RunGemm(const char* op, Status (*launch)(const Where&, const G
   a.config = config;
   a.group_m = group_m;
   a.num_comm_sms = num_comm_sms;
-  int num_sms = 0;
-  if (ffi::Error e = NumSms(device, &num_sms); e.failure()) return e;
-  return ToError(launch(Where{stream, device, num_sms}, a, *v));
+  return ToError(launch(Where{stream, device, num_sms, maps}, a, *v));
 }
 
 }  // namespace pk_ffi::tp

@@ -59,11 +59,12 @@ Status RowSplitGemm(const char* op, int op_id, int index, const Where& at, const
   std::memset(&g, 0, sizeof(g));
   static_cast<pk::matmul::globals&>(g) = base;
   g.link = c.link;  // the rank emulator's link throttle (off unless pk_jax.testing set it)
-  for (int o = 0; o < world; ++o) {
-    if (Status s = TensorMap(op, {c.ws[o], uint64_t(mp), uint64_t(n), 64, 64, dt}, &g.acc[o]);
-        !s.ok()) {
-      return s;
-    }
+  // The owners' buffers: fixed for the communicator and the shapes, so the executable's state
+  // keeps their maps (Where::peer_maps).
+  if (Status s = PeerTensorMaps(op, c.ws, world, uint64_t(mp), uint64_t(n), 64, 64, dt,
+                                at.peer_maps, g.acc);
+      !s.ok()) {
+    return s;
   }
   g.rows_per_owner = static_cast<int>(mp);
   g.tiles_per_owner = static_cast<int>((mp + bm - 1) / bm);

@@ -2,6 +2,7 @@
 // cuda/kernels/ulysses_attn.cuh). Launches on XLA's stream; no host synchronisation.
 #include <string>
 
+#include "comm_state.h"
 #include "ffi_util.h"
 #include "kernels/ulysses_attn.cuh"
 #include "launch.h"
@@ -104,12 +105,13 @@ Status LaunchUlyssesAttn(const Where& at, const UlyssesAttnArgs& a, const CommVi
 
 namespace {
 
-ffi::Error UlyssesAttnCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer q,
+ffi::Error UlyssesAttnCuda(cudaStream_t stream, int32_t device, CommState* state,
+                           ffi::AnyBuffer q,
                            ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> rank,
                            ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
-                           int64_t comm_id, float scale, int64_t causal, int64_t num_comm_sms) {
+                           int64_t /*comm_id*/, float scale, int64_t causal, int64_t num_comm_sms) {
   const CommView* view = nullptr;
-  if (ffi::Error e = LookupComm("ulysses_attention", comm_id, device, &view); e.failure()) {
+  if (ffi::Error e = BindComm("ulysses_attention", state, device, &view); e.failure()) {
     return e;
   }
   UlyssesAttnArgs a{};
@@ -150,6 +152,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkUlyssesAttn, pk_ffi::UlyssesAttnCuda,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
                                   .Ctx<xla::ffi::DeviceOrdinal>()                 // device
+                                  .Ctx<PK_FFI_COMM_STATE>()  // the executable's communicator
                                   .Arg<xla::ffi::AnyBuffer>()              // q [B, S/P, H, D]
                                   .Arg<xla::ffi::AnyBuffer>()              // k [B, S/P, Hkv, D]
                                   .Arg<xla::ffi::AnyBuffer>()              // v [B, S/P, Hkv, D]
@@ -160,4 +163,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkUlyssesAttn, pk_ffi::UlyssesAttnCuda,
                                   .Attr<float>("scale")                    // multiplies q . k
                                   .Attr<int64_t>("causal")                 // 1: causal mask
                                   .Attr<int64_t>("num_comm_sms"),          // comm blocks
-                              PK_FFI_CUDA_TRAITS);
+                              PK_FFI_COMM_TRAITS);

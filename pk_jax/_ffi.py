@@ -24,8 +24,18 @@ _lock = threading.Lock()
 _registered_platforms: set[str] = set()
 
 
+# The communicator handlers' per-executable state (ffi/comm_state.h), registered with XLA before
+# the handlers that use it.
+COMM_STATE_TYPE = "pk_jax.CommState"
+
+
 def registrations() -> list[tuple[str, str, object]]:
-    """(target, platform, capsule) for every handler in the module; empty without it."""
+    """(target, platform, handler) for every handler in the module; empty without it.
+
+    handler is the execute stage's capsule, or for the handlers that use a communicator the
+    dict of their stages ({"instantiate": capsule, "execute": capsule}): XLA runs the
+    instantiate stage once per executable and it binds the communicator then.
+    """
     return list(_pk_ffi.registrations()) if HAS_CUDA else []
 
 
@@ -43,11 +53,22 @@ def register(platform: str) -> bool:
         return False
     with _lock:
         if platform not in _registered_platforms:
-            for name, plat, capsule in registrations():
-                if plat == platform:
-                    jax.ffi.register_ffi_target(name, capsule, platform=plat)
+            regs = [r for r in registrations() if r[1] == platform]
+            if any(isinstance(handler, dict) for _, _, handler in regs):
+                _register_comm_state(platform)
+            for name, plat, handler in regs:
+                jax.ffi.register_ffi_target(name, handler, platform=plat, api_version=1)
             _registered_platforms.add(platform)
     return bool(targets(platform))
+
+
+def _register_comm_state(platform: str) -> None:
+    """Registers the communicator handlers' state type, whose id XLA assigns."""
+    type_ = _pk_ffi.comm_state_type()
+    if hasattr(jax.ffi, "register_ffi_type"):
+        jax.ffi.register_ffi_type(COMM_STATE_TYPE, type_, platform=platform)
+    else:  # jax before register_ffi_type: the id alone (the state is then never deleted)
+        jax.ffi.register_ffi_type_id(COMM_STATE_TYPE, type_["type_id"], platform=platform)
 
 
 def vma(x) -> frozenset:

@@ -405,6 +405,7 @@ def test_comm_table_register_find_unregister():
     m.comm_register(9001, 3, 1, 2, [0x1000, 0x2000], [0x3000, 0x4000], 4096, 64, 10**9, 0x5000)
     try:
         info = m.comm_info(9001, 3)
+        assert info.pop("serial") > 0
         assert info == {"rank": 1, "world": 2, "timeout_ns": 10**9,
                         "workspace_ptrs": [0x1000, 0x2000], "signal_ptrs": [0x3000, 0x4000],
                         "workspace_bytes": 4096, "signal_count": 64, "error_ptr": 0x5000,
@@ -421,6 +422,107 @@ def test_comm_table_register_find_unregister():
         with pytest.raises(ValueError, match=msg):
             m.comm_register(9002, 0, *args, 1, 1, 1, 1)
     assert m.comm_count() == base
+
+
+@pytest.mark.needs_ext
+def test_comm_table_serials_and_version():
+    """Each registration gets a new serial, also under a key used before; the version moves at
+    every unregister and only then (what an executable's state checks on each call)."""
+    m = _ffi._pk_ffi
+    args = ([0x1000], [0x3000], 4096, 64, 10**9, 0x5000)
+    v0 = m.comm_table_version()
+    m.comm_register(9004, 0, 0, 1, *args)
+    m.comm_register(9004, 1, 0, 1, *args)
+    try:
+        s0, s1 = m.comm_info(9004, 0)["serial"], m.comm_info(9004, 1)["serial"]
+        assert 0 < s0 < s1 and m.comm_table_version() == v0  # registering moves nothing
+        assert m.comm_unregister(9004, 0)
+        assert m.comm_table_version() == v0 + 1 and m.comm_info(9004, 1)["serial"] == s1
+        assert not m.comm_unregister(9004, 0) and m.comm_table_version() == v0 + 1
+        m.comm_register(9004, 0, 0, 1, *args)  # the key again: a new registration
+        assert m.comm_info(9004, 0)["serial"] > s1
+    finally:
+        m.comm_unregister(9004, 0)
+        m.comm_unregister(9004, 1)
+    assert m.comm_table_version() == v0 + 3
+
+
+@pytest.mark.needs_ext
+def test_communicator_handlers_register_an_instantiate_stage():
+    """Every CUDA handler with a comm_id attribute comes as a dict of stages whose instantiate
+    stage (one for all) builds the per-executable state; the others are plain capsules."""
+    regs = {(name, plat): h for name, plat, h in _ffi.registrations()}
+    comm = {"pk_all_reduce", "pk_all_gather", "pk_reduce_scatter", "pk_all_to_all",
+            "pk_gemm_rs", "pk_ag_gemm", "pk_gemm_ar", "pk_moe_dispatch", "pk_moe_scatter",
+            "pk_moe_combine", "pk_moe_dispatch_gemm", "pk_ring_attn", "pk_ring_attn_bwd",
+            "pk_ulysses_attn"}
+    staged = {name for (name, _), h in regs.items() if isinstance(h, dict)}
+    assert staged == comm
+    instantiate = set()
+    for name in comm:
+        stages = regs[(name, "CUDA")]
+        assert sorted(stages) == ["execute", "instantiate"]
+        assert type(stages["execute"]).__name__ == "PyCapsule"
+        instantiate.add(_capsule_address(stages["instantiate"]))
+    assert len(instantiate) == 1
+    for (name, _), h in regs.items():
+        if name not in comm:
+            assert type(h).__name__ == "PyCapsule", name
+    t = _ffi._pk_ffi.comm_state_type()
+    assert sorted(t) == ["type_id", "type_info"]
+
+
+def _capsule_address(capsule) -> int:
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    return get(capsule, None)
+
+
+# XLA's CPU client runs the instantiate stage of a stateful handler when it compiles the call:
+# registered on the "cpu" platform (in a child process: registering the type there assigns
+# the state type's id, which the CUDA registration of this process must do), the stage finds
+# no communicator, then finds the registered one and gets as far as the device query, which
+# this machine may answer (a GPU) or not.
+_INSTANTIATE_PY = r"""
+import jax, jax.numpy as jnp, numpy as np
+from pk_jax import _ffi
+m = _ffi._pk_ffi
+jax.devices()  # the cpu client takes type and target registrations once it exists
+jax.ffi.register_ffi_type(_ffi.COMM_STATE_TYPE, m.comm_state_type(), platform="cpu")
+assert m.comm_state_type_id() > 0, "XLA gave the state type no id"
+stages = [h for n, p, h in _ffi.registrations() if n == "pk_all_reduce"][0]
+jax.ffi.register_ffi_target("pk_probe", stages, platform="cpu", api_version=1)
+def f(x, r):
+    return jax.ffi.ffi_call("pk_probe", jax.ShapeDtypeStruct(x.shape, x.dtype))(
+        x, r, comm_id=np.int64(9005), algo=np.int64(0))
+args = (jnp.ones(8, jnp.float32), jnp.zeros(1, jnp.int32))
+try:
+    jax.jit(f).lower(*args).compile()
+    print("NO-ERROR-1")
+except Exception as e:
+    print("ERR1", str(e).replace(chr(10), " "))
+m.comm_register(9005, 0, 0, 1, [0x1000], [0x3000], 4096, 64, 10**9, 0x5000)
+try:
+    jax.jit(f).lower(*args).compile()
+    print("COMPILED-2")
+except Exception as e:
+    print("ERR2", str(e).replace(chr(10), " "))
+m.comm_unregister(9005, 0)
+"""
+
+
+@pytest.mark.needs_ext
+def test_instantiate_stage_runs_when_xla_compiles():
+    out = subprocess.run([sys.executable, "-c", _INSTANTIATE_PY], capture_output=True,
+                         text=True, timeout=240, check=False,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = dict(line.split(" ", 1) if " " in line else (line, "")
+                 for line in out.stdout.splitlines())
+    assert "communicator 9005, which this process does not have" in lines["ERR1"], out.stdout
+    # With the communicator registered the stage copies its view and asks for the SM count:
+    # compiled where a GPU answers, else refused with that query named.
+    assert "COMPILED-2" in lines or "MultiProcessorCount" in lines.get("ERR2", ""), out.stdout
 
 
 @pytest.mark.needs_ext

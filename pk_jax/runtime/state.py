@@ -339,8 +339,10 @@ def shutdown() -> None:
     Local only (no rendezvous): it unmaps this process's views of its peers' memory and
     releases its own; memory a peer still maps stays alive until that peer shuts down too.
     Functions jitted before stay usable: when communicators are released, JAX's caches are
-    cleared, so after the next pk.init those functions are traced again and no executable (or
-    CUDA graph recorded from one) uses a released communicator.
+    cleared, so after the next pk.init those functions are traced and compiled again. An
+    executable kept past the shutdown (a `.lower(...).compile()` object) bound its
+    communicators when XLA instantiated it (ffi/comm_state.h): its calls fail with an error
+    saying to compile it again, and never touch the released memory.
     """
     global _options, _runtime, _settings, _traced_with
     with _lock:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark, on the H200 machine: tests/gpu/run_all.sh [section ...]
 # Sections: install sass unit runtime collectives collectives_mp tp tp_mp grouped attention
-# emulator moe moe_fused ring ulysses ulysses_bwd sanitize examples users bench link
+# emulator moe moe_fused ring ulysses ulysses_bwd sanitize examples users bench link state
 # (default: all but moe_fused, ulysses_bwd, bench and link). The P = 1 sections (install unit collectives tp
 # examples) may run side by side in separate invocations; the multi-process ones and bench
 # want the GPU alone.
@@ -140,7 +140,15 @@ section_emulator() {
   export CUDA_MODULE_LOADING=EAGER  # pk_jax.testing.require_eager_loading says why
   step "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_emulator.py
   step "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_emulator_link.py
+}
+
+# Per-executable communicator state (issue 10 item 4, ffi/comm_state.h): jitted functions
+# across pk.shutdown / pk.init with other workspace sizes, an executable kept past the shutdown
+# refused with the clear error, the instantiate stage under XLA's CPU client (~1 min).
+section_state() {
   step "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_reinit.py
+  step "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_state.py -k "shutdown or meshes"
+  step "$PY" -m pytest -q -p no:cacheprovider tests/test_runtime.py -k "comm_table or instantiate"
 }
 
 # The emulator's link throttle (issue 10 item 7): pacing and exactness with the cap on
@@ -253,7 +261,7 @@ section_bench() {
 
 sections=("$@")
 [ ${#sections[@]} -eq 0 ] && sections=(install sass unit runtime collectives collectives_mp tp tp_mp \
-  grouped attention emulator moe ring ulysses sanitize examples users)
+  grouped attention emulator moe ring ulysses sanitize examples users state)
 for s in "${sections[@]}"; do "section_$s"; done
 echo "=== summary: $passed passed, ${#failed[@]} failed"
 for f in "${failed[@]}"; do echo "failed: $f"; done

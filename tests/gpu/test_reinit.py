@@ -1,7 +1,8 @@
-"""Executables compiled before pk.shutdown() stay correct after a new pk.init (issue 10 item 4):
-XLA records pk's handlers into CUDA graphs, whose kernel arguments hold the communicator's
-addresses; after shutdown those addresses are unmapped, so a replay of the old graph must never
-happen."""
+"""Executables and pk.shutdown() (issue 10 item 4). A communicator handler binds its
+communicator when XLA instantiates the executable (ffi/comm_state.h); pk.shutdown unmaps that
+communicator's workspaces. A function jitted before the shutdown is compiled anew after the next
+pk.init (JAX's caches are cleared) and must be right; an executable kept past the shutdown must
+refuse to run with a clear error, never launch kernels on the released memory."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import util
 
 import pk_jax as pk
-from pk_jax import cost_model
+from pk_jax import _ffi, cost_model
+from pk_jax.runtime import state
 
 pytestmark = pytest.mark.gpu
 
@@ -46,3 +48,68 @@ def test_jitted_ops_after_shutdown_and_init_with_another_workspace():
     for a, b, want in outs:
         np.testing.assert_array_equal(a, want)
         np.testing.assert_array_equal(b, want)
+
+
+def _ints(seed, shape):
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.integers(-2, 3, shape), jnp.bfloat16)
+
+
+def _check(outs, x, w):
+    want = np.asarray(x, np.float32) @ np.asarray(w, np.float32)  # small integers: exact
+    for y in outs:
+        np.testing.assert_array_equal(np.asarray(y, np.float32), want)
+
+
+def test_compiled_executable_kept_across_shutdown_refuses_to_run():
+    """An executable kept past pk.shutdown (a jax.jit(...).lower(...).compile() object, which
+    JAX's cache clearing cannot drop) bound its communicators when XLA instantiated it: after
+    pk.init with another workspace size its calls fail with the error naming the fix, before
+    any kernel touches the released workspaces, and the process stays usable."""
+    mesh = util.gpu_mesh("gemm_rs", workspace_bytes=32 << 20)
+
+    def body(x, w):
+        return pk.all_reduce(x @ w, "tp"), pk.gemm_reduce_scatter(x, w, "tp")
+
+    x, w = _ints(1, (512, 256)), _ints(2, (256, 384))
+    with cost_model.override(mode="fused"):
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P()),
+                                  out_specs=(P(), P("tp"))))
+        compiled = f.lower(x, w).compile()
+        for i in range(2):  # replays of the executable: its state's fast path
+            util.poison((512, 384), jnp.bfloat16)
+            _check(compiled(x + i, w), x + i, w)
+        # Another registration coming and going moves the table's version: the state checks
+        # that its own registration is still live, and runs on.
+        _ffi._pk_ffi.comm_register(9999, 0, 0, 1, [0x1000], [0x3000], 4096, 64, 10**9, 0x5000)
+        assert _ffi._pk_ffi.comm_unregister(9999, 0)
+        _check(compiled(x, w), x, w)
+        pk.shutdown()
+        pk.init(mesh, workspace_bytes=96 << 20)
+        for _ in range(2):
+            with pytest.raises(Exception, match=r"pk.shutdown\(\) released"):
+                jax.block_until_ready(compiled(x, w))
+        # The same jitted function compiles anew and binds the new communicators.
+        for i in range(2):
+            _check(f(x - i, w), x - i, w)
+        _check(f.lower(x, w).compile()(x, w), x, w)
+    pk.shutdown()
+
+
+def test_jitted_function_survives_three_reinits_with_other_workspace_sizes():
+    """Run, shut down, init with another size, run the same jitted function: correct each time
+    (JAX compiles it anew after the shutdown; the new executable binds the new workspaces)."""
+    x, w = _ints(3, (256, 128)), _ints(4, (128, 256))
+    f = None
+    for ws in (16 << 20, 80 << 20, 8 << 20):
+        mesh = util.gpu_mesh("gemm_rs", workspace_bytes=ws)
+        if f is None:
+            f = jax.jit(jax.shard_map(lambda a, b: pk.gemm_reduce_scatter(a, b, "tp"),
+                                      mesh=mesh, in_specs=(P(), P()), out_specs=P("tp")))
+        with cost_model.override(mode="fused"):
+            for _ in range(2):
+                util.poison((256, 256), jnp.bfloat16)
+                _check([f(x, w)], x, w)
+        info = _ffi._pk_ffi.comm_info(state.comm_id("tp"), 0)
+        assert info is not None and info["workspace_bytes"] >= ws
+        pk.shutdown()
