@@ -186,17 +186,22 @@ section_ring() {
   step "$PY" bench/bench_ring_attn.py --quick
 }
 
-# The fused dispatch + first expert GEMM (cuda/kernels/moe_dispatch_gemm.cuh, work in
-# progress, opt-in by PK_JAX_MOE_FUSED=1) in the rank emulator at P = 2, 4, 8, through JAX
-# with 2, 4 and 8 processes sharing the GPU (against the composition), then bench_moe.py with
-# it (fused vs serial vs the reference's traffic + GEMM, emulated P = 8).
+# The fused MoE kernels (work in progress, opt-in by PK_JAX_MOE_FUSED=1): dispatch + first
+# expert GEMM (cuda/kernels/moe_dispatch_gemm.cuh) and second expert GEMM + combine
+# (cuda/kernels/moe_gemm_combine.cuh) in the rank emulator at P = 2, 4, 8
+# (tests/gpu/test_emulator_moe_fused.py; PK_JAX_EMU_MOE_CALLS / 4 back-to-back calls per P and
+# op, 50 by default here), through JAX with PK_JAX_MOE_FUSED_SIZES processes sharing the GPU
+# (default 2; against the compositions), then bench_moe.py --quick (fused vs serial vs the
+# reference's traffic + GEMM, emulated P = 8, DeepSeek-V3-like and Mixtral-like; rows into
+# bench/results/moe.jsonl). About 4 minutes.
 section_moe_fused() {
   export CUDA_MODULE_LOADING=EAGER  # pk_jax.testing.require_eager_loading says why
-  step "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_emulator_moe_fused.py
-  for n in $SIZES; do  # through JAX with PK_JAX_MOE_FUSED=1 (set inside the script)
+  PK_JAX_EMU_MOE_CALLS=${PK_JAX_EMU_MOE_CALLS:-200} step "$PY" -m pytest -q -p no:cacheprovider \
+    -m gpu tests/gpu/test_emulator_moe_fused.py
+  for n in ${PK_JAX_MOE_FUSED_SIZES:-2}; do  # through JAX, PK_JAX_MOE_FUSED=1 set inside
     PK_JAX_TIMEOUT_S=30 step launch "$n" --timeout 250 tests/gpu/moe_fused_mp.py
   done
-  step "$PY" bench/bench_moe.py --fused
+  step "$PY" bench/bench_moe.py --quick
 }
 
 # The fused Ulysses attention forward (issue 11): P = 2, 4, 8 emulated ranks against the
