@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark, on the H200 machine: tests/gpu/run_all.sh [section ...]
 # Sections: install sass unit runtime collectives collectives_mp tp tp_mp grouped attention
-# emulator moe moe_fused ring ulysses sanitize examples users bench link
-# (default: all but moe_fused, bench and link). The P = 1 sections (install unit collectives tp
+# emulator moe moe_fused moe_mp ring ulysses sanitize examples users bench link
+# (default: all but moe_fused, moe_mp, bench and link). The P = 1 sections (install unit collectives tp
 # examples) may run side by side in separate invocations; the multi-process ones and bench
 # want the GPU alone.
 # Prints one PASSED/FAILED line per step and a summary; exits non-zero if any step failed.
@@ -169,6 +169,14 @@ section_moe() {
     moe_dispatch,moe_scatter,moe_combine,moe_gather 2,4 > $log/moe_memcheck.log 2>&1;
     tail -5 $log/moe_memcheck.log;
     ! grep -E 'Invalid (__global__|__shared__|__local__)|Out of bounds|Misaligned|Error: process didn' $log/moe_memcheck.log && grep -q 'emu_short: OK' $log/moe_memcheck.log"
+}
+
+# pk.moe_dispatch / pk.moe_combine through JAX alone, with PK_JAX_MOE_MP_SIZES processes sharing
+# the GPU (default 4; section moe runs it at $SIZES after the emulator tests). About 1-2 minutes.
+section_moe_mp() {
+  for n in ${PK_JAX_MOE_MP_SIZES:-4}; do
+    PK_JAX_TIMEOUT_S=30 step launch "$n" --timeout 250 tests/gpu/moe_mp.py
+  done
 }
 
 # The fused ring attention forward and backward (issue 11): P = 2, 4, 8 emulated ranks against
