@@ -2,9 +2,9 @@
 # Every GPU test and benchmark, on the H200 machine: tests/gpu/run_all.sh [section ...]
 # Sections: install sass unit runtime collectives collectives_mp tp tp_mp grouped attention
 # emulator moe moe_fused moe_mp ring ulysses sanitize examples users bench link
-# (default: all but moe_fused, moe_mp, bench and link). The P = 1 sections (install unit collectives tp
-# examples) may run side by side in separate invocations; the multi-process ones and bench
-# want the GPU alone.
+# (default: all but moe_fused, moe_mp, bench and link). The P = 1 sections (install unit
+# collectives tp examples) may run side by side in separate invocations; the multi-process ones
+# and bench want the GPU alone.
 # Prints one PASSED/FAILED line per step and a summary; exits non-zero if any step failed.
 # Each pytest step is its own process: a kernel that times out traps, and a trapped CUDA
 # context is unusable for the rest of that process.
