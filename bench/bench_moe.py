@@ -1,5 +1,6 @@
-"""Expert-parallel MoE dispatch and combine, emulated at P = 8 (pk_jax.testing.World: 8 green-
-context partitions of one GPU, the FFI handlers' launchers).
+"""Expert-parallel MoE (dispatch, combine, and the expert GEMMs serial and fused), emulated at P = 8.
+
+pk_jax.testing.World: 8 green-context partitions of one GPU, the FFI handlers' launchers.
 
 Shapes (per rank, scaled to a partition of 1/8 of the GPU):
 - DeepSeek-V3-like: top-8 of 256 experts, H 7168 (expert hidden 2048), T 1024 tokens;
@@ -50,10 +51,10 @@ the numpy references of pk_jax.testing.ops before it is timed. Timing: back-to-b
 every rank's stream, no host synchronisation inside a batch, wall clock per call, median of 5
 batches of 10.
 
-    CUDA_MODULE_LOADING=EAGER python bench/bench_moe.py [--quick] [--no-fused]
+    CUDA_MODULE_LOADING=EAGER python bench/bench_moe.py [--quick | --skewed] [--no-fused]
 
---quick: the uniform DeepSeek-V3-like and Mixtral-like shapes (under a minute on the H200);
-without it the Zipf-skewed routing of both as well.
+--quick: the uniform DeepSeek-V3-like and Mixtral-like shapes (about a minute on the H200);
+--skewed: their Zipf-skewed routing only (about a minute); neither: all four.
 """
 
 from __future__ import annotations
@@ -409,6 +410,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
                         help=f"the first {QUICK} shapes (uniform routing)")
+    parser.add_argument("--skewed", action="store_true",
+                        help="the Zipf-skewed shapes only (the other half of a full run)")
     parser.add_argument("--no-fused", action="store_true",
                         help="without the fused kernels (work in progress)")
     args = parser.parse_args()
@@ -418,7 +421,9 @@ def main() -> None:
     rows: list = []
     # The workspace holds the busiest shape's received rows (capacity x H x 2 bytes).
     with World(P, timeout_s=30.0, workspace_bytes=256 << 20) as world:
-        for shape in SHAPES[:QUICK] if args.quick else SHAPES:
+        shapes = (SHAPES[:QUICK] if args.quick else SHAPES[QUICK:] if args.skewed
+                  else SHAPES)
+        for shape in shapes:
             run_shape(world, *shape, rng, rows)
     ratios = [r["ratio"] for r in rows if r["ratio"] and "fused" not in r.get("variant", "")]
     print(f"geomean of the kernels and serial paths vs the reference: "
