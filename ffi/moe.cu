@@ -391,9 +391,11 @@ Status LaunchMoeGemmCombine(const Where& at, const MoeGemmCombineArgs& a, const 
   f.row_bytes = row_bytes;
   f.inv_off = static_cast<int64_t>(inv_off);
   f.k = static_cast<int32_t>(a.k);
-  f.tiles_n = static_cast<int32_t>((a.n + 255) / 256);  // grouped_matmul's BN
+  constexpr int64_t kBn = gm::config<__nv_bfloat16, gm::FWD>::BN;  // both dtypes' tile width
+  static_assert(kBn == gm::config<__half, gm::FWD>::BN);
+  f.tiles_n = static_cast<int32_t>((a.n + kBn - 1) / kBn);
   f.inv_grid = pk::moe::items_grid(a.t);
-  const int64_t max_tiles = ((a.capacity + 127) / 128 + a.groups) * ((a.n + 255) / 256);
+  const int64_t max_tiles = ((a.capacity + 127) / 128 + a.groups) * f.tiles_n;
   int gemm_blocks = at.num_sms;
   if (max_tiles < gemm_blocks) gemm_blocks = static_cast<int>(max_tiles < 1 ? 1 : max_tiles);
   const int sum_grid = pk::moe::items_grid(a.t);

@@ -198,13 +198,13 @@ section_ring() {
 # expert GEMM (cuda/kernels/moe_dispatch_gemm.cuh) and second expert GEMM + combine
 # (cuda/kernels/moe_gemm_combine.cuh) in the rank emulator at P = 2, 4, 8
 # (tests/gpu/test_emulator_moe_fused.py; PK_JAX_EMU_MOE_CALLS / 4 back-to-back calls per P and
-# op, 50 by default here), through JAX with PK_JAX_MOE_FUSED_SIZES processes sharing the GPU
+# op, 25 by default here), through JAX with PK_JAX_MOE_FUSED_SIZES processes sharing the GPU
 # (default 2; against the compositions), then bench_moe.py --quick (fused vs serial vs the
 # reference's traffic + GEMM, emulated P = 8, DeepSeek-V3-like and Mixtral-like; rows into
 # bench/results/moe.jsonl). About 4 minutes.
 section_moe_fused() {
   export CUDA_MODULE_LOADING=EAGER  # pk_jax.testing.require_eager_loading says why
-  PK_JAX_EMU_MOE_CALLS=${PK_JAX_EMU_MOE_CALLS:-200} step "$PY" -m pytest -q -p no:cacheprovider \
+  PK_JAX_EMU_MOE_CALLS=${PK_JAX_EMU_MOE_CALLS:-100} step "$PY" -m pytest -q -p no:cacheprovider \
     -m gpu tests/gpu/test_emulator_moe_fused.py
   for n in ${PK_JAX_MOE_FUSED_SIZES:-2}; do  # through JAX, PK_JAX_MOE_FUSED=1 set inside
     PK_JAX_TIMEOUT_S=30 step launch "$n" --timeout 250 tests/gpu/moe_fused_mp.py
