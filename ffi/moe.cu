@@ -1,6 +1,8 @@
 // FFI handlers and launchers of pk_moe_dispatch, pk_moe_scatter and pk_moe_combine: expert-
 // parallel token dispatch, its per-slot form (the combine's transpose) and the weighted combine
-// (see cuda/kernels/moe.cuh). Launch on XLA's stream; no host synchronisation.
+// (see cuda/kernels/moe.cuh); and of the fused forms pk_moe_dispatch_gemm and
+// pk_moe_gemm_combine (cuda/kernels/moe_dispatch_gemm.cuh, moe_gemm_combine.cuh; work in
+// progress). Launch on XLA's stream; no host synchronisation.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
