@@ -170,6 +170,25 @@ struct MoeDispatchGemmArgs {
 Status LaunchMoeDispatchGemm(const Where& at, const MoeDispatchGemmArgs& a, const CommView& v);
 Status LaunchMoeCombine(const Where& at, const MoeCombineArgs& a, const CommView& v);
 
+// The second expert GEMM fused with the combine (cuda/kernels/moe_gemm_combine.cuh, work in
+// progress): h [capacity, f] (the rows this rank's experts received), w [groups, f, n], the
+// handle (dest, pos [t, k], group_sizes [groups]) and weights [t, k] fp32 in; out [t, n] =
+// moe_combine(grouped_matmul(h, w, group_sizes), weights) out.
+struct MoeGemmCombineArgs {
+  DType dtype;  // bf16 or fp16
+  const void* h;
+  const void* w;
+  const float* weights;
+  const int32_t* dest;
+  const int32_t* pos;
+  const int32_t* group_sizes;
+  const int32_t* rank;
+  void* out;
+  int64_t t, k, f, n, groups, capacity;
+};
+
+Status LaunchMoeGemmCombine(const Where& at, const MoeGemmCombineArgs& a, const CommView& v);
+
 // Ring attention forward (cuda/kernels/ring_attn.cuh): q [b, s, h, d], k and v [b, s, hkv, d]
 // (this rank's S/P positions) -> o like q and lse float32 [b, h, s]. zigzag: the causal zigzag
 // layout; num_comm_sms: communication blocks (the same on every rank).

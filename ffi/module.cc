@@ -20,6 +20,7 @@ namespace nb = nanobind;
 
 // ffi/moe.cu (declared here rather than in ffi_util.h while the fused op is work in progress).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PkMoeDispatchGemm);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(PkMoeGemmCombine);
 
 namespace {
 
@@ -50,6 +51,7 @@ const Registration kRegistrations[] = {
     {"pk_moe_combine", "CUDA", reinterpret_cast<void*>(PkMoeCombine), true},
     {"pk_ring_attn", "CUDA", reinterpret_cast<void*>(PkRingAttn), true},
     {"pk_moe_dispatch_gemm", "CUDA", reinterpret_cast<void*>(PkMoeDispatchGemm), true},
+    {"pk_moe_gemm_combine", "CUDA", reinterpret_cast<void*>(PkMoeGemmCombine), true},
     {"pk_ulysses_attn", "CUDA", reinterpret_cast<void*>(PkUlyssesAttn), true},
     {"pk_ring_attn_bwd", "CUDA", reinterpret_cast<void*>(PkRingAttnBwd), true},
 };
@@ -250,6 +252,25 @@ void EmuLaunch(const std::string& op, int64_t comm_id, int device, uint64_t stre
                                         Get(args, "capacity"),
                                         Get(args, "num_comm_sms")};
     Raise(pk_ffi::LaunchMoeDispatchGemm(at, a, *v));
+    return;
+  }
+  if (op == "moe_gemm_combine") {  // the fused second expert GEMM + combine (work in progress)
+    const pk_ffi::MoeGemmCombineArgs a{dtype,
+                                       Ptr<const void>(args, "h"),
+                                       Ptr<const void>(args, "w"),
+                                       Ptr<const float>(args, "weights"),
+                                       Ptr<const int32_t>(args, "dest"),
+                                       Ptr<const int32_t>(args, "pos"),
+                                       Ptr<const int32_t>(args, "group_sizes"),
+                                       Ptr<const int32_t>(args, "rank"),
+                                       Ptr<void>(args, "out"),
+                                       Get(args, "t"),
+                                       Get(args, "k"),
+                                       Get(args, "f"),
+                                       Get(args, "n"),
+                                       Get(args, "groups"),
+                                       Get(args, "capacity")};
+    Raise(pk_ffi::LaunchMoeGemmCombine(at, a, *v));
     return;
   }
   if (op == "moe_combine" || op == "moe_gather") {

@@ -1,6 +1,8 @@
 // FFI handlers and launchers of pk_moe_dispatch, pk_moe_scatter and pk_moe_combine: expert-
 // parallel token dispatch, its per-slot form (the combine's transpose) and the weighted combine
-// (see cuda/kernels/moe.cuh). Launch on XLA's stream; no host synchronisation.
+// (see cuda/kernels/moe.cuh); and of the fused forms pk_moe_dispatch_gemm and
+// pk_moe_gemm_combine (cuda/kernels/moe_dispatch_gemm.cuh, moe_gemm_combine.cuh; work in
+// progress). Launch on XLA's stream; no host synchronisation.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -11,6 +13,7 @@
 #include "ffi_util.h"
 #include "kernels/moe.cuh"
 #include "kernels/moe_dispatch_gemm.cuh"
+#include "kernels/moe_gemm_combine.cuh"
 #include "launch.h"
 #include "tensor_map.h"
 
@@ -20,6 +23,7 @@ namespace {
 // Op ids of the error record (pk_jax/runtime/errors.py OP_NAMES).
 constexpr int kOpMoeDispatch = 12;
 constexpr int kOpMoeCombine = 13;
+constexpr int kOpMoeGemmCombine = 17;
 
 Status Invalid(const char* op, const std::string& what) {
   return Status::Invalid(std::string("pk.") + op + ": " + what);
@@ -339,6 +343,88 @@ Status LaunchMoeDispatchGemm(const Where& at, const MoeDispatchGemmArgs& a, cons
   return CudaStatus(err, "moe_dispatch_gemm (fused)");
 }
 
+Status LaunchMoeGemmCombine(const Where& at, const MoeGemmCombineArgs& a, const CommView& v) {
+  const char* op = "moe_gemm_combine";
+  namespace gm = pk::grouped_matmul;
+  pk::moe::comm c;
+  if (Status s = MoeComm(op, kOpMoeGemmCombine, v, a.rank, &c); !s.ok()) return s;
+  if (a.dtype != DType::kBF16 && a.dtype != DType::kF16) return Invalid(op, "bf16 or fp16");
+  if (a.groups < 1 || a.groups > gm::MAX_GROUPS) {
+    return Invalid(op, "E / P must be in [1, " + std::to_string(gm::MAX_GROUPS) + "]");
+  }
+  if (a.f % 8 != 0 || a.n % 8 != 0 || a.f < 8 || a.n < 8 || a.n > INT32_MAX ||
+      a.f > INT32_MAX) {
+    return Invalid(op, "F and H must be multiples of 8 (16-byte rows)");
+  }
+  const int64_t row_bytes = a.n * 2;
+  if (Status s = CheckRows(op, v, a.t, a.k, a.capacity, 0); !s.ok()) return s;
+  // Workspace: T k slot rows of H, then the inverse map (C x 8 bytes) 256-byte aligned.
+  const uint64_t inv_off = (uint64_t(a.t) * a.k * row_bytes + 255) / 256 * 256;
+  const uint64_t need = inv_off + uint64_t(a.capacity) * 8;
+  if (need > v.workspace_bytes) {
+    return Invalid(op, "the symmetric workspace has " + std::to_string(v.workspace_bytes) +
+                           " bytes and this call needs " + std::to_string(need) +
+                           " (T k x H x 2 for the slot rows + capacity x 8); call "
+                           "pk.init(mesh, workspace_bytes=...) with at least that.");
+  }
+  const int type = a.dtype == DType::kBF16 ? 0 : 1;
+
+  gm::globals g{};
+  g.y = nullptr;
+  g.group_sizes = a.group_sizes;
+  g.m = static_cast<int>(a.capacity);
+  g.n = static_cast<int>(a.n);
+  g.k = static_cast<int>(a.f);
+  g.groups = static_cast<int>(a.groups);
+  g.group_m = 8;
+  if (Status s = TensorMap(op, {a.h, uint64_t(a.capacity), uint64_t(a.f), 128, 64, type}, &g.a);
+      !s.ok()) {
+    return s;
+  }
+  if (Status s = WeightMap(a.w, a.groups, a.f, a.n, type, &g.b); !s.ok()) return s;
+
+  pk::moe::gemm_combine_args f{};
+  f.c = c;
+  f.weights = a.weights;
+  f.dest = a.dest;
+  f.pos = a.pos;
+  f.out = a.out;
+  f.T = a.t;
+  f.capacity = a.capacity;
+  f.row_bytes = row_bytes;
+  f.inv_off = static_cast<int64_t>(inv_off);
+  f.k = static_cast<int32_t>(a.k);
+  constexpr int64_t kBn = gm::config<__nv_bfloat16, gm::FWD>::BN;  // both dtypes' tile width
+  static_assert(kBn == gm::config<__half, gm::FWD>::BN);
+  f.tiles_n = static_cast<int32_t>((a.n + kBn - 1) / kBn);
+  f.inv_grid = pk::moe::items_grid(a.t);
+  const int64_t max_tiles = ((a.capacity + 127) / 128 + a.groups) * f.tiles_n;
+  int gemm_blocks = at.num_sms;
+  if (max_tiles < gemm_blocks) gemm_blocks = static_cast<int>(max_tiles < 1 ? 1 : max_tiles);
+  const int sum_grid = pk::moe::items_grid(a.t);
+
+  // Every check is done: from here on the call runs on every rank (epochs stay in step).
+  pk::moe::gc_enter_kernel<<<1, pk::moe::THREADS, 0, at.stream>>>(f);
+  pk::moe::gc_invert_kernel<<<f.inv_grid, pk::moe::THREADS, 0, at.stream>>>(f);
+  if (Status s = CudaStatus(cudaGetLastError(), "moe_gemm_combine (enter, invert)"); !s.ok()) {
+    return s;
+  }
+  cudaError_t err =
+      type == 0
+          ? pk::moe::launch_gemm_combine<gm::config<__nv_bfloat16, gm::FWD>>(g, f, at.stream,
+                                                                             at.device,
+                                                                             gemm_blocks)
+          : pk::moe::launch_gemm_combine<gm::config<__half, gm::FWD>>(g, f, at.stream, at.device,
+                                                                      gemm_blocks);
+  if (Status s = CudaStatus(err, "moe_gemm_combine (gemm)"); !s.ok()) return s;
+  if (type == 0) {
+    pk::moe::gc_sum_kernel<__nv_bfloat16><<<sum_grid, pk::moe::THREADS, 0, at.stream>>>(f);
+  } else {
+    pk::moe::gc_sum_kernel<__half><<<sum_grid, pk::moe::THREADS, 0, at.stream>>>(f);
+  }
+  return CudaStatus(cudaGetLastError(), "moe_gemm_combine (sum)");
+}
+
 namespace {
 
 bool Is2d(const ffi::AnyBuffer& b) { return b.dimensions().size() == 2; }
@@ -509,6 +595,47 @@ ffi::Error DispatchGemmCuda(cudaStream_t stream, int32_t device, CommState* stat
   return ToError(LaunchMoeDispatchGemm(Where{stream, device, num_sms}, a, *v));
 }
 
+ffi::Error GemmCombineCuda(cudaStream_t stream, int32_t device, CommState* state,
+                           ffi::AnyBuffer h,
+                           ffi::AnyBuffer w, ffi::Buffer<ffi::F32> weights,
+                           ffi::Buffer<ffi::S32> dest, ffi::Buffer<ffi::S32> pos,
+                           ffi::Buffer<ffi::S32> group_sizes, ffi::Buffer<ffi::S32> rank,
+                           ffi::Result<ffi::AnyBuffer> out, int64_t /*comm_id*/) {
+  const CommView* v = nullptr;
+  int num_sms = 0;
+  if (ffi::Error e = BindComm("moe_gemm_combine", state, device, &v, &num_sms); e.failure()) {
+    return e;
+  }
+  MoeGemmCombineArgs a{};
+  const auto dd = dest.dimensions();
+  const auto wd = w.dimensions();
+  if (!ToDType(h.element_type(), &a.dtype) || w.element_type() != h.element_type() ||
+      out->element_type() != h.element_type() || !Is2d(h) || wd.size() != 3 ||
+      wd[1] != h.dimensions()[1] || dd.size() != 2 || pos.element_count() != dest.element_count() ||
+      weights.element_count() != dest.element_count() ||
+      group_sizes.element_count() != wd[0] || !Is2d(*out) || out->dimensions()[0] != dd[0] ||
+      out->dimensions()[1] != wd[2]) {
+    return ffi::Error::InvalidArgument(
+        "pk.moe_gemm_combine: expected h [capacity, F], w2 [E / P, F, H] and out [T, H] of h's "
+        "dtype, weights/dest/pos [T, k] and group_sizes [E / P]");
+  }
+  a.h = h.untyped_data();
+  a.w = w.untyped_data();
+  a.weights = weights.typed_data();
+  a.dest = dest.typed_data();
+  a.pos = pos.typed_data();
+  a.group_sizes = group_sizes.typed_data();
+  a.rank = rank.typed_data();
+  a.out = out->untyped_data();
+  a.t = dd[0];
+  a.k = dd[1];
+  a.f = h.dimensions()[1];
+  a.n = wd[2];
+  a.groups = wd[0];
+  a.capacity = h.dimensions()[0];
+  return ToError(LaunchMoeGemmCombine(Where{stream, device, num_sms}, a, *v));
+}
+
 }  // namespace
 }  // namespace pk_ffi
 
@@ -582,4 +709,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkMoeCombine, pk_ffi::CombineCuda,
                                   .Ret<xla::ffi::AnyBuffer>()                  // out
                                   .Attr<int64_t>("comm_id")                    // comm_id
                                   .Attr<int64_t>("mode"),   // 0 combine, 1 gather (VJP)
+                              PK_FFI_COMM_TRAITS);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PkMoeGemmCombine, pk_ffi::GemmCombineCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .Ctx<xla::ffi::DeviceOrdinal>()                 // device
+                                  .Ctx<PK_FFI_COMM_STATE>()  // the executable's communicator
+                                  .Arg<xla::ffi::AnyBuffer>()                  // h [C, F]
+                                  .Arg<xla::ffi::AnyBuffer>()                  // w2 [EL, F, H]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()      // weights [T, k]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()      // dest [T, k]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()      // pos [T, k]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()      // group_sizes
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()      // rank
+                                  .Ret<xla::ffi::AnyBuffer>()                  // out [T, H]
+                                  .Attr<int64_t>("comm_id"),                   // comm_id
                               PK_FFI_COMM_TRAITS);

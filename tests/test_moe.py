@@ -262,3 +262,85 @@ def test_emulator_cases_match_the_references(p, seed):
                                     out_specs=P("ep")))(ys, w, dest, pos)
         want = np.stack([c.expected[r]["out"] for r in range(p)])
         np.testing.assert_array_equal(np.asarray(out), want)
+
+
+def _gemm_combine_body(el: int):
+    def body(hh, w, wt, de, po, gs):
+        handle = MoeHandle(de[0], po[0], jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32),
+                           gs[0])
+        return pk.moe_gemm_combine(hh[0], w[0], wt[0], handle, "ep")[None]
+
+    return body
+
+
+@pytest.mark.parametrize("p,seed", [(2, 5), (4, 6), (8, 7)])
+def test_emulator_gemm_combine_cases_match_the_references(p, seed):
+    """The moe_gemm_combine cases of the fused emulator tests (skewed, empty experts, tight
+    capacity, x = rank) equal grouped_matmul then moe_combine's lax references."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "gpu"))
+    import emu_cases
+
+    rng = np.random.default_rng(seed)
+    mesh = _mesh(p)
+    cases = [emu_cases.gemm_combine_case(p, rng, dtype="bfloat16", rank_valued=True),
+             emu_cases.gemm_combine_case(p, rng, skew=True, capacity="tight"),
+             emu_cases.gemm_combine_case(p, rng, empty_odd=True, capacity="exact")]
+    for c in cases:
+        stack = [np.stack([c.inputs[r][name] for r in range(p)])
+                 for name in ("h", "w", "weights", "dest", "pos", "group_sizes")]
+        dt = jnp.bfloat16 if c.dtype == "bfloat16" else jnp.float16
+        stack[0], stack[1] = jnp.asarray(stack[0], dt), jnp.asarray(stack[1], dt)
+        out = jax.jit(jax.shard_map(_gemm_combine_body(c.params["groups"]), mesh=mesh,
+                                    in_specs=(P("ep"),) * 6, out_specs=P("ep")))(*stack)
+        want = np.stack([c.expected[r]["out"] for r in range(p)])
+        np.testing.assert_array_equal(np.asarray(out, np.float32), want.astype(np.float32))
+
+
+def test_fused_gemm_combine_path_forward_and_vjp(kernel_path, monkeypatch):
+    """PK_JAX_MOE_FUSED=1 with the kernel path on (pk_moe_gemm_combine replaced by a lax
+    stand-in with its contract): the fused path is taken, and its forward and custom VJP (the
+    composition's) equal the composition's."""
+    from pk_jax.ops import moe
+
+    taken = []
+
+    def stand_in(h, w2, weights, dest, pos, group_sizes, axis_name):
+        taken.append(1)
+        y = pk.grouped_matmul(h, w2, group_sizes)
+        return _stand_in_combine(y, weights, dest, pos, axis_name)
+
+    monkeypatch.setattr(moe, "_gemm_combine_call", stand_in)
+    p, t, k, f, h, el, capacity = 4, 9, 2, 16, 24, 2, 20
+    mesh = _mesh(p)
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, p * el, (p, t, k)).astype(np.int32)
+    x = jnp.asarray(rng.integers(-2, 3, (p, t, 8)), jnp.bfloat16)
+    hh = jnp.asarray(rng.integers(-2, 3, (p, capacity, f)), jnp.bfloat16)
+    w2 = jnp.asarray(rng.integers(-1, 2, (p, el, f, h)), jnp.bfloat16)
+    wt = jnp.asarray(rng.integers(0, 5, (p, t, k)) / 4, jnp.float32)
+    g = jnp.asarray(rng.integers(-1, 2, (p, t, h)), jnp.float32)
+
+    def loss(x_, e_, h_, w_, wt_):
+        def body(xx, ee, a, b, c):
+            _, _, hd = pk.moe_dispatch(xx[0], ee[0], "ep", num_experts=p * el,
+                                       capacity=capacity)
+            return pk.moe_gemm_combine(a[0], b[0], c[0], hd, "ep")[None]
+
+        out = jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 5, out_specs=P("ep"))(
+            x_, e_, h_, w_, wt_)
+        return jnp.sum(out.astype(jnp.float32) * g), out
+
+    results = {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv(moe.FUSED_ENV, fused)
+        (_val, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(2, 3, 4), has_aux=True))(
+            x, ids, hh, w2, wt)
+        results[fused] = (out, grads)
+    assert taken, "the fused path was not taken"
+    np.testing.assert_array_equal(np.asarray(results["1"][0], np.float32),
+                                  np.asarray(results["0"][0], np.float32))
+    for a, b in zip(results["1"][1], results["0"][1]):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

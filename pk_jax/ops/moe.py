@@ -238,12 +238,33 @@ def moe_gemm_combine(h: jax.Array, w2: jax.Array, weights: jax.Array, handle: Mo
         w2: [E / P, F, H'], this rank's experts.
         weights, handle, axis_name: as for `moe_combine`.
 
+    With PK_JAX_MOE_FUSED=1 in the environment (work in progress, off by default) and on the
+    CUDA path, fused kernels run instead (cuda/kernels/moe_gemm_combine.cuh): the GEMM's
+    epilogue stores each output row straight into its token's rank's symmetric workspace and
+    the token's rank sums its k rows (bf16/fp16, F and H' multiples of 8); the same result as
+    the composition, bit for bit (y rounded to h's dtype, summed in float32).
+
+    Args:
+        h: [capacity, F] the experts' hidden rows (as `moe_dispatch_gemm` placed them).
+        w2: [E / P, F, H'], this rank's experts.
+        weights, handle, axis_name: as for `moe_combine`.
+
     Returns:
         [T, H']: moe_combine(grouped_matmul(h, w2, handle.group_sizes), weights, handle).
 
     Raises:
-        ValueError, TypeError: as `grouped_matmul` and `moe_combine` raise them.
+        ValueError, TypeError: as `grouped_matmul` and `moe_combine` raise them; on the fused
+            path, a symmetric workspace smaller than T k H' itemsize + capacity x 8 bytes.
     """
+    p = _checks.axis_size("moe_gemm_combine", axis_name)
+    if _gemm_combine_applies(h, w2, weights, handle, p, axis_name):
+        t, k = weights.shape
+        slots = -(-t * k * w2.shape[2] * h.dtype.itemsize // 256) * 256
+        _tp.check_workspace("moe_gemm_combine", slots + h.shape[0] * 8,
+                            f"its [{t} x {k}, {w2.shape[2]}] expert rows received for its "
+                            f"tokens and a [{h.shape[0]}] row map")
+        return _gemm_combine_k(h, w2, weights, handle.dest_rank, handle.position,
+                               handle.group_sizes, axis_name)
     y = pk_grouped_matmul(h, w2, handle.group_sizes)
     return moe_combine(y, weights, handle, axis_name)
 
@@ -433,3 +454,56 @@ def _combine_k_bwd(axis_name, res, dout):
 
 
 _combine_k.defvjp(_combine_k_fwd, _combine_k_bwd)
+
+
+# The fused second expert GEMM + combine (cuda/kernels/moe_gemm_combine.cuh), work in progress
+# behind the same switch as the fused dispatch: moe_gemm_combine composes grouped_matmul and
+# moe_combine unless PK_JAX_MOE_FUSED=1 (read at trace time).
+
+
+def _gemm_combine_applies(h, w2, weights, handle, p: int, axis_name: str) -> bool:
+    if os.environ.get(FUSED_ENV, "0") != "1" or w2.ndim != 3 or h.ndim != 2:
+        return False
+    if weights.ndim != 2 or weights.shape != handle.position.shape:
+        return False  # the composition raises the shape error
+    el, f, n = w2.shape
+    fits = (h.dtype in (jnp.bfloat16, jnp.float16) and w2.dtype == h.dtype
+            and f == h.shape[1] and f % 8 == 0 and n % 8 == 0 and f >= 8 and n >= 8
+            and handle.group_sizes.shape == (el,) and el <= 1024 and n < 2**31)
+    return fits and _combine_kernel_applies(h, weights, p, axis_name)
+
+
+def _gemm_combine_call(h, w2, weights, dest, pos, group_sizes, axis_name: str):
+    """pk_moe_gemm_combine: out [T, H'] = combine(grouped_matmul(h, w2, group_sizes))."""
+    t = dest.shape[0]
+    return _ffi.call("pk_moe_gemm_combine", jax.ShapeDtypeStruct((t, w2.shape[2]), h.dtype),
+                     h, w2, weights.astype(jnp.float32), dest, pos, group_sizes,
+                     _backend.rank_operand(axis_name),
+                     comm_id=np.int64(state.comm_id(axis_name)))
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _gemm_combine_k(h, w2, weights, dest, pos, group_sizes, axis_name):
+    return _gemm_combine_call(h, w2, weights, dest, pos, group_sizes, axis_name)
+
+
+def _gemm_combine_k_fwd(h, w2, weights, dest, pos, group_sizes, axis_name):
+    return (_gemm_combine_call(h, w2, weights, dest, pos, group_sizes, axis_name),
+            (h, w2, weights, dest, pos, group_sizes))
+
+
+def _gemm_combine_k_bwd(axis_name, res, dout):
+    # The composition's VJP: the GEMM runs again for y, which the combine's weight gradient
+    # needs (the fused kernel keeps no copy of it).
+    h, w2, weights, dest, pos, group_sizes = res
+
+    def composed(h_, w_, wt_):
+        y = pk_grouped_matmul(h_, w_, group_sizes)
+        return _combine_k(y, wt_, dest, pos, group_sizes, axis_name)
+
+    _, vjp = jax.vjp(composed, h, w2, weights)
+    dh, dw, dwt = vjp(dout)
+    return (_vjp.fit(dh, h), _vjp.fit(dw, w2), _vjp.fit(dwt, weights), None, None, None)
+
+
+_gemm_combine_k.defvjp(_gemm_combine_k_fwd, _gemm_combine_k_bwd)

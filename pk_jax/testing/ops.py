@@ -24,8 +24,9 @@ MOE = ("moe_dispatch", "moe_scatter", "moe_combine", "moe_gather")
 # Sequence parallelism: the fused ring attention forward and backward and the fused Ulysses
 # forward (launcher fields named in the cases).
 ATTENTION = ("ring_attn", "ring_attn_bwd", "ulysses_attn")
-# Dispatch fused with the first expert GEMM (work in progress: kept out of MOE's suites).
-FUSED_MOE = ("moe_dispatch_gemm",)
+# Dispatch fused with the first expert GEMM, and the second expert GEMM fused with the combine
+# (work in progress: kept out of MOE's suites).
+FUSED_MOE = ("moe_dispatch_gemm", "moe_gemm_combine")
 TILE_128x128, TILE_128x256 = 1, 2
 
 
@@ -218,6 +219,32 @@ def moe_dispatch_gemm(xs: list[np.ndarray], ids: np.ndarray, ws: list[np.ndarray
                "order_off": np.zeros(num_experts + 1, np.int32)} for r in range(p)]
     params = {**d.params, "n": n, "num_comm_sms": num_comm_sms}
     return Case("moe_dispatch_gemm", dtype, inputs, expected, params)
+
+
+def moe_gemm_combine(hs: list[np.ndarray], ws: list[np.ndarray], weights: np.ndarray,
+                     ids: np.ndarray, dtype: str, *, num_experts: int, capacity: int) -> Case:
+    """y_r = grouped GEMM of hs[r] [capacity, F] with ws[r] [E / P, F, H] over rank r's group
+    sizes (rounded to `dtype`), then moe_combine(y, weights) on every rank: out [T, H]. Rows of
+    hs past the kept ones are never read (give them anything)."""
+    p, t, k = ids.shape
+    f, n = ws[0].shape[1], ws[0].shape[2]
+    hs = [_cast(h, dtype) for h in hs]
+    ws = [_cast(w, dtype) for w in ws]
+    dest, pos, sizes = moe_routing(ids, num_experts, capacity)
+    ys = []
+    for r in range(p):
+        y = np.zeros((capacity, n))
+        off = 0
+        for e, size in enumerate(sizes[r]):
+            y[off:off + size] = hs[r][off:off + size].astype(np.float64) @ ws[r][e].astype(
+                np.float64)
+            off += size
+        ys.append(_cast(y, dtype))
+    comb = moe_combine(ys, weights, ids, dtype, num_experts=num_experts)
+    inputs = [{"h": hs[r], "w": ws[r], "weights": weights[r].astype(np.float32),
+               "dest": dest[r], "pos": pos[r], "group_sizes": sizes[r]} for r in range(p)]
+    params = {"t": t, "k": k, "f": f, "n": n, "groups": num_experts // p, "capacity": capacity}
+    return Case("moe_gemm_combine", dtype, inputs, comb.expected, params)
 
 
 def moe_scatter(rows: list[np.ndarray], ids: np.ndarray, dtype: str, *, num_experts: int,

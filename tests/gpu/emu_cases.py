@@ -23,6 +23,8 @@ def case(op: str, p: int, rng: np.random.Generator, *, size: str = "small",
     above 16 blocks, several tiles per owner). rank_valued: x = rank everywhere."""
     if op in ops.MOE:
         return moe_case(op, p, rng, size=size, dtype=dtype, rank_valued=rank_valued)
+    if op == "moe_gemm_combine":
+        return gemm_combine_case(p, rng, size=size, dtype=dtype, rank_valued=rank_valued)
     if op == "ulysses_attn":
         return ulysses_case(p, rng, dtype=dtype, size=size)
     if op in ops.ATTENTION:
@@ -178,6 +180,48 @@ def fused_case(p: int, rng: np.random.Generator, *, size: str = "small",
     ws = [ops.integers(rng, (num_experts // p, h, n), -1, 2) for _ in range(p)]
     return ops.moe_dispatch_gemm(xs, ids, ws, dt, num_experts=num_experts, capacity=cap,
                                  num_comm_sms=num_comm_sms)
+
+
+def gemm_combine_case(p: int, rng: np.random.Generator, *, size: str = "small",
+                      dtype: str | None = None, t: int | None = None,
+                      capacity: str | None = None, skew: bool | None = None,
+                      rank_valued: bool = False, empty_odd: bool = False) -> ops.Case:
+    """A random exact case of moe_gemm_combine at world p: h and w in {-1, 0, 1}, F <= 256, so
+    every product is an integer exact in bf16 and fp16, and weights in quarters (exact fp32
+    sums). rank_valued: h = rank + 1 and one 1 per column of w, so every expert output row is
+    its rank + 1 and out[t] = sum_j w[t, j] (dest + 1) names the ranks. Rows of h past the kept
+    ones are random (the kernel must not read them). empty_odd: only even experts chosen."""
+    big = size == "big"
+    t = t if t is not None else (int(rng.integers(1, 160)) if not big else 1024)
+    k = int(rng.choice([1, 2, 4, 8])) if not big else 8
+    num_experts = p * int(rng.integers(1, 9)) if not big else 32 * p
+    f = int(rng.choice([64, 128, 256])) if not big else 256
+    n = int(rng.choice([8, 64, 264, 512])) if not big else 512
+    dt = dtype or str(rng.choice(["bfloat16", "float16"]))
+    skew = bool(rng.integers(0, 2)) if skew is None else skew
+    ids = moe_ids(rng, p, t, k, num_experts, skew)
+    if empty_odd:
+        num_experts = max(num_experts, 2 * p)
+        ids = 2 * rng.integers(0, num_experts // 2, (p, t, k)).astype(np.int32)
+    total = p * t * k
+    kind = capacity or ("exact" if big else str(rng.choice(["generous", "exact", "tight"])))
+    cap = {"generous": total + int(rng.integers(0, 9)),
+           "exact": max(1, int(np.bincount(ids.reshape(-1) // (num_experts // p),
+                                           minlength=p).max())),
+           "tight": max(1, total // (2 * p))}[kind]
+    el = num_experts // p
+    if rank_valued:
+        hs = [np.full((cap, f), float(r + 1)) for r in range(p)]
+        ws = []
+        for _ in range(p):
+            w = np.zeros((el, f, n))
+            w[np.arange(el)[:, None], rng.integers(0, f, (el, n)), np.arange(n)[None, :]] = 1.0
+            ws.append(w)
+    else:
+        hs = [ops.integers(rng, (cap, f), -1, 2) for _ in range(p)]
+        ws = [ops.integers(rng, (el, f, n), -1, 2) for _ in range(p)]
+    weights = rng.integers(0, 5, (p, t, k)).astype(np.float32) / 4
+    return ops.moe_gemm_combine(hs, ws, weights, ids, dt, num_experts=num_experts, capacity=cap)
 
 
 def ulysses_case(p: int, rng: np.random.Generator, *, dtype: str | None = None,

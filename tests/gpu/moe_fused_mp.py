@@ -1,5 +1,5 @@
-"""pk.moe_dispatch_gemm's fused kernel (PK_JAX_MOE_FUSED=1, work in progress) across P
-processes, through JAX: the FFI handler, the lowering and the custom VJP.
+"""pk.moe_dispatch_gemm's and pk.moe_gemm_combine's fused kernels (PK_JAX_MOE_FUSED=1, work in
+progress) across P processes, through JAX: the FFI handlers, the lowerings and the custom VJPs.
 
     python -m pk_jax.launch -n 4 --share-gpu tests/gpu/moe_fused_mp.py
 
@@ -9,6 +9,9 @@ composition of pk.moe_dispatch and pk.grouped_matmul, tested by moe_mp.py and th
 tests). Integer inputs in {-1, 0, 1}, so both are exact and must agree bit for bit: h, the
 group sizes and the whole handle; then the gradients of sum(h * g) with respect to x and w1;
 then two calls in a row, and a straggler (the last rank sleeps 1 s before its call).
+pk.moe_gemm_combine the same way (fused against grouped_matmul then moe_combine, on the handle
+of a pk.moe_dispatch): out, then the gradients of sum(out * g) with respect to h, w2 and the
+weights.
 On a machine without a GPU both traces run the references (a check of the script itself).
 """
 
@@ -95,6 +98,59 @@ def main() -> None:
                 if not np.array_equal(a.astype(np.float64), b.astype(np.float64)):
                     raise AssertionError(f"{what}: fused {name} differs from the composition")
 
+    def build_gc(experts, capacity, fused: bool):
+        def body(x, e, hh, w, wt):
+            _, _, hd = pk.moe_dispatch(x[0], e[0], "ep", num_experts=experts, capacity=capacity)
+            return pk.moe_gemm_combine(hh[0], w[0], wt[0], hd, "ep")[None]
+
+        fwd = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 5,
+                                    out_specs=P("ep")))
+
+        def loss(x, e, hh, w, wt, g):
+            return jnp.sum(fwd(x, e, hh, w, wt).astype(jnp.float32) * g)
+
+        grad = jax.jit(jax.grad(loss, argnums=(2, 3, 4)))
+        if fused:
+            os.environ[moe_ops.FUSED_ENV] = "1"
+        else:
+            os.environ.pop(moe_ops.FUSED_ENV, None)
+        return fwd, grad
+
+    def case_gc(seed, t, k, experts, h, f, dtype, capacity_kind, *, calls=1, sleep_rank=None,
+                grads=False):
+        rng = np.random.default_rng(seed)
+        ids = rng.integers(0, experts, (n, t, k)).astype(np.int32)
+        total = n * t * k
+        capacity = total + 3 if capacity_kind == "generous" else max(1, total // (2 * n))
+        x = rng.integers(-1, 2, (n, t, 8)).astype(np.float32)
+        hh = rng.integers(-1, 2, (n, capacity, f)).astype(np.float32)
+        w = rng.integers(-1, 2, (n, experts // n, f, h)).astype(np.float32)
+        wt = (rng.integers(0, 5, (n, t, k)) / 4).astype(np.float32)
+        g = rng.integers(-1, 2, (n, t, h)).astype(np.float32)
+        args = (place(x.astype(dtype)), place(ids), place(hh.astype(dtype)),
+                place(w.astype(dtype)), place(wt))
+        results = {}
+        for fused in (True, False):
+            fwd, grad = build_gc(experts, capacity, fused)
+            out = None
+            for _ in range(calls):
+                if sleep_rank == me:
+                    time.sleep(1.0)
+                out = local(jax.block_until_ready(fwd(*args)))
+            gr = None
+            if grads:
+                gr = [local(v) for v in jax.block_until_ready(grad(*args, place(g)))]
+            results[fused] = (out, gr)
+        os.environ.pop(moe_ops.FUSED_ENV, None)
+        what = f"P={n} rank {me} gemm_combine case {seed}"
+        if not np.array_equal(results[True][0].astype(np.float64),
+                              results[False][0].astype(np.float64)):
+            raise AssertionError(f"{what}: fused out differs from the composition")
+        if grads:
+            for name, a, b in zip(("dh", "dw2", "dweights"), results[True][1], results[False][1]):
+                if not np.array_equal(a.astype(np.float64), b.astype(np.float64)):
+                    raise AssertionError(f"{what}: fused {name} differs from the composition")
+
     print(f"backend moe_dispatch={pk.backend_name('moe_dispatch', 'ep')}", flush=True)
     t0 = time.time()
     count = 0
@@ -107,6 +163,16 @@ def main() -> None:
     case(91, 50, 2, 2 * n, 64, 64, "bfloat16", "tight", calls=2)
     case(92, 50, 2, 2 * n, 64, 64, "bfloat16", "generous", calls=2, sleep_rank=n - 1)
     case(93, 33, 4, 2 * n, 64, 64, "float16", "generous", grads=True)
+    count += 3
+    for i, (t, k, e_per, h, f, dtype) in enumerate([(37, 2, 2, 64, 64, "bfloat16"),
+                                                    (64, 4, 4, 264, 128, "float16"),
+                                                    (13, 8, 1, 8, 256, "bfloat16")]):
+        for kind in ("generous", "tight"):
+            case_gc(200 + 10 * i + (kind == "tight"), t, k, e_per * n, h, f, dtype, kind)
+            count += 1
+    case_gc(291, 50, 2, 2 * n, 64, 64, "bfloat16", "tight", calls=2)
+    case_gc(292, 50, 2, 2 * n, 64, 64, "bfloat16", "generous", calls=2, sleep_rank=n - 1)
+    case_gc(293, 33, 4, 2 * n, 64, 64, "float16", "generous", grads=True)
     count += 3
     print(f"moe_fused_mp OK: P={n}, {count} cases in {time.time() - t0:.1f} s", flush=True)
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark, on the H200 machine: tests/gpu/run_all.sh [section ...]
 # Sections: install sass unit runtime collectives collectives_mp tp tp_mp grouped attention
-# emulator moe moe_fused ring ulysses ulysses_bwd sanitize examples users bench link state
-# (default: all but moe_fused, ulysses_bwd, bench and link). The P = 1 sections (install unit collectives tp
-# examples) may run side by side in separate invocations; the multi-process ones and bench
-# want the GPU alone.
+# emulator moe moe_fused moe_mp ring ulysses ulysses_bwd sanitize examples users bench link state
+# (default: all but moe_fused, moe_mp, ulysses_bwd, bench and link). The P = 1 sections (install
+# unit collectives tp examples) may run side by side in separate invocations; the multi-process
+# ones and bench want the GPU alone.
 # Prints one PASSED/FAILED line per step and a summary; exits non-zero if any step failed.
 # Each pytest step is its own process: a kernel that times out traps, and a trapped CUDA
 # context is unusable for the rest of that process.
@@ -179,6 +179,14 @@ section_moe() {
     ! grep -E 'Invalid (__global__|__shared__|__local__)|Out of bounds|Misaligned|Error: process didn' $log/moe_memcheck.log && grep -q 'emu_short: OK' $log/moe_memcheck.log"
 }
 
+# pk.moe_dispatch / pk.moe_combine through JAX alone, with PK_JAX_MOE_MP_SIZES processes sharing
+# the GPU (default 4; section moe runs it at $SIZES after the emulator tests). About 1-2 minutes.
+section_moe_mp() {
+  for n in ${PK_JAX_MOE_MP_SIZES:-4}; do
+    PK_JAX_TIMEOUT_S=30 step launch "$n" --timeout 250 tests/gpu/moe_mp.py
+  done
+}
+
 # The fused ring attention forward and backward (issue 11): P = 2, 4, 8 emulated ranks against
 # the float32 reference (tests/gpu/test_emulator_attention.py, the backward's tests named
 # test_backward_*; PK_JAX_EMU_RING_CALLS sets the back-to-back forward calls per P, default
@@ -194,17 +202,22 @@ section_ring() {
   step "$PY" bench/bench_ring_attn.py --quick
 }
 
-# The fused dispatch + first expert GEMM (cuda/kernels/moe_dispatch_gemm.cuh, work in
-# progress, opt-in by PK_JAX_MOE_FUSED=1) in the rank emulator at P = 2, 4, 8, through JAX
-# with 2, 4 and 8 processes sharing the GPU (against the composition), then bench_moe.py with
-# it (fused vs serial vs the reference's traffic + GEMM, emulated P = 8).
+# The fused MoE kernels (work in progress, opt-in by PK_JAX_MOE_FUSED=1): dispatch + first
+# expert GEMM (cuda/kernels/moe_dispatch_gemm.cuh) and second expert GEMM + combine
+# (cuda/kernels/moe_gemm_combine.cuh) in the rank emulator at P = 2, 4, 8
+# (tests/gpu/test_emulator_moe_fused.py; PK_JAX_EMU_MOE_CALLS / 4 back-to-back calls per P and
+# op, 25 by default here), through JAX with PK_JAX_MOE_FUSED_SIZES processes sharing the GPU
+# (default 2; against the compositions), then bench_moe.py --quick (fused vs serial vs the
+# reference's traffic + GEMM, emulated P = 8, DeepSeek-V3-like and Mixtral-like; rows into
+# bench/results/moe.jsonl). About 4 minutes.
 section_moe_fused() {
   export CUDA_MODULE_LOADING=EAGER  # pk_jax.testing.require_eager_loading says why
-  step "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_emulator_moe_fused.py
-  for n in $SIZES; do  # through JAX with PK_JAX_MOE_FUSED=1 (set inside the script)
+  PK_JAX_EMU_MOE_CALLS=${PK_JAX_EMU_MOE_CALLS:-100} step "$PY" -m pytest -q -p no:cacheprovider \
+    -m gpu tests/gpu/test_emulator_moe_fused.py
+  for n in ${PK_JAX_MOE_FUSED_SIZES:-2}; do  # through JAX, PK_JAX_MOE_FUSED=1 set inside
     PK_JAX_TIMEOUT_S=30 step launch "$n" --timeout 250 tests/gpu/moe_fused_mp.py
   done
-  step "$PY" bench/bench_moe.py --fused
+  step "$PY" bench/bench_moe.py --quick
 }
 
 # The fused Ulysses attention forward and the kernel-backed backward (issue 11): P = 2, 4, 8
