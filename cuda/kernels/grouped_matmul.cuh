@@ -132,6 +132,38 @@ struct kernel_def {
   };
 
   /**
+   * @brief Thread 0, before the block's first barrier: the stage ring's mbarriers, `bound` for
+   * every wait of the block, and the A and B maps prefetched.
+   */
+  __device__ static void init_ring(const globals& g, shared_storage& s, const wait_bound& bound) {
+    block_wait_bound() = bound;
+    for (int i = 0; i < STAGES; ++i) {
+      mbar_init(&s.full[i], 1);
+      mbar_init(&s.empty[i], CONSUMERS);
+    }
+    fence_mbar_init();
+    tma::prefetch(&g.a);
+    tma::prefetch(&g.b);
+  }
+
+  /**
+   * @brief The producer thread: loads tile w's k-steps in order into the ring, each into the
+   * next stage once the consumers have freed it (stage and phase carry over between tiles).
+   */
+  __device__ static void produce(const globals& g, shared_storage& s, const work& w, int& stage,
+                                 uint32_t& phase) {
+    for (int k = 0; k < w.k_iters; ++k) {
+      mbar_wait(&s.empty[stage], phase ^ 1);
+      mbar_arrive_expect_tx(&s.full[stage], STAGE_BYTES);
+      loader(g, s.stages[stage], &s.full[stage], w, k);
+      if (++stage == STAGES) {
+        stage = 0;
+        phase ^= 1;
+      }
+    }
+  }
+
+  /**
    * @brief Warp 0: exclusive prefix sums of the clamped group sizes (rows) and of their row
    * tiles, 32 groups a round with a carry.
    */
@@ -376,14 +408,7 @@ __global__ void __launch_bounds__(K::THREADS, 1) kernel(const __grid_constant__ 
   auto& s = *reinterpret_cast<shared_storage*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   if (threadIdx.x == 0) {
-    block_wait_bound() = wait_bound{};  // no communicator: a stalled mbarrier traps at 60 s
-    for (int i = 0; i < K::STAGES; ++i) {
-      mbar_init(&s.full[i], 1);
-      mbar_init(&s.empty[i], K::CONSUMERS);
-    }
-    fence_mbar_init();
-    tma::prefetch(&g.a);
-    tma::prefetch(&g.b);
+    K::init_ring(g, s, wait_bound{});  // no communicator: a stalled mbarrier traps at 60 s
     tma::prefetch(&g.out);
   }
   if (threadIdx.x < 32) K::scan_groups(g, s);
@@ -398,16 +423,7 @@ __global__ void __launch_bounds__(K::THREADS, 1) kernel(const __grid_constant__ 
     int stage = 0;
     uint32_t phase = 0;
     for (int id = blockIdx.x; id < num_tiles; id += gridDim.x) {
-      const work w = K::tile(g, s, id);
-      for (int k = 0; k < w.k_iters; ++k) {
-        mbar_wait(&s.empty[stage], phase ^ 1);
-        mbar_arrive_expect_tx(&s.full[stage], K::STAGE_BYTES);
-        K::loader(g, s.stages[stage], &s.full[stage], w, k);
-        if (++stage == K::STAGES) {
-          stage = 0;
-          phase ^= 1;
-        }
-      }
+      K::produce(g, s, K::tile(g, s, id), stage, phase);
     }
     return;
   }

@@ -126,14 +126,7 @@ __global__ void __launch_bounds__(K::THREADS, 1)
   if (threadIdx.x == 0) {
     // NOTES: twice the signal bound, so that a missing peer is named by the loader's signal
     // wait, not by a consumer's mbarrier wait on the loads that never start.
-    block_wait_bound() = wait_bound{c.error, c.op, c.rank, 2 * c.timeout_ns};
-    for (int i = 0; i < K::STAGES; ++i) {
-      mbar_init(&s.full[i], 1);
-      mbar_init(&s.empty[i], K::CONSUMERS);
-    }
-    fence_mbar_init();
-    tma::prefetch(&g.a);
-    tma::prefetch(&g.b);
+    K::init_ring(g, s, wait_bound{c.error, c.op, c.rank, 2 * c.timeout_ns});
     tma::prefetch(&g.out);
   }
   if (threadIdx.x < 32) K::scan_groups(g, s);
@@ -160,15 +153,7 @@ __global__ void __launch_bounds__(K::THREADS, 1)
         fence_proxy_async_global();
         ready = w.e;
       }
-      for (int kk = 0; kk < w.k_iters; ++kk) {
-        mbar_wait(&s.empty[stage], phase ^ 1);
-        mbar_arrive_expect_tx(&s.full[stage], K::STAGE_BYTES);
-        K::loader(g, s.stages[stage], &s.full[stage], w, kk);
-        if (++stage == K::STAGES) {
-          stage = 0;
-          phase ^= 1;
-        }
-      }
+      K::produce(g, s, w, stage, phase);
     }
     return;
   }

@@ -150,16 +150,7 @@ __global__ void __launch_bounds__(K::THREADS, 1)
   auto& s = *reinterpret_cast<shared_storage*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const comm& c = f.c;
-  if (threadIdx.x == 0) {
-    block_wait_bound() = wait_bound{c.error, c.op, c.rank, 2 * c.timeout_ns};
-    for (int i = 0; i < K::STAGES; ++i) {
-      mbar_init(&s.full[i], 1);
-      mbar_init(&s.empty[i], K::CONSUMERS);
-    }
-    fence_mbar_init();
-    tma::prefetch(&g.a);
-    tma::prefetch(&g.b);
-  }
+  if (threadIdx.x == 0) K::init_ring(g, s, wait_bound{c.error, c.op, c.rank, 2 * c.timeout_ns});
   if (threadIdx.x < 32) K::scan_groups(g, s);
   __syncthreads();
 
@@ -172,16 +163,7 @@ __global__ void __launch_bounds__(K::THREADS, 1)
     int stage = 0;
     uint32_t phase = 0;
     for (int id = blockIdx.x; id < num_tiles; id += gridDim.x) {
-      const grouped_matmul::work w = K::tile(g, s, id);
-      for (int kk = 0; kk < w.k_iters; ++kk) {
-        mbar_wait(&s.empty[stage], phase ^ 1);
-        mbar_arrive_expect_tx(&s.full[stage], K::STAGE_BYTES);
-        K::loader(g, s.stages[stage], &s.full[stage], w, kk);
-        if (++stage == K::STAGES) {
-          stage = 0;
-          phase ^= 1;
-        }
-      }
+      K::produce(g, s, K::tile(g, s, id), stage, phase);
     }
     return;
   }
