@@ -1,6 +1,9 @@
 """pk.ulysses_attention on host devices against dense softmax attention over the whole
 sequence: P in {1,2,3,4,8} with H divisible by P, causal or not, every dtype, odd local lengths,
-B > 1, a 2-D mesh, key blocks shorter than the sequence, gradients, and the error messages."""
+B > 1, a 2-D mesh, key blocks shorter than the sequence, gradients, and the error messages; and,
+with jax.lax stand-ins for the FFI calls, the GPU paths' wiring: the default composed kernels
+(pk.all_to_all, the pk.attention forward and backward kernels on the head group) and the fused
+forward behind PK_JAX_ULYSSES_FUSED=1."""
 
 import jax
 import jax.numpy as jnp
@@ -191,8 +194,9 @@ def test_large(monkeypatch, dtype, causal):
 
 
 # ---------------------------------------------------------------------------------------------
-# The fused forward (target pk_ulysses_attn): its wiring on CPU with a jax.lax stand-in for the
-# FFI call (the kernel itself: tests/gpu/test_emulator_ulysses.py).
+# The GPU paths' wiring on CPU with jax.lax stand-ins for the FFI calls: the default composed
+# kernels (pk_all_to_all, the pk_attention forward and backward) and the fused forward
+# (pk_ulysses_attn, PK_JAX_ULYSSES_FUSED=1; the kernel itself: tests/gpu/test_emulator_ulysses.py).
 
 def _dense_gqa_grads(q, k, v, dy, causal):
     """float32 gradients of sum(dense attention * dy), each K/V head used by H / Hkv query
@@ -227,18 +231,39 @@ def _stand_in_attention_backward(calls, results, q, k, v, do, lse, delta, attrs)
     return out
 
 
-def _stand_in_ulysses(monkeypatch) -> list[dict]:
+def _stand_in_attention_forward(calls, results, q, k, v, attrs):
+    """What the pk_attention forward returns: o in q's dtype and lse float32 [B, H, S], K/V
+    heads read in place (GQA)."""
+    b, s, h, _ = q.shape
+    calls.append({"target": "pk_attention", "backward": int(attrs["backward"]), "h": h,
+                  "hkv": k.shape[2], "s": s, "scale": float(attrs["scale"]),
+                  "causal": int(attrs["causal"])})
+    kr, vr = _attention.repeat_kv(q, k, v)
+    out, res = _attention._forward(q, kr, vr, float(attrs["scale"]), bool(attrs["causal"]))
+    lse = res[4].transpose(0, 2, 1)
+    assert out.shape == results[0].shape and lse.shape == results[1].shape == (b, h, s)
+    return out.astype(results[0].dtype), lse
+
+
+def _stand_in_ulysses(monkeypatch, fused: bool = True) -> list[dict]:
     """stand_in_kernels plus a stand-in for pk_ulysses_attn that returns what the kernel does:
     o [B, S/P, H, D] and lse float32 [B, H, S/P], from K/V with the heads the call passes; and
-    one for the pk_attention backward (the kernel-backed backward's head-group pass)."""
+    ones for the pk_attention forward and backward (the composed path's head-group passes).
+    `fused`: PK_JAX_ULYSSES_FUSED=1 in the environment (read at the next pk.init), else unset
+    (the composed default)."""
     from pk_jax import _ffi
 
+    if fused:
+        monkeypatch.setenv("PK_JAX_ULYSSES_FUSED", "1")
+    else:
+        monkeypatch.delenv("PK_JAX_ULYSSES_FUSED", raising=False)
     calls = stand_in_kernels(monkeypatch)
     inner = _ffi.call
 
     def fake(target, results, *args, out_vma=None, **attrs):
+        if target == "pk_attention" and int(attrs["backward"]) == 0:
+            return _stand_in_attention_forward(calls, results, *args, attrs)
         if target == "pk_attention":
-            assert int(attrs["backward"]) == 1  # the forward is pk_ulysses_attn's
             return _stand_in_attention_backward(calls, results, *args, attrs)
         if target != "pk_ulysses_attn":
             return inner(target, results, *args, out_vma=out_vma, **attrs)
@@ -293,6 +318,7 @@ def test_fused_kernel_wiring_forward_and_backward(monkeypatch, p, causal, hkv, b
     assert fused and all(c["hkv"] == lcm for c in fused), fused
     assert all(c["causal"] == int(causal) and c["scale"] == 0.125 and
                c["num_comm_sms"] == ulysses_attn.NUM_COMM_SMS for c in fused), fused
+    assert not [c for c in calls if c["target"] == "pk_attention" and not c["backward"]]
     bwd = [c for c in calls if c["target"] == "pk_attention"]
     if not backward:
         assert not bwd, bwd
@@ -395,3 +421,153 @@ def test_fused_kernel_takes_what_it_compiles(monkeypatch):
         run(lambda a, b, c: pk.ulysses_attention(a, b, c, "sp"), mesh, (SEQ,) * 3, SEQ, q, k, v,
             init=False)
     assert not [c for c in calls if c["target"] == "pk_ulysses_attn"]
+
+
+# The default on GPUs: the composed kernels.
+
+@pytest.mark.parametrize("p,causal,h,hkv,dtype,d", [
+    (2, True, 8, 2, jnp.bfloat16, 64), (4, False, 16, 4, jnp.bfloat16, 64),
+    (2, False, 8, 1, jnp.float16, 128), (4, True, 8, 2, jnp.bfloat16, 128),
+    (4, True, 12, 6, jnp.float16, 64)])
+def test_composed_wiring_forward_and_backward(monkeypatch, p, causal, h, hkv, dtype, d):
+    """By default (PK_JAX_ULYSSES_FUSED unset) the kernel path is pk.all_to_all of q, k, v,
+    one pk_attention forward on the head group [B, S, H/P, D] (K/V heads as they are when P
+    divides them, else repeated up to lcm(Hkv, P): Hkv 1, 2, 6 at P = 2, 4, 4), all_to_all
+    back, and no pk_ulysses_attn; the output matches the reference's and the gradients (the
+    pk_attention backward on the saved head shards) the float32 ones."""
+    from pk_jax.ops import ulysses_attn
+
+    calls = _stand_in_ulysses(monkeypatch, fused=False)
+    mesh = cpu_mesh((p,), ("sp",))
+    q = normal((2, 3 * p, h, d), dtype, 0)
+    k, v = (normal((2, 3 * p, hkv, d), dtype, i) for i in (1, 2))
+    dy = normal(q.shape, dtype, 3)
+
+    def ref(q, k, v):
+        kr, vr = _attention.repeat_kv(q, k, v)
+        return ulysses_attn.reference(q, kr, vr, "sp", causal=causal, scale=d ** -0.5)
+
+    ours, want = vjp_both(lambda *x: pk.ulysses_attention(*x, "sp", causal=causal), ref, mesh,
+                          (SEQ,) * 3, SEQ, (q, k, v), dy)
+    assert ours[0].shape == q.shape and ours[0].dtype == dtype
+    assert_close(ours[0], want[0], dtype)
+    for g, w, x in zip(ours[1:], _dense_gqa_grads(q, k, v, dy, causal), (q, k, v)):
+        assert g.shape == x.shape and g.dtype == x.dtype
+        big = max(1.0, float(np.abs(w).max()))
+        np.testing.assert_allclose(np.asarray(g, np.float32), w, rtol=1.5e-2, atol=1.5e-2 * big)
+    lcm = hkv * p // np.gcd(hkv, p)
+    assert not [c for c in calls if c["target"] == "pk_ulysses_attn"], calls
+    att = [c for c in calls if c["target"] == "pk_attention"]
+    assert [c["backward"] for c in att] == [0, 1], att
+    assert all(c["h"] == h // p and c["hkv"] == lcm // p and c["s"] == 3 * p and
+               c["causal"] == int(causal) and c["scale"] == np.float32(d ** -0.5) for c in att), att
+    assert att[1]["sp"] == 128
+
+
+def test_composed_exchanges(monkeypatch):
+    """The composed path's traffic: forward pk.all_to_all of q, k, v and the output (4) around
+    one pk_attention forward; the backward exchanges only dO to head shards and dq, dk, dv back
+    (4 more) around one pk_attention backward."""
+    calls = _stand_in_ulysses(monkeypatch, fused=False)
+    mesh = cpu_mesh((2,), ("sp",))
+    pk.init(mesh)
+    q, k, v = (jax.device_put(x, NamedSharding(mesh, SEQ))
+               for x in qkv((1, 2 * 64, 4, 64), jnp.bfloat16))
+    f = jax.shard_map(lambda a, b, c: pk.ulysses_attention(a, b, c, "sp", causal=True),
+                      mesh=mesh, in_specs=(SEQ,) * 3, out_specs=SEQ)
+    jax.make_jaxpr(f)(q, k, v)
+    targets = [c["target"] for c in calls]
+    assert targets.count("pk_all_to_all") == 4 and targets.count("pk_attention") == 1, targets
+    assert "pk_ulysses_attn" not in targets
+    calls.clear()
+    jax.make_jaxpr(jax.grad(lambda *x: jnp.sum(f(*x).astype(jnp.float32)),
+                            argnums=(0, 1, 2)))(q, k, v)
+    targets = [c["target"] for c in calls]
+    assert sorted(set(targets)) == ["pk_all_to_all", "pk_attention"], targets
+    assert [c["backward"] for c in calls if c["target"] == "pk_attention"] == [0, 1]
+    assert targets.count("pk_all_to_all") == 8, targets
+
+
+@pytest.mark.parametrize("p,h,hkv,dtype,d,causal", [
+    (2, 4, 2, jnp.float16, 128, True), (4, 8, 1, jnp.bfloat16, 64, False),
+    (2, 6, 3, jnp.bfloat16, 128, True)])
+def test_composed_equals_fused_forward_and_backward(monkeypatch, p, h, hkv, dtype, d, causal):
+    """The composed path and the fused switch (PK_JAX_ULYSSES_FUSED=1, stand-in kernel) give
+    the same output and gradients: both backwards run the pk_attention backward on the same
+    head shards and lse (the composed one from its saved head shards, the fused one after
+    exchanging q, dO, k, v, lse and delta), S/P = 130 (past one 128-row tile)."""
+    from pk_jax.ops import ulysses_attn
+
+    mesh = cpu_mesh((p,), ("sp",))
+    q = normal((1, 130 * p, h, d), dtype, 0)
+    k, v = (normal((1, 130 * p, hkv, d), dtype, i) for i in (1, 2))
+    dy = normal(q.shape, dtype, 3)
+    f = lambda *x: pk.ulysses_attention(*x, "sp", causal=causal, scale=0.1)
+    results = {}
+    for fused in (False, True):
+        pk.shutdown()
+        calls = _stand_in_ulysses(monkeypatch, fused=fused)
+        results[fused] = vjp_both(f, f, mesh, (SEQ,) * 3, SEQ, (q, k, v), dy)[0]
+        targets = {c["target"] for c in calls}
+        assert ("pk_ulysses_attn" in targets) == fused, targets
+        kinds = [c["backward"] for c in calls if c["target"] == "pk_attention"]
+        assert kinds.count(0) == (0 if fused else 2) and kinds.count(1) == 2, kinds
+        assert ulysses_attn.KERNEL_BACKWARD
+    for g, w, x in zip(results[False], results[True], (q, q, k, v)):
+        assert g.shape == x.shape and g.dtype == x.dtype
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                   rtol=1e-2, atol=1e-2 if dtype == jnp.bfloat16 else 2e-3)
+
+
+def test_composed_typing_on_2d_mesh_with_q_replicated_over_dp(monkeypatch):
+    """The composed backward's cotangents carry their primals' varying axes (dq summed over
+    dp, where q is replicated: the backward keeps empty slices of q, k, v for that) and match
+    the reference's."""
+    from pk_jax.ops import ulysses_attn
+
+    calls = _stand_in_ulysses(monkeypatch, fused=False)
+    mesh = cpu_mesh((2, 2), ("dp", "sp"))
+    q = normal((2, 2 * 64, 4, 64), jnp.bfloat16, 0)
+    k, v = (normal((4, 2 * 64, 4, 64), jnp.bfloat16, i) for i in (1, 2))
+    dy = normal((4, 2 * 64, 4, 64), jnp.bfloat16, 3)
+    f = lambda *x: pk.ulysses_attention(*x, "sp", causal=True)
+    ref = lambda *x: ulysses_attn.reference(*x, "sp", causal=True, scale=0.125)
+    specs = (P(None, "sp"), P("dp", "sp"), P("dp", "sp"))
+    ours, want = vjp_both(f, ref, mesh, specs, P("dp", "sp"), (q, k, v), dy)
+    for g, w in zip(ours, want):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                   rtol=2e-2, atol=3e-2)
+    assert [c["backward"] for c in calls if c["target"] == "pk_attention"] == [0, 1]
+
+
+def test_forward_path_is_decided_once(monkeypatch):
+    """forward_path: "composed" by default where the pk.attention kernels take the head group
+    (bf16/fp16, D 64/128, P > 1), "fused" with PK_JAX_ULYSSES_FUSED=1 where pk_ulysses_attn
+    takes the operands, "reference" otherwise; the variable is fixed at pk.init (a change
+    after it is a ValueError at trace time)."""
+    from pk_jax.ops import ulysses_attn
+
+    _stand_in_ulysses(monkeypatch, fused=False)
+    mesh = cpu_mesh((2,), ("sp",))
+
+    def path(p, dtype=jnp.bfloat16, d=128):  # forward_path as the op calls it, given P
+        pk.init(mesh)
+        got = []
+
+        def body(x):
+            got.append(ulysses_attn.forward_path(x, p, "sp"))
+            return x
+
+        f = jax.shard_map(body, mesh=mesh, in_specs=SEQ, out_specs=SEQ)
+        jax.make_jaxpr(f)(jax.device_put(np.zeros((1, 260, 4, d), dtype),
+                                         NamedSharding(mesh, SEQ)))
+        return got[0]
+
+    assert path(2) == "composed" and path(2, jnp.float16, 64) == "composed"
+    assert path(1) == "reference"
+    assert path(2, jnp.float32) == "reference" and path(2, jnp.float16, 96) == "reference"
+    monkeypatch.setenv(ulysses_attn.FUSED_ENV, "1")
+    with pytest.raises(ValueError, match="PK_JAX_ULYSSES_FUSED='1' .*changed after pk.init"):
+        path(2)
+    pk.shutdown()
+    assert path(2) == "fused" and path(1) == "reference" and path(2, jnp.float32) == "reference"

@@ -14,17 +14,25 @@ Schedule:
 
 The exchanges go through `pk.all_to_all`, so they use its CUDA kernel where one runs.
 
-On GPUs at P > 1 (bf16/fp16, head dim 64 or 128) the forward is one fused call (target
-pk_ulysses_attn, cuda/kernels/ulysses_attn.cuh): communication blocks of the attention grid
-push every rank's head-group slices of q, k, v into the owner's symmetric workspace, the
-attention blocks of a head group start on a source's rows as soon as those rows have landed,
-and a tail kernel pulls each rank's output rows back from every head group. The backward is
-composed of kernels (on the kernel's out and lse): delta = rowsum(dO * O) on the local rows,
-`pk.all_to_all` of q, dO, k, v and of (lse, delta) to head shards, the pk.attention backward
-kernels (dQ, dK/dV; grouped-query heads read in place) over the whole sequence for the rank's
-head group, and `pk.all_to_all` of dq, dk, dv back to sequence shards. K/V heads that P does
-not divide are repeated only up to lcm(Hkv, P) heads, and their gradients summed back in
-float32.
+On GPUs at P > 1 (bf16/fp16, head dim 64 or 128) the default forward is composed of kernels:
+`pk.all_to_all` of q, k, v to head shards (K/V heads that P does not divide repeated only up to
+lcm(Hkv, P) heads first), the pk.attention forward kernel (ping-pong schedule; GQA heads read
+in place) over the whole sequence for the rank's head group, which also gives the lse, and
+`pk.all_to_all` of the output back. Its custom VJP keeps the head-sharded q, k, v, output and
+lse, so the backward exchanges only dO to head shards: delta = rowsum(dO * O) there, the
+pk.attention backward kernels (dQ, dK/dV) on the head group, and `pk.all_to_all` of dq, dk, dv
+back to sequence shards; repeated K/V heads' gradients are summed in float32.
+
+A fused forward (target pk_ulysses_attn, cuda/kernels/ulysses_attn.cuh: communication blocks of
+the attention grid push every rank's head-group slices of q, k, v into the owner's symmetric
+workspace, the attention blocks of a head group start on a source's rows as soon as those rows
+have landed, and a tail kernel pulls each rank's output rows back) runs only with
+PK_JAX_ULYSSES_FUSED=1 in the environment (fixed at the first `pk.init`, like the other
+settings): on the H200 (emulated ranks, B 1, S/P 2048, H 8P, D 128, bf16) it measured 0.28-0.88x
+the speed of the composed kernels (geomean 0.53x; bench/results/ulysses_attention_notes.md).
+Its backward is composed too, on the kernel's sequence-sharded out and lse: delta on the local
+rows, `pk.all_to_all` of q, dO, k, v and of (lse, delta) to head shards, the same pk.attention
+backward kernels, and the gradients back. `forward_path` is the one place that decides.
 """
 
 from __future__ import annotations
@@ -70,8 +78,9 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, 
     Raises:
         ValueError: `pk.init` not called, a bad axis, q/k/v not rank 4 or of mismatched
             shapes, Hkv not dividing H,
-            H not divisible by P, a scale that is not positive, or (fused kernel) a symmetric
-            workspace smaller than `workspace_need` (the message names workspace_bytes).
+            H not divisible by P, a scale that is not positive, or (the fused kernel, with
+            PK_JAX_ULYSSES_FUSED=1) a symmetric workspace smaller than `workspace_need` (the
+            message names workspace_bytes).
         TypeError: an unsupported or mismatched dtype, a non-bool causal, a non-number scale.
     """
     p = _checks.axis_size(NAME, axis_name)
@@ -83,22 +92,94 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, 
     causal = _checks.is_bool(NAME, "causal", causal)
     scale = (_attention.default_scale(q.shape[-1]) if scale is None
              else _checks.positive_float(NAME, "scale", scale))
-    if _backend.route(STEM, axis_name, supported=kernel_supports(q, p)).path == "kernel":
-        rep = kv_repeats(k.shape[2], p)
-        kr = jax.ShapeDtypeStruct((*k.shape[:2], k.shape[2] * rep, k.shape[3]), k.dtype)
-        _tp.check_workspace(NAME, workspace_need(q, kr, p),
-                            f"the head-group copies of q {q.shape}, k and v {kr.shape}, the "
-                            "output and lse")
-        backward = ("kernel" if KERNEL_BACKWARD and _backend.use_kernel(_attention_op.NAME)
-                    else "reference")
-        return _kernel_ulysses(q, k, v, axis_name, causal, float(scale), rep, backward)
-    k, v = _attention.repeat_kv(q, k, v)  # grouped-query attention (a no-op at H = Hkv)
-    return reference(q, k, v, axis_name, causal=causal, scale=scale)
+    path = forward_path(q, p, axis_name)
+    if path == "reference":
+        k, v = _attention.repeat_kv(q, k, v)  # grouped-query attention (a no-op at H = Hkv)
+        return reference(q, k, v, axis_name, causal=causal, scale=scale)
+    rep = kv_repeats(k.shape[2], p)
+    if path == "composed":
+        return _composed_ulysses(q, k, v, axis_name, causal, float(scale), rep)
+    kr = jax.ShapeDtypeStruct((*k.shape[:2], k.shape[2] * rep, k.shape[3]), k.dtype)
+    _tp.check_workspace(NAME, workspace_need(q, kr, p),
+                        f"the head-group copies of q {q.shape}, k and v {kr.shape}, the output "
+                        "and lse")
+    backward = ("kernel" if KERNEL_BACKWARD and _backend.use_kernel(_attention_op.NAME)
+                else "reference")
+    return _kernel_ulysses(q, k, v, axis_name, causal, float(scale), rep, backward)
+
+
+FUSED_ENV = "PK_JAX_ULYSSES_FUSED"  # "1": the fused forward kernel (state.Settings.ulysses_fused)
+
+
+def forward_path(q: jax.Array, p: int, axis_name: str) -> str:
+    """How the forward runs, decided once at trace time for (already checked) operands:
+    "composed" (pk.all_to_all, the pk.attention forward kernel on the head group, all_to_all
+    back; the default where that kernel runs at P > 1), "fused" (pk_ulysses_attn, only with
+    PK_JAX_ULYSSES_FUSED=1 and where it takes the operands; it measured slower) or
+    "reference"."""
+    if (state.settings().ulysses_fused == "1" and _backend.route(
+            STEM, axis_name, supported=kernel_supports(q, p)).path == "kernel"):
+        return "fused"
+    route = _backend.route(_attention_op.NAME, supported=composed_supports(q, p))
+    return "composed" if route.path == "kernel" else "reference"
+
+
+def composed_supports(q: jax.Array, p: int) -> bool:
+    """Whether the pk.attention kernels take the head group [B, S, H/P, D] of these operands
+    (the composed path; P divides H)."""
+    return (p > 1 and q.dtype in _checks.MATMUL_DTYPES_NP
+            and q.shape[3] in _attention_op.HEAD_DIMS and q.shape[0] < 65536
+            and q.shape[2] // p < 65536 and q.shape[1] * q.shape[2] * q.shape[3] < 2**31)
 
 
 # ---------------------------------------------------------------------------------------------
-# The fused kernel (target pk_ulysses_attn, cuda/kernels/ulysses_attn.cuh): the forward in one
-# call; the backward composed of pk.all_to_all and the pk.attention backward kernels.
+# The default on GPUs: pk.all_to_all, the pk.attention kernels on the head group, all_to_all
+# back; the custom VJP keeps the head-sharded operands, output and lse.
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _composed_ulysses(q, k, v, axis_name, causal, scale, rep):
+    return _composed_fwd(q, k, v, axis_name, causal, scale, rep)[0]
+
+
+def _composed_fwd(q, k, v, axis_name, causal, scale, rep):
+    # [B, S/P, H, D] -> [B, S, H/P, D]: split heads, gather the sequence in rank order.
+    qh, kh, vh = (all_to_all(x, axis_name, 2, 1) for x in (q, _repeat(k, rep), _repeat(v, rep)))
+    oh, lse = _attention_op._forward_call(qh, kh, vh, scale, causal)  # lse [B, H/P, S]
+    # Empty slices of q, k, v carry their dtypes and varying axes to the backward.
+    like = tuple(x[:0] for x in (q, k, v))
+    return all_to_all(oh, axis_name, 1, 2), (qh, kh, vh, oh, lse, like)
+
+
+def _composed_ulysses_bwd(axis_name, causal, scale, rep, res, do):
+    qh, kh, vh, oh, lse, (q, k, v) = res
+    doh = all_to_all(do.astype(qh.dtype), axis_name, 2, 1)
+    # delta = rowsum(dO * O) per query row and head of the group, [B, H/P, S] like lse.
+    delta = jnp.sum(doh.astype(jnp.float32) * oh.astype(jnp.float32), axis=-1
+                    ).transpose(0, 2, 1)
+    dq, dkr, dvr = (all_to_all(g, axis_name, 1, 2)
+                    for g in _head_group_bwd(scale, causal, qh, kh, vh, doh, lse, delta))
+    dk, dv = _unrepeat(dkr, rep, k), _unrepeat(dvr, rep, v)
+    return tuple(_vjp.fit(g, x) for g, x in ((dq, q), (dk, k), (dv, v)))
+
+
+_composed_ulysses.defvjp(_composed_fwd, _composed_ulysses_bwd)
+
+
+def _head_group_bwd(scale, causal, qh, kh, vh, doh, lse, delta):
+    """dq, dk, dv on head shards [B, S, ., D] from the pk_attention backward kernels; lse and
+    delta float32 [B, H/P, S]."""
+    pad = ((0, 0), (0, 0), (0, -qh.shape[1] % _PAD))  # lse = +inf past S: those rows get P = 0
+    return _ffi.call("pk_attention", [jax.ShapeDtypeStruct(x.shape, x.dtype)
+                                      for x in (qh, kh, vh)],
+                     qh, kh, vh, doh, jnp.pad(lse, pad, constant_values=jnp.inf),
+                     jnp.pad(delta, pad), scale=np.float32(scale), causal=np.int64(causal),
+                     backward=np.int64(1))
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused kernel (target pk_ulysses_attn, cuda/kernels/ulysses_attn.cuh; PK_JAX_ULYSSES_FUSED=1):
+# the forward in one call; the backward composed of pk.all_to_all and the pk.attention backward
+# kernels.
 
 HEAD_DIMS = (64, 128)
 NUM_COMM_SMS = 2  # communication blocks (the same on every rank; each moves 1/C of the data)
@@ -198,15 +279,8 @@ def _composed_bwd(axis_name, causal, scale, res, do):
     # [2, B, H, S/P] -> [2, B, H/P, S] likewise for (lse, delta).
     qh, doh, kh, vh = (all_to_all(x, axis_name, 2, 1) for x in (q, do, k, v))
     stats = all_to_all(jnp.stack([lse, delta]), axis_name, 2, 3)
-    s = qh.shape[1]
-    pad = ((0, 0), (0, 0), (0, -s % _PAD))  # lse = +inf past S: those rows get P = 0
-    lse_h = jnp.pad(stats[0], pad, constant_values=jnp.inf)
-    delta_h = jnp.pad(stats[1], pad)
-    dq, dk, dv = _ffi.call("pk_attention", [jax.ShapeDtypeStruct(x.shape, x.dtype)
-                                            for x in (qh, kh, vh)],
-                           qh, kh, vh, doh, lse_h, delta_h, scale=np.float32(scale),
-                           causal=np.int64(causal), backward=np.int64(1))
-    return tuple(all_to_all(g, axis_name, 1, 2) for g in (dq, dk, dv))
+    return tuple(all_to_all(g, axis_name, 1, 2)
+                 for g in _head_group_bwd(scale, causal, qh, kh, vh, doh, stats[0], stats[1]))
 
 
 _kernel_ulysses.defvjp(_kernel_ulysses_fwd, _kernel_ulysses_bwd)

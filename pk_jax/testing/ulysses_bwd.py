@@ -1,6 +1,8 @@
 """The kernel-backed Ulysses attention backward in the rank emulator: the kernels
-pk.ulysses_attention's VJP runs on GPUs (pk_jax/ops/ulysses_attn.py `_composed_bwd`), on the
-same layouts, queued one after another on each rank's stream:
+pk.ulysses_attention's VJP runs on GPUs after the fused forward (PK_JAX_ULYSSES_FUSED=1;
+pk_jax/ops/ulysses_attn.py `_composed_bwd`), on the same layouts, queued one after another on
+each rank's stream (after the default composed forward, which keeps the head shards, the VJP
+exchanges only dO in step 1: this is an upper bound of its cost):
 
     1. pk all_to_all of q, dO, k, v: [B, S/P, H, D] -> [B, S, H/P, D] (split heads, gather
        the sequence in rank order), and of the stacked (lse, delta): [2, B, H, S/P] ->

@@ -224,7 +224,8 @@ section_moe_fused() {
 # emulated ranks against the float32 reference (tests/gpu/test_emulator_ulysses.py, the
 # backward's tests named test_backward_*; PK_JAX_EMU_ULYSSES_CALLS sets the back-to-back calls
 # per P, default 100), pk.ulysses_attention's forward and gradients through JAX with 2 and 4
-# processes sharing the GPU (tests/gpu/ulysses_mp.py), then the emulated benchmark (forward
+# processes sharing the GPU (tests/gpu/ulysses_mp.py: the default composed kernels; then with 2
+# processes and PK_JAX_ULYSSES_FUSED=1, the fused forward), then the emulated benchmark (forward
 # fused vs unfused: all_to_all of q, k, v, pk.attention, all_to_all back; backward composed vs
 # the fused ring backward).
 section_ulysses() {
@@ -233,18 +234,22 @@ section_ulysses() {
   for n in 2 4; do  # through JAX: FFI handler, lowering (processes share the GPU)
     PK_JAX_TIMEOUT_S=30 step launch "$n" --timeout 250 tests/gpu/ulysses_mp.py
   done
+  # the fused forward (opt-in): its forward cases and one gradient case
+  PK_JAX_ULYSSES_FUSED=1 PK_JAX_TIMEOUT_S=30 step launch 2 --timeout 250 tests/gpu/ulysses_mp.py
   step "$PY" bench/bench_ulysses_attn.py --quick
 }
 
 # The kernel-backed Ulysses backward alone (issue 11; a subset of section ulysses, ~3.5 min):
 # the emulator's backward tests at P = 2, 4, 8 (pk all_to_all to head shards, the pk.attention
 # backward, all_to_all back, against the float32 reference gradients), pk.ulysses_attention's
-# forward and gradients through JAX with 2 processes sharing the GPU, then the emulated
+# forward and gradients through JAX with 2 processes sharing the GPU (default path, then
+# PK_JAX_ULYSSES_FUSED=1), then the emulated
 # benchmark (forward fused vs unfused; backward composed vs the fused ring backward).
 section_ulysses_bwd() {
   export CUDA_MODULE_LOADING=EAGER  # pk_jax.testing.require_eager_loading says why
   step "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_emulator_ulysses.py -k backward
   PK_JAX_TIMEOUT_S=30 step launch 2 --timeout 250 tests/gpu/ulysses_mp.py
+  PK_JAX_ULYSSES_FUSED=1 PK_JAX_TIMEOUT_S=30 step launch 2 --timeout 250 tests/gpu/ulysses_mp.py
   step "$PY" bench/bench_ulysses_attn.py --quick
   step "$PY" bench/plot_sp_attention.py  # bench/results/sp_attention.png (ring and Ulysses rows)
 }

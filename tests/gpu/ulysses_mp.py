@@ -1,21 +1,28 @@
 """pk.ulysses_attention's forward and gradients across P processes, through JAX (the FFI
-handler pk_ulysses_attn, the kernel-backed backward: pk_all_to_all and the pk_attention
-backward, the Python lowering and its attributes, which the rank emulator does not exercise).
+handlers pk_all_to_all and pk_attention of the default composed path, or pk_ulysses_attn with
+PK_JAX_ULYSSES_FUSED=1; the Python lowering and its attributes, which the rank emulator does
+not exercise).
 
     python -m pk_jax.launch -n 2 --share-gpu tests/gpu/ulysses_mp.py
+    PK_JAX_ULYSSES_FUSED=1 python -m pk_jax.launch -n 2 --share-gpu tests/gpu/ulysses_mp.py
 
-P processes share the one GPU (run_all.sh section ulysses runs P = 2, 4). Every process builds
-every rank's inputs from one seed, runs pk.ulysses_attention under jit(shard_map) on a 1-D mesh
-over all processes, and compares its own shard with the float32 numpy reference over the whole
-sequence (pk_jax.testing.ops.ulysses_attn) at bf16/fp16 tolerance. Cases: causal or not, GQA
-(K/V heads divisible by P, and not: repeated to H), S/P not a multiple of the 128-row tile,
-B = 2, D 64 and 128; two calls in a row with a pk.all_reduce between them reusing the
-symmetric workspace; a straggler (the last rank sleeps 1 s). Gradients (jax.vjp through
-pk.ulysses_attention: all_to_all of q, dO, k, v, lse and delta, the pk_attention backward on
-the head group, all_to_all of dq, dk, dv back; no XLA collective) against the float32
-reference gradients over the whole sequence (pk_jax.testing.ops.ring_attn_bwd, contiguous:
-the same function): causal or not, GQA (K/V heads divisible by P and not), tails, D 64 and
-128, bf16 and fp16, twice in a row, a straggler.
+P processes share the one GPU (run_all.sh section ulysses runs P = 2, 4). First the lowered
+forward is checked to take the path the environment asks for (its HLO names pk_attention and
+not pk_ulysses_attn by default, pk_ulysses_attn with PK_JAX_ULYSSES_FUSED=1, neither on CPU).
+Every process builds every rank's inputs from one seed, runs pk.ulysses_attention under
+jit(shard_map) on a 1-D mesh over all processes, and compares its own shard with the float32
+numpy reference over the whole sequence (pk_jax.testing.ops.ulysses_attn) at bf16/fp16
+tolerance. Cases: causal or not, GQA (K/V heads divisible by P, and not: repeated to
+lcm(Hkv, P)), S/P not a multiple of the 128-row tile, B = 2, D 64 and 128; two calls in a row
+with a pk.all_reduce between them reusing the symmetric workspace; a straggler (the last rank
+sleeps 1 s). Gradients (jax.vjp through pk.ulysses_attention: by default all_to_all of dO to
+the saved head shards, the pk_attention backward on the head group, all_to_all of dq, dk, dv
+back; with the fused forward, all_to_all of q, dO, k, v, lse and delta first; no XLA
+collective) against the float32 reference gradients over the whole sequence
+(pk_jax.testing.ops.ring_attn_bwd, contiguous: the same function): causal or not, GQA (K/V
+heads divisible by P and not), tails, D 64 and 128, bf16 and fp16, twice in a row, a
+straggler. With PK_JAX_ULYSSES_FUSED=1 the forward cases all run and one gradient case (GQA
+with P not dividing Hkv, causal): the fused forward is opt-in, measured slower.
 
 On a machine without a GPU the same script runs on CPU processes, where the op runs its
 reference: a check of the script itself.
@@ -54,16 +61,25 @@ def main() -> None:
         t.check_backward(op, reference, seed, b, sl, h, hkv, d, dtype, f"causal={causal}",
                          **kw)
 
+    fused = os.environ.get("PK_JAX_ULYSSES_FUSED", "0").strip() == "1"
+    gpu = pk.backend_name("attention") == "cuda"
+    path = ("fused" if fused else "composed") if gpu else "reference"
+    check_path(t, forward(True), path)
+
     t0 = time.time()
     count = 0
-    for i, (b, sl, h, hkv, d, dtype) in enumerate([(1, 256, 4, 4, 128, "bfloat16"),
-                                                   (2, 130, 8, 4, 64, "float16"),
-                                                   (1, 200, 8, 1, 128, "bfloat16")]):
-        for causal in (False, True):
-            grad_case(50 + 10 * i + causal, b, sl, h, hkv, d, dtype, causal, calls=2)
-            count += 1
-    grad_case(93, 1, 192, 8, 2, 64, "bfloat16", True, sleep_rank=t.n - 1)
-    count += 1
+    if fused:  # one gradient case through the fused forward's residuals
+        grad_case(72, 1, 200, 8, 1, 128, "bfloat16", True, calls=2)
+        count += 1
+    else:
+        for i, (b, sl, h, hkv, d, dtype) in enumerate([(1, 256, 4, 4, 128, "bfloat16"),
+                                                       (2, 130, 8, 4, 64, "float16"),
+                                                       (1, 200, 8, 1, 128, "bfloat16")]):
+            for causal in (False, True):
+                grad_case(50 + 10 * i + causal, b, sl, h, hkv, d, dtype, causal, calls=2)
+                count += 1
+        grad_case(93, 1, 192, 8, 2, 64, "bfloat16", True, sleep_rank=t.n - 1)
+        count += 1
     for i, (b, sl, h, hkv, d, dtype) in enumerate([(1, 256, 4, 4, 128, "bfloat16"),
                                                    (2, 130, 8, 4, 64, "float16"),
                                                    (1, 200, 8, 1, 128, "bfloat16")]):
@@ -73,7 +89,21 @@ def main() -> None:
     case(91, 1, 128, 4, 4, 64, "bfloat16", True, calls=2, between=True)
     case(92, 1, 192, 8, 4, 128, "bfloat16", True, calls=2, sleep_rank=t.n - 1)
     count += 2
-    print(f"ulysses_mp OK: P={t.n}, {count} cases in {time.time() - t0:.1f} s", flush=True)
+    print(f"ulysses_mp OK: P={t.n}, path {path}, {count} cases in {time.time() - t0:.1f} s",
+          flush=True)
+
+
+def check_path(t, f, path: str) -> None:
+    """Asserts that the lowered forward f takes `path`: its HLO names pk_attention and not
+    pk_ulysses_attn ("composed"), pk_ulysses_attn ("fused"), or neither ("reference")."""
+    import numpy as np
+
+    x = t.place(np.zeros((1, 128 * t.n, 2 * t.n, 128), np.float32).astype(t.jax.numpy.bfloat16))
+    text = f.lower(x, x, x).as_text()
+    got = {name for name in ("pk_attention", "pk_ulysses_attn") if f"@{name}(" in text}
+    want = {"composed": {"pk_attention"}, "fused": {"pk_ulysses_attn"}, "reference": set()}[path]
+    assert got == want, f"rank {t.me}: expected the {path} path, the HLO calls {sorted(got)}"
+    print(f"rank {t.me}: forward path {path} (HLO calls {sorted(got)})", flush=True)
 
 
 if __name__ == "__main__":
