@@ -200,7 +200,7 @@ def moe_dispatch_gemm(x: jax.Array, expert_ids: jax.Array, w1: jax.Array, axis_n
                       num_experts: int, capacity: int) -> tuple[jax.Array, jax.Array, MoeHandle]:
     """`moe_dispatch`, then every local expert's first GEMM on the rows it received.
 
-    With PK_JAX_MOE_FUSED=1 in the environment (work in progress, off by default) and on the
+    With PK_JAX_MOE_FUSED=1 in the environment (off by default: it measured slower) and on the
     CUDA path, one fused kernel runs instead (cuda/kernels/moe_dispatch_gemm.cuh): each
     expert's GEMM starts as soon as every rank's rows of it have arrived (bf16/fp16, H and N
     multiples of 8, P x num_experts <= 2528).
@@ -238,7 +238,7 @@ def moe_gemm_combine(h: jax.Array, w2: jax.Array, weights: jax.Array, handle: Mo
         w2: [E / P, F, H'], this rank's experts.
         weights, handle, axis_name: as for `moe_combine`.
 
-    With PK_JAX_MOE_FUSED=1 in the environment (work in progress, off by default) and on the
+    With PK_JAX_MOE_FUSED=1 in the environment (off by default: it measured slower) and on the
     CUDA path, fused kernels run instead (cuda/kernels/moe_gemm_combine.cuh): the GEMM's
     epilogue stores each output row straight into its token's rank's symmetric workspace and
     the token's rank sums its k rows (bf16/fp16, F and H' multiples of 8); the same result as
@@ -363,9 +363,10 @@ def _dispatch_k_bwd(axis_name, num_experts, capacity, res, cts):
 _dispatch_k.defvjp(_dispatch_k_fwd, _dispatch_k_bwd)
 
 
-# The fused dispatch + first expert GEMM (cuda/kernels/moe_dispatch_gemm.cuh) is work in
-# progress: moe_dispatch_gemm runs it only when the environment sets PK_JAX_MOE_FUSED=1 (read
-# at trace time), and composes moe_dispatch and grouped_matmul otherwise.
+# The fused dispatch + first expert GEMM (cuda/kernels/moe_dispatch_gemm.cuh) is opt-in (it
+# measured 0.63-0.79x of the composition, bench/results/moe_notes.md): moe_dispatch_gemm runs
+# it only when the environment sets PK_JAX_MOE_FUSED=1 (read at trace time), and composes
+# moe_dispatch and grouped_matmul otherwise.
 FUSED_ENV = "PK_JAX_MOE_FUSED"
 KERNEL_MAX_FUSED_COUNTS = KERNEL_MAX_COUNTS // 2  # the count range's other half: arrivals
 
@@ -456,8 +457,8 @@ def _combine_k_bwd(axis_name, res, dout):
 _combine_k.defvjp(_combine_k_fwd, _combine_k_bwd)
 
 
-# The fused second expert GEMM + combine (cuda/kernels/moe_gemm_combine.cuh), work in progress
-# behind the same switch as the fused dispatch: moe_gemm_combine composes grouped_matmul and
+# The fused second expert GEMM + combine (cuda/kernels/moe_gemm_combine.cuh; 0.73-0.99x of the
+# composition) behind the same switch as the fused dispatch: moe_gemm_combine composes grouped_matmul and
 # moe_combine unless PK_JAX_MOE_FUSED=1 (read at trace time).
 
 
