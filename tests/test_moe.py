@@ -300,8 +300,9 @@ def test_emulator_gemm_combine_cases_match_the_references(p, seed):
 
 
 def test_fused_gemm_combine_path_forward_and_vjp(kernel_path, monkeypatch):
-    """PK_JAX_MOE_FUSED=1 with the kernel path on (pk_moe_gemm_combine replaced by a lax
-    stand-in with its contract): the fused path is taken, and its forward and custom VJP (the
+    """fused_kernels() (as PK_JAX_MOE_FUSED=1) with the kernel path on (pk_moe_gemm_combine replaced by a lax
+    stand-in with its contract): the fused path is taken inside the block only (one jitted
+    function: the block is part of jit's cache key), and its forward and custom VJP (the
     composition's) equal the composition's."""
     from pk_jax.ops import moe
 
@@ -334,13 +335,18 @@ def test_fused_gemm_combine_path_forward_and_vjp(kernel_path, monkeypatch):
         return jnp.sum(out.astype(jnp.float32) * g), out
 
     results = {}
-    for fused in ("1", "0"):
-        monkeypatch.setenv(moe.FUSED_ENV, fused)
-        (_val, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(2, 3, 4), has_aux=True))(
-            x, ids, hh, w2, wt)
+    f = jax.jit(jax.value_and_grad(loss, argnums=(2, 3, 4), has_aux=True))
+    for fused in (True, False):  # one jitted function: the block is part of its cache key
+        with moe.fused_kernels(fused):
+            (_val, out), grads = f(x, ids, hh, w2, wt)
         results[fused] = (out, grads)
-    assert taken, "the fused path was not taken"
-    np.testing.assert_array_equal(np.asarray(results["1"][0], np.float32),
-                                  np.asarray(results["0"][0], np.float32))
-    for a, b in zip(results["1"][1], results["0"][1]):
+        if fused:
+            assert taken, "the fused path was not taken inside fused_kernels()"
+            traced = len(taken)
+        assert len(taken) == traced, "the fused path was taken inside fused_kernels(False)"
+    f(x, ids, hh, w2, wt)  # outside a block: PK_JAX_MOE_FUSED (unset), the composition
+    assert len(taken) == traced, "the fused path was taken outside fused_kernels()"
+    np.testing.assert_array_equal(np.asarray(results[True][0], np.float32),
+                                  np.asarray(results[False][0], np.float32))
+    for a, b in zip(results[True][1], results[False][1]):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

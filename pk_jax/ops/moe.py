@@ -25,7 +25,8 @@ VJPs.
 
 from __future__ import annotations
 
-import os
+import contextlib
+import threading
 from functools import partial
 from typing import NamedTuple
 
@@ -200,8 +201,9 @@ def moe_dispatch_gemm(x: jax.Array, expert_ids: jax.Array, w1: jax.Array, axis_n
                       num_experts: int, capacity: int) -> tuple[jax.Array, jax.Array, MoeHandle]:
     """`moe_dispatch`, then every local expert's first GEMM on the rows it received.
 
-    With PK_JAX_MOE_FUSED=1 in the environment (off by default: it measured slower) and on the
-    CUDA path, one fused kernel runs instead (cuda/kernels/moe_dispatch_gemm.cuh): each
+    With PK_JAX_MOE_FUSED=1 (fixed at pk.init) or inside `fused_kernels()` (off by default: it
+    measured slower), and on the CUDA path, one fused kernel runs instead
+    (cuda/kernels/moe_dispatch_gemm.cuh): each
     expert's GEMM starts as soon as every rank's rows of it have arrived (bf16/fp16, H and N
     multiples of 8, P x num_experts <= 2528).
 
@@ -238,8 +240,9 @@ def moe_gemm_combine(h: jax.Array, w2: jax.Array, weights: jax.Array, handle: Mo
         w2: [E / P, F, H'], this rank's experts.
         weights, handle, axis_name: as for `moe_combine`.
 
-    With PK_JAX_MOE_FUSED=1 in the environment (off by default: it measured slower) and on the
-    CUDA path, fused kernels run instead (cuda/kernels/moe_gemm_combine.cuh): the GEMM's
+    With PK_JAX_MOE_FUSED=1 (fixed at pk.init) or inside `fused_kernels()` (off by default: it
+    measured slower), and on the CUDA path, fused kernels run instead
+    (cuda/kernels/moe_gemm_combine.cuh): the GEMM's
     epilogue stores each output row straight into its token's rank's symmetric workspace and
     the token's rank sums its k rows (bf16/fp16, F and H' multiples of 8); the same result as
     the composition, bit for bit (y rounded to h's dtype, summed in float32).
@@ -363,17 +366,44 @@ def _dispatch_k_bwd(axis_name, num_experts, capacity, res, cts):
 _dispatch_k.defvjp(_dispatch_k_fwd, _dispatch_k_bwd)
 
 
-# The fused dispatch + first expert GEMM (cuda/kernels/moe_dispatch_gemm.cuh) is opt-in (it
-# measured 0.63-0.79x of the composition, bench/results/moe_notes.md): moe_dispatch_gemm runs
-# it only when the environment sets PK_JAX_MOE_FUSED=1 (read at trace time), and composes
-# moe_dispatch and grouped_matmul otherwise.
-FUSED_ENV = "PK_JAX_MOE_FUSED"
+# The fused kernels (moe_dispatch_gemm.cuh: dispatch + first expert GEMM, 0.63-0.79x of the
+# composition; moe_gemm_combine.cuh: second GEMM + combine, 0.73-0.99x;
+# bench/results/moe_notes.md) are opt-in: PK_JAX_MOE_FUSED=1 (a setting fixed at pk.init) or
+# a `fused_kernels` block; the ops compose dispatch / grouped_matmul / combine otherwise.
+FUSED_ENV = "PK_JAX_MOE_FUSED"  # state.Settings.moe_fused
+_local = threading.local()
+# The block's choice joins jit's cache key through a user context (as cost_model.override).
+_jit_key = jax.make_user_context(None)
+
+
+@contextlib.contextmanager
+def fused_kernels(enabled: bool = True):
+    """Runs (or, with enabled=False, never runs) the fused MoE kernels for the
+    `moe_dispatch_gemm` / `moe_gemm_combine` calls traced inside the block, whatever
+    PK_JAX_MOE_FUSED says. Part of what jit caches on: a jitted function called inside the
+    block is traced for it, and traced again (or taken from the cache) outside.
+    """
+    prev = getattr(_local, "fused", None)
+    _local.fused = bool(enabled)
+    try:
+        with _jit_key(("moe_fused", _local.fused)):
+            yield
+    finally:
+        _local.fused = prev
+
+
+def fused_enabled() -> bool:
+    """Whether the fused MoE kernels are asked for here: the innermost `fused_kernels` block,
+    else PK_JAX_MOE_FUSED (fixed at pk.init)."""
+    forced = getattr(_local, "fused", None)
+    return forced if forced is not None else state.settings().moe_fused == "1"
+
 KERNEL_MAX_FUSED_COUNTS = KERNEL_MAX_COUNTS // 2  # the count range's other half: arrivals
 
 
 def _fused_applies(x, expert_ids, w1, p: int, num_experts: int, capacity: int,
                    axis_name: str) -> bool:
-    if os.environ.get(FUSED_ENV, "0") != "1" or w1.ndim != 3:
+    if not fused_enabled() or w1.ndim != 3:
         return False
     el, h, n = w1.shape
     fits = (x.dtype in (jnp.bfloat16, jnp.float16) and w1.dtype == x.dtype
@@ -457,13 +487,12 @@ def _combine_k_bwd(axis_name, res, dout):
 _combine_k.defvjp(_combine_k_fwd, _combine_k_bwd)
 
 
-# The fused second expert GEMM + combine (cuda/kernels/moe_gemm_combine.cuh; 0.73-0.99x of the
-# composition) behind the same switch as the fused dispatch: moe_gemm_combine composes grouped_matmul and
-# moe_combine unless PK_JAX_MOE_FUSED=1 (read at trace time).
+# The fused second expert GEMM + combine (cuda/kernels/moe_gemm_combine.cuh), behind the same
+# switch as the fused dispatch (fused_enabled).
 
 
 def _gemm_combine_applies(h, w2, weights, handle, p: int, axis_name: str) -> bool:
-    if os.environ.get(FUSED_ENV, "0") != "1" or w2.ndim != 3 or h.ndim != 2:
+    if not fused_enabled() or w2.ndim != 3 or h.ndim != 2:
         return False
     if weights.ndim != 2 or weights.shape != handle.position.shape:
         return False  # the composition raises the shape error

@@ -61,6 +61,7 @@ class Settings:
     all_reduce_algorithm: str = "auto"     # PK_JAX_ALL_REDUCE_ALGORITHM
     single_device_kernels: str = "0"       # PK_JAX_SINGLE_DEVICE_KERNELS
     ulysses_fused: str = "0"               # PK_JAX_ULYSSES_FUSED
+    moe_fused: str = "0"                   # PK_JAX_MOE_FUSED
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -73,7 +74,8 @@ SETTINGS_ENV = {"backend": ("PK_JAX_BACKEND", "auto"), "tp_mode": ("PK_JAX_TP_MO
                 "tp_comm_sms": ("PK_JAX_TP_COMM_SMS", ""),
                 "all_reduce_algorithm": ("PK_JAX_ALL_REDUCE_ALGORITHM", "auto"),
                 "single_device_kernels": ("PK_JAX_SINGLE_DEVICE_KERNELS", "0"),
-                "ulysses_fused": ("PK_JAX_ULYSSES_FUSED", "0")}
+                "ulysses_fused": ("PK_JAX_ULYSSES_FUSED", "0"),
+                "moe_fused": ("PK_JAX_MOE_FUSED", "0")}
 
 
 def settings() -> Settings:
@@ -213,7 +215,7 @@ def init(mesh: jax.sharding.Mesh, *, workspace_bytes: int | None = None,
     program may use several (training and evaluation meshes, sub-meshes). The first call fixes
     the options and the settings read from the environment (PK_JAX_BACKEND, PK_JAX_TP_MODE,
     PK_JAX_TP_COMM_SMS, PK_JAX_ALL_REDUCE_ALGORITHM, PK_JAX_SINGLE_DEVICE_KERNELS,
-    PK_JAX_ULYSSES_FUSED) until `pk.shutdown()`.
+    PK_JAX_ULYSSES_FUSED, PK_JAX_MOE_FUSED) until `pk.shutdown()`.
 
     Args:
         mesh: a mesh that the shard_maps calling pk ops use.

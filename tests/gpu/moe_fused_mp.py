@@ -1,10 +1,12 @@
-"""pk.moe_dispatch_gemm's and pk.moe_gemm_combine's fused kernels (PK_JAX_MOE_FUSED=1, work in
-progress) across P processes, through JAX: the FFI handlers, the lowerings and the custom VJPs.
+"""pk.moe_dispatch_gemm's and pk.moe_gemm_combine's fused kernels (opt-in: PK_JAX_MOE_FUSED=1
+or a pk_jax.ops.moe.fused_kernels() block) across P processes, through JAX: the FFI handlers,
+the lowerings and the custom VJPs.
 
     python -m pk_jax.launch -n 4 --share-gpu tests/gpu/moe_fused_mp.py
 
 Every process builds every rank's inputs from one seed and runs pk.moe_dispatch_gemm under
-jit(shard_map) twice: traced with PK_JAX_MOE_FUSED=1 (the fused kernel) and with it unset (the
+jit(shard_map) twice: traced inside fused_kernels(True) (the fused kernel; on a GPU its HLO must
+call pk_moe_dispatch_gemm) and inside fused_kernels(False) (the
 composition of pk.moe_dispatch and pk.grouped_matmul, tested by moe_mp.py and the grouped GEMM
 tests). Integer inputs in {-1, 0, 1}, so both are exact and must agree bit for bit: h, the
 group sizes and the whole handle; then the gradients of sum(h * g) with respect to x and w1;
@@ -15,7 +17,6 @@ weights.
 On a machine without a GPU both traces run the references (a check of the script itself).
 """
 
-import os
 import time
 
 
@@ -45,7 +46,16 @@ def main() -> None:
         assert len(shards) == 1
         return np.asarray(shards[0].data)
 
-    def build(experts, capacity, fused: bool):
+    on_gpu = pk.backend_name("moe_dispatch", "ep") == "cuda"
+
+    def check_path(f, args, target: str, fused: bool) -> None:
+        """On a GPU, the lowered f calls the fused kernel's target exactly when fused."""
+        if on_gpu:
+            calls = f"@{target}(" in f.lower(*args).as_text()
+            assert calls == fused, (f"rank {me}: fused={fused}, but the HLO "
+                                    f"{'calls' if calls else 'does not call'} {target}")
+
+    def build(experts, capacity):
         def body(x, e, w):
             h, sizes, hd = pk.moe_dispatch_gemm(x[0], e[0], w[0], "ep", num_experts=experts,
                                                 capacity=capacity)
@@ -59,10 +69,6 @@ def main() -> None:
             return jnp.sum(fwd(x, e, w)[0].astype(jnp.float32) * g)
 
         grad = jax.jit(jax.grad(loss, argnums=(0, 2)))
-        if fused:
-            os.environ[moe_ops.FUSED_ENV] = "1"
-        else:
-            os.environ.pop(moe_ops.FUSED_ENV, None)
         return fwd, grad
 
     def case(seed, t, k, experts, h, nn, dtype, capacity_kind, *, calls=1, sleep_rank=None,
@@ -76,18 +82,19 @@ def main() -> None:
         g = rng.integers(-1, 2, (n, capacity, nn)).astype(np.float32)
         args = (place(x.astype(dtype)), place(ids), place(w.astype(dtype)))
         results = {}
+        fwd, grad = build(experts, capacity)
         for fused in (True, False):
-            fwd, grad = build(experts, capacity, fused)
-            outs = None
-            for _ in range(calls):
-                if sleep_rank == me:
-                    time.sleep(1.0)
-                outs = [local(o) for o in jax.block_until_ready(fwd(*args))]
-            gr = None
-            if grads:
-                gr = [local(v) for v in jax.block_until_ready(grad(*args, place(g)))]
+            with moe_ops.fused_kernels(fused):
+                check_path(fwd, args, "pk_moe_dispatch_gemm", fused)
+                outs = None
+                for _ in range(calls):
+                    if sleep_rank == me:
+                        time.sleep(1.0)
+                    outs = [local(o) for o in jax.block_until_ready(fwd(*args))]
+                gr = None
+                if grads:
+                    gr = [local(v) for v in jax.block_until_ready(grad(*args, place(g)))]
             results[fused] = (outs, gr)
-        os.environ.pop(moe_ops.FUSED_ENV, None)
         what = f"P={n} rank {me} case {seed}"
         names = ("h", "group_sizes", "dest", "pos", "dropped", "received_dropped")
         for name, a, b in zip(names, results[True][0], results[False][0]):
@@ -98,7 +105,7 @@ def main() -> None:
                 if not np.array_equal(a.astype(np.float64), b.astype(np.float64)):
                     raise AssertionError(f"{what}: fused {name} differs from the composition")
 
-    def build_gc(experts, capacity, fused: bool):
+    def build_gc(experts, capacity):
         def body(x, e, hh, w, wt):
             _, _, hd = pk.moe_dispatch(x[0], e[0], "ep", num_experts=experts, capacity=capacity)
             return pk.moe_gemm_combine(hh[0], w[0], wt[0], hd, "ep")[None]
@@ -110,10 +117,6 @@ def main() -> None:
             return jnp.sum(fwd(x, e, hh, w, wt).astype(jnp.float32) * g)
 
         grad = jax.jit(jax.grad(loss, argnums=(2, 3, 4)))
-        if fused:
-            os.environ[moe_ops.FUSED_ENV] = "1"
-        else:
-            os.environ.pop(moe_ops.FUSED_ENV, None)
         return fwd, grad
 
     def case_gc(seed, t, k, experts, h, f, dtype, capacity_kind, *, calls=1, sleep_rank=None,
@@ -130,18 +133,19 @@ def main() -> None:
         args = (place(x.astype(dtype)), place(ids), place(hh.astype(dtype)),
                 place(w.astype(dtype)), place(wt))
         results = {}
+        fwd, grad = build_gc(experts, capacity)
         for fused in (True, False):
-            fwd, grad = build_gc(experts, capacity, fused)
-            out = None
-            for _ in range(calls):
-                if sleep_rank == me:
-                    time.sleep(1.0)
-                out = local(jax.block_until_ready(fwd(*args)))
-            gr = None
-            if grads:
-                gr = [local(v) for v in jax.block_until_ready(grad(*args, place(g)))]
+            with moe_ops.fused_kernels(fused):
+                check_path(fwd, args, "pk_moe_gemm_combine", fused)
+                out = None
+                for _ in range(calls):
+                    if sleep_rank == me:
+                        time.sleep(1.0)
+                    out = local(jax.block_until_ready(fwd(*args)))
+                gr = None
+                if grads:
+                    gr = [local(v) for v in jax.block_until_ready(grad(*args, place(g)))]
             results[fused] = (out, gr)
-        os.environ.pop(moe_ops.FUSED_ENV, None)
         what = f"P={n} rank {me} gemm_combine case {seed}"
         if not np.array_equal(results[True][0].astype(np.float64),
                               results[False][0].astype(np.float64)):

@@ -202,7 +202,7 @@ section_ring() {
   step "$PY" bench/bench_ring_attn.py --quick
 }
 
-# The fused MoE kernels (work in progress, opt-in by PK_JAX_MOE_FUSED=1): dispatch + first
+# The fused MoE kernels (opt-in: PK_JAX_MOE_FUSED=1, measured slower): dispatch + first
 # expert GEMM (cuda/kernels/moe_dispatch_gemm.cuh) and second expert GEMM + combine
 # (cuda/kernels/moe_gemm_combine.cuh) in the rank emulator at P = 2, 4, 8
 # (tests/gpu/test_emulator_moe_fused.py; PK_JAX_EMU_MOE_CALLS / 4 back-to-back calls per P and
@@ -214,7 +214,7 @@ section_moe_fused() {
   export CUDA_MODULE_LOADING=EAGER  # pk_jax.testing.require_eager_loading says why
   PK_JAX_EMU_MOE_CALLS=${PK_JAX_EMU_MOE_CALLS:-100} step "$PY" -m pytest -q -p no:cacheprovider \
     -m gpu tests/gpu/test_emulator_moe_fused.py
-  for n in ${PK_JAX_MOE_FUSED_SIZES:-2}; do  # through JAX, PK_JAX_MOE_FUSED=1 set inside
+  for n in ${PK_JAX_MOE_FUSED_SIZES:-2}; do  # through JAX, fused_kernels(True/False) inside
     PK_JAX_TIMEOUT_S=30 step launch "$n" --timeout 250 tests/gpu/moe_fused_mp.py
   done
   step "$PY" bench/bench_moe.py --quick
