@@ -512,10 +512,15 @@ m.comm_unregister(9005, 0)
 
 
 @pytest.mark.needs_ext
-def test_instantiate_stage_runs_when_xla_compiles():
+def test_instantiate_stage_runs_when_xla_compiles(tmp_path):
+    # The child imports the pk_jax this process imported (with its extension): that copy's
+    # parent first on its path, and a working directory away from the source tree (python -c
+    # puts the working directory first, and CI's source tree has no built extension).
+    pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(pk.__file__)))
+    path = os.pathsep.join(p for p in (pkg_root, os.environ.get("PYTHONPATH")) if p)
     out = subprocess.run([sys.executable, "-c", _INSTANTIATE_PY], capture_output=True,
-                         text=True, timeout=240, check=False,
-                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                         text=True, timeout=240, check=False, cwd=tmp_path,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": path})
     assert out.returncode == 0, out.stderr[-3000:]
     lines = dict(line.split(" ", 1) if " " in line else (line, "")
                  for line in out.stdout.splitlines())
