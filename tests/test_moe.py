@@ -300,10 +300,10 @@ def test_emulator_gemm_combine_cases_match_the_references(p, seed):
 
 
 def test_fused_gemm_combine_path_forward_and_vjp(kernel_path, monkeypatch):
-    """fused_kernels() (as PK_JAX_MOE_FUSED=1) with the kernel path on (pk_moe_gemm_combine replaced by a lax
-    stand-in with its contract): the fused path is taken inside the block only (one jitted
-    function: the block is part of jit's cache key), and its forward and custom VJP (the
-    composition's) equal the composition's."""
+    """fused_kernels() (as PK_JAX_MOE_FUSED=1) with the kernel path on (pk_moe_gemm_combine
+    replaced by a lax stand-in with its contract): the fused path is taken inside the block
+    only (one jitted function: the block is part of jit's cache key), and its forward and
+    custom VJP (the composition's) equal the composition's."""
     from pk_jax.ops import moe
 
     taken = []

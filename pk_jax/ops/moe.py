@@ -203,9 +203,8 @@ def moe_dispatch_gemm(x: jax.Array, expert_ids: jax.Array, w1: jax.Array, axis_n
 
     With PK_JAX_MOE_FUSED=1 (fixed at pk.init) or inside `fused_kernels()` (off by default: it
     measured slower), and on the CUDA path, one fused kernel runs instead
-    (cuda/kernels/moe_dispatch_gemm.cuh): each
-    expert's GEMM starts as soon as every rank's rows of it have arrived (bf16/fp16, H and N
-    multiples of 8, P x num_experts <= 2528).
+    (cuda/kernels/moe_dispatch_gemm.cuh): each expert's GEMM starts as soon as every rank's
+    rows of it have arrived (bf16/fp16, H and N multiples of 8, P x num_experts <= 2528).
 
     Args:
         x, expert_ids, axis_name, num_experts, capacity: as for `moe_dispatch`.
@@ -235,17 +234,12 @@ def moe_gemm_combine(h: jax.Array, w2: jax.Array, weights: jax.Array, handle: Mo
                      axis_name: str) -> jax.Array:
     """Every local expert's second GEMM on its rows, then `moe_combine`.
 
-    Args:
-        h: [capacity, F] the experts' hidden rows (as `moe_dispatch_gemm` placed them).
-        w2: [E / P, F, H'], this rank's experts.
-        weights, handle, axis_name: as for `moe_combine`.
-
     With PK_JAX_MOE_FUSED=1 (fixed at pk.init) or inside `fused_kernels()` (off by default: it
     measured slower), and on the CUDA path, fused kernels run instead
-    (cuda/kernels/moe_gemm_combine.cuh): the GEMM's
-    epilogue stores each output row straight into its token's rank's symmetric workspace and
-    the token's rank sums its k rows (bf16/fp16, F and H' multiples of 8); the same result as
-    the composition, bit for bit (y rounded to h's dtype, summed in float32).
+    (cuda/kernels/moe_gemm_combine.cuh): the GEMM's epilogue stores each output row straight
+    into its token's rank's symmetric workspace and the token's rank sums its k rows
+    (bf16/fp16, F and H' multiples of 8); the same result as the composition, bit for bit (y
+    rounded to h's dtype, summed in float32).
 
     Args:
         h: [capacity, F] the experts' hidden rows (as `moe_dispatch_gemm` placed them).
