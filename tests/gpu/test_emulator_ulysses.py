@@ -1,7 +1,8 @@
-"""The fused Ulysses attention forward (pk.ulysses_attention at P > 1,
-kernels/ulysses_attn.cuh), and its kernel-backed backward (pk all_to_all, the pk.attention
-backward on head shards, all_to_all back: pk_jax.testing.ulysses_bwd), under true concurrency: P emulated ranks on disjoint SM partitions of
-one GPU (pk_jax.testing.World), started through the launch function the FFI handler calls,
+"""The fused Ulysses attention forward (pk.ulysses_attention at P > 1 with
+PK_JAX_ULYSSES_FUSED=1, kernels/ulysses_attn.cuh), and its kernel-backed backward (pk
+all_to_all, the pk.attention backward on head shards, all_to_all back:
+pk_jax.testing.ulysses_bwd), under true concurrency: P emulated ranks on disjoint SM
+partitions of one GPU (pk_jax.testing.World), started through the launch function the FFI handler calls,
 against a float32 numpy reference over the whole sequence (pk_jax.testing.ops.ulysses_attn),
 with bf16/fp16 tolerances.
 
