@@ -137,6 +137,132 @@ __device__ inline void store_rows(void* out, const float (&acc)[D / 2], float mu
   }
 }
 
+/**
+ * @brief One forward consumer warpgroup's 64 query rows over a stream of 128-key tiles: its
+ * registers (O, the scores S, P packed for the next P V, the row max m and sum l) and the steps
+ * every forward kernel takes with them (this one, ring_attn.cuh's and ulysses_attn.cuh's, all
+ * on fwd_config's storage). Each thread holds rows row_lo and row_lo + 8 of the warpgroup.
+ */
+template <class C>
+struct fwd_rows {
+  using T = typename C::dtype;
+  static constexpr int D = C::HEAD_DIM, BN = C::BN;
+  float o[D / 2];
+  float sc[BN / 2];
+  uint32_t p[BN / 4];
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2];
+
+  __device__ fwd_rows() {
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+  }
+
+  /** @brief Issues S = Q K^T for warpgroup c's rows and stage st's keys (committed). */
+  __device__ void qk(const typename C::storage_t& s, int c, int st) {
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint64_t da =
+          wgmma::desc_k_major(s.q.panel(kk / 4) + c * 64 * 64, (kk % 4) * 16);
+      const uint64_t db = wgmma::desc_k_major(s.k[st].panel(kk / 4), (kk % 4) * 16);
+      wgmma::mma<T, BN, 0>(sc, da, db, kk > 0 ? 1 : 0);
+    }
+    wgmma::commit();
+  }
+
+  /** @brief Issues O += P V with stage st's values (committed). */
+  __device__ void pv(const typename C::storage_t& s, int st) {
+    wgmma::fence();
+    frag::static_for<BN / 16>([&](auto kk) {
+      const uint64_t db = wgmma::desc_mn_major(s.v[st].data, kk * 16, C::kv_tile::PANEL_BYTES);
+      frag::mma_rs<T, D, 1, kk>(o, p, db, 1);
+    });
+    wgmma::commit();
+  }
+
+  /** @brief Sets to -inf the scores of the tile's keys k0.. at or past `len` and, when
+   * `by_pos`, of keys whose position pos(key) is past the row's limit lim[i] (row row_lo + 8 i):
+   * causal masking in whatever numbering the caller's keys and rows have. */
+  template <class Pos>
+  __device__ void mask(int k0, int len, bool by_pos, const Pos& pos, const int (&lim)[2]) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int jj = 0; jj < BN / 8; ++jj) {
+#pragma unroll
+      for (int cc = 0; cc < 2; ++cc) {
+        const int key = k0 + 8 * jj + 2 * (lane % 4) + cc;
+        const int kp = by_pos ? pos(key) : 0;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          if (key >= len || (by_pos && kp > lim[i])) sc[4 * jj + 2 * i + cc] = -INFINITY;
+        }
+      }
+    }
+  }
+
+  /** @brief The online-softmax update of the (masked) scores: new max, alpha = the factor for
+   * the old O and l, P = exp2(S scale log2e - max) in sc, l updated. A row that sees only
+   * masked keys keeps max = -inf and takes exponents against 0. */
+  __device__ void softmax(float sl2) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float mx = m[i];
+#pragma unroll
+      for (int jj = 0; jj < BN / 8; ++jj) {
+        mx = fmaxf(mx, fmaxf(sc[4 * jj + 2 * i], sc[4 * jj + 2 * i + 1]));
+      }
+      mx = frag::quad_max(mx);
+      const float ref = mx == -INFINITY ? 0.f : mx * sl2;
+      alpha[i] = frag::exp2_approx(m[i] * sl2 - ref);
+      m[i] = mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int jj = 0; jj < BN / 8; ++jj) {
+#pragma unroll
+        for (int cc = 0; cc < 2; ++cc) {
+          float& x = sc[4 * jj + 2 * i + cc];
+          x = frag::exp2_approx(fmaf(x, sl2, -ref));
+          sum += x;
+        }
+      }
+      l[i] = l[i] * alpha[i] + sum;
+    }
+  }
+
+  /** @brief O *= alpha, row by row. */
+  __device__ void rescale() {
+#pragma unroll
+    for (int jj = 0; jj < D / 8; ++jj) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        o[4 * jj + 2 * i] *= alpha[i];
+        o[4 * jj + 2 * i + 1] *= alpha[i];
+      }
+    }
+  }
+
+  /** @brief Writes O / l to rows row0.. of out ([.., s, heads, D] at batch b, head h) and
+   * lse = scale max + log(l) (+inf for a row without keys) to lse_rows[row], rows past s
+   * dropped. */
+  __device__ void store(void* out, float* lse_rows, int b, int row0, int h, int heads, int s,
+                        float scale) {
+    const int t = threadIdx.x % WARPGROUP_THREADS;
+    const int lane = t % 32;
+    const int row_lo = row0 + 16 * (t / 32) + lane / 4;
+    float inv[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      l[i] = frag::quad_sum(l[i]);
+      inv[i] = l[i] > 0.f ? 1.f / l[i] : 0.f;
+      const int row = row_lo + 8 * i;
+      if (lane % 4 == 0 && row < s) {
+        lse_rows[row] = l[i] > 0.f ? m[i] * scale + logf(l[i]) : INFINITY;
+      }
+    }
+    store_rows<T, D>(out, o, inv[0], inv[1], b, row0, h, heads, s);
+  }
+};
+
 /** @brief The calling warpgroup is done with streamed tile r (its GEMMs reading r's stage have
  * completed). `released` counts the warpgroups' releases of each stage, forever (CONSUMERS per
  * round); the leader of the last warpgroup to release refills the stage with tile
@@ -181,7 +307,7 @@ constexpr int FWD_TURN = 1;
 template <class C>
 __global__ void __launch_bounds__(THREADS, 1) fwd_kernel(const __grid_constant__ fwd_globals g) {
   using T = typename C::dtype;
-  constexpr int D = C::HEAD_DIM, BM = C::BM, BN = C::BN, STAGES = C::STAGES;
+  constexpr int BM = C::BM, BN = C::BN, STAGES = C::STAGES;
   auto& s = storage<typename C::storage_t>();
   const dims& dm = g.d;
   const int h = blockIdx.x, b = blockIdx.z;
@@ -227,141 +353,59 @@ __global__ void __launch_bounds__(THREADS, 1) fwd_kernel(const __grid_constant__
     if (--turns_left > 0 || c == 0) warpgroup::arrive(FWD_TURN + 1 - c, THREADS);
   };
   if (c == 1) warpgroup::arrive(FWD_TURN, THREADS);
-  const int row_lo = q0 + c * 64 + 16 * (t / 32) + lane / 4;  // rows row_lo, row_lo + 8
+  const int row_lo = q0 + c * 64 + 16 * (t / 32) + lane / 4;
+  const int rows[2] = {row_lo, row_lo + 8};
   const float sl2 = dm.scale * LOG2E;
-
-  float o[D / 2];
-  float sc[BN / 2];
-  uint32_t p[BN / 4];
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2];
-#pragma unroll
-  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-
-  auto qk = [&](int st) {
-    wgmma::fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint64_t da =
-          wgmma::desc_k_major(s.q.panel(kk / 4) + c * 64 * 64, (kk % 4) * 16);
-      const uint64_t db = wgmma::desc_k_major(s.k[st].panel(kk / 4), (kk % 4) * 16);
-      wgmma::mma<T, BN, 0>(sc, da, db, kk > 0 ? 1 : 0);
-    }
-    wgmma::commit();
-  };
-  auto pv = [&](int st) {
-    wgmma::fence();
-    frag::static_for<BN / 16>([&](auto kk) {
-      const uint64_t db = wgmma::desc_mn_major(s.v[st].data, kk * 16, C::kv_tile::PANEL_BYTES);
-      frag::mma_rs<T, D, 1, kk>(o, p, db, 1);
-    });
-    wgmma::commit();
-  };
+  fwd_rows<C> r;
   // Masks keys past S and, when causal, keys after the row; then the online-softmax update.
   auto softmax = [&](int j) {
     const int k0 = j * BN;
     const bool tail = k0 + BN > dm.s;
     const bool diag = dm.causal && k0 + BN - 1 > q0 + c * 64;
-    if (tail || diag) {
-#pragma unroll
-      for (int jj = 0; jj < BN / 8; ++jj) {
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-#pragma unroll
-          for (int cc = 0; cc < 2; ++cc) {
-            const int key = k0 + 8 * jj + 2 * (lane % 4) + cc;
-            if (key >= dm.s || (dm.causal && key > row_lo + 8 * i)) {
-              sc[4 * jj + 2 * i + cc] = -INFINITY;
-            }
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      float mx = m[i];
-#pragma unroll
-      for (int jj = 0; jj < BN / 8; ++jj) {
-        mx = fmaxf(mx, fmaxf(sc[4 * jj + 2 * i], sc[4 * jj + 2 * i + 1]));
-      }
-      mx = frag::quad_max(mx);
-      const float ref = mx == -INFINITY ? 0.f : mx * sl2;
-      alpha[i] = frag::exp2_approx(m[i] * sl2 - ref);
-      m[i] = mx;
-      float sum = 0.f;
-#pragma unroll
-      for (int jj = 0; jj < BN / 8; ++jj) {
-#pragma unroll
-        for (int cc = 0; cc < 2; ++cc) {
-          float& x = sc[4 * jj + 2 * i + cc];
-          x = frag::exp2_approx(fmaf(x, sl2, -ref));
-          sum += x;
-        }
-      }
-      l[i] = l[i] * alpha[i] + sum;
-    }
-  };
-  auto rescale = [&]() {
-#pragma unroll
-    for (int jj = 0; jj < D / 8; ++jj) {
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        o[4 * jj + 2 * i] *= alpha[i];
-        o[4 * jj + 2 * i + 1] *= alpha[i];
-      }
-    }
+    if (tail || diag) r.mask(k0, dm.s, dm.causal, [](int key) { return key; }, rows);
+    r.softmax(sl2);
   };
 
   mbar_wait(&s.q_full, 0);
   mbar_wait(&s.k_full[0], 0);
   take_turn();
-  qk(0);
+  r.qk(s, c, 0);
   end_turn();
   wgmma::wait<0>();
-  wgmma::fence_regs(sc);
+  wgmma::fence_regs(r.sc);
   softmax(0);
-  frag::to_a<T>(p, sc);
+  frag::to_a<T>(r.p, r.sc);
   for (int j = 1; j < n_tiles; ++j) {
     const int st = j % STAGES, prev = (j - 1) % STAGES;
     mbar_wait(&s.k_full[st], (j / STAGES) & 1);
     mbar_wait(&s.v_full[prev], ((j - 1) / STAGES) & 1);
     take_turn();
-    qk(st);
-    wgmma::fence_regs(o);
-    pv(prev);
+    r.qk(s, c, st);
+    wgmma::fence_regs(r.o);
+    r.pv(s, prev);
     end_turn();
     wgmma::wait<1>();
-    wgmma::fence_regs(sc);
+    wgmma::fence_regs(r.sc);
     softmax(j);
     wgmma::wait<0>();
-    wgmma::fence_regs(o);
-    frag::fence_regs(p);
+    wgmma::fence_regs(r.o);
+    frag::fence_regs(r.p);
     release(j - 1);
-    rescale();
-    frag::to_a<T>(p, sc);
+    r.rescale();
+    frag::to_a<T>(r.p, r.sc);
   }
   const int last = (n_tiles - 1) % STAGES;
   mbar_wait(&s.v_full[last], ((n_tiles - 1) / STAGES) & 1);
   take_turn();
-  wgmma::fence_regs(o);
-  pv(last);
+  wgmma::fence_regs(r.o);
+  r.pv(s, last);
   end_turn();
   wgmma::wait<0>();
-  wgmma::fence_regs(o);
-  frag::fence_regs(p);
+  wgmma::fence_regs(r.o);
+  frag::fence_regs(r.p);
   release(n_tiles - 1);
-
-  float inv[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    l[i] = frag::quad_sum(l[i]);
-    inv[i] = l[i] > 0.f ? 1.f / l[i] : 0.f;
-    const int row = row_lo + 8 * i;
-    if (lane % 4 == 0 && row < dm.s) {
-      g.lse[(int64_t(b) * dm.h + h) * dm.s + row] =
-          l[i] > 0.f ? m[i] * dm.scale + logf(l[i]) : INFINITY;
-    }
-  }
-  store_rows<T, D>(g.o, o, inv[0], inv[1], b, q0 + c * 64, h, dm.h, dm.s);
+  r.store(g.o, g.lse + (int64_t(b) * dm.h + h) * dm.s, b, q0 + c * 64, h, dm.h, dm.s,
+          dm.scale);
 }
 
 // ---------------------------------------------------------------------------------------------

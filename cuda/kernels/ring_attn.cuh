@@ -190,7 +190,7 @@ __device__ void communicate(const globals& g, int cb, void* smem) {
 template <class C>
 __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ globals g) {
   using T = typename C::dtype;
-  constexpr int D = C::HEAD_DIM, BM = C::BM, BN = C::BN, STAGES = C::STAGES;
+  constexpr int BM = C::BM, BN = C::BN, STAGES = C::STAGES;
   auto& s = attention::storage<typename C::storage_t>();
   if (threadIdx.x == 0) {
     // NOTES: mbarrier waits get a quarter more than the signal waits, so a missing peer is
@@ -292,33 +292,7 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ glo
   const int row_lo = q0 + c * 64 + 16 * (t / 32) + lane / 4;  // rows row_lo, row_lo + 8
   const int qg[2] = {global_pos(g, rank, row_lo), global_pos(g, rank, row_lo + 8)};
   const float sl2 = dm.scale * LOG2E;
-
-  float o[D / 2];
-  float sc[BN / 2];
-  uint32_t p[BN / 4];
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2];
-#pragma unroll
-  for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-
-  auto qk = [&](int st) {
-    wgmma::fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint64_t da =
-          wgmma::desc_k_major(s.q.panel(kk / 4) + c * 64 * 64, (kk % 4) * 16);
-      const uint64_t db = wgmma::desc_k_major(s.k[st].panel(kk / 4), (kk % 4) * 16);
-      wgmma::mma<T, BN, 0>(sc, da, db, kk > 0 ? 1 : 0);
-    }
-    wgmma::commit();
-  };
-  auto pv = [&](int st) {
-    wgmma::fence();
-    frag::static_for<BN / 16>([&](auto kk) {
-      const uint64_t db = wgmma::desc_mn_major(s.v[st].data, kk * 16, C::kv_tile::PANEL_BYTES);
-      frag::mma_rs<T, D, 1, kk>(o, p, db, 1);
-    });
-    wgmma::commit();
-  };
+  attention::fwd_rows<C> r;
   // Masks keys past Sl and, on partial tiles, keys at later global positions than the row;
   // then the online-softmax update (as the attention forward).
   auto softmax = [&](item it) {
@@ -327,52 +301,9 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ glo
     const bool part = kind(it.t, it.n) == PARTIAL;
     const int owner = (rank - it.t + P) % P;
     if (tail || part) {
-#pragma unroll
-      for (int jj = 0; jj < BN / 8; ++jj) {
-#pragma unroll
-        for (int cc = 0; cc < 2; ++cc) {
-          const int key = k0 + 8 * jj + 2 * (lane % 4) + cc;
-          const int kg = part ? global_pos(g, owner, key) : 0;
-#pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            if (key >= dm.s || (part && kg > qg[i])) sc[4 * jj + 2 * i + cc] = -INFINITY;
-          }
-        }
-      }
+      r.mask(k0, dm.s, part, [&](int key) { return global_pos(g, owner, key); }, qg);
     }
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      float mx = m[i];
-#pragma unroll
-      for (int jj = 0; jj < BN / 8; ++jj) {
-        mx = fmaxf(mx, fmaxf(sc[4 * jj + 2 * i], sc[4 * jj + 2 * i + 1]));
-      }
-      mx = frag::quad_max(mx);
-      const float ref = mx == -INFINITY ? 0.f : mx * sl2;
-      alpha[i] = frag::exp2_approx(m[i] * sl2 - ref);
-      m[i] = mx;
-      float sum = 0.f;
-#pragma unroll
-      for (int jj = 0; jj < BN / 8; ++jj) {
-#pragma unroll
-        for (int cc = 0; cc < 2; ++cc) {
-          float& x = sc[4 * jj + 2 * i + cc];
-          x = frag::exp2_approx(fmaf(x, sl2, -ref));
-          sum += x;
-        }
-      }
-      l[i] = l[i] * alpha[i] + sum;
-    }
-  };
-  auto rescale = [&]() {
-#pragma unroll
-    for (int jj = 0; jj < D / 8; ++jj) {
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        o[4 * jj + 2 * i] *= alpha[i];
-        o[4 * jj + 2 * i + 1] *= alpha[i];
-      }
-    }
+    r.softmax(sl2);
   };
 
   // The stream of items: the same order as the issuer's (softmax of item j overlaps P V of
@@ -380,50 +311,39 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ glo
   item cur = advance(item{0, -1});
   mbar_wait(&s.q_full, 0);
   mbar_wait(&s.k_full[0], 0);
-  qk(0);
+  r.qk(s, c, 0);
   wgmma::wait<0>();
-  wgmma::fence_regs(sc);
+  wgmma::fence_regs(r.sc);
   softmax(cur);
-  frag::to_a<T>(p, sc);
+  frag::to_a<T>(r.p, r.sc);
   int j = 1;
   for (cur = advance(cur); cur.t < P; cur = advance(cur), ++j) {
     const int st = j % STAGES, prev = (j - 1) % STAGES;
     mbar_wait(&s.k_full[st], (j / STAGES) & 1);
-    qk(st);
+    r.qk(s, c, st);
     mbar_wait(&s.v_full[prev], ((j - 1) / STAGES) & 1);
-    wgmma::fence_regs(o);
-    pv(prev);
+    wgmma::fence_regs(r.o);
+    r.pv(s, prev);
     wgmma::wait<1>();
-    wgmma::fence_regs(sc);
+    wgmma::fence_regs(r.sc);
     softmax(cur);
     wgmma::wait<0>();
-    wgmma::fence_regs(o);
-    frag::fence_regs(p);
+    wgmma::fence_regs(r.o);
+    frag::fence_regs(r.p);
     release(j - 1);
-    rescale();
-    frag::to_a<T>(p, sc);
+    r.rescale();
+    frag::to_a<T>(r.p, r.sc);
   }
   const int last = (j - 1) % STAGES;
   mbar_wait(&s.v_full[last], ((j - 1) / STAGES) & 1);
-  wgmma::fence_regs(o);
-  pv(last);
+  wgmma::fence_regs(r.o);
+  r.pv(s, last);
   wgmma::wait<0>();
-  wgmma::fence_regs(o);
-  frag::fence_regs(p);
+  wgmma::fence_regs(r.o);
+  frag::fence_regs(r.p);
   release(j - 1);
-
-  float inv[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    l[i] = frag::quad_sum(l[i]);
-    inv[i] = l[i] > 0.f ? 1.f / l[i] : 0.f;
-    const int row = row_lo + 8 * i;
-    if (lane % 4 == 0 && row < dm.s) {
-      g.lse[(int64_t(b) * dm.h + h) * dm.s + row] =
-          l[i] > 0.f ? m[i] * dm.scale + logf(l[i]) : INFINITY;
-    }
-  }
-  attention::store_rows<T, D>(g.o, o, inv[0], inv[1], b, q0 + c * 64, h, dm.h, dm.s);
+  r.store(g.o, g.lse + (int64_t(b) * dm.h + h) * dm.s, b, q0 + c * 64, h, dm.h, dm.s,
+          dm.scale);
 }
 
 /** @brief Launches the grid of one call (after the caller's epoch kernel): C comm blocks,
