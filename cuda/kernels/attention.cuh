@@ -241,6 +241,52 @@ struct fwd_rows {
     }
   }
 
+  /**
+   * @brief Folds a stream of key tiles into the rows, in the stream's order: tile j is item
+   * number j (the first is `cur`, then next(item) while more(item)) and sits in stage
+   * j % STAGES behind the k_full / v_full mbarriers; softmax(item) masks its scores and
+   * updates, release(j) frees tile j's stage. The softmax of tile j overlaps P V of tile
+   * j - 1. (The attention forward's own loop adds the ping-pong turns.)
+   */
+  template <class Item, class Next, class More, class Softmax, class Release>
+  __device__ void fold(typename C::storage_t& s, int c, Item cur, const Next& next,
+                       const More& more, const Softmax& softmax, const Release& release) {
+    constexpr int STAGES = C::STAGES;
+    mbar_wait(&s.q_full, 0);
+    mbar_wait(&s.k_full[0], 0);
+    qk(s, c, 0);
+    wgmma::wait<0>();
+    wgmma::fence_regs(sc);
+    softmax(cur);
+    frag::to_a<T>(p, sc);
+    int j = 1;
+    for (cur = next(cur); more(cur); cur = next(cur), ++j) {
+      const int st = j % STAGES, prev = (j - 1) % STAGES;
+      mbar_wait(&s.k_full[st], (j / STAGES) & 1);
+      qk(s, c, st);
+      mbar_wait(&s.v_full[prev], ((j - 1) / STAGES) & 1);
+      wgmma::fence_regs(o);
+      pv(s, prev);
+      wgmma::wait<1>();
+      wgmma::fence_regs(sc);
+      softmax(cur);
+      wgmma::wait<0>();
+      wgmma::fence_regs(o);
+      frag::fence_regs(p);
+      release(j - 1);
+      rescale();
+      frag::to_a<T>(p, sc);
+    }
+    const int last = (j - 1) % STAGES;
+    mbar_wait(&s.v_full[last], ((j - 1) / STAGES) & 1);
+    wgmma::fence_regs(o);
+    pv(s, last);
+    wgmma::wait<0>();
+    wgmma::fence_regs(o);
+    frag::fence_regs(p);
+    release(j - 1);
+  }
+
   /** @brief Writes O / l to rows row0.. of out ([.., s, heads, D] at batch b, head h) and
    * lse = scale max + log(l) (+inf for a row without keys) to lse_rows[row], rows past s
    * dropped. */

@@ -309,40 +309,8 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ glo
     r.softmax(sl2);
   };
 
-  item cur = advance(item{0, -1});
-  mbar_wait(&s.q_full, 0);
-  mbar_wait(&s.k_full[0], 0);
-  r.qk(s, c, 0);
-  wgmma::wait<0>();
-  wgmma::fence_regs(r.sc);
-  softmax(cur);
-  frag::to_a<T>(r.p, r.sc);
-  int j = 1;
-  for (cur = advance(cur); cur.t < P; cur = advance(cur), ++j) {
-    const int st = j % STAGES, prev = (j - 1) % STAGES;
-    mbar_wait(&s.k_full[st], (j / STAGES) & 1);
-    r.qk(s, c, st);
-    mbar_wait(&s.v_full[prev], ((j - 1) / STAGES) & 1);
-    wgmma::fence_regs(r.o);
-    r.pv(s, prev);
-    wgmma::wait<1>();
-    wgmma::fence_regs(r.sc);
-    softmax(cur);
-    wgmma::wait<0>();
-    wgmma::fence_regs(r.o);
-    frag::fence_regs(r.p);
-    release(j - 1);
-    r.rescale();
-    frag::to_a<T>(r.p, r.sc);
-  }
-  const int last = (j - 1) % STAGES;
-  mbar_wait(&s.v_full[last], ((j - 1) / STAGES) & 1);
-  wgmma::fence_regs(r.o);
-  r.pv(s, last);
-  wgmma::wait<0>();
-  wgmma::fence_regs(r.o);
-  frag::fence_regs(r.p);
-  release(j - 1);
+  r.fold(s, c, advance(item{0, -1}), advance, [&](item it) { return it.t < P; }, softmax,
+         release);
 
   // O and lse of rows of source `src` into my OW / LW at index src B + b.
   const int bz = src * dm.b + b;
