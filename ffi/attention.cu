@@ -107,24 +107,10 @@ ffi::Error AttentionCuda(cudaStream_t stream, int32_t device, ffi::RemainingArgs
   }
   ffi::AnyBuffer q = *args.get<ffi::AnyBuffer>(0), k = *args.get<ffi::AnyBuffer>(1),
                  v = *args.get<ffi::AnyBuffer>(2);
-  const ffi::DataType dt = q.element_type();
-  if (!ToDType(dt, &a.dtype) || k.element_type() != dt || v.element_type() != dt) {
-    return ffi::Error::InvalidArgument("pk_attention: q, k and v must all be bf16 or fp16.");
-  }
-  const auto qd = q.dimensions(), kd = k.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || kd[0] != qd[0] || kd[1] != qd[1] ||
-      kd[3] != qd[3] || v.dimensions().size() != 4 || v.dimensions()[2] != kd[2]) {
+  if (!BindQkv(q, k, v, &a)) {
     return ffi::Error::InvalidArgument(
-        "pk_attention: expected q [B, S, H, D], k and v [B, S, Hkv, D].");
+        "pk_attention: expected q [B, S, H, D], k and v [B, S, Hkv, D], all bf16 or all fp16.");
   }
-  a.b = qd[0];
-  a.s = qd[1];
-  a.h = qd[2];
-  a.d = qd[3];
-  a.hkv = kd[2];
-  a.q = q.untyped_data();
-  a.k = k.untyped_data();
-  a.v = v.untyped_data();
   if (!a.backward) {
     a.o = (*rets.get<ffi::AnyBuffer>(0))->untyped_data();
     ffi::Result<ffi::AnyBuffer> lse = *rets.get<ffi::AnyBuffer>(1);
@@ -135,7 +121,7 @@ ffi::Error AttentionCuda(cudaStream_t stream, int32_t device, ffi::RemainingArgs
   } else {
     ffi::AnyBuffer d_o = *args.get<ffi::AnyBuffer>(3), lse = *args.get<ffi::AnyBuffer>(4),
                    delta = *args.get<ffi::AnyBuffer>(5);
-    if (d_o.element_type() != dt || lse.element_type() != ffi::DataType::F32 ||
+    if (d_o.element_type() != q.element_type() || lse.element_type() != ffi::DataType::F32 ||
         delta.element_type() != ffi::DataType::F32 || lse.dimensions().size() != 3) {
       return ffi::Error::InvalidArgument(
           "pk_attention: do must match q; lse and delta must be float32 [B, H, SP].");

@@ -54,6 +54,31 @@ inline ffi::Error CudaError(cudaError_t err, const char* expr, const char* file,
                               " in " + expr + " at " + file + ":" + std::to_string(line));
 }
 
+// The q, k, v operands of the attention handlers (attention, ring, Ulysses, forward and
+// backward): one 2-byte dtype, q [B, S, H, D] (S local for the sequence-parallel ops), k and v
+// [B, S, Hkv, D]. Fills a's dtype, b, s, h, d, hkv, q, k and v; false when they do not fit, for
+// the handler's own error message.
+template <class A>
+bool BindQkv(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v, A* a) {
+  const ffi::DataType dt = q.element_type();
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  if (!ToDType(dt, &a->dtype) || k.element_type() != dt || v.element_type() != dt ||
+      qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || kd[0] != qd[0] ||
+      kd[1] != qd[1] || kd[3] != qd[3] || vd[0] != kd[0] || vd[1] != kd[1] ||
+      vd[2] != kd[2] || vd[3] != kd[3]) {
+    return false;
+  }
+  a->b = qd[0];
+  a->s = qd[1];
+  a->h = qd[2];
+  a->d = qd[3];
+  a->hkv = kd[2];
+  a->q = q.untyped_data();
+  a->k = k.untyped_data();
+  a->v = v.untyped_data();
+  return true;
+}
+
 }  // namespace pk_ffi
 
 #define PK_CUDA_CHECK(expr)                                                   \

@@ -112,27 +112,12 @@ ffi::Error RingAttnCuda(cudaStream_t stream, int32_t device, CommState* state,
   const CommView* view = nullptr;
   if (ffi::Error e = BindComm("ring_attention", state, device, &view); e.failure()) return e;
   RingAttnArgs a{};
-  const ffi::DataType dt = q.element_type();
-  if (!ToDType(dt, &a.dtype) || k.element_type() != dt || v.element_type() != dt ||
-      o->element_type() != dt || lse->element_type() != ffi::DataType::F32) {
+  if (!BindQkv(q, k, v, &a) || o->element_type() != q.element_type() ||
+      lse->element_type() != ffi::DataType::F32) {
     return ffi::Error::InvalidArgument(
-        "pk.ring_attention: q, k, v and o must share one 2-byte dtype; lse is float32.");
+        "pk.ring_attention: expected q and o [B, S/P, H, D], k and v [B, S/P, Hkv, D] of one "
+        "2-byte dtype, lse float32.");
   }
-  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || kd[0] != qd[0] ||
-      kd[1] != qd[1] || kd[3] != qd[3] || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2] ||
-      vd[3] != kd[3]) {
-    return ffi::Error::InvalidArgument(
-        "pk.ring_attention: expected q [B, S/P, H, D], k and v [B, S/P, Hkv, D].");
-  }
-  a.b = qd[0];
-  a.s = qd[1];
-  a.h = qd[2];
-  a.d = qd[3];
-  a.hkv = kd[2];
-  a.q = q.untyped_data();
-  a.k = k.untyped_data();
-  a.v = v.untyped_data();
   a.o = o->untyped_data();
   a.lse = static_cast<float*>(lse->untyped_data());
   a.rank = rank.typed_data();

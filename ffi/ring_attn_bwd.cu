@@ -146,33 +146,18 @@ ffi::Error RingAttnBwdCuda(cudaStream_t stream, int32_t device, CommState* state
   if (ffi::Error e = BindComm("ring_attention", state, device, &view); e.failure()) return e;
   RingAttnBwdArgs a{};
   const ffi::DataType dt = q.element_type();
-  if (!ToDType(dt, &a.dtype) || k.element_type() != dt || v.element_type() != dt ||
-      d_o.element_type() != dt || dq->element_type() != dt || dk->element_type() != dt ||
-      dv->element_type() != dt) {
-    return ffi::Error::InvalidArgument(
-        "pk.ring_attention (backward): q, k, v, dO and the gradients must share one 2-byte "
-        "dtype.");
-  }
-  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(),
-             od = d_o.dimensions(), ld = lse.dimensions(), dd = delta.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || od.size() != 4 ||
-      ld.size() != 3 || dd.size() != 3 || kd[0] != qd[0] || kd[1] != qd[1] ||
-      kd[3] != qd[3] || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2] ||
-      vd[3] != kd[3] || od[0] != qd[0] || od[1] != qd[1] || od[2] != qd[2] ||
+  const auto qd = q.dimensions(), od = d_o.dimensions(), ld = lse.dimensions(),
+             dd = delta.dimensions();
+  if (!BindQkv(q, k, v, &a) || d_o.element_type() != dt || dq->element_type() != dt ||
+      dk->element_type() != dt || dv->element_type() != dt || od.size() != 4 ||
+      ld.size() != 3 || dd.size() != 3 || od[0] != qd[0] || od[1] != qd[1] || od[2] != qd[2] ||
       od[3] != qd[3] || ld[0] != qd[0] || ld[1] != qd[2] || ld[2] != (qd[1] + 127) / 128 * 128 ||
       dd[0] != ld[0] || dd[1] != ld[1] || dd[2] != ld[2]) {
     return ffi::Error::InvalidArgument(
         "pk.ring_attention (backward): expected q, dO [B, S/P, H, D], k and v "
-        "[B, S/P, Hkv, D], lse and delta float32 [B, H, S/P rounded up to 128].");
+        "[B, S/P, Hkv, D] and the gradients like them, of one 2-byte dtype; lse and delta "
+        "float32 [B, H, S/P rounded up to 128].");
   }
-  a.b = qd[0];
-  a.s = qd[1];
-  a.h = qd[2];
-  a.d = qd[3];
-  a.hkv = kd[2];
-  a.q = q.untyped_data();
-  a.k = k.untyped_data();
-  a.v = v.untyped_data();
   a.d_o = d_o.untyped_data();
   a.lse = lse.typed_data();
   a.delta = delta.typed_data();
