@@ -457,6 +457,98 @@ __global__ void __launch_bounds__(THREADS, 1) fwd_kernel(const __grid_constant__
 // ---------------------------------------------------------------------------------------------
 // Backward: dQ.
 
+/**
+ * @brief One dQ consumer warpgroup's 64 query rows over a stream of key tiles (the attention dQ
+ * kernel's and ring_attn_bwd.cuh's, both on dq_config's storage): dQ, the scores S, dP and dS,
+ * and the rows' lse (times log2 e) and delta = rowsum(dO O). Rows row_lo and row_lo + 8.
+ */
+template <class C>
+struct dq_rows {
+  using T = typename C::dtype;
+  static constexpr int D = C::HEAD_DIM, BN = C::BN;
+  float dq[D / 2];
+  float sc[BN / 2], dp[BN / 2];
+  uint32_t ds[BN / 4];
+  float lse2[2], delta[2];
+
+  /** @brief Reads the rows' lse and delta: [.., SP] rows of (batch b, head h), padded. */
+  __device__ dq_rows(const float* lse, const float* dlt, int b, int h, int heads, int sp,
+                     int row_lo) {
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) dq[i] = 0.f;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int64_t at = (int64_t(b) * heads + h) * sp + row_lo + 8 * i;  // < SP: padded
+      lse2[i] = lse[at] * LOG2E;
+      delta[i] = dlt[at];
+    }
+  }
+
+  /** @brief S = Q K^T and dP = dO V^T for warpgroup c's rows and stage st (waited for). */
+  __device__ void scores(const typename C::storage_t& s, int c, int st) {
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint64_t db = wgmma::desc_k_major(s.k[st].panel(kk / 4), (kk % 4) * 16);
+      wgmma::mma<T, BN, 0>(
+          sc, wgmma::desc_k_major(s.q.panel(kk / 4) + c * 64 * 64, (kk % 4) * 16), db,
+          kk > 0 ? 1 : 0);
+    }
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint64_t db = wgmma::desc_k_major(s.v[st].panel(kk / 4), (kk % 4) * 16);
+      wgmma::mma<T, BN, 0>(
+          dp, wgmma::desc_k_major(s.d_o.panel(kk / 4) + c * 64 * 64, (kk % 4) * 16), db,
+          kk > 0 ? 1 : 0);
+    }
+    wgmma::commit();
+    wgmma::wait<0>();
+    wgmma::fence_regs(sc);
+    wgmma::fence_regs(dp);
+  }
+
+  /** @brief dS = P (dP - delta) with P = exp2(S scale log2e - lse2) into sc; on a `masked`
+   * tile P = 0 for keys k0.. at or past `len` and, when `by_pos`, keys whose position pos(key)
+   * is past the row's limit lim[i] (as fwd_rows::mask). */
+  template <class Pos>
+  __device__ void grad_scores(float sl2, bool masked, int k0, int len, bool by_pos,
+                              const Pos& pos, const int (&lim)[2]) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int jj = 0; jj < BN / 8; ++jj) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+#pragma unroll
+        for (int cc = 0; cc < 2; ++cc) {
+          const int el = 4 * jj + 2 * i + cc;
+          float pr = frag::exp2_approx(fmaf(sc[el], sl2, -lse2[i]));
+          if (masked) {
+            const int key = k0 + 8 * jj + 2 * (lane % 4) + cc;
+            if (key >= len || (by_pos && pos(key) > lim[i])) pr = 0.f;
+          }
+          sc[el] = pr * (dp[el] - delta[i]);
+        }
+      }
+    }
+  }
+
+  /** @brief dQ += dS K with stage st's keys (waited for). */
+  __device__ void accumulate(const typename C::storage_t& s, int st) {
+    frag::to_a<T>(ds, sc);
+    wgmma::fence_regs(dq);
+    wgmma::fence();
+    frag::static_for<BN / 16>([&](auto kk) {
+      const uint64_t db = wgmma::desc_mn_major(s.k[st].data, kk * 16, C::kv_tile::PANEL_BYTES);
+      frag::mma_rs<T, D, 1, kk>(dq, ds, db, 1);
+    });
+    wgmma::commit();
+    wgmma::wait<0>();
+    wgmma::fence_regs(dq);
+    frag::fence_regs(ds);
+  }
+};
+
+
 template <typename T, int D>
 struct dq_config {
   using dtype = T;
@@ -515,76 +607,22 @@ __global__ void __launch_bounds__(THREADS, 1) dq_kernel(const __grid_constant__ 
   const int lane = t % 32;
   auto release = [&](int r) { release_stage(s.released, r, n_tiles, issue); };
   const int row_lo = q0 + c * 64 + 16 * (t / 32) + lane / 4;
+  const int rows[2] = {row_lo, row_lo + 8};
   const float sl2 = dm.scale * LOG2E;
-  float lse2[2], delta[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int64_t at = (int64_t(b) * dm.h + h) * g.sp + row_lo + 8 * i;  // < SP: padded
-    lse2[i] = g.lse[at] * LOG2E;
-    delta[i] = g.delta[at];
-  }
-
-  float dq[D / 2];
-  float sc[BN / 2], dp[BN / 2];
-  uint32_t ds[BN / 4];
-#pragma unroll
-  for (int i = 0; i < D / 2; ++i) dq[i] = 0.f;
+  dq_rows<C> r(g.lse, g.delta, b, h, dm.h, g.sp, row_lo);
 
   mbar_wait(&s.q_full, 0);
   for (int j = 0; j < n_tiles; ++j) {
     const int st = j % STAGES;
     mbar_wait(&s.full[st], (j / STAGES) & 1);
-    wgmma::fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint64_t db = wgmma::desc_k_major(s.k[st].panel(kk / 4), (kk % 4) * 16);
-      wgmma::mma<T, BN, 0>(
-          sc, wgmma::desc_k_major(s.q.panel(kk / 4) + c * 64 * 64, (kk % 4) * 16), db,
-          kk > 0 ? 1 : 0);
-    }
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint64_t db = wgmma::desc_k_major(s.v[st].panel(kk / 4), (kk % 4) * 16);
-      wgmma::mma<T, BN, 0>(
-          dp, wgmma::desc_k_major(s.d_o.panel(kk / 4) + c * 64 * 64, (kk % 4) * 16), db,
-          kk > 0 ? 1 : 0);
-    }
-    wgmma::commit();
-    wgmma::wait<0>();
-    wgmma::fence_regs(sc);
-    wgmma::fence_regs(dp);
+    r.scores(s, c, st);
     const int k0 = j * BN;
     const bool mask = k0 + BN > dm.s || (dm.causal && k0 + BN - 1 > q0 + c * 64);
-#pragma unroll
-    for (int jj = 0; jj < BN / 8; ++jj) {
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-#pragma unroll
-        for (int cc = 0; cc < 2; ++cc) {
-          const int e = 4 * jj + 2 * i + cc;
-          float pr = frag::exp2_approx(fmaf(sc[e], sl2, -lse2[i]));
-          if (mask) {
-            const int key = k0 + 8 * jj + 2 * (lane % 4) + cc;
-            if (key >= dm.s || (dm.causal && key > row_lo + 8 * i)) pr = 0.f;
-          }
-          sc[e] = pr * (dp[e] - delta[i]);
-        }
-      }
-    }
-    frag::to_a<T>(ds, sc);
-    wgmma::fence_regs(dq);
-    wgmma::fence();
-    frag::static_for<BN / 16>([&](auto kk) {
-      const uint64_t db = wgmma::desc_mn_major(s.k[st].data, kk * 16, C::kv_tile::PANEL_BYTES);
-      frag::mma_rs<T, D, 1, kk>(dq, ds, db, 1);
-    });
-    wgmma::commit();
-    wgmma::wait<0>();
-    wgmma::fence_regs(dq);
-    frag::fence_regs(ds);
+    r.grad_scores(sl2, mask, k0, dm.s, dm.causal, [](int key) { return key; }, rows);
+    r.accumulate(s, st);
     release(j);
   }
-  store_rows<T, D>(g.dq, dq, dm.scale, dm.scale, b, q0 + c * 64, h, dm.h, dm.s);
+  store_rows<T, D>(g.dq, r.dq, dm.scale, dm.scale, b, q0 + c * 64, h, dm.h, dm.s);
 }
 
 // ---------------------------------------------------------------------------------------------

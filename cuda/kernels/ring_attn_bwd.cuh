@@ -206,77 +206,24 @@ __device__ void dq_block(const globals& g, int idx) {
   const int qg[2] = {ring_attn::global_pos(f, rank, row_lo),
                      ring_attn::global_pos(f, rank, row_lo + 8)};
   const float sl2 = dm.scale * LOG2E;
-  float lse2[2], delta[2];
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int64_t at = (int64_t(b) * dm.h + h) * g.sp + row_lo + 8 * i;  // < sp: padded
-    lse2[i] = g.lse[at] * LOG2E;
-    delta[i] = g.delta[at];
-  }
-
-  float dq[D / 2];
-  float sc[BN / 2], dp[BN / 2];
-  uint32_t ds[BN / 4];
-#pragma unroll
-  for (int i = 0; i < D / 2; ++i) dq[i] = 0.f;
+  attention::dq_rows<CQ> r(g.lse, g.delta, b, h, dm.h, g.sp, row_lo);
 
   mbar_wait(&s.q_full, 0);
   int j = 0;
   for (item cur = advance(item{0, -1}); cur.t < P; cur = advance(cur), ++j) {
     const int st = j % STAGES;
     mbar_wait(&s.full[st], (j / STAGES) & 1);
-    wgmma::fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint64_t db = wgmma::desc_k_major(s.k[st].panel(kk / 4), (kk % 4) * 16);
-      wgmma::mma<T, BN, 0>(
-          sc, wgmma::desc_k_major(s.q.panel(kk / 4) + c * 64 * 64, (kk % 4) * 16), db,
-          kk > 0 ? 1 : 0);
-    }
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint64_t db = wgmma::desc_k_major(s.v[st].panel(kk / 4), (kk % 4) * 16);
-      wgmma::mma<T, BN, 0>(
-          dp, wgmma::desc_k_major(s.d_o.panel(kk / 4) + c * 64 * 64, (kk % 4) * 16), db,
-          kk > 0 ? 1 : 0);
-    }
-    wgmma::commit();
-    wgmma::wait<0>();
-    wgmma::fence_regs(sc);
-    wgmma::fence_regs(dp);
+    r.scores(s, c, st);
     const int k0 = cur.n * BN;
     const bool part = kind(cur.t, cur.n) == PARTIAL;
     const bool mask = part || k0 + BN > dm.s;
     const int owner = (rank - cur.t + P) % P;
-#pragma unroll
-    for (int jj = 0; jj < BN / 8; ++jj) {
-#pragma unroll
-      for (int cc = 0; cc < 2; ++cc) {
-        const int key = k0 + 8 * jj + 2 * (lane % 4) + cc;
-        const int kg = part ? ring_attn::global_pos(f, owner, key) : 0;
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const int el = 4 * jj + 2 * i + cc;
-          float pr = frag::exp2_approx(fmaf(sc[el], sl2, -lse2[i]));
-          if (mask && (key >= dm.s || (part && kg > qg[i]))) pr = 0.f;
-          sc[el] = pr * (dp[el] - delta[i]);
-        }
-      }
-    }
-    frag::to_a<T>(ds, sc);
-    wgmma::fence_regs(dq);
-    wgmma::fence();
-    frag::static_for<BN / 16>([&](auto kk) {
-      const uint64_t db = wgmma::desc_mn_major(s.k[st].data, kk * 16, CQ::kv_tile::PANEL_BYTES);
-      frag::mma_rs<T, D, 1, kk>(dq, ds, db, 1);
-    });
-    wgmma::commit();
-    wgmma::wait<0>();
-    wgmma::fence_regs(dq);
-    frag::fence_regs(ds);
+    r.grad_scores(sl2, mask, k0, dm.s, part,
+                  [&](int key) { return ring_attn::global_pos(f, owner, key); }, qg);
+    r.accumulate(s, st);
     release(j);
   }
-  attention::store_rows<T, D>(g.dq, dq, dm.scale, dm.scale, b, q0 + c * 64, h, dm.h, dm.s);
+  attention::store_rows<T, D>(g.dq, r.dq, dm.scale, dm.scale, b, q0 + c * 64, h, dm.h, dm.s);
 }
 
 /** @brief Lane `ln`: the dK/dV of its work items over the P steps (see the schedule). */
