@@ -652,6 +652,93 @@ struct dkdv_config {
   static constexpr size_t SMEM = sizeof(storage_t) + 1024;
 };
 
+/**
+ * @brief One dK/dV consumer warpgroup's step over a stage of 64 query rows (the attention dK/dV
+ * kernel's and ring_attn_bwd.cuh's lanes', both on dkdv_config's storage): S^T, dP^T, P^T and
+ * dS^T for its 64 keys (keys key_lo and key_lo + 8 per thread); dK and dV stay the caller's.
+ */
+template <class C>
+struct dkdv_step {
+  using T = typename C::dtype;
+  static constexpr int D = C::HEAD_DIM, BQ = C::BQ;
+  using stage_t = typename C::stage_t;
+  float sc[BQ / 2], dp[BQ / 2];
+  uint32_t pa[BQ / 4], dsa[BQ / 4];
+
+  /** @brief S^T = K Q^T and dP^T = V dO^T for warpgroup c's keys (waited for). */
+  __device__ void scores(const typename C::storage_t& s, const stage_t& stage, int c) {
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint64_t db = wgmma::desc_k_major(stage.q.panel(kk / 4), (kk % 4) * 16);
+      wgmma::mma<T, BQ, 0>(
+          sc, wgmma::desc_k_major(s.k.panel(kk / 4) + c * 64 * 64, (kk % 4) * 16), db,
+          kk > 0 ? 1 : 0);
+    }
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint64_t db = wgmma::desc_k_major(stage.d_o.panel(kk / 4), (kk % 4) * 16);
+      wgmma::mma<T, BQ, 0>(
+          dp, wgmma::desc_k_major(s.v.panel(kk / 4) + c * 64 * 64, (kk % 4) * 16), db,
+          kk > 0 ? 1 : 0);
+    }
+    wgmma::commit();
+    wgmma::wait<0>();
+    wgmma::fence_regs(sc);
+    wgmma::fence_regs(dp);
+  }
+
+  /** @brief P^T = exp2(S^T scale log2e - lse2) into sc and dS^T = P^T (dP^T - delta) into dp,
+   * from the stage's lse and delta (+inf / 0 past S); on a `masked` stage P = 0 where the
+   * query's position qpos(col) is before the key's limit lim[i] (key key_lo + 8 i). */
+  template <class QPos>
+  __device__ void grad_scores(const stage_t& stage, float sl2, bool masked, const QPos& qpos,
+                              const int (&lim)[2]) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int jj = 0; jj < BQ / 8; ++jj) {
+#pragma unroll
+      for (int cc = 0; cc < 2; ++cc) {
+        const int col = 8 * jj + 2 * (lane % 4) + cc;
+        const float l2 = stage.lse[col] * LOG2E;  // +inf past S: p = 0
+        const float dl = stage.delta[col];
+        const int qp = masked ? qpos(col) : 0;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int el = 4 * jj + 2 * i + cc;
+          float pr = frag::exp2_approx(fmaf(sc[el], sl2, -l2));
+          if (masked && qp < lim[i]) pr = 0.f;
+          sc[el] = pr;
+          dp[el] = pr * (dp[el] - dl);
+        }
+      }
+    }
+  }
+
+  /** @brief dV += P^T dO and dK += dS^T Q with the stage's rows (waited for). */
+  __device__ void accumulate(const stage_t& stage, float (&dk)[D / 2], float (&dv)[D / 2]) {
+    frag::to_a<T>(pa, sc);
+    frag::to_a<T>(dsa, dp);
+    wgmma::fence_regs(dv);
+    wgmma::fence_regs(dk);
+    wgmma::fence();
+    frag::static_for<BQ / 16>([&](auto kk) {
+      frag::mma_rs<T, D, 1, kk>(
+          dv, pa, wgmma::desc_mn_major(stage.d_o.data, kk * 16, C::q_tile::PANEL_BYTES), 1);
+    });
+    frag::static_for<BQ / 16>([&](auto kk) {
+      frag::mma_rs<T, D, 1, kk>(
+          dk, dsa, wgmma::desc_mn_major(stage.q.data, kk * 16, C::q_tile::PANEL_BYTES), 1);
+    });
+    wgmma::commit();
+    wgmma::wait<0>();
+    wgmma::fence_regs(dv);
+    wgmma::fence_regs(dk);
+    frag::fence_regs(pa);
+    frag::fence_regs(dsa);
+  }
+};
+
 template <class C>
 __global__ void __launch_bounds__(THREADS, 1) dkdv_kernel(const __grid_constant__ bwd_globals g) {
   using T = typename C::dtype;
@@ -702,10 +789,10 @@ __global__ void __launch_bounds__(THREADS, 1) dkdv_kernel(const __grid_constant_
   const float sl2 = dm.scale * LOG2E;
 
   float dk[D / 2], dv[D / 2];
-  float sc[BQ / 2], dp[BQ / 2];
-  uint32_t pa[BQ / 4], dsa[BQ / 4];
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
+  const int keys[2] = {key_lo, key_lo + 8};
+  dkdv_step<C> step;
 
   mbar_wait(&s.kv_full, 0);
   for (int j = 0; j < n_tiles; ++j) {
@@ -713,62 +800,10 @@ __global__ void __launch_bounds__(THREADS, 1) dkdv_kernel(const __grid_constant_
     const int q0 = (qb0 + j % per_head) * BQ;
     auto& stage = s.st[st];
     mbar_wait(&s.full[st], (j / STAGES) & 1);
-    wgmma::fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint64_t db = wgmma::desc_k_major(stage.q.panel(kk / 4), (kk % 4) * 16);
-      wgmma::mma<T, BQ, 0>(
-          sc, wgmma::desc_k_major(s.k.panel(kk / 4) + c * 64 * 64, (kk % 4) * 16), db,
-          kk > 0 ? 1 : 0);
-    }
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint64_t db = wgmma::desc_k_major(stage.d_o.panel(kk / 4), (kk % 4) * 16);
-      wgmma::mma<T, BQ, 0>(
-          dp, wgmma::desc_k_major(s.v.panel(kk / 4) + c * 64 * 64, (kk % 4) * 16), db,
-          kk > 0 ? 1 : 0);
-    }
-    wgmma::commit();
-    wgmma::wait<0>();
-    wgmma::fence_regs(sc);
-    wgmma::fence_regs(dp);
+    step.scores(s, stage, c);
     const bool mask = dm.causal && q0 < k0 + c * 64 + 63;
-#pragma unroll
-    for (int jj = 0; jj < BQ / 8; ++jj) {
-#pragma unroll
-      for (int cc = 0; cc < 2; ++cc) {
-        const int col = 8 * jj + 2 * (lane % 4) + cc;
-        const float l2 = stage.lse[col] * LOG2E;  // +inf past S: p = 0
-        const float dl = stage.delta[col];
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const int e = 4 * jj + 2 * i + cc;
-          float pr = frag::exp2_approx(fmaf(sc[e], sl2, -l2));
-          if (mask && q0 + col < key_lo + 8 * i) pr = 0.f;
-          sc[e] = pr;
-          dp[e] = pr * (dp[e] - dl);
-        }
-      }
-    }
-    frag::to_a<T>(pa, sc);
-    frag::to_a<T>(dsa, dp);
-    wgmma::fence_regs(dv);
-    wgmma::fence_regs(dk);
-    wgmma::fence();
-    frag::static_for<BQ / 16>([&](auto kk) {
-      frag::mma_rs<T, D, 1, kk>(
-          dv, pa, wgmma::desc_mn_major(stage.d_o.data, kk * 16, C::q_tile::PANEL_BYTES), 1);
-    });
-    frag::static_for<BQ / 16>([&](auto kk) {
-      frag::mma_rs<T, D, 1, kk>(
-          dk, dsa, wgmma::desc_mn_major(stage.q.data, kk * 16, C::q_tile::PANEL_BYTES), 1);
-    });
-    wgmma::commit();
-    wgmma::wait<0>();
-    wgmma::fence_regs(dv);
-    wgmma::fence_regs(dk);
-    frag::fence_regs(pa);
-    frag::fence_regs(dsa);
+    step.grad_scores(stage, sl2, mask, [&](int col) { return q0 + col; }, keys);
+    step.accumulate(stage, dk, dv);
     release(j);
   }
   store_rows<T, D>(g.dk, dk, dm.scale, dm.scale, b, k0 + c * 64, hk, dm.hkv, dm.s);

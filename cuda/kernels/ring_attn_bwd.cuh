@@ -315,8 +315,7 @@ __device__ void dkdv_lane(const globals& g, int ln) {
   };
 
   float dk[D / 2], dv[D / 2];
-  float sc[BQ / 2], dp[BQ / 2];
-  uint32_t pa[BQ / 4], dsa[BQ / 4];
+  attention::dkdv_step<CK> step;
   int j = 0;  // q/dO tiles consumed (all work items)
   uint32_t kv_phase = 0;
   for (int wi = 0, it_id = ln; it_id < g.n_items; ++wi, it_id += g.lanes) {
@@ -358,65 +357,11 @@ __device__ void dkdv_lane(const globals& g, int ln) {
           const int q0 = cur.qb * BQ;
           auto& stage = s.st[st];
           mbar_wait(&s.full[st], (j / STAGES) & 1);
-          wgmma::fence();
-#pragma unroll
-          for (int kk = 0; kk < D / 16; ++kk) {
-            const uint64_t db = wgmma::desc_k_major(stage.q.panel(kk / 4), (kk % 4) * 16);
-            wgmma::mma<T, BQ, 0>(
-                sc, wgmma::desc_k_major(s.k.panel(kk / 4) + c * 64 * 64, (kk % 4) * 16), db,
-                kk > 0 ? 1 : 0);
-          }
-#pragma unroll
-          for (int kk = 0; kk < D / 16; ++kk) {
-            const uint64_t db = wgmma::desc_k_major(stage.d_o.panel(kk / 4), (kk % 4) * 16);
-            wgmma::mma<T, BQ, 0>(
-                dp, wgmma::desc_k_major(s.v.panel(kk / 4) + c * 64 * 64, (kk % 4) * 16), db,
-                kk > 0 ? 1 : 0);
-          }
-          wgmma::commit();
-          wgmma::wait<0>();
-          wgmma::fence_regs(sc);
-          wgmma::fence_regs(dp);
+          step.scores(s, stage, c);
           const bool part = kind(t, q0) == PARTIAL;
-#pragma unroll
-          for (int jj = 0; jj < BQ / 8; ++jj) {
-#pragma unroll
-            for (int cc = 0; cc < 2; ++cc) {
-              const int col = 8 * jj + 2 * (lane % 4) + cc;
-              const float l2 = stage.lse[col] * LOG2E;  // +inf past Sl: p = 0
-              const float dl = stage.delta[col];
-              const int qg = part ? ring_attn::global_pos(f, rank, q0 + col) : 0;
-#pragma unroll
-              for (int i = 0; i < 2; ++i) {
-                const int el = 4 * jj + 2 * i + cc;
-                float pr = frag::exp2_approx(fmaf(sc[el], sl2, -l2));
-                if (part && qg < kg[i]) pr = 0.f;
-                sc[el] = pr;
-                dp[el] = pr * (dp[el] - dl);
-              }
-            }
-          }
-          frag::to_a<T>(pa, sc);
-          frag::to_a<T>(dsa, dp);
-          wgmma::fence_regs(dv);
-          wgmma::fence_regs(dk);
-          wgmma::fence();
-          frag::static_for<BQ / 16>([&](auto kk) {
-            frag::mma_rs<T, D, 1, kk>(
-                dv, pa, wgmma::desc_mn_major(stage.d_o.data, kk * 16, CK::q_tile::PANEL_BYTES),
-                1);
-          });
-          frag::static_for<BQ / 16>([&](auto kk) {
-            frag::mma_rs<T, D, 1, kk>(
-                dk, dsa, wgmma::desc_mn_major(stage.q.data, kk * 16, CK::q_tile::PANEL_BYTES),
-                1);
-          });
-          wgmma::commit();
-          wgmma::wait<0>();
-          wgmma::fence_regs(dv);
-          wgmma::fence_regs(dk);
-          frag::fence_regs(pa);
-          frag::fence_regs(dsa);
+          step.grad_scores(stage, sl2, part,
+                           [&](int col) { return ring_attn::global_pos(f, rank, q0 + col); }, kg);
+          step.accumulate(stage, dk, dv);
           release(j);
         }
       }
