@@ -70,6 +70,7 @@ Status LaunchAttention(const Where& at, const AttnArgs& a) {
     g.dq = a.dq;
     g.dk = a.dk;
     g.dv = a.dv;
+    g.dq_acc = a.dq_acc;
     g.d = dm;
     const struct {
       const void* ptr;
@@ -99,11 +100,12 @@ ffi::Error AttentionCuda(cudaStream_t stream, int32_t device, ffi::RemainingArgs
   a.backward = backward != 0;
   a.causal = causal != 0;
   a.scale = scale;
-  const size_t want_args = a.backward ? 6 : 3, want_rets = a.backward ? 3 : 2;
-  if (args.size() != want_args || rets.size() != want_rets) {
+  const size_t want_args = a.backward ? 6 : 3;
+  const bool rets_ok = a.backward ? rets.size() == 3 || rets.size() == 4 : rets.size() == 2;
+  if (args.size() != want_args || !rets_ok) {
     return ffi::Error::InvalidArgument(
         "pk_attention: expected (q, k, v) -> (o, lse) forward, (q, k, v, do, lse, delta) -> "
-        "(dq, dk, dv) backward.");
+        "(dq, dk, dv[, dq_acc]) backward.");
   }
   ffi::AnyBuffer q = *args.get<ffi::AnyBuffer>(0), k = *args.get<ffi::AnyBuffer>(1),
                  v = *args.get<ffi::AnyBuffer>(2);
@@ -133,6 +135,14 @@ ffi::Error AttentionCuda(cudaStream_t stream, int32_t device, ffi::RemainingArgs
     a.dq = (*rets.get<ffi::AnyBuffer>(0))->untyped_data();
     a.dk = (*rets.get<ffi::AnyBuffer>(1))->untyped_data();
     a.dv = (*rets.get<ffi::AnyBuffer>(2))->untyped_data();
+    if (rets.size() == 4) {  // float32 scratch of q's shape: the one-pass backward
+      ffi::Result<ffi::AnyBuffer> acc = *rets.get<ffi::AnyBuffer>(3);
+      if (acc->element_type() != ffi::DataType::F32 ||
+          acc->element_count() != size_t(a.b * a.s * a.h * a.d)) {
+        return ffi::Error::InvalidArgument("pk_attention: dq_acc must be float32 of q's shape.");
+      }
+      a.dq_acc = static_cast<float*>(acc->untyped_data());
+    }
   }
   return ToError(LaunchAttention(Where{stream, device, 0}, a));
 }
@@ -145,7 +155,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkAttention, pk_ffi::AttentionCuda,
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
                                   .Ctx<xla::ffi::DeviceOrdinal>()                 // device
                                   .RemainingArgs()  // q, k, v (+ do, lse, delta backward)
-                                  .RemainingRets()  // o, lse (dq, dk, dv backward)
+                                  .RemainingRets()  // o, lse (dq, dk, dv[, dq_acc] backward)
                                   .Attr<float>("scale")       // multiplies q . k
                                   .Attr<int64_t>("causal")    // 1: query i sees keys 0..i
                                   .Attr<int64_t>("backward"),  // 0 forward, 1 backward

@@ -94,12 +94,14 @@ Status LaunchGemmAr(const Where& at, const GemmArgs& a, const CommView& v);
 Status LaunchAgGemm(const Where& at, const GemmArgs& a, const CommView& v);
 
 // Single-device attention (cuda/kernels/attention.cuh). Forward: q, k, v -> o, lse. Backward:
-// q, k, v, d_o, lse and delta (both [B, H, SP], SP = S rounded up to 128) -> dq, dk, dv.
+// q, k, v, d_o, lse and delta (both [B, H, SP], SP = S rounded up to 128) -> dq, dk, dv; in
+// one pass when dq_acc (float32 [B, S, H, D] scratch) is given, else two (bitwise reproducible).
 struct AttnArgs {
   DType dtype;
   const void *q, *k, *v, *d_o;
   const float *lse_in, *delta;
   void *o, *dq, *dk, *dv;
+  float* dq_acc;
   float* lse;                 // forward output [B, H, S]
   int64_t b, s, h, hkv, d;    // q [b, s, h, d], k and v [b, s, hkv, d]
   int64_t sp;                 // backward: the padded length of lse_in and delta

@@ -210,8 +210,9 @@ def _dense_gqa_grads(q, k, v, dy, causal):
 
 
 def _stand_in_attention_backward(calls, results, q, k, v, do, lse, delta, attrs):
-    """What the pk_attention backward returns: dq, dk, dv in the operands' dtypes from lse and
-    delta [B, H, SP] (padded past S with +inf and 0), K/V heads read in place (GQA)."""
+    """What the pk_attention backward returns: dq, dk, dv in the operands' dtypes (and the float32
+    dq scratch) from lse and delta [B, H, SP] (padded past S with +inf and 0), K/V heads read in
+    place (GQA)."""
     b, s, h, d = q.shape
     hkv = k.shape[2]
     sp = lse.shape[2]
@@ -228,7 +229,9 @@ def _stand_in_attention_backward(calls, results, q, k, v, do, lse, delta, attrs)
     dk, dv = (g.reshape(b, s, hkv, h // hkv, d).sum(axis=3) for g in (dk, dv))
     out = [g.astype(r.dtype) for g, r in zip((dq, dk, dv), results)]
     assert all(g.shape == r.shape for g, r in zip(out, results))
-    return out
+    # The one-pass kernel's fourth result: its float32 dq scratch (not used by the caller).
+    assert len(results) == 4 and results[3].shape == q.shape and results[3].dtype == jnp.float32
+    return out + [jnp.zeros(q.shape, jnp.float32)]
 
 
 def _stand_in_attention_forward(calls, results, q, k, v, attrs):

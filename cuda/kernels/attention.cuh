@@ -6,7 +6,7 @@
  * query i sees keys 0..i. Every operand is read through a 4-D TMA map (tma_4d.cuh), so rows
  * past S arrive as zeros; the kernels mask those keys and never store those rows.
  *
- * Three kernels, one block of 2 consumer warpgroups each, 64 rows each of the block's
+ * Four kernels, one block of 2 consumer warpgroups each, 64 rows each of the block's
  * stationary tile, streaming the other operand through a ring of STAGES buffers with full
  * mbarriers. Thread 0 issues the first STAGES tiles before the loop; each later one is issued
  * by the leader of whichever warpgroup releases its stage last (release_stage), so neither
@@ -23,6 +23,8 @@
  *   dkdv   | 128 keys of head hk: K,V | 64 query rows of each   | S^T = K Q^T, dP^T = V dO^T;
  *          |                          | head of hk's group: Q,  | dV += P^T dO; dK += dS^T Q
  *          |                          | dO, lse, delta          |
+ *   bwd    | as dkdv                  | as dkdv                 | dkdv's step, then dS^T to
+ *          |                          |                         | smem and dq_acc += dS K (red)
  *
  * The forward overlaps each step's softmax with the previous step's P V: step j issues
  * S_j = Q K_j^T and O += P_{j-1} V_{j-1}, waits for S_j only, runs the softmax of S_j while the
@@ -31,11 +33,14 @@
  * other's GEMMs. It writes O and lse = scale * max + log(sum) per
  * row. The backward recomputes P = exp(scale q k^T - lse) from the saved lse; delta =
  * rowsum(dO * O) comes from the caller (padded with lse = +inf past S, so padded rows give
- * P = 0). dK and dV sum over the group's query heads in registers; dQ has its own pass, so no
- * atomics and the gradients are deterministic.
+ * P = 0). dK and dV sum over the group's query heads in registers. The backward runs in one
+ * pass (bwd, five GEMMs per step: pk.attention's, given a float32 dq_acc scratch that the
+ * launcher zeroes and converts to dq after) or in two (dq, then dkdv: seven GEMMs per step, no
+ * atomics, so bitwise reproducible; without dq_acc).
  *
- * Grid: fwd and dq (H, ceil(S / 128), B); dkdv (Hkv, ceil(S / 128), B). Causal blocks run the
- * longest rows first (block y counts down), and skip the tiles wholly above the diagonal.
+ * Grid: fwd and dq (H, ceil(S / 128), B); dkdv and bwd (Hkv, ceil(S / 128), B). Causal blocks
+ * run the longest rows first (fwd and dq: block y counts down; dkdv and bwd: key block y meets
+ * the rows from 128 y on), and skip the tiles wholly above the diagonal.
  *
  * Signals: none (no peers).
  *
@@ -57,6 +62,7 @@
 #include "pk/tma_4d.cuh"
 #include "pk/warpgroup.cuh"
 #include "pk/wgmma.cuh"
+#include "pk/wgmma_ta.cuh"
 
 namespace pk::attention {
 
@@ -95,6 +101,7 @@ struct bwd_globals {
   int sp;
   void* dq;  // [B, S, H, D]
   void* dk;  // [B, S, Hkv, D]
+  float* dq_acc;  // [B, S, H, D] float32 (zeroed by the launcher): one-pass backward; or null
   void* dv;
   dims d;
 };
@@ -717,6 +724,14 @@ struct dkdv_step {
 
   /** @brief dV += P^T dO and dK += dS^T Q with the stage's rows (waited for). */
   __device__ void accumulate(const stage_t& stage, float (&dk)[D / 2], float (&dv)[D / 2]) {
+    issue(stage, dk, dv);
+    wgmma::wait<0>();
+    finish(dk, dv);
+  }
+
+  /** @brief Issues dV += P^T dO and dK += dS^T Q (one committed group; pa and dsa hold P^T and
+   * dS^T rounded to T until `finish`, after the caller's wait). */
+  __device__ void issue(const stage_t& stage, float (&dk)[D / 2], float (&dv)[D / 2]) {
     frag::to_a<T>(pa, sc);
     frag::to_a<T>(dsa, dp);
     wgmma::fence_regs(dv);
@@ -731,7 +746,10 @@ struct dkdv_step {
           dk, dsa, wgmma::desc_mn_major(stage.q.data, kk * 16, C::q_tile::PANEL_BYTES), 1);
     });
     wgmma::commit();
-    wgmma::wait<0>();
+  }
+
+  /** @brief After the wait for `issue`'s group: dK, dV, pa and dsa are the threads' again. */
+  __device__ void finish(float (&dk)[D / 2], float (&dv)[D / 2]) {
     wgmma::fence_regs(dv);
     wgmma::fence_regs(dk);
     frag::fence_regs(pa);
@@ -746,8 +764,8 @@ __global__ void __launch_bounds__(THREADS, 1) dkdv_kernel(const __grid_constant_
   auto& s = storage<typename C::storage_t>();
   const dims& dm = g.d;
   const int hk = blockIdx.x, b = blockIdx.z;
-  const int kb = dm.causal ? static_cast<int>(gridDim.y - 1 - blockIdx.y) : blockIdx.y;
-  const int k0 = kb * BN;
+  const int kb = blockIdx.y;  // causal: key block kb meets query rows from 128 kb on, so the
+  const int k0 = kb * BN;      // blocks with the most work come first
   const int group = dm.h / dm.hkv;
   const int nq = ceil_div(dm.s, BQ);
   const int qb0 = dm.causal ? k0 / BQ : 0;
@@ -811,6 +829,181 @@ __global__ void __launch_bounds__(THREADS, 1) dkdv_kernel(const __grid_constant_
 }
 
 // ---------------------------------------------------------------------------------------------
+// Backward in one pass: dK, dV and dQ.
+
+/** @brief The one-pass backward's storage: dkdv_config's, with STAGES fitting two dS^T tiles. */
+template <typename T, int D>
+struct bwd_config : dkdv_config<T, D> {
+  using base = dkdv_config<T, D>;
+  static constexpr int STAGES = D == 128 ? 3 : 6;
+  using ds_tile = st_panels<T, base::BN, base::BQ>;  // dS^T: 128 keys (k rows) x 64 queries
+  struct storage_t {
+    typename base::kv_tile k, v;
+    typename base::stage_t st[STAGES];
+    ds_tile ds[2];  // step j writes ds[j % 2]; see bwd_kernel
+    mbarrier kv_full, full[STAGES];
+    int released[STAGES];  // see release_stage
+  };
+  static constexpr size_t SMEM = sizeof(storage_t) + 1024;
+};
+
+// Named barrier of the one-pass backward: both warpgroups' dS^T rows of a step are in shared
+// memory.
+constexpr int BWD_DS = 1;
+
+/** @brief m64nNk16 (N = 32, 64) with A and B MN-major from shared memory: dQ += dS K, dS
+ * stored transposed. */
+template <typename T, int N>
+__device__ inline void mma_dq(float (&d)[N / 2], uint64_t da, uint64_t db, int scale_d) {
+  constexpr bool BF16 = std::is_same_v<T, __nv_bfloat16>;
+  if constexpr (N == 64) {
+    if constexpr (BF16) wgmma::ta::mma_m64n64k16_bf16<1, 1>(d, da, db, scale_d);
+    else wgmma::ta::mma_m64n64k16_f16<1, 1>(d, da, db, scale_d);
+  } else {
+    static_assert(N == 32, "mma_dq: N must be 32 or 64");
+    if constexpr (BF16) wgmma::ta::mma_m64n32k16_bf16<1, 1>(d, da, db, scale_d);
+    else wgmma::ta::mma_m64n32k16_f16<1, 1>(d, da, db, scale_d);
+  }
+}
+
+/**
+ * The dK/dV kernel's blocks and steps, and dQ in the same pass (five GEMMs per step instead of
+ * the two passes' seven): after dS^T is computed, each warpgroup stores its 64 key rows of it
+ * (rounded to T) into the step's ds tile; once both have (named barrier BWD_DS), warpgroup c
+ * computes columns [c D/2, (c + 1) D/2) of dQ_step = dS K for the stage's 64 queries over all
+ * 128 keys and adds them to dq_acc with vector reductions (red.global.add.v2.f32).
+ * ds is double-buffered: a warpgroup writes ds[j % 2] in step j only after passing step j - 1's
+ * barrier, which the other passed after its step j - 2 wait, the last read of that buffer.
+ * The block's dQ partials of a query row are summed in fp32 by the L2 in any order, so dq is
+ * not bitwise reproducible (dk and dv are).
+ */
+template <class C>
+__global__ void __launch_bounds__(THREADS, 1) bwd_kernel(const __grid_constant__ bwd_globals g) {
+  using T = typename C::dtype;
+  constexpr int D = C::HEAD_DIM, BN = C::BN, BQ = C::BQ, STAGES = C::STAGES;
+  constexpr int DQN = D / 2;  // the warpgroup's dQ columns
+  auto& s = storage<typename C::storage_t>();
+  const dims& dm = g.d;
+  const int hk = blockIdx.x, b = blockIdx.z;
+  const int kb = blockIdx.y;  // causal: key block kb meets query rows from 128 kb on, so the
+  const int k0 = kb * BN;      // blocks with the most work come first
+  const int group = dm.h / dm.hkv;
+  const int nq = ceil_div(dm.s, BQ);
+  const int qb0 = dm.causal ? k0 / BQ : 0;
+  const int per_head = nq - qb0;
+  const int n_tiles = group * per_head;
+  const bool issuer = threadIdx.x == 0;
+  auto issue = [&](int j) {
+    const int st = j % STAGES;
+    const int h = hk * group + j / per_head;
+    const int q0 = (qb0 + j % per_head) * BQ;
+    auto& stage = s.st[st];
+    mbar_arrive_expect_tx(&s.full[st], C::STAGE_BYTES);
+    load_rows(stage.q, &g.q64, &s.full[st], b, q0, h);
+    load_rows(stage.d_o, &g.do64, &s.full[st], b, q0, h);
+    const int64_t at = (int64_t(b) * dm.h + h) * g.sp + q0;  // q0 + 64 <= SP: padded
+    tma::load_1d(stage.lse, g.lse + at, BQ * sizeof(float), &s.full[st]);
+    tma::load_1d(stage.delta, g.delta + at, BQ * sizeof(float), &s.full[st]);
+  };
+  if (issuer) {
+    block_wait_bound() = wait_bound{};
+    mbar_init(&s.kv_full, 1);
+    for (int i = 0; i < STAGES; ++i) {
+      mbar_init(&s.full[i], 1);
+      s.released[i] = 0;
+    }
+    fence_mbar_init();
+    mbar_arrive_expect_tx(&s.kv_full, 2 * C::kv_tile::BYTES);
+    load_rows(s.k, &g.k128, &s.kv_full, b, k0, hk);
+    load_rows(s.v, &g.v128, &s.kv_full, b, k0, hk);
+    for (int j = 0; j < min(STAGES, n_tiles); ++j) issue(j);
+  }
+  __syncthreads();
+
+  const int c = warpgroup::index();
+  const int t = warpgroup::thread();
+  const int lane = t % 32;
+  auto release = [&](int r) { release_stage(s.released, r, n_tiles, issue); };
+  const int key_lo = k0 + c * 64 + 16 * (t / 32) + lane / 4;  // keys key_lo, key_lo + 8
+  const float sl2 = dm.scale * LOG2E;
+  const int nbeg = DQN * c;  // the warpgroup's first dQ column
+
+  float dk[D / 2], dv[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
+  const int keys[2] = {key_lo, key_lo + 8};
+  dkdv_step<C> step;
+
+  mbar_wait(&s.kv_full, 0);
+  for (int j = 0; j < n_tiles; ++j) {
+    const int st = j % STAGES;
+    const int h = hk * group + j / per_head;
+    const int q0 = (qb0 + j % per_head) * BQ;
+    auto& stage = s.st[st];
+    auto& ds = s.ds[j & 1];
+    mbar_wait(&s.full[st], (j / STAGES) & 1);
+    step.scores(s, stage, c);
+    const bool mask = dm.causal && q0 < k0 + c * 64 + 63;
+    step.grad_scores(stage, sl2, mask, [&](int col) { return q0 + col; }, keys);
+    step.issue(stage, dk, dv);
+    // dS^T rows key_lo - k0 (+ 8): packed register 2 jj + i holds queries 8 jj + 2 (lane % 4)
+    // and the next one of row i (fragment.cuh).
+#pragma unroll
+    for (int jj = 0; jj < BQ / 8; ++jj) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        *reinterpret_cast<uint32_t*>(ds.at(key_lo - k0 + 8 * i, 8 * jj + 2 * (lane % 4))) =
+            step.dsa[2 * jj + i];
+      }
+    }
+    tma::fence_smem_to_async();
+    warpgroup::sync(BWD_DS, THREADS);
+    float dq[DQN / 2];
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      // D = 64: columns 32.. start 64 bytes into the swizzled panel rows, like a k offset of
+      // a K-major operand (the hardware swizzles the final address).
+      mma_dq<T, DQN>(dq, wgmma::desc_mn_major(ds.data, 16 * kk, C::ds_tile::PANEL_BYTES),
+                     wgmma::desc_mn_major(s.k.panel(nbeg / 64) + nbeg % 64, 16 * kk,
+                                          C::kv_tile::PANEL_BYTES),
+                     kk > 0 ? 1 : 0);
+    }
+    wgmma::commit();
+    wgmma::wait<0>();
+    wgmma::fence_regs(dq);
+    step.finish(dk, dv);
+    release(j);
+    // dq rows q0 + 16 (t / 32) + lane / 4 (+ 8), columns nbeg + 8 jj + 2 (lane % 4) (+ 1).
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int row = q0 + 16 * (t / 32) + lane / 4 + 8 * i;
+      if (row >= dm.s) continue;
+      float* dst = g.dq_acc + ((int64_t(b) * dm.s + row) * dm.h + h) * D + nbeg + 2 * (lane % 4);
+#pragma unroll
+      for (int jj = 0; jj < DQN / 8; ++jj) {
+        asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(dst + 8 * jj),
+                     "f"(dq[4 * jj + 2 * i]), "f"(dq[4 * jj + 2 * i + 1])
+                     : "memory");
+      }
+    }
+  }
+  store_rows<T, D>(g.dk, dk, dm.scale, dm.scale, b, k0 + c * 64, hk, dm.hkv, dm.s);
+  store_rows<T, D>(g.dv, dv, 1.f, 1.f, b, k0 + c * 64, hk, dm.hkv, dm.s);
+}
+
+/** @brief dq = T(scale dq_acc), n elements (a multiple of 4). */
+template <typename T>
+__global__ void dq_convert_kernel(const float4* __restrict__ acc, uint2* __restrict__ dq,
+                                  int64_t n4, float scale) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n4;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const float4 a = acc[i];
+    dq[i] = make_uint2(frag::pack<T>(a.x * scale, a.y * scale), frag::pack<T>(a.z * scale, a.w * scale));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Launchers.
 
 template <class C, class G>
@@ -835,9 +1028,29 @@ inline cudaError_t launch_fwd(const fwd_globals& g, cudaStream_t stream, int dev
   return launch_kernel<C>(&fwd_kernel<C>, g, grid, stream, device);
 }
 
-/** @brief The backward for head dim D: dQ, then dK and dV. */
+/** @brief The backward for head dim D: with g.dq_acc, one pass (bwd_kernel, then dq from
+ * dq_acc); without, dQ, then dK and dV (two passes, no atomics: bitwise reproducible). */
 template <typename T, int D>
 inline cudaError_t launch_bwd(const bwd_globals& g, cudaStream_t stream, int device) {
+  if (g.dq_acc) {
+    using CB = bwd_config<T, D>;
+    const int64_t n = int64_t(g.d.b) * g.d.s * g.d.h * D;
+    if (cudaError_t err = cudaMemsetAsync(g.dq_acc, 0, n * sizeof(float), stream);
+        err != cudaSuccess) {
+      return err;
+    }
+    if (cudaError_t err = launch_kernel<CB>(&bwd_kernel<CB>, g,
+                                            dim3(g.d.hkv, ceil_div(g.d.s, CB::BN), g.d.b),
+                                            stream, device);
+        err != cudaSuccess) {
+      return err;
+    }
+    const int64_t n4 = n / 4;
+    const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(n4, int64_t(256)), 132 * 8));
+    dq_convert_kernel<T><<<blocks, 256, 0, stream>>>(reinterpret_cast<const float4*>(g.dq_acc),
+                                                     reinterpret_cast<uint2*>(g.dq), n4, g.d.scale);
+    return cudaGetLastError();
+  }
   using CQ = dq_config<T, D>;
   using CK = dkdv_config<T, D>;
   if (cudaError_t err = launch_kernel<CQ>(&dq_kernel<CQ>, g,

@@ -113,20 +113,26 @@ def _kernel_fwd(q, k, v, scale, causal):
     return o, (q, k, v, o, lse)
 
 
+def backward_call(q, k, v, do, lse, delta, scale, causal):
+    """dq, dk, dv from the pk_attention backward kernel (one pass; dq summed in a float32
+    scratch, the call's fourth result); lse and delta float32 [B, H, S], padded here to a
+    multiple of the kernel's tiles (lse = +inf there, so padded rows get P = 0)."""
+    pad = ((0, 0), (0, 0), (0, -q.shape[1] % _PAD))
+    dq, dk, dv, _ = _ffi.call("pk_attention", [jax.ShapeDtypeStruct(x.shape, x.dtype)
+                                               for x in (q, k, v)]
+                              + [jax.ShapeDtypeStruct(q.shape, jnp.float32)],
+                              q, k, v, do, jnp.pad(lse, pad, constant_values=jnp.inf),
+                              jnp.pad(delta, pad), scale=np.float32(scale),
+                              causal=np.int64(causal), backward=np.int64(1))
+    return dq, dk, dv
+
+
 def _kernel_bwd(scale, causal, res, do):
     q, k, v, o, lse = res
     do = do.astype(q.dtype)
-    s = q.shape[1]
-    # delta = rowsum(dO * O) per query row and head, [B, H, S]; lse and delta padded to a
-    # multiple of the kernels' tiles (lse = +inf there, so padded rows get P = 0).
+    # delta = rowsum(dO * O) per query row and head, [B, H, S].
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
-    pad = ((0, 0), (0, 0), (0, -s % _PAD))
-    lse = jnp.pad(lse, pad, constant_values=jnp.inf)
-    delta = jnp.pad(delta, pad)
-    dq, dk, dv = _ffi.call("pk_attention", [jax.ShapeDtypeStruct(x.shape, x.dtype)
-                                            for x in (q, k, v)],
-                           q, k, v, do, lse, delta, scale=np.float32(scale),
-                           causal=np.int64(causal), backward=np.int64(1))
+    dq, dk, dv = backward_call(q, k, v, do, lse, delta, scale, causal)
     return _vjp.fit(dq, q), _vjp.fit(dk, k), _vjp.fit(dv, v)
 
 

@@ -166,14 +166,9 @@ _composed_ulysses.defvjp(_composed_fwd, _composed_ulysses_bwd)
 
 
 def _head_group_bwd(scale, causal, qh, kh, vh, doh, lse, delta):
-    """dq, dk, dv on head shards [B, S, ., D] from the pk_attention backward kernels; lse and
+    """dq, dk, dv on head shards [B, S, ., D] from the pk_attention backward kernel; lse and
     delta float32 [B, H/P, S]."""
-    pad = ((0, 0), (0, 0), (0, -qh.shape[1] % _PAD))  # lse = +inf past S: those rows get P = 0
-    return _ffi.call("pk_attention", [jax.ShapeDtypeStruct(x.shape, x.dtype)
-                                      for x in (qh, kh, vh)],
-                     qh, kh, vh, doh, jnp.pad(lse, pad, constant_values=jnp.inf),
-                     jnp.pad(delta, pad), scale=np.float32(scale), causal=np.int64(causal),
-                     backward=np.int64(1))
+    return _attention_op.backward_call(qh, kh, vh, doh, lse, delta, scale, causal)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,7 +181,6 @@ NUM_COMM_SMS = 2  # communication blocks (the same on every rank; each moves 1/C
 # Whether the custom VJP of the fused path runs the kernel-backed backward (all_to_all, the
 # pk_attention backward, all_to_all back) where pk_attention runs, else the reference's.
 KERNEL_BACKWARD = True
-_PAD = 128  # the pk_attention backward reads lse and delta in tiles of up to 128 rows
 
 
 def kernel_supports(q: jax.Array, p: int) -> bool:
