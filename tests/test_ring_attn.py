@@ -1,8 +1,11 @@
 """pk.ring_attention on host devices against dense softmax attention over the whole sequence:
 P in {1,2,3,4,8}, causal or not, every dtype, odd local lengths, B > 1, a 2-D mesh, blocks of
-keys smaller than the local length, gradients, and the error messages."""
+keys smaller than the local length, gradients, and the error messages; at P = 1 with the
+kernels forced, the choice of the pk.attention kernels and (with jax.lax stand-ins for them)
+its wiring; on an H200 (marker gpu) P = 1 against pk.attention and a float32 reference."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +13,19 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.test_util import check_grads
-from util import FLOAT_DTYPES, WORLD_SIZES, P, assert_close, cpu_mesh, product, run, vjp_both
+from util import (
+    FLOAT_DTYPES,
+    WORLD_SIZES,
+    P,
+    assert_close,
+    assert_same,
+    cpu_mesh,
+    poison,
+    product,
+    run,
+    stand_in_attention,
+    vjp_both,
+)
 
 import pk_jax as pk
 from pk_jax.ops import _attention
@@ -331,6 +346,115 @@ def test_fused_kernel_takes_what_it_compiles():
     assert ring_attn.FUSED_BACKWARD
 
 
+# --- P = 1 (a 1-device axis): the pk.attention kernels (forward_path "local") ----------------
+
+def ffi_calls(jaxpr) -> list:
+    """The FFI-call equations of a jaxpr and of the jaxprs inside it (shard_map bodies, ...),
+    in order."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    found = []
+    for e in jaxpr.eqns:
+        if "target_name" in e.params:
+            found.append(e)
+        for value in e.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if hasattr(getattr(sub, "jaxpr", sub), "eqns"):
+                    found += ffi_calls(sub)
+    return found
+
+
+def traced_p1(monkeypatch, fn, mesh, shapes, dtype, spec=SEQ, **kw):
+    """The jaxpr of the gradient of sum(fn(q, k, v, "sp", **kw)) under shard_map on `mesh`,
+    with q, k, v of `shapes`, and the paths ring/Ulysses forward_path chose while tracing."""
+    from pk_jax.ops import ring_attn, ulysses_attn
+
+    pk.init(mesh)
+    paths = []
+    for mod in (ring_attn, ulysses_attn):
+        def spy(*a, decide=mod.forward_path):
+            paths.append(decide(*a))
+            return paths[-1]
+
+        monkeypatch.setattr(mod, "forward_path", spy)
+    xs = [jax.device_put(normal(s, dtype, i), NamedSharding(mesh, spec))
+          for i, s in enumerate(shapes)]
+    f = jax.shard_map(lambda a, b, c: fn(a, b, c, "sp", **kw), mesh=mesh, in_specs=(spec,) * 3,
+                      out_specs=spec)
+    loss = lambda *x: jnp.sum(f(*x).astype(jnp.float32))
+    return jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(*xs), paths
+
+
+@pytest.mark.parametrize("causal,layout,h,hkv,d,dtype", [
+    (False, "contiguous", 4, 4, 64, jnp.bfloat16), (True, "contiguous", 8, 2, 128, jnp.float16),
+    (True, "zigzag", 4, 1, 64, jnp.bfloat16), (False, "zigzag", 6, 3, 128, jnp.bfloat16)])
+def test_p1_runs_pk_attention(monkeypatch, causal, layout, h, hkv, d, dtype):
+    """At P = 1 with the kernels available (forced here; the CPU has none) ring attention is
+    pk.attention: forward_path says "local", and the gradient traces to one pk_attention
+    forward on q, k, v as given (K/V heads in place, the causal flag: zigzag is the identity
+    permutation at P = 1, the scale) and one pk_attention backward; no ppermute, no
+    pk_ring_attn."""
+    from pk_jax import _backend
+
+    monkeypatch.setattr(_backend, "use_kernel", lambda stem, axis_name=None: True)
+    assert pk.zigzag_indices(10, 1).tolist() == list(range(10))
+    shapes = [(2, 10, h, d), (2, 10, hkv, d), (2, 10, hkv, d)]
+    jaxpr, paths = traced_p1(monkeypatch, pk.ring_attention, cpu_mesh((1,), ("sp",)), shapes,
+                             dtype, causal=causal, layout=layout, scale=0.3)
+    assert paths == ["local"]
+    calls = ffi_calls(jaxpr)
+    assert [e.params["target_name"] for e in calls] == ["pk_attention"] * 2, calls
+    attrs = [dict(e.params["attributes"]) for e in calls]
+    assert [a["backward"] for a in attrs] == [0, 1]
+    assert all(a["causal"] == causal and np.isclose(a["scale"], 0.3) for a in attrs), attrs
+    assert [x.aval.shape for x in calls[0].invars] == shapes
+    assert [x.aval.shape for x in calls[1].outvars] == shapes
+    assert "ppermute" not in str(jaxpr)
+
+
+@pytest.mark.parametrize("dtype,d", [(jnp.float32, 64), (jnp.bfloat16, 96)])
+def test_p1_keeps_the_reference_where_pk_attention_does_not_run(monkeypatch, dtype, d):
+    """fp32 operands and head dims other than 64/128 at P = 1 keep the jax.lax ring, even with
+    the kernels available."""
+    from pk_jax import _backend
+
+    monkeypatch.setattr(_backend, "use_kernel", lambda stem, axis_name=None: True)
+    jaxpr, paths = traced_p1(monkeypatch, pk.ring_attention, cpu_mesh((1,), ("sp",)),
+                             [(1, 8, 2, d)] * 3, dtype, causal=True, layout="zigzag")
+    assert paths == ["reference"] and not ffi_calls(jaxpr)
+
+
+@pytest.mark.parametrize("causal,layout,dtype", [
+    (False, "contiguous", jnp.bfloat16), (True, "contiguous", jnp.float16),
+    (True, "zigzag", jnp.bfloat16)])
+def test_p1_local_matches_the_reference(monkeypatch, causal, layout, dtype):
+    """The local path's wiring with jax.lax stand-ins for the pk_attention calls, on a (dp 2,
+    sp 1) mesh with q replicated over dp (dq summed over dp): output and gradients match the
+    reference ring's in the same dtype, and every cotangent varies like its primal (vjp_both);
+    GQA 4:2, S = 130 (past one 128-row tile), scale 0.1."""
+    from pk_jax.ops import ring_attn
+
+    calls = stand_in_attention(monkeypatch)
+    mesh = cpu_mesh((2, 1), ("dp", "sp"))
+    q = normal((2, 130, 4, 64), dtype, 0)
+    k, v = (normal((4, 130, 2, 64), dtype, i) for i in (1, 2))
+    dy = normal((4, 130, 4, 64), dtype, 3)
+    f = lambda *x: pk.ring_attention(*x, "sp", causal=causal, scale=0.1, layout=layout)
+
+    def ref(q, k, v):
+        kr, vr = _attention.repeat_kv(q, k, v)
+        return ring_attn.reference(q, kr, vr, "sp", causal=causal, scale=0.1, p=1,
+                                   zigzag=layout == "zigzag")
+
+    specs = (P(None, "sp"), P("dp", "sp"), P("dp", "sp"))
+    ours, want = vjp_both(f, ref, mesh, specs, P("dp", "sp"), (q, k, v), dy)
+    for g, w in zip(ours, want):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                   rtol=2e-2, atol=3e-2 if dtype == jnp.bfloat16 else 4e-3)
+    assert [c["backward"] for c in calls] == [0, 1], calls
+    assert all(c["h"] == 4 and c["hkv"] == 2 and c["s"] == 130 and c["causal"] == causal
+               and np.isclose(c["scale"], 0.1) for c in calls), calls
+
+
 @pytest.mark.parametrize("causal,zigzag", [(False, False), (True, False), (True, True)])
 def test_emulator_backward_reference_matches_autodiff(causal, zigzag):
     """pk_jax.testing.ops.ring_attn_bwd (the GPU emulator tests' expected gradients of the
@@ -353,3 +477,147 @@ def test_emulator_backward_reference_matches_autodiff(causal, zigzag):
     for i, name in enumerate(("dq", "dk", "dv")):
         got = np.concatenate([case.expected[r][name] for r in range(p)], axis=1)
         np.testing.assert_allclose(got, want[i][:, inv], rtol=1e-4, atol=1e-4)
+
+
+# GPU tests (marker gpu): ring attention over a 1-device axis of the H200 runs the pk.attention
+# kernels. Per case: the jitted program's only pk custom calls are pk_attention (the forward;
+# and the backward for the gradients), with no collective; outputs are poisoned first (util.
+# poison) and every call is made twice, with identical results; the output is bit for bit
+# pk.attention's on the same operands (the same kernel), and output and gradients are within
+# twice the error of XLA's attention in the same dtype against a float32 reference
+# (tests/test_attention.py's criterion). tests/test_ulysses_attn.py runs the same checks.
+
+GPU_P1 = [  # (B, S, H, Hkv, D, causal, dtype); S even (the zigzag layout)
+    (1, 1000, 8, 2, 128, True, jnp.bfloat16), (2, 256, 4, 4, 64, False, jnp.float16),
+    (1, 334, 4, 1, 64, True, jnp.bfloat16)]
+GPU_P1_GRAD = [(1, 300, 8, 2, 64, True, jnp.bfloat16), (1, 512, 4, 1, 128, False, jnp.float16)]
+
+
+def gpu_id(case) -> str:
+    return "x".join(str(x) for x in case[:5]) + ("-causal-" if case[5] else "-") + \
+        jnp.dtype(case[6]).name
+
+
+def _p1_operands(case, seed, platform):
+    """A pk.init'ed 1-device ("sp",) mesh, q, k, v of `case` (random normal) and a key."""
+    mesh = jax.make_mesh((1,), ("sp",), devices=jax.devices(platform)[:1])
+    pk.init(mesh)
+    return (mesh, *_p1_inputs(case, seed))
+
+
+def _p1_inputs(case, seed):
+    b, s, h, hkv, d, _, dtype = case
+    keys = jax.random.split(jax.random.key(seed + 7919 * s + 31 * h + d), 4)
+    mk = lambda key, heads: jax.random.normal(key, (b, s, heads, d), jnp.float32).astype(dtype)
+    return (mk(keys[0], h), mk(keys[1], hkv), mk(keys[2], hkv)), keys[3]
+
+
+@functools.cache
+def _p1_references(case, grad: bool):
+    """(float32 reference, XLA's attention in the dtype of `case`): outputs, or gradients of
+    sum(out * w) (seed 1), on the operands of `_p1_operands`; cached, so that the ring and
+    Ulysses tests of one process compute them once per case."""
+    causal = case[5]
+    (q, k, v), key = _p1_inputs(case, int(grad))
+    xla = lambda a, b_, c: jax.nn.dot_product_attention(a, b_, c, is_causal=causal,
+                                                        implementation="xla")
+    if not grad:
+        return _exact(q, k, v, causal), jax.jit(xla)(q, k, v)
+    w = jax.random.normal(key, q.shape, jnp.float32)
+
+    def grads(fn, *args):
+        loss = lambda a, b_, c: jnp.sum(fn(a, b_, c).astype(jnp.float32) * w)
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)
+
+    return grads(lambda a, b_, c: _exact(a, b_, c, causal), q, k, v), grads(xla, q, k, v)
+
+
+def _pk_targets(f, *args) -> list:
+    """The pk FFI targets in jitted f's lowered program, in order; it must have no collective."""
+    text = f.lower(*args).as_text()
+    for op in ("collective_permute", "all_to_all", "all_gather", "all_reduce"):
+        assert op not in text, op
+    return re.findall(r"custom_call @(pk_\w+)", text)
+
+
+def _max_err(y, ref) -> float:
+    return float(jnp.max(jnp.abs(y.astype(jnp.float32) - ref)))
+
+
+def _exact(q, k, v, causal):
+    from pk_jax.ops import attention as att
+
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    return att.reference(*f32, causal=causal, scale=1.0 / np.sqrt(q.shape[-1]))
+
+
+def check_p1_forward(op, case, platform="gpu", **kw):
+    """The forward checks above for `op` (pk.ring_attention or pk.ulysses_attention, with
+    options `kw`) at `case`."""
+    causal, dtype = case[5:]
+    mesh, (q, k, v), _ = _p1_operands(case, 0, platform)
+    placed = [jax.device_put(x, NamedSharding(mesh, SEQ)) for x in (q, k, v)]
+    f = jax.jit(jax.shard_map(lambda a, b_, c: op(a, b_, c, "sp", causal=causal, **kw),
+                              mesh=mesh, in_specs=(SEQ,) * 3, out_specs=SEQ))
+    assert _pk_targets(f, *placed) == ["pk_attention"]
+    exact, xla = _p1_references(case, False)
+    err_xla = _max_err(xla, exact)
+    want = jax.jit(lambda a, b_, c: pk.attention(a, b_, c, causal=causal))(q, k, v)
+    outs = []
+    for _ in range(2):
+        poison(q.shape, dtype)
+        outs.append(jax.block_until_ready(f(*placed)))
+    for y in outs:
+        assert y.shape == q.shape and y.dtype == dtype
+        assert not bool(jnp.any(jnp.isnan(y))), "output not fully written"
+        assert_same(y, want)
+        err = _max_err(y, exact)
+        assert err <= 2 * err_xla + 2e-3, (err, err_xla)
+
+
+def check_p1_grads(op, case, platform="gpu", **kw):
+    """The gradient checks above for `op` (options `kw`) at `case`: d/d(q, k, v) of
+    sum(out * w), w random normal float32."""
+    causal, dtype = case[5:]
+    mesh, (q, k, v), key = _p1_operands(case, 1, platform)
+    w = jax.random.normal(key, q.shape, jnp.float32)
+    f = jax.shard_map(lambda a, b_, c: op(a, b_, c, "sp", causal=causal, **kw), mesh=mesh,
+                      in_specs=(SEQ,) * 3, out_specs=SEQ)
+    g = jax.jit(jax.grad(lambda a, b_, c, w_: jnp.sum(f(a, b_, c).astype(jnp.float32) * w_),
+                         argnums=(0, 1, 2)))
+    placed = [jax.device_put(x, NamedSharding(mesh, SEQ)) for x in (q, k, v, w)]
+    assert _pk_targets(g, *placed) == ["pk_attention"] * 2
+    exact, xla = _p1_references(case, True)
+    runs = []
+    for _ in range(2):
+        for x in (q, k, v):
+            poison(x.shape, dtype)
+        runs.append(jax.block_until_ready(g(*placed)))
+    for got in runs:
+        for name, gr, gx, ge, x in zip("qkv", got, xla, exact, (q, k, v)):
+            assert gr.shape == x.shape and gr.dtype == dtype, name
+            assert not bool(jnp.any(jnp.isnan(gr))), name
+            err, err_xla = _max_err(gr, ge), _max_err(gx, ge)
+            atol = 2e-3 * float(jnp.max(jnp.abs(ge))) + 1e-3
+            assert err <= 2 * err_xla + atol, (name, err, err_xla, atol)
+    for g0, g1 in zip(*runs):
+        assert_same(g0, g1)
+
+
+_GPU_P1_LAYOUTS = [(c, "contiguous") for c in GPU_P1] + [(c, "zigzag") for c in GPU_P1 if c[5]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,layout", _GPU_P1_LAYOUTS,
+                         ids=[f"{gpu_id(c)}-{lay}" for c, lay in _GPU_P1_LAYOUTS])
+def test_gpu_p1_forward(case, layout):
+    check_p1_forward(pk.ring_attention, case, layout=layout)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,layout", [(GPU_P1_GRAD[0], "zigzag"),
+                                         (GPU_P1_GRAD[1], "contiguous")],
+                         ids=[f"{gpu_id(GPU_P1_GRAD[0])}-zigzag",
+                              f"{gpu_id(GPU_P1_GRAD[1])}-contiguous"])
+def test_gpu_p1_grads(case, layout):
+    check_p1_grads(pk.ring_attention, case, layout=layout)

@@ -2,8 +2,9 @@
 sequence: P in {1,2,3,4,8} with H divisible by P, causal or not, every dtype, odd local lengths,
 B > 1, a 2-D mesh, key blocks shorter than the sequence, gradients, and the error messages; and,
 with jax.lax stand-ins for the FFI calls, the GPU paths' wiring: the default composed kernels
-(pk.all_to_all, the pk.attention forward and backward kernels on the head group) and the fused
-forward behind PK_JAX_ULYSSES_FUSED=1."""
+(pk.all_to_all, the pk.attention forward and backward kernels on the head group), the fused
+forward behind PK_JAX_ULYSSES_FUSED=1 and, at P = 1, the pk.attention kernels alone; on an H200
+(marker gpu) P = 1 against pk.attention and a float32 reference."""
 
 import jax
 import jax.numpy as jnp
@@ -12,12 +13,19 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.test_util import check_grads
 from test_ring_attn import (  # the shared references
+    GPU_P1,
+    GPU_P1_GRAD,
     _sharded,
+    check_p1_forward,
+    check_p1_grads,
     dense,
     dense_grads,
     dense_in_shard_map,
+    ffi_calls,
+    gpu_id,
     normal,
     qkv,
+    traced_p1,
 )
 from util import (
     FLOAT_DTYPES,
@@ -27,7 +35,7 @@ from util import (
     cpu_mesh,
     product,
     run,
-    stand_in_kernels,
+    stand_in_attention,
     vjp_both,
 )
 
@@ -209,49 +217,10 @@ def _dense_gqa_grads(q, k, v, dy, causal):
     return (np.asarray(dq), *(np.asarray(x).reshape(b, s, hkv, g, d).sum(3) for x in (dk, dv)))
 
 
-def _stand_in_attention_backward(calls, results, q, k, v, do, lse, delta, attrs):
-    """What the pk_attention backward returns: dq, dk, dv in the operands' dtypes (and the float32
-    dq scratch) from lse and delta [B, H, SP] (padded past S with +inf and 0), K/V heads read in
-    place (GQA)."""
-    b, s, h, d = q.shape
-    hkv = k.shape[2]
-    sp = lse.shape[2]
-    calls.append({"target": "pk_attention", "backward": int(attrs["backward"]), "h": h,
-                  "hkv": hkv, "s": s, "sp": sp, "scale": float(attrs["scale"]),
-                  "causal": int(attrs["causal"])})
-    assert sp % 128 == 0 and s <= sp < s + 128 and delta.shape == lse.shape == (b, h, sp)
-    assert do.dtype == q.dtype and lse.dtype == delta.dtype == jnp.float32
-    kr, vr = _attention.repeat_kv(q, k, v)
-    dq, dk, dv = _attention.blockwise_grads(
-        q, kr, vr, do.astype(jnp.float32), lse[:, :, :s].transpose(0, 2, 1),
-        delta[:, :, :s].transpose(0, 2, 1), scale=float(attrs["scale"]),
-        causal=bool(attrs["causal"]))
-    dk, dv = (g.reshape(b, s, hkv, h // hkv, d).sum(axis=3) for g in (dk, dv))
-    out = [g.astype(r.dtype) for g, r in zip((dq, dk, dv), results)]
-    assert all(g.shape == r.shape for g, r in zip(out, results))
-    # The one-pass kernel's fourth result: its float32 dq scratch (not used by the caller).
-    assert len(results) == 4 and results[3].shape == q.shape and results[3].dtype == jnp.float32
-    return out + [jnp.zeros(q.shape, jnp.float32)]
-
-
-def _stand_in_attention_forward(calls, results, q, k, v, attrs):
-    """What the pk_attention forward returns: o in q's dtype and lse float32 [B, H, S], K/V
-    heads read in place (GQA)."""
-    b, s, h, _ = q.shape
-    calls.append({"target": "pk_attention", "backward": int(attrs["backward"]), "h": h,
-                  "hkv": k.shape[2], "s": s, "scale": float(attrs["scale"]),
-                  "causal": int(attrs["causal"])})
-    kr, vr = _attention.repeat_kv(q, k, v)
-    out, res = _attention._forward(q, kr, vr, float(attrs["scale"]), bool(attrs["causal"]))
-    lse = res[4].transpose(0, 2, 1)
-    assert out.shape == results[0].shape and lse.shape == results[1].shape == (b, h, s)
-    return out.astype(results[0].dtype), lse
-
-
 def _stand_in_ulysses(monkeypatch, fused: bool = True) -> list[dict]:
-    """stand_in_kernels plus a stand-in for pk_ulysses_attn that returns what the kernel does:
-    o [B, S/P, H, D] and lse float32 [B, H, S/P], from K/V with the heads the call passes; and
-    ones for the pk_attention forward and backward (the composed path's head-group passes).
+    """stand_in_attention (the pk_attention forward and backward: the composed path's
+    head-group passes) plus a stand-in for pk_ulysses_attn that returns what the kernel does:
+    o [B, S/P, H, D] and lse float32 [B, H, S/P], from K/V with the heads the call passes.
     `fused`: PK_JAX_ULYSSES_FUSED=1 in the environment (read at the next pk.init), else unset
     (the composed default)."""
     from pk_jax import _ffi
@@ -260,14 +229,10 @@ def _stand_in_ulysses(monkeypatch, fused: bool = True) -> list[dict]:
         monkeypatch.setenv("PK_JAX_ULYSSES_FUSED", "1")
     else:
         monkeypatch.delenv("PK_JAX_ULYSSES_FUSED", raising=False)
-    calls = stand_in_kernels(monkeypatch)
+    calls = stand_in_attention(monkeypatch)
     inner = _ffi.call
 
     def fake(target, results, *args, out_vma=None, **attrs):
-        if target == "pk_attention" and int(attrs["backward"]) == 0:
-            return _stand_in_attention_forward(calls, results, *args, attrs)
-        if target == "pk_attention":
-            return _stand_in_attention_backward(calls, results, *args, attrs)
         if target != "pk_ulysses_attn":
             return inner(target, results, *args, out_vma=out_vma, **attrs)
         q, k, v, _ = args
@@ -544,10 +509,11 @@ def test_composed_typing_on_2d_mesh_with_q_replicated_over_dp(monkeypatch):
 
 
 def test_forward_path_is_decided_once(monkeypatch):
-    """forward_path: "composed" by default where the pk.attention kernels take the head group
-    (bf16/fp16, D 64/128, P > 1), "fused" with PK_JAX_ULYSSES_FUSED=1 where pk_ulysses_attn
-    takes the operands, "reference" otherwise; the variable is fixed at pk.init (a change
-    after it is a ValueError at trace time)."""
+    """forward_path: "local" at P = 1 where the pk.attention kernels take q, k, v (bf16/fp16,
+    D 64/128), "composed" by default where they take the head group (P > 1), "fused" with
+    PK_JAX_ULYSSES_FUSED=1 where pk_ulysses_attn takes the operands (P > 1), "reference"
+    otherwise; the variable is fixed at pk.init (a change after it is a ValueError at trace
+    time)."""
     from pk_jax.ops import ulysses_attn
 
     _stand_in_ulysses(monkeypatch, fused=False)
@@ -558,7 +524,7 @@ def test_forward_path_is_decided_once(monkeypatch):
         got = []
 
         def body(x):
-            got.append(ulysses_attn.forward_path(x, p, "sp"))
+            got.append(ulysses_attn.forward_path(x, x, x, p, "sp"))
             return x
 
         f = jax.shard_map(body, mesh=mesh, in_specs=SEQ, out_specs=SEQ)
@@ -567,10 +533,98 @@ def test_forward_path_is_decided_once(monkeypatch):
         return got[0]
 
     assert path(2) == "composed" and path(2, jnp.float16, 64) == "composed"
-    assert path(1) == "reference"
+    assert path(1) == "local" and path(1, jnp.float16, 64) == "local"
+    assert path(1, jnp.float32) == "reference" and path(1, jnp.bfloat16, 96) == "reference"
     assert path(2, jnp.float32) == "reference" and path(2, jnp.float16, 96) == "reference"
     monkeypatch.setenv(ulysses_attn.FUSED_ENV, "1")
     with pytest.raises(ValueError, match="PK_JAX_ULYSSES_FUSED='1' .*changed after pk.init"):
         path(2)
     pk.shutdown()
-    assert path(2) == "fused" and path(1) == "reference" and path(2, jnp.float32) == "reference"
+    assert path(2) == "fused" and path(1) == "local" and path(2, jnp.float32) == "reference"
+
+
+# P = 1 (a 1-device axis): the pk.attention kernels (forward_path "local").
+
+@pytest.mark.parametrize("causal,h,hkv,d,dtype,fused", [
+    (False, 4, 4, 64, jnp.bfloat16, False), (True, 8, 2, 128, jnp.float16, False),
+    (True, 4, 1, 64, jnp.bfloat16, True), (False, 6, 3, 128, jnp.bfloat16, False)])
+def test_p1_runs_pk_attention(monkeypatch, causal, h, hkv, d, dtype, fused):
+    """At P = 1 with the kernels available (forced here; the CPU has none), with or without
+    PK_JAX_ULYSSES_FUSED=1, Ulysses attention is pk.attention: forward_path says "local", and
+    the gradient traces to one pk_attention forward on q, k, v as given (K/V heads in place,
+    the causal flag, the scale) and one pk_attention backward; no all_to_all."""
+    from pk_jax import _backend
+
+    if fused:
+        monkeypatch.setenv("PK_JAX_ULYSSES_FUSED", "1")
+    monkeypatch.setattr(_backend, "use_kernel", lambda stem, axis_name=None: True)
+    shapes = [(2, 10, h, d), (2, 10, hkv, d), (2, 10, hkv, d)]
+    jaxpr, paths = traced_p1(monkeypatch, pk.ulysses_attention, cpu_mesh((1,), ("sp",)), shapes,
+                             dtype, causal=causal, scale=0.3)
+    assert paths == ["local"]
+    calls = ffi_calls(jaxpr)
+    assert [e.params["target_name"] for e in calls] == ["pk_attention"] * 2, calls
+    attrs = [dict(e.params["attributes"]) for e in calls]
+    assert [a["backward"] for a in attrs] == [0, 1]
+    assert all(a["causal"] == causal and np.isclose(a["scale"], 0.3) for a in attrs), attrs
+    assert [x.aval.shape for x in calls[0].invars] == shapes
+    assert [x.aval.shape for x in calls[1].outvars] == shapes
+    assert "all_to_all" not in str(jaxpr)
+
+
+@pytest.mark.parametrize("dtype,d", [(jnp.float32, 64), (jnp.bfloat16, 96)])
+def test_p1_keeps_the_reference_where_pk_attention_does_not_run(monkeypatch, dtype, d):
+    """fp32 operands and head dims other than 64/128 at P = 1 keep the reference, even with
+    the kernels available."""
+    from pk_jax import _backend
+
+    monkeypatch.setattr(_backend, "use_kernel", lambda stem, axis_name=None: True)
+    jaxpr, paths = traced_p1(monkeypatch, pk.ulysses_attention, cpu_mesh((1,), ("sp",)),
+                             [(1, 8, 2, d)] * 3, dtype, causal=True)
+    assert paths == ["reference"]
+    assert "pk_attention" not in [e.params["target_name"] for e in ffi_calls(jaxpr)]
+
+
+@pytest.mark.parametrize("causal,dtype", [(False, jnp.bfloat16), (True, jnp.float16)])
+def test_p1_local_matches_the_reference(monkeypatch, causal, dtype):
+    """The local path's wiring with jax.lax stand-ins for the pk_attention calls, on a (dp 2,
+    sp 1) mesh with q replicated over dp (dq summed over dp): output and gradients match the
+    reference's in the same dtype, and every cotangent varies like its primal (vjp_both);
+    GQA 4:2, S = 130 (past one 128-row tile), scale 0.1."""
+    calls = _stand_in_ulysses(monkeypatch, fused=False)
+    mesh = cpu_mesh((2, 1), ("dp", "sp"))
+    q = normal((2, 130, 4, 64), dtype, 0)
+    k, v = (normal((4, 130, 2, 64), dtype, i) for i in (1, 2))
+    dy = normal((4, 130, 4, 64), dtype, 3)
+    f = lambda *x: pk.ulysses_attention(*x, "sp", causal=causal, scale=0.1)
+
+    def ref(q, k, v):  # the reference's attention (its all_to_alls are the identity at P = 1)
+        kr, vr = _attention.repeat_kv(q, k, v)
+        return _attention.attention(q, kr, vr, causal=causal, scale=0.1)
+
+    specs = (P(None, "sp"), P("dp", "sp"), P("dp", "sp"))
+    ours, want = vjp_both(f, ref, mesh, specs, P("dp", "sp"), (q, k, v), dy)
+    for g, w in zip(ours, want):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                   rtol=2e-2, atol=3e-2 if dtype == jnp.bfloat16 else 4e-3)
+    assert [c["target"] for c in calls] == ["pk_attention"] * 2, calls
+    assert [c["backward"] for c in calls] == [0, 1], calls
+    assert all(c["h"] == 4 and c["hkv"] == 2 and c["s"] == 130 and c["causal"] == causal
+               and np.isclose(c["scale"], 0.1) for c in calls), calls
+
+
+# GPU tests (marker gpu): Ulysses attention over a 1-device axis of the H200 runs the
+# pk.attention kernels; the checks of tests/test_ring_attn.py's GPU tests (the program's only pk
+# custom calls are pk_attention, no collective; poisoned outputs, two calls; the output bit for
+# bit pk.attention's; output and gradients within twice XLA's error of a float32 reference).
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_P1, ids=gpu_id)
+def test_gpu_p1_forward(case):
+    check_p1_forward(pk.ulysses_attention, case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_P1_GRAD, ids=gpu_id)
+def test_gpu_p1_grads(case):
+    check_p1_grads(pk.ulysses_attention, case)

@@ -240,3 +240,62 @@ def stand_in_kernels(monkeypatch) -> list[dict]:
     monkeypatch.setattr(_ffi, "call", fake_call)
     monkeypatch.setattr(_backend, "use_kernel", lambda stem, axis_name=None: True)
     return calls
+
+
+def stand_in_attention_call(calls, results, *args, **attrs):
+    """What a pk_attention FFI call returns, from the blockwise reference, K/V heads read in
+    place (GQA); appends {"target", "backward", "h", "hkv", "s", "scale", "causal"} (and "sp"
+    for the backward) to `calls`.
+
+    Forward (backward=0; q, k, v): o in q's dtype and lse float32 [B, H, S]. Backward
+    (backward=1; q, k, v, do, lse, delta with lse and delta [B, H, SP], padded past S with
+    +inf and 0): dq, dk, dv in the operands' dtypes and the float32 dq scratch."""
+    from pk_jax.ops import _attention
+
+    q, k, v = args[:3]
+    b, s, h, d = q.shape
+    hkv = k.shape[2]
+    scale, causal = float(attrs["scale"]), bool(attrs["causal"])
+    call = {"target": "pk_attention", "backward": int(attrs["backward"]), "h": h, "hkv": hkv,
+            "s": s, "scale": scale, "causal": int(causal)}
+    calls.append(call)
+    kr, vr = _attention.repeat_kv(q, k, v)
+    if not call["backward"]:
+        out, res = _attention._forward(q, kr, vr, scale, causal)
+        lse = res[4].transpose(0, 2, 1)
+        assert out.shape == results[0].shape and lse.shape == results[1].shape == (b, h, s)
+        return out.astype(results[0].dtype), lse
+    do, lse, delta = args[3:]
+    sp = call["sp"] = lse.shape[2]
+    assert sp % 128 == 0 and s <= sp < s + 128 and delta.shape == lse.shape == (b, h, sp)
+    assert do.dtype == q.dtype and lse.dtype == delta.dtype == jnp.float32
+    dq, dk, dv = _attention.blockwise_grads(
+        q, kr, vr, do.astype(jnp.float32), lse[:, :, :s].transpose(0, 2, 1),
+        delta[:, :, :s].transpose(0, 2, 1), scale=scale, causal=causal)
+    dk, dv = (g.reshape(b, s, hkv, h // hkv, d).sum(axis=3) for g in (dk, dv))
+    out = [g.astype(r.dtype) for g, r in zip((dq, dk, dv), results)]
+    assert all(g.shape == r.shape for g, r in zip(out, results))
+    # The one-pass kernel's fourth result: its float32 dq scratch (not used by the caller).
+    assert len(results) == 4 and results[3].shape == q.shape and results[3].dtype == jnp.float32
+    return out + [jnp.zeros(q.shape, jnp.float32)]
+
+
+def stand_in_attention(monkeypatch) -> list[dict]:
+    """stand_in_kernels plus `stand_in_attention_call` for pk_attention (the pk.attention
+    kernels' forward and backward); other targets go to stand_in_kernels' stand-ins.
+
+    Returns:
+        The list of traced calls, as stand_in_kernels'.
+    """
+    from pk_jax import _ffi
+
+    calls = stand_in_kernels(monkeypatch)
+    inner = _ffi.call
+
+    def fake(target, results, *args, out_vma=None, **attrs):
+        if target == "pk_attention":
+            return stand_in_attention_call(calls, results, *args, **attrs)
+        return inner(target, results, *args, out_vma=out_vma, **attrs)
+
+    monkeypatch.setattr(_ffi, "call", fake)
+    return calls

@@ -29,7 +29,11 @@ On GPUs at P > 1 (bf16/fp16, head dim 64 or 128) the forward is one fused kernel
 of the symmetric workspace, pushed by communication blocks of the same grid), and so is the
 backward (target pk_ring_attn_bwd, cuda/kernels/ring_attn_bwd.cuh: K/V travel as in the
 forward, and each K/V block's fp32 dK/dV partial sums travel one hop behind it, home after
-P steps; dQ stays in registers), on the kernel's out and lse.
+P steps; dQ stays in registers), on the kernel's out and lse. At P = 1 (a 1-device axis) the
+rank holds the whole sequence (and zigzag is the identity permutation), so where the
+pk.attention kernels take the operands (bf16/fp16, head dim 64 or 128) the call is exactly
+pk.attention: its forward kernel and its kernel backward, no ring. `forward_path` is the one
+place that decides.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from jax import lax
 
 from pk_jax import _backend, _checks, _ffi
 from pk_jax.ops import _attention, _tp, _vjp
+from pk_jax.ops import attention as _attention_op
 from pk_jax.runtime import state
 
 STEM = "ring_attn"
@@ -122,11 +127,30 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, *,
                          f"local sequence length must be even, got {q.shape[1]}; pad it.")
     # Without causal masking attention ignores positions: zigzag is the contiguous ring.
     zigzag = layout == "zigzag" and causal
-    if _backend.route(STEM, axis_name, supported=kernel_supports(q, k, p)).path == "kernel":
+    path = forward_path(q, k, v, p, axis_name)
+    if path == "local":
+        # One rank holds the whole sequence, and the zigzag layout at P = 1 (chunks 0 and 1 of
+        # 2) is the identity: plain attention, forward and backward.
+        return _attention_op._kernel_attention(q, k, v, float(scale), causal)
+    if path == "fused":
         _tp.check_workspace(NAME, workspace_need(k, p), f"{p - 1} K/V blocks of {k.shape}")
         return _kernel_ring(q, k, v, axis_name, causal, float(scale), p, zigzag)
     k, v = _attention.repeat_kv(q, k, v)  # grouped-query attention (a no-op at H = Hkv)
     return reference(q, k, v, axis_name, causal=causal, scale=scale, p=p, zigzag=zigzag)
+
+
+def forward_path(q: jax.Array, k: jax.Array, v: jax.Array, p: int, axis_name: str) -> str:
+    """How the call runs, forward and backward, decided once at trace time for (already
+    checked) operands: "local" (P = 1: the pk.attention forward kernel and its kernel
+    backward, on q, k, v as given), "fused" (P > 1: pk_ring_attn and, under
+    FUSED_BACKWARD, pk_ring_attn_bwd) or "reference" (the jax.lax ring; also wherever those
+    kernels do not take the operands)."""
+    if p == 1:
+        route = _backend.route(_attention_op.NAME, axis_name,
+                               supported=_attention_op.kernel_supports(q, k, v))
+        return "local" if route.path == "kernel" else "reference"
+    route = _backend.route(STEM, axis_name, supported=kernel_supports(q, k, p))
+    return "fused" if route.path == "kernel" else "reference"
 
 
 # ---------------------------------------------------------------------------------------------

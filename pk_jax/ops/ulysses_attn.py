@@ -32,7 +32,10 @@ settings): on the H200 (emulated ranks, B 1, S/P 2048, H 8P, D 128, bf16) it mea
 the speed of the composed kernels (geomean 0.53x; bench/results/ulysses_attention_notes.md).
 Its backward is composed too, on the kernel's sequence-sharded out and lse: delta on the local
 rows, `pk.all_to_all` of q, dO, k, v and of (lse, delta) to head shards, the same pk.attention
-backward kernels, and the gradients back. `forward_path` is the one place that decides.
+backward kernels, and the gradients back. At P = 1 (a 1-device axis) the rank holds the
+whole sequence and every head, so where the pk.attention kernels take the operands the call is
+exactly pk.attention (its forward kernel and its kernel backward, no exchange). `forward_path`
+is the one place that decides.
 """
 
 from __future__ import annotations
@@ -92,7 +95,10 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, 
     causal = _checks.is_bool(NAME, "causal", causal)
     scale = (_attention.default_scale(q.shape[-1]) if scale is None
              else _checks.positive_float(NAME, "scale", scale))
-    path = forward_path(q, p, axis_name)
+    path = forward_path(q, k, v, p, axis_name)
+    if path == "local":
+        # One rank holds the whole sequence and every head: plain attention, no exchange.
+        return _attention_op._kernel_attention(q, k, v, float(scale), causal)
     if path == "reference":
         k, v = _attention.repeat_kv(q, k, v)  # grouped-query attention (a no-op at H = Hkv)
         return reference(q, k, v, axis_name, causal=causal, scale=scale)
@@ -111,12 +117,17 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, 
 FUSED_ENV = "PK_JAX_ULYSSES_FUSED"  # "1": the fused forward kernel (state.Settings.ulysses_fused)
 
 
-def forward_path(q: jax.Array, p: int, axis_name: str) -> str:
+def forward_path(q: jax.Array, k: jax.Array, v: jax.Array, p: int, axis_name: str) -> str:
     """How the forward runs, decided once at trace time for (already checked) operands:
-    "composed" (pk.all_to_all, the pk.attention forward kernel on the head group, all_to_all
-    back; the default where that kernel runs at P > 1), "fused" (pk_ulysses_attn, only with
-    PK_JAX_ULYSSES_FUSED=1 and where it takes the operands; it measured slower) or
-    "reference"."""
+    "local" (P = 1: the pk.attention kernels on q, k, v as given, forward and backward, with
+    no exchange), "composed" (pk.all_to_all, the pk.attention forward kernel on the head
+    group, all_to_all back; the default where that kernel runs at P > 1), "fused"
+    (pk_ulysses_attn, only with PK_JAX_ULYSSES_FUSED=1 and where it takes the operands; it
+    measured slower) or "reference"."""
+    if p == 1:
+        route = _backend.route(_attention_op.NAME, axis_name,
+                               supported=_attention_op.kernel_supports(q, k, v))
+        return "local" if route.path == "kernel" else "reference"
     if (state.settings().ulysses_fused == "1" and _backend.route(
             STEM, axis_name, supported=kernel_supports(q, p)).path == "kernel"):
         return "fused"

@@ -103,6 +103,8 @@ section_grouped() {
 section_attention() {
   # about 10 s per case (float32 references at S up to 2K, XLA's compiles): 22 cases
   LIMIT=600 step "$PY" -m pytest -q -p no:cacheprovider -m "gpu and not large" tests/test_attention.py
+  # ring and Ulysses attention over a 1-device axis: the pk.attention kernels (12 cases)
+  step "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_ring_attn.py tests/test_ulysses_attn.py
 }
 
 # The tensor-parallel MLP examples on the CUDA path, their losses against the reference's.
