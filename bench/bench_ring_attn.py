@@ -172,7 +172,9 @@ def run_shape_bwd(world: World, p: int, sl: int, causal: bool, rng, rows: list) 
     kv = [np.concatenate([k.reshape(-1), v.reshape(-1)]) for k, v in zip(ks, vs)]
     gather = ops.Call(world, ops.all_gather(kv, BF16))
     block = B * sl * HKV * D * 2
-    grads = [[DeviceBuffer(n) for n in (B * sl * H * D * 2, block, block)] for _ in range(p)]
+    # dq, dk, dv and the one-pass backward's float32 dq scratch (as pk.attention passes it).
+    grads = [[DeviceBuffer(n) for n in (B * sl * H * D * 2, block, block, B * sl * H * D * 4)]
+             for _ in range(p)]
 
     def unfused():
         gather.launch()
@@ -189,7 +191,7 @@ def run_shape_bwd(world: World, p: int, sl: int, causal: bool, rng, rows: list) 
                     "hkv": HKV, "d": D, "scale": scale, "causal": int(causal and j == r),
                     "backward": 1, "do": bufs["do"], "lse_in": bufs["lse"],
                     "delta": bufs["delta"], "dq": grads[r][0], "dk": grads[r][1],
-                    "dv": grads[r][2], "sp": sp})
+                    "dv": grads[r][2], "dq_acc": grads[r][3], "sp": sp})
 
     t_fused = common.emulated_us(world, fused.launch)
     t_base = common.emulated_us(world, unfused)

@@ -600,8 +600,8 @@ def check_p1_grads(op, case, platform="gpu", **kw):
             err, err_xla = _max_err(gr, ge), _max_err(gx, ge)
             atol = 2e-3 * float(jnp.max(jnp.abs(ge))) + 1e-3
             assert err <= 2 * err_xla + atol, (name, err, err_xla, atol)
-    for g0, g1 in zip(*runs):
-        assert_same(g0, g1)
+    for g0, g1 in zip(runs[0][1:], runs[1][1:]):  # dk, dv; the one-pass backward's dq sums
+        assert_same(g0, g1)                        # its parts with float32 atomics
 
 
 _GPU_P1_LAYOUTS = [(c, "contiguous") for c in GPU_P1] + [(c, "zigzag") for c in GPU_P1 if c[5]]

@@ -7,8 +7,8 @@ exchanges only dO in step 1: this is an upper bound of its cost):
     1. pk all_to_all of q, dO, k, v: [B, S/P, H, D] -> [B, S, H/P, D] (split heads, gather
        the sequence in rank order), and of the stacked (lse, delta): [2, B, H, S/P] ->
        [2, B, H/P, S];
-    2. the pk.attention backward (dQ and dK/dV passes) over the whole sequence for the rank's
-       head group, grouped-query heads read in place;
+    2. the pk.attention backward (one pass: dK/dV, and dQ summed into a float32 scratch) over
+       the whole sequence for the rank's head group, grouped-query heads read in place;
     3. pk all_to_all of dq, dk, dv back: [B, S, H/P, D] -> [B, S/P, H, D].
 
 delta = rowsum(dO * O) (an XLA reduction in JAX) is an input here. When S is not a multiple
@@ -82,6 +82,9 @@ class UlyssesBackward:
         g = b * (h // p) * self.sp * 4
         self.padded = ([(DeviceBuffer(g), DeviceBuffer(g)) for _ in range(p)]
                        if self.sp != s else None)
+        # The one-pass backward's float32 dq scratch [B, S, H/P, D], as pk.ulysses_attention's
+        # backward passes it.
+        self.dq_acc = [DeviceBuffer(b * s * (h // p) * d * 4) for _ in range(p)]
         self.args = []
         for r in range(p):
             y = self.stats.buffers[r]["y"].ptr
@@ -94,7 +97,7 @@ class UlyssesBackward:
                 "scale": float(scale), "causal": int(causal), "backward": 1,
                 "do": self.ins[1].buffers[r]["y"], "lse_in": lse_in, "delta": delta,
                 "dq": self.outs[0].buffers[r]["x"], "dk": self.outs[1].buffers[r]["x"],
-                "dv": self.outs[2].buffers[r]["x"], "sp": self.sp})
+                "dv": self.outs[2].buffers[r]["x"], "dq_acc": self.dq_acc[r], "sp": self.sp})
 
     def _pad(self) -> None:
         b, sl, h, _, _ = self.shape
@@ -135,6 +138,6 @@ class UlyssesBackward:
     def free(self) -> None:
         for c in (*self.ins, self.stats, *self.outs):
             c.free()
-        for bufs in self.padded or ():
+        for bufs in (*(self.padded or ()), self.dq_acc):
             for buf in bufs:
                 buf.free()
