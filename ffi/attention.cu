@@ -49,6 +49,10 @@ Status LaunchAttention(const Where& at, const AttnArgs& a) {
   if (a.backward && a.sp < (a.s + 127) / 128 * 128) {
     return Status::Invalid("pk_attention: lse and delta must be padded to S rounded up to 128.");
   }
+  if (a.backward && a.dq_acc == nullptr) {
+    return Status::Invalid("pk_attention: the backward needs dq_acc, a float32 scratch of q's "
+                           "shape.");
+  }
   const int type = a.dtype == DType::kBF16 ? 0 : 1;
   pk::attention::dims dm{int(a.b), int(a.s), int(a.h), int(a.hkv), a.scale, a.causal ? 1 : 0};
   cudaError_t err;
@@ -77,9 +81,8 @@ Status LaunchAttention(const Where& at, const AttnArgs& a) {
       int64_t heads;
       int rows;
       CUtensorMap* out;
-    } maps[] = {{a.q, a.h, 128, &g.q},    {a.d_o, a.h, 128, &g.d_o}, {a.k, a.hkv, 64, &g.k},
-                {a.v, a.hkv, 64, &g.v},   {a.q, a.h, 64, &g.q64},    {a.d_o, a.h, 64, &g.do64},
-                {a.k, a.hkv, 128, &g.k128}, {a.v, a.hkv, 128, &g.v128}};
+    } maps[] = {{a.q, a.h, 64, &g.q64}, {a.d_o, a.h, 64, &g.do64}, {a.k, a.hkv, 128, &g.k128},
+                {a.v, a.hkv, 128, &g.v128}};
     for (const auto& m : maps) {
       if (Status s = Map(m.ptr, a.b, a.s, m.heads, a.d, m.rows, type, m.out); !s.ok()) {
         return s;
@@ -100,12 +103,11 @@ ffi::Error AttentionCuda(cudaStream_t stream, int32_t device, ffi::RemainingArgs
   a.backward = backward != 0;
   a.causal = causal != 0;
   a.scale = scale;
-  const size_t want_args = a.backward ? 6 : 3;
-  const bool rets_ok = a.backward ? rets.size() == 3 || rets.size() == 4 : rets.size() == 2;
-  if (args.size() != want_args || !rets_ok) {
+  const size_t want_args = a.backward ? 6 : 3, want_rets = a.backward ? 4 : 2;
+  if (args.size() != want_args || rets.size() != want_rets) {
     return ffi::Error::InvalidArgument(
         "pk_attention: expected (q, k, v) -> (o, lse) forward, (q, k, v, do, lse, delta) -> "
-        "(dq, dk, dv[, dq_acc]) backward.");
+        "(dq, dk, dv, dq_acc) backward.");
   }
   ffi::AnyBuffer q = *args.get<ffi::AnyBuffer>(0), k = *args.get<ffi::AnyBuffer>(1),
                  v = *args.get<ffi::AnyBuffer>(2);
@@ -135,14 +137,12 @@ ffi::Error AttentionCuda(cudaStream_t stream, int32_t device, ffi::RemainingArgs
     a.dq = (*rets.get<ffi::AnyBuffer>(0))->untyped_data();
     a.dk = (*rets.get<ffi::AnyBuffer>(1))->untyped_data();
     a.dv = (*rets.get<ffi::AnyBuffer>(2))->untyped_data();
-    if (rets.size() == 4) {  // float32 scratch of q's shape: the one-pass backward
-      ffi::Result<ffi::AnyBuffer> acc = *rets.get<ffi::AnyBuffer>(3);
-      if (acc->element_type() != ffi::DataType::F32 ||
-          acc->element_count() != size_t(a.b * a.s * a.h * a.d)) {
-        return ffi::Error::InvalidArgument("pk_attention: dq_acc must be float32 of q's shape.");
-      }
-      a.dq_acc = static_cast<float*>(acc->untyped_data());
+    ffi::Result<ffi::AnyBuffer> acc = *rets.get<ffi::AnyBuffer>(3);  // dq's float32 scratch
+    if (acc->element_type() != ffi::DataType::F32 ||
+        acc->element_count() != size_t(a.b * a.s * a.h * a.d)) {
+      return ffi::Error::InvalidArgument("pk_attention: dq_acc must be float32 of q's shape.");
     }
+    a.dq_acc = static_cast<float*>(acc->untyped_data());
   }
   return ToError(LaunchAttention(Where{stream, device, 0}, a));
 }
@@ -155,7 +155,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkAttention, pk_ffi::AttentionCuda,
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
                                   .Ctx<xla::ffi::DeviceOrdinal>()                 // device
                                   .RemainingArgs()  // q, k, v (+ do, lse, delta backward)
-                                  .RemainingRets()  // o, lse (dq, dk, dv[, dq_acc] backward)
+                                  .RemainingRets()  // o, lse (dq, dk, dv, dq_acc backward)
                                   .Attr<float>("scale")       // multiplies q . k
                                   .Attr<int64_t>("causal")    // 1: query i sees keys 0..i
                                   .Attr<int64_t>("backward"),  // 0 forward, 1 backward

@@ -94,8 +94,8 @@ Status LaunchGemmAr(const Where& at, const GemmArgs& a, const CommView& v);
 Status LaunchAgGemm(const Where& at, const GemmArgs& a, const CommView& v);
 
 // Single-device attention (cuda/kernels/attention.cuh). Forward: q, k, v -> o, lse. Backward:
-// q, k, v, d_o, lse and delta (both [B, H, SP], SP = S rounded up to 128) -> dq, dk, dv; in
-// one pass when dq_acc (float32 [B, S, H, D] scratch) is given, else two (bitwise reproducible).
+// q, k, v, d_o, lse and delta (both [B, H, SP], SP = S rounded up to 128) -> dq, dk, dv, with
+// dq_acc a float32 [B, S, H, D] scratch.
 struct AttnArgs {
   DType dtype;
   const void *q, *k, *v, *d_o;

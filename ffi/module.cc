@@ -156,7 +156,7 @@ void EmuLaunch(const std::string& op, int64_t comm_id, int device, uint64_t stre
       a.dq = Ptr<void>(args, "dq");
       a.dk = Ptr<void>(args, "dk");
       a.dv = Ptr<void>(args, "dv");
-      a.dq_acc = Ptr<float>(args, "dq_acc");  // optional: the one-pass backward
+      a.dq_acc = Ptr<float>(args, "dq_acc");  // float32 scratch of q's shape
       a.sp = Get(args, "sp");
     }
     Raise(pk_ffi::LaunchAttention(at, a));

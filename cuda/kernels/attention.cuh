@@ -6,7 +6,7 @@
  * query i sees keys 0..i. Every operand is read through a 4-D TMA map (tma_4d.cuh), so rows
  * past S arrive as zeros; the kernels mask those keys and never store those rows.
  *
- * Four kernels, one block of 2 consumer warpgroups each, 64 rows each of the block's
+ * Two kernels, one block of 2 consumer warpgroups each, 64 rows each of the block's
  * stationary tile, streaming the other operand through a ring of STAGES buffers with full
  * mbarriers. Thread 0 issues the first STAGES tiles before the loop; each later one is issued
  * by the leader of whichever warpgroup releases its stage last (release_stage), so neither
@@ -18,13 +18,9 @@
  *   fwd    | 128 query rows: Q        | 128 keys: K, V          | S = Q K^T (smem x smem);
  *          |                          |                         | online softmax in registers;
  *          |                          |                         | O += P V (P from registers)
- *   dq     | 128 query rows: Q, dO    | 64 keys: K, V           | S = Q K^T, dP = dO V^T;
- *          |                          |                         | dS = P (dP - delta); dQ += dS K
- *   dkdv   | 128 keys of head hk: K,V | 64 query rows of each   | S^T = K Q^T, dP^T = V dO^T;
- *          |                          | head of hk's group: Q,  | dV += P^T dO; dK += dS^T Q
- *          |                          | dO, lse, delta          |
- *   bwd    | as dkdv                  | as dkdv                 | dkdv's step, then dS^T to
- *          |                          |                         | smem and dq_acc += dS K (red)
+ *   bwd    | 128 keys of head hk: K,V | 64 query rows of each   | S^T = K Q^T, dP^T = V dO^T;
+ *          |                          | head of hk's group: Q,  | dV += P^T dO; dK += dS^T Q;
+ *          |                          | dO, lse, delta          | dS^T to smem, dq_acc += dS K
  *
  * The forward overlaps each step's softmax with the previous step's P V: step j issues
  * S_j = Q K_j^T and O += P_{j-1} V_{j-1}, waits for S_j only, runs the softmax of S_j while the
@@ -33,14 +29,16 @@
  * other's GEMMs. It writes O and lse = scale * max + log(sum) per
  * row. The backward recomputes P = exp(scale q k^T - lse) from the saved lse; delta =
  * rowsum(dO * O) comes from the caller (padded with lse = +inf past S, so padded rows give
- * P = 0). dK and dV sum over the group's query heads in registers. The backward runs in one
- * pass (bwd, five GEMMs per step: pk.attention's, given a float32 dq_acc scratch that the
- * launcher zeroes and converts to dq after) or in two (dq, then dkdv: seven GEMMs per step, no
- * atomics, so bitwise reproducible; without dq_acc).
+ * P = 0). It runs in one pass, five GEMMs per step: dK and dV sum over the group's query heads
+ * in registers, and dQ's parts are summed into a float32 scratch dq_acc (zeroed by the launcher,
+ * converted to dq by a second small kernel) with float32 reductions, so dq is not bitwise
+ * reproducible (dk and dv are). ring_attn_bwd.cuh builds its dQ and dK/dV lanes from this
+ * file's per-step pieces (dq_rows on dq_config's storage: 128 query rows, 64-key tiles;
+ * dkdv_step on dkdv_config's).
  *
- * Grid: fwd and dq (H, ceil(S / 128), B); dkdv and bwd (Hkv, ceil(S / 128), B). Causal blocks
- * run the longest rows first (fwd and dq: block y counts down; dkdv and bwd: key block y meets
- * the rows from 128 y on), and skip the tiles wholly above the diagonal.
+ * Grid: fwd (H, ceil(S / 128), B); bwd (Hkv, ceil(S / 128), B). Causal blocks run the longest
+ * rows first (fwd: block y counts down; bwd: key block y meets the query rows from 128 y on)
+ * and skip the tiles wholly above the diagonal.
  *
  * Signals: none (no peers).
  *
@@ -90,18 +88,17 @@ struct fwd_globals {
   dims d;
 };
 
-/** @brief Backward arguments. q, d_o: boxes of 128 rows (dq) or 64 rows (dkdv: q64, do64);
- * k, v: boxes of 64 rows (dq) or 128 rows (dkdv: k128, v128). lse and delta are [B, H, SP]
- * with SP = S rounded up to 128, lse = +inf and delta = 0 past S. */
+/** @brief Backward arguments: q, d_o with boxes of 64 rows (q64, do64), k, v with boxes of 128
+ * (k128, v128). lse and delta are [B, H, SP] with SP = S rounded up to 128, lse = +inf and
+ * delta = 0 past S. */
 struct bwd_globals {
-  CUtensorMap q, d_o, k, v;          // for the dq kernel
-  CUtensorMap q64, do64, k128, v128;  // for the dkdv kernel
+  CUtensorMap q64, do64, k128, v128;
   const float* lse;
   const float* delta;
   int sp;
   void* dq;  // [B, S, H, D]
   void* dk;  // [B, S, Hkv, D]
-  float* dq_acc;  // [B, S, H, D] float32 (zeroed by the launcher): one-pass backward; or null
+  float* dq_acc;  // [B, S, H, D] float32 scratch (zeroed by the launcher)
   void* dv;
   dims d;
 };
@@ -465,9 +462,9 @@ __global__ void __launch_bounds__(THREADS, 1) fwd_kernel(const __grid_constant__
 // Backward: dQ.
 
 /**
- * @brief One dQ consumer warpgroup's 64 query rows over a stream of key tiles (the attention dQ
- * kernel's and ring_attn_bwd.cuh's, both on dq_config's storage): dQ, the scores S, dP and dS,
- * and the rows' lse (times log2 e) and delta = rowsum(dO O). Rows row_lo and row_lo + 8.
+ * @brief One dQ consumer warpgroup's 64 query rows over a stream of key tiles (ring_attn_bwd.cuh's
+ * dQ lanes, on dq_config's storage): dQ, the scores S, dP and dS, and the rows' lse (times
+ * log2 e) and delta = rowsum(dO O). Rows row_lo and row_lo + 8.
  */
 template <class C>
 struct dq_rows {
@@ -575,63 +572,6 @@ struct dq_config {
   static constexpr size_t SMEM = sizeof(storage_t) + 1024;
 };
 
-template <class C>
-__global__ void __launch_bounds__(THREADS, 1) dq_kernel(const __grid_constant__ bwd_globals g) {
-  using T = typename C::dtype;
-  constexpr int D = C::HEAD_DIM, BM = C::BM, BN = C::BN, STAGES = C::STAGES;
-  auto& s = storage<typename C::storage_t>();
-  const dims& dm = g.d;
-  const int h = blockIdx.x, b = blockIdx.z;
-  const int qb = dm.causal ? static_cast<int>(gridDim.y - 1 - blockIdx.y) : blockIdx.y;
-  const int q0 = qb * BM;
-  const int hk = h / (dm.h / dm.hkv);
-  const int kv_end = dm.causal ? min(dm.s, q0 + BM) : dm.s;
-  const int n_tiles = ceil_div(kv_end, BN);
-  const bool issuer = threadIdx.x == 0;
-  auto issue = [&](int j) {
-    const int st = j % STAGES;
-    mbar_arrive_expect_tx(&s.full[st], 2 * C::kv_tile::BYTES);
-    load_rows(s.k[st], &g.k, &s.full[st], b, j * BN, hk);
-    load_rows(s.v[st], &g.v, &s.full[st], b, j * BN, hk);
-  };
-  if (issuer) {
-    block_wait_bound() = wait_bound{};
-    mbar_init(&s.q_full, 1);
-    for (int i = 0; i < STAGES; ++i) {
-      mbar_init(&s.full[i], 1);
-      s.released[i] = 0;
-    }
-    fence_mbar_init();
-    mbar_arrive_expect_tx(&s.q_full, 2 * C::q_tile::BYTES);
-    load_rows(s.q, &g.q, &s.q_full, b, q0, h);
-    load_rows(s.d_o, &g.d_o, &s.q_full, b, q0, h);
-    for (int j = 0; j < min(STAGES, n_tiles); ++j) issue(j);
-  }
-  __syncthreads();
-
-  const int c = warpgroup::index();
-  const int t = warpgroup::thread();
-  const int lane = t % 32;
-  auto release = [&](int r) { release_stage(s.released, r, n_tiles, issue); };
-  const int row_lo = q0 + c * 64 + 16 * (t / 32) + lane / 4;
-  const int rows[2] = {row_lo, row_lo + 8};
-  const float sl2 = dm.scale * LOG2E;
-  dq_rows<C> r(g.lse, g.delta, b, h, dm.h, g.sp, row_lo);
-
-  mbar_wait(&s.q_full, 0);
-  for (int j = 0; j < n_tiles; ++j) {
-    const int st = j % STAGES;
-    mbar_wait(&s.full[st], (j / STAGES) & 1);
-    r.scores(s, c, st);
-    const int k0 = j * BN;
-    const bool mask = k0 + BN > dm.s || (dm.causal && k0 + BN - 1 > q0 + c * 64);
-    r.grad_scores(sl2, mask, k0, dm.s, dm.causal, [](int key) { return key; }, rows);
-    r.accumulate(s, st);
-    release(j);
-  }
-  store_rows<T, D>(g.dq, r.dq, dm.scale, dm.scale, b, q0 + c * 64, h, dm.h, dm.s);
-}
-
 // ---------------------------------------------------------------------------------------------
 // Backward: dK and dV.
 
@@ -660,9 +600,9 @@ struct dkdv_config {
 };
 
 /**
- * @brief One dK/dV consumer warpgroup's step over a stage of 64 query rows (the attention dK/dV
- * kernel's and ring_attn_bwd.cuh's lanes', both on dkdv_config's storage): S^T, dP^T, P^T and
- * dS^T for its 64 keys (keys key_lo and key_lo + 8 per thread); dK and dV stay the caller's.
+ * @brief One dK/dV consumer warpgroup's step over a stage of 64 query rows (the attention
+ * backward kernel's, on bwd_config's storage, and ring_attn_bwd.cuh's lanes', on dkdv_config's):
+ * S^T, dP^T, P^T and dS^T for its 64 keys (keys key_lo and key_lo + 8 per thread); dK and dV stay the caller's.
  */
 template <class C>
 struct dkdv_step {
@@ -756,77 +696,6 @@ struct dkdv_step {
     frag::fence_regs(dsa);
   }
 };
-
-template <class C>
-__global__ void __launch_bounds__(THREADS, 1) dkdv_kernel(const __grid_constant__ bwd_globals g) {
-  using T = typename C::dtype;
-  constexpr int D = C::HEAD_DIM, BN = C::BN, BQ = C::BQ, STAGES = C::STAGES;
-  auto& s = storage<typename C::storage_t>();
-  const dims& dm = g.d;
-  const int hk = blockIdx.x, b = blockIdx.z;
-  const int kb = blockIdx.y;  // causal: key block kb meets query rows from 128 kb on, so the
-  const int k0 = kb * BN;      // blocks with the most work come first
-  const int group = dm.h / dm.hkv;
-  const int nq = ceil_div(dm.s, BQ);
-  const int qb0 = dm.causal ? k0 / BQ : 0;
-  const int per_head = nq - qb0;
-  const int n_tiles = group * per_head;
-  const bool issuer = threadIdx.x == 0;
-  auto issue = [&](int j) {
-    const int st = j % STAGES;
-    const int h = hk * group + j / per_head;
-    const int q0 = (qb0 + j % per_head) * BQ;
-    auto& stage = s.st[st];
-    mbar_arrive_expect_tx(&s.full[st], C::STAGE_BYTES);
-    load_rows(stage.q, &g.q64, &s.full[st], b, q0, h);
-    load_rows(stage.d_o, &g.do64, &s.full[st], b, q0, h);
-    const int64_t at = (int64_t(b) * dm.h + h) * g.sp + q0;  // q0 + 64 <= SP: padded
-    tma::load_1d(stage.lse, g.lse + at, BQ * sizeof(float), &s.full[st]);
-    tma::load_1d(stage.delta, g.delta + at, BQ * sizeof(float), &s.full[st]);
-  };
-  if (issuer) {
-    block_wait_bound() = wait_bound{};
-    mbar_init(&s.kv_full, 1);
-    for (int i = 0; i < STAGES; ++i) {
-      mbar_init(&s.full[i], 1);
-      s.released[i] = 0;
-    }
-    fence_mbar_init();
-    mbar_arrive_expect_tx(&s.kv_full, 2 * C::kv_tile::BYTES);
-    load_rows(s.k, &g.k128, &s.kv_full, b, k0, hk);
-    load_rows(s.v, &g.v128, &s.kv_full, b, k0, hk);
-    for (int j = 0; j < min(STAGES, n_tiles); ++j) issue(j);
-  }
-  __syncthreads();
-
-  const int c = warpgroup::index();
-  const int t = warpgroup::thread();
-  const int lane = t % 32;
-  auto release = [&](int r) { release_stage(s.released, r, n_tiles, issue); };
-  const int key_lo = k0 + c * 64 + 16 * (t / 32) + lane / 4;  // keys key_lo, key_lo + 8
-  const float sl2 = dm.scale * LOG2E;
-
-  float dk[D / 2], dv[D / 2];
-#pragma unroll
-  for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
-  const int keys[2] = {key_lo, key_lo + 8};
-  dkdv_step<C> step;
-
-  mbar_wait(&s.kv_full, 0);
-  for (int j = 0; j < n_tiles; ++j) {
-    const int st = j % STAGES;
-    const int q0 = (qb0 + j % per_head) * BQ;
-    auto& stage = s.st[st];
-    mbar_wait(&s.full[st], (j / STAGES) & 1);
-    step.scores(s, stage, c);
-    const bool mask = dm.causal && q0 < k0 + c * 64 + 63;
-    step.grad_scores(stage, sl2, mask, [&](int col) { return q0 + col; }, keys);
-    step.accumulate(stage, dk, dv);
-    release(j);
-  }
-  store_rows<T, D>(g.dk, dk, dm.scale, dm.scale, b, k0 + c * 64, hk, dm.hkv, dm.s);
-  store_rows<T, D>(g.dv, dv, 1.f, 1.f, b, k0 + c * 64, hk, dm.hkv, dm.s);
-}
 
 // ---------------------------------------------------------------------------------------------
 // Backward in one pass: dK, dV and dQ.
@@ -1028,39 +897,27 @@ inline cudaError_t launch_fwd(const fwd_globals& g, cudaStream_t stream, int dev
   return launch_kernel<C>(&fwd_kernel<C>, g, grid, stream, device);
 }
 
-/** @brief The backward for head dim D: with g.dq_acc, one pass (bwd_kernel, then dq from
- * dq_acc); without, dQ, then dK and dV (two passes, no atomics: bitwise reproducible). */
+/** @brief The backward for head dim D: zero dq_acc, bwd_kernel (dK, dV, and dQ summed into
+ * dq_acc), then dq = T(scale dq_acc). */
 template <typename T, int D>
 inline cudaError_t launch_bwd(const bwd_globals& g, cudaStream_t stream, int device) {
-  if (g.dq_acc) {
-    using CB = bwd_config<T, D>;
-    const int64_t n = int64_t(g.d.b) * g.d.s * g.d.h * D;
-    if (cudaError_t err = cudaMemsetAsync(g.dq_acc, 0, n * sizeof(float), stream);
-        err != cudaSuccess) {
-      return err;
-    }
-    if (cudaError_t err = launch_kernel<CB>(&bwd_kernel<CB>, g,
-                                            dim3(g.d.hkv, ceil_div(g.d.s, CB::BN), g.d.b),
-                                            stream, device);
-        err != cudaSuccess) {
-      return err;
-    }
-    const int64_t n4 = n / 4;
-    const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(n4, int64_t(256)), 132 * 8));
-    dq_convert_kernel<T><<<blocks, 256, 0, stream>>>(reinterpret_cast<const float4*>(g.dq_acc),
-                                                     reinterpret_cast<uint2*>(g.dq), n4, g.d.scale);
-    return cudaGetLastError();
-  }
-  using CQ = dq_config<T, D>;
-  using CK = dkdv_config<T, D>;
-  if (cudaError_t err = launch_kernel<CQ>(&dq_kernel<CQ>, g,
-                                          dim3(g.d.h, ceil_div(g.d.s, CQ::BM), g.d.b), stream,
-                                          device);
+  using C = bwd_config<T, D>;
+  const int64_t n = int64_t(g.d.b) * g.d.s * g.d.h * D;
+  if (cudaError_t err = cudaMemsetAsync(g.dq_acc, 0, n * sizeof(float), stream);
       err != cudaSuccess) {
     return err;
   }
-  return launch_kernel<CK>(&dkdv_kernel<CK>, g, dim3(g.d.hkv, ceil_div(g.d.s, CK::BN), g.d.b),
-                           stream, device);
+  if (cudaError_t err = launch_kernel<C>(&bwd_kernel<C>, g,
+                                         dim3(g.d.hkv, ceil_div(g.d.s, C::BN), g.d.b), stream,
+                                         device);
+      err != cudaSuccess) {
+    return err;
+  }
+  const int64_t n4 = n / 4;
+  const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(n4, int64_t(256)), 132 * 8));
+  dq_convert_kernel<T><<<blocks, 256, 0, stream>>>(reinterpret_cast<const float4*>(g.dq_acc),
+                                                   reinterpret_cast<uint2*>(g.dq), n4, g.d.scale);
+  return cudaGetLastError();
 }
 
 }  // namespace pk::attention
