@@ -3,8 +3,9 @@
 On Hopper GPUs, bf16/fp16 operands with head_dim 64 or 128 run the flash-attention kernels
 of cuda/kernels/attention.cuh (TMA loads through an mbarrier ring, wgmma for Q K^T and P V,
 online softmax in registers, causal tiles above the diagonal skipped), with a custom VJP whose
-backward runs the kernels' dQ and dK/dV passes; grouped-query attention reads each K/V head
-in place. Everything else (fp32, other head dims, CPU) runs the reference: the blockwise
+backward is one kernel pass (dK and dV in registers, dQ's parts summed into a float32 scratch
+with atomic adds, so dq is not bitwise reproducible); grouped-query attention reads each K/V
+head in place. Everything else (fp32, other head dims, CPU) runs the reference: the blockwise
 online-softmax attention of `pk_jax.ops._attention` (memory O(S), so S = 32K runs where XLA's
 materialised attention cannot), with its blockwise custom VJP; grouped-query attention repeats
 each K/V head for its H / Hkv query heads there.

@@ -20,7 +20,7 @@ lcm(Hkv, P) heads first), the pk.attention forward kernel (ping-pong schedule; G
 in place) over the whole sequence for the rank's head group, which also gives the lse, and
 `pk.all_to_all` of the output back. Its custom VJP keeps the head-sharded q, k, v, output and
 lse, so the backward exchanges only dO to head shards: delta = rowsum(dO * O) there, the
-pk.attention backward kernels (dQ, dK/dV) on the head group, and `pk.all_to_all` of dq, dk, dv
+pk.attention backward kernel on the head group, and `pk.all_to_all` of dq, dk, dv
 back to sequence shards; repeated K/V heads' gradients are summed in float32.
 
 A fused forward (target pk_ulysses_attn, cuda/kernels/ulysses_attn.cuh: communication blocks of
