@@ -384,6 +384,26 @@ def traced_p1(monkeypatch, fn, mesh, shapes, dtype, spec=SEQ, **kw):
     return jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(*xs), paths
 
 
+def check_p1_kernel_calls(monkeypatch, fn, heads, dtype, causal, **kw):
+    """Asserts that the gradient of `fn` at P = 1 (B 2, S 10, heads = (H, Hkv, D), scale 0.3)
+    took forward_path "local" and traces to one pk_attention forward on q, k, v as given and one
+    backward (dq, dk, dv and the float32 dq scratch), with the causal flag and the scale; returns
+    the jaxpr."""
+    h, hkv, d = heads
+    shapes = [(2, 10, h, d), (2, 10, hkv, d), (2, 10, hkv, d)]
+    jaxpr, paths = traced_p1(monkeypatch, fn, cpu_mesh((1,), ("sp",)), shapes, dtype,
+                             causal=causal, scale=0.3, **kw)
+    assert paths == ["local"]
+    calls = ffi_calls(jaxpr)
+    assert [e.params["target_name"] for e in calls] == ["pk_attention"] * 2, calls
+    attrs = [dict(e.params["attributes"]) for e in calls]
+    assert [a["backward"] for a in attrs] == [0, 1]
+    assert all(a["causal"] == causal and np.isclose(a["scale"], 0.3) for a in attrs), attrs
+    assert [x.aval.shape for x in calls[0].invars] == shapes
+    assert [x.aval.shape for x in calls[1].outvars] == shapes + [shapes[0]]  # + dq scratch
+    return jaxpr
+
+
 @pytest.mark.parametrize("causal,layout,h,hkv,d,dtype", [
     (False, "contiguous", 4, 4, 64, jnp.bfloat16), (True, "contiguous", 8, 2, 128, jnp.float16),
     (True, "zigzag", 4, 1, 64, jnp.bfloat16), (False, "zigzag", 6, 3, 128, jnp.bfloat16)])
@@ -397,17 +417,8 @@ def test_p1_runs_pk_attention(monkeypatch, causal, layout, h, hkv, d, dtype):
 
     monkeypatch.setattr(_backend, "use_kernel", lambda stem, axis_name=None: True)
     assert pk.zigzag_indices(10, 1).tolist() == list(range(10))
-    shapes = [(2, 10, h, d), (2, 10, hkv, d), (2, 10, hkv, d)]
-    jaxpr, paths = traced_p1(monkeypatch, pk.ring_attention, cpu_mesh((1,), ("sp",)), shapes,
-                             dtype, causal=causal, layout=layout, scale=0.3)
-    assert paths == ["local"]
-    calls = ffi_calls(jaxpr)
-    assert [e.params["target_name"] for e in calls] == ["pk_attention"] * 2, calls
-    attrs = [dict(e.params["attributes"]) for e in calls]
-    assert [a["backward"] for a in attrs] == [0, 1]
-    assert all(a["causal"] == causal and np.isclose(a["scale"], 0.3) for a in attrs), attrs
-    assert [x.aval.shape for x in calls[0].invars] == shapes
-    assert [x.aval.shape for x in calls[1].outvars] == shapes + [shapes[0]]  # + dq scratch
+    jaxpr = check_p1_kernel_calls(monkeypatch, pk.ring_attention, (h, hkv, d), dtype, causal,
+                                  layout=layout)
     assert "ppermute" not in str(jaxpr)
 
 

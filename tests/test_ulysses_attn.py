@@ -18,6 +18,7 @@ from test_ring_attn import (  # the shared references
     _sharded,
     check_p1_forward,
     check_p1_grads,
+    check_p1_kernel_calls,
     dense,
     dense_grads,
     dense_in_shard_map,
@@ -558,17 +559,7 @@ def test_p1_runs_pk_attention(monkeypatch, causal, h, hkv, d, dtype, fused):
     if fused:
         monkeypatch.setenv("PK_JAX_ULYSSES_FUSED", "1")
     monkeypatch.setattr(_backend, "use_kernel", lambda stem, axis_name=None: True)
-    shapes = [(2, 10, h, d), (2, 10, hkv, d), (2, 10, hkv, d)]
-    jaxpr, paths = traced_p1(monkeypatch, pk.ulysses_attention, cpu_mesh((1,), ("sp",)), shapes,
-                             dtype, causal=causal, scale=0.3)
-    assert paths == ["local"]
-    calls = ffi_calls(jaxpr)
-    assert [e.params["target_name"] for e in calls] == ["pk_attention"] * 2, calls
-    attrs = [dict(e.params["attributes"]) for e in calls]
-    assert [a["backward"] for a in attrs] == [0, 1]
-    assert all(a["causal"] == causal and np.isclose(a["scale"], 0.3) for a in attrs), attrs
-    assert [x.aval.shape for x in calls[0].invars] == shapes
-    assert [x.aval.shape for x in calls[1].outvars] == shapes + [shapes[0]]  # + dq scratch
+    jaxpr = check_p1_kernel_calls(monkeypatch, pk.ulysses_attention, (h, hkv, d), dtype, causal)
     assert "all_to_all" not in str(jaxpr)
 
 
