@@ -602,7 +602,8 @@ struct dkdv_config {
 /**
  * @brief One dK/dV consumer warpgroup's step over a stage of 64 query rows (the attention
  * backward kernel's, on bwd_config's storage, and ring_attn_bwd.cuh's lanes', on dkdv_config's):
- * S^T, dP^T, P^T and dS^T for its 64 keys (keys key_lo and key_lo + 8 per thread); dK and dV stay the caller's.
+ * S^T, dP^T, P^T and dS^T for its 64 keys (keys key_lo and key_lo + 8 per thread); dK and dV
+ * stay the caller's.
  */
 template <class C>
 struct dkdv_step {
@@ -736,10 +737,11 @@ __device__ inline void mma_dq(float (&d)[N / 2], uint64_t da, uint64_t db, int s
 }
 
 /**
- * The dK/dV kernel's blocks and steps, and dQ in the same pass (five GEMMs per step instead of
- * the two passes' seven): after dS^T is computed, each warpgroup stores its 64 key rows of it
- * (rounded to T) into the step's ds tile; once both have (named barrier BWD_DS), warpgroup c
- * computes columns [c D/2, (c + 1) D/2) of dQ_step = dS K for the stage's 64 queries over all
+ * The backward in one pass, five GEMMs per step (a dQ pass and a dK/dV pass took seven): each
+ * block holds 128 keys of K/V head hk and streams 64-query stages of every query head of hk's
+ * group (dkdv_step: dK and dV in registers); after dS^T is computed, each warpgroup stores its
+ * 64 key rows of it (rounded to T) into the step's ds tile; once both have (named barrier
+ * BWD_DS), warpgroup c computes columns [c D/2, (c + 1) D/2) of dQ_step = dS K for the stage's 64 queries over all
  * 128 keys and adds them to dq_acc with vector reductions (red.global.add.v2.f32).
  * ds is double-buffered: a warpgroup writes ds[j % 2] in step j only after passing step j - 1's
  * barrier, which the other passed after its step j - 2 wait, the last read of that buffer.
@@ -848,7 +850,8 @@ __global__ void __launch_bounds__(THREADS, 1) bwd_kernel(const __grid_constant__
     for (int i = 0; i < 2; ++i) {
       const int row = q0 + 16 * (t / 32) + lane / 4 + 8 * i;
       if (row >= dm.s) continue;
-      float* dst = g.dq_acc + ((int64_t(b) * dm.s + row) * dm.h + h) * D + nbeg + 2 * (lane % 4);
+      float* dst =
+          g.dq_acc + ((int64_t(b) * dm.s + row) * dm.h + h) * D + nbeg + 2 * (lane % 4);
 #pragma unroll
       for (int jj = 0; jj < DQN / 8; ++jj) {
         asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(dst + 8 * jj),
