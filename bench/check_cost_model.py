@@ -50,12 +50,21 @@ def model_choice(r: dict) -> str:
     before the throttle lack them: their recorded choice)."""
     if "sms_per_rank" not in r or "link_gbps" not in r:
         return r.get("model_choice", "serial")
+    return model_predictions(r)[0]
+
+
+def model_predictions(r: dict) -> tuple[str, float, float]:
+    """The current cost model's pick and its predicted fused and serial microseconds for row
+    r's case, with the row's constants."""
     p, s = r["world"], r["shape"]
     op = r["op"]
     n = s["n"] // p if op == "ag_gemm" else s["n"]  # ag_gemm: each rank has w[:, N/P]
     k = s["k"] if op == "ag_gemm" else s["k"] // p
     gpu = partition_gpu(p, r["sms_per_rank"], r["link_gbps"])
-    return model_plan(op, s["m"], n, k, p, gpu).mode
+    pick = model_plan(op, s["m"], n, k, p, gpu)
+    serial = model_plan(op, s["m"], n, k, p, gpu, modes=("serial",))
+    fused = model_plan(op, s["m"], n, k, p, gpu, modes=("fused",))
+    return pick.mode, fused.predicted_us, serial.predicted_us
 
 
 def main() -> None:
@@ -65,13 +74,14 @@ def main() -> None:
             if "sms_per_rank" not in r or "link_gbps" not in r:
                 continue  # rows from before the throttle lack the constants
             faster = "fused" if r["median_us"] < r["baseline_median_us"] else "serial"
-            pick = model_choice(r)
+            pick, pred_fused, pred_serial = model_predictions(r)
             total += 1
             right += pick == faster
             picks += pick == "fused"
             bad_picks += pick == "fused" and faster != "fused"
             print(f"{op:8s} P={p} {m}x{n}x{k:<5d} {kind:11s} fused {r['median_us']:8.1f} us "
-                  f"serial {r['baseline_median_us']:8.1f} us ({r['commit']}): picks {pick:6s} "
+                  f"serial {r['baseline_median_us']:8.1f} us ({r['commit']}); predicted fused "
+                  f"{pred_fused:8.1f} serial {pred_serial:8.1f}: picks {pick:6s} "
                   f"{'right' if pick == faster else 'WRONG'}")
     print(f"the model picks the faster mode in {right} of {total} cases "
           f"({100 * right / max(total, 1):.0f}%, target 90%); it picks fused in {picks}, "

@@ -106,3 +106,36 @@ def test_ag_gemm_fused_counts_its_gather_in_full():
     assert fused.terms["non_overlap"] >= gather_us
     assert fused.predicted_us > fused.terms["comp"] + gather_us
     assert cm.plan("ag_gemm", m, n, k, p, gpu=slow).mode == "serial"
+
+
+@pytest.mark.parametrize("op,p", product(cm.OPS, (2, 4, 8)))
+def test_serial_collective_stages_then_pulls(op, p):
+    # The serial path's collective runs as pk's engine does: a local staging copy (read x, write
+    # the workspace) and then the pulls, each phase at the slower of its HBM traffic at the
+    # measured copy rate and its peer bytes at the link rate.
+    m, n, k, it = 8192, 8192, 4096, 2
+    serial = cm.predict(op, m, n, k, p, mode="serial")
+    out, shard = it * m * n, it * (m // p) * k
+    phases = cm.collective_phases(op, out, shard, p)
+    staged = out if op != "ag_gemm" else shard
+    assert phases[0] == (2 * staged, 0.0)
+    link = {"gemm_rs": (p - 1) / p * out, "ag_gemm": (p - 1) * shard,
+            "gemm_ar": (p - 1) * out if p <= 2 else 2 * (p - 1) / p * out}[op]
+    assert sum(x for _, x in phases) == pytest.approx(link)
+    g = cm.H200
+    want = sum(max(h / (g.copy_gbps * 1e3), x / (g.nvlink_gbps * 1e3)) for h, x in phases)
+    assert serial.terms["non_overlap"] == pytest.approx(want)
+    # On NVLink the pulls bind: the collective is its link time plus the staging copy.
+    assert want == pytest.approx(link / (g.nvlink_gbps * 1e3) + 2 * staged / (g.copy_gbps * 1e3))
+
+
+def test_serial_collective_hbm_bound_on_a_shared_hbm():
+    # A rank emulator partition (P = 2: HBM and its copy rate halved, the link at the copy
+    # rate / P): the reduce_scatter's HBM traffic, not its peer bytes, sets the time.
+    p = 2
+    part = dataclasses.replace(cm.H200, sms=64, hbm_gbps=cm.H200.hbm_gbps / p,
+                               copy_gbps=cm.H200.copy_gbps / p, nvlink_gbps=745.0)
+    out = 2 * 8192 * 8192
+    us = cm.collective_us("gemm_rs", out, 0, p, part)
+    assert us == pytest.approx((2 * out + out + out / p) / (part.copy_gbps * 1e3))
+    assert us > (p - 1) / p * out / (part.nvlink_gbps * 1e3)
