@@ -216,12 +216,15 @@ def serial_launch(world: World, op: str, b: dict) -> None:
 
 def model_plan(op: str, m: int, n: int, k: int, p: int, gpu: cost_model.GPU,
                modes: tuple[str, ...] = ("fused", "serial")):
-    """cost_model.plan over `modes`, with ag_gemm's comm SMs below half a partition."""
+    """cost_model.plan over `modes`, with ag_gemm's comm SMs below half a partition: the fastest
+    prediction of each mode, and of fused and serial what "auto" picks (cost_model.auto_pick)."""
     cands = [c for c in cost_model.COMM_SMS_CANDIDATES if c <= gpu.sms // 2]
-    plans = [cost_model.predict(op, m, n, k, p, mode=md, num_comm_sms=c, gpu=gpu)
-             for md in modes
-             for c in (cands if md == "fused" and op == "ag_gemm" else [0])]
-    return min(plans, key=lambda pl: pl.predicted_us)
+    best = {md: min((cost_model.predict(op, m, n, k, p, mode=md, num_comm_sms=c, gpu=gpu)
+                     for c in (cands if md == "fused" and op == "ag_gemm" else [0])),
+                    key=lambda pl: pl.predicted_us) for md in modes}
+    if "fused" in best and "serial" in best:
+        return cost_model.auto_pick(best["fused"], best["serial"])
+    return min(best.values(), key=lambda pl: pl.predicted_us)
 
 
 def bench_tp(world: World, links: list[Link], shapes, rng, rows: list) -> None:
