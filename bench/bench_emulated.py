@@ -74,11 +74,13 @@ def emulated_gpu(world: World, link_gbps: float) -> cost_model.GPU:
 
 
 def partition_gpu(p: int, sms: int, link_gbps: float) -> cost_model.GPU:
-    """The H200's constants scaled to one of P partitions of `sms` SMs (peak by SMs, HBM / P),
-    with link `link_gbps` (also bench/check_cost_model.py, from a row's fields)."""
+    """The H200's constants scaled to one of P partitions of `sms` SMs (peak by SMs, HBM and its
+    copy rate / P: the ranks share one HBM), with link `link_gbps` (also
+    bench/check_cost_model.py, from a row's fields)."""
     h = cost_model.H200
     return dataclasses.replace(h, name=f"H200/{p}", sms=sms, peak_tflops=h.peak_tflops * sms / h.sms,
-                               hbm_gbps=h.hbm_gbps / p, nvlink_gbps=link_gbps)
+                               hbm_gbps=h.hbm_gbps / p, copy_gbps=h.copy_gbps / p,
+                               nvlink_gbps=link_gbps)
 
 
 def copy_rate_gbps(world: World, nbytes: int = 256 << 20) -> float:
@@ -212,13 +214,17 @@ def serial_launch(world: World, op: str, b: dict) -> None:
                                            "n_out": mm})
 
 
-def model_plan(op: str, m: int, n: int, k: int, p: int, gpu: cost_model.GPU):
-    """cost_model.plan over both modes, with ag_gemm's comm SMs below half a partition."""
+def model_plan(op: str, m: int, n: int, k: int, p: int, gpu: cost_model.GPU,
+               modes: tuple[str, ...] = ("fused", "serial")):
+    """cost_model.plan over `modes`, with ag_gemm's comm SMs below half a partition: the fastest
+    prediction of each mode, and of fused and serial what "auto" picks (cost_model.auto_pick)."""
     cands = [c for c in cost_model.COMM_SMS_CANDIDATES if c <= gpu.sms // 2]
-    plans = [cost_model.predict(op, m, n, k, p, mode=md, num_comm_sms=c, gpu=gpu)
-             for md in ("fused", "serial")
-             for c in (cands if md == "fused" and op == "ag_gemm" else [0])]
-    return min(plans, key=lambda pl: pl.predicted_us)
+    best = {md: min((cost_model.predict(op, m, n, k, p, mode=md, num_comm_sms=c, gpu=gpu)
+                     for c in (cands if md == "fused" and op == "ag_gemm" else [0])),
+                    key=lambda pl: pl.predicted_us) for md in modes}
+    if "fused" in best and "serial" in best:
+        return cost_model.auto_pick(best["fused"], best["serial"])
+    return min(best.values(), key=lambda pl: pl.predicted_us)
 
 
 def bench_tp(world: World, links: list[Link], shapes, rng, rows: list) -> None:

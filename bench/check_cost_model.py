@@ -8,7 +8,10 @@ their commit picked; this recomputes it, so a model change can be judged on reco
     python bench/check_cost_model.py [--min-commit-rows N]
 
 Prints one line per case and the summary: how often the model picks the faster mode, and
-whether every fused pick was faster. Runs anywhere (no GPU).
+whether every fused pick was faster. First it derives the margin "auto" needs before it picks
+fused (cost_model.FUSED_MARGIN) from data that are not these cases: the model's error on the
+fused kernels' time in the P = 1 rows of bench_tp on the H200 (`fused_margin`). Runs anywhere
+(no GPU).
 """
 
 from __future__ import annotations
@@ -21,8 +24,48 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from bench_emulated import model_plan, partition_gpu
 
+from pk_jax import cost_model
+
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 OPS = ("gemm_rs", "ag_gemm", "gemm_ar")
+
+
+# The P = 1 rows whose fused kernels are the ones the model costs at P = 1: gemm_rs / gemm_ar
+# store their tiles straight into y (2835c57) and ag_gemm's loader writes its own rows of x_full
+# (7d55981) since 2026-12-01 13:19 UTC; earlier rows ran the full protocol at P = 1.
+P1_ROWS_SINCE = "2026-12-01T13:19"
+# Below this predicted time a call is its per-call costs, which the model does not claim: at the
+# one such shape of bench_tp (4096 x 4096 x 512, predicted about 30 us) pk.matmul alone measured
+# 1.3-2.7x its prediction, in every mode alike.
+P1_MIN_PREDICTED_US = 100.0
+
+
+def fused_p1_errors() -> list[tuple[str, dict, str, float, float]]:
+    """(op, shape, commit, measured us, predicted us) of every P = 1 forced-fused row of
+    bench_tp on the H200 since P1_ROWS_SINCE with the model's fused prediction (the row's comm
+    SMs) at P1_MIN_PREDICTED_US or more: nothing crosses ranks, so it is the model's error on
+    the fused kernels alone."""
+    out = []
+    for op in OPS:
+        path = RESULTS / f"{op}.jsonl"
+        for line in path.read_text().splitlines() if path.exists() else []:
+            r = json.loads(line)
+            if (r.get("world") != 1 or r.get("emulated") or "fused_median_us" not in r
+                    or "H200" not in r.get("gpu", "") or r["date"] < P1_ROWS_SINCE):
+                continue
+            s = r["shape"]
+            pred = cost_model.predict(op, s["m"], s["n"], s["k"], 1, mode="fused",
+                                      num_comm_sms=r.get("fused_num_comm_sms") or 0,
+                                      gpu=cost_model.H200).predicted_us
+            if pred >= P1_MIN_PREDICTED_US:
+                out.append((op, s, r["commit"], r["fused_median_us"], pred))
+    return out
+
+
+def fused_margin() -> float:
+    """The largest |measured / predicted - 1| of fused_p1_errors: the margin by which "auto"
+    wants fused predicted faster than serial (cost_model.FUSED_MARGIN)."""
+    return max(abs(meas / pred - 1) for *_, meas, pred in fused_p1_errors())
 
 
 def link_kind(r: dict) -> str:
@@ -50,28 +93,44 @@ def model_choice(r: dict) -> str:
     before the throttle lack them: their recorded choice)."""
     if "sms_per_rank" not in r or "link_gbps" not in r:
         return r.get("model_choice", "serial")
+    return model_predictions(r)[0]
+
+
+def model_predictions(r: dict) -> tuple[str, float, float]:
+    """The current cost model's pick and its predicted fused and serial microseconds for row
+    r's case, with the row's constants."""
     p, s = r["world"], r["shape"]
     op = r["op"]
     n = s["n"] // p if op == "ag_gemm" else s["n"]  # ag_gemm: each rank has w[:, N/P]
     k = s["k"] if op == "ag_gemm" else s["k"] // p
     gpu = partition_gpu(p, r["sms_per_rank"], r["link_gbps"])
-    return model_plan(op, s["m"], n, k, p, gpu).mode
+    pick = model_plan(op, s["m"], n, k, p, gpu)
+    serial = model_plan(op, s["m"], n, k, p, gpu, modes=("serial",))
+    fused = model_plan(op, s["m"], n, k, p, gpu, modes=("fused",))
+    return pick.mode, fused.predicted_us, serial.predicted_us
 
 
 def main() -> None:
+    errs = fused_p1_errors()
+    for op, s, commit, meas, pred in errs:
+        print(f"P=1 fused {op:8s} {s['m']}x{s['n']}x{s['k']:<5d} ({commit}): measured "
+              f"{meas:8.1f} us predicted {pred:8.1f} us: {meas / pred - 1:+.3f}")
+    print(f"the model's largest error on fused time at P = 1: {fused_margin():.3f} over "
+          f"{len(errs)} rows (cost_model.FUSED_MARGIN = {cost_model.FUSED_MARGIN})\n")
     right = picks = bad_picks = total = 0
     for op in OPS:
         for (kind, p, m, n, k), r in sorted(latest_rows(op).items()):
             if "sms_per_rank" not in r or "link_gbps" not in r:
                 continue  # rows from before the throttle lack the constants
             faster = "fused" if r["median_us"] < r["baseline_median_us"] else "serial"
-            pick = model_choice(r)
+            pick, pred_fused, pred_serial = model_predictions(r)
             total += 1
             right += pick == faster
             picks += pick == "fused"
             bad_picks += pick == "fused" and faster != "fused"
             print(f"{op:8s} P={p} {m}x{n}x{k:<5d} {kind:11s} fused {r['median_us']:8.1f} us "
-                  f"serial {r['baseline_median_us']:8.1f} us ({r['commit']}): picks {pick:6s} "
+                  f"serial {r['baseline_median_us']:8.1f} us ({r['commit']}); predicted fused "
+                  f"{pred_fused:8.1f} serial {pred_serial:8.1f}: picks {pick:6s} "
                   f"{'right' if pick == faster else 'WRONG'}")
     print(f"the model picks the faster mode in {right} of {total} cases "
           f"({100 * right / max(total, 1):.0f}%, target 90%); it picks fused in {picks}, "

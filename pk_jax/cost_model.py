@@ -26,19 +26,27 @@ contraction length each device multiplies, N = output columns):
   from its pipeline stages: one more HBM write in T_mem. ag_gemm's T_comm is also counted in
   T_non_overlap: measured in the rank emulator, its fused kernel does not overlap it yet.
 - T_non_overlap: work before the first or after the last tile: gemm_rs zeroes its owner buffer
-  and copies it out (3 M/P N bytes of HBM) plus the last wave's pushes; gemm_ar also gathers
-  every owner's rows ((P-1)/P M N over NVLink, M N of HBM writes); ag_gemm waits for the
+  and copies it out (3 M/P N bytes of HBM at the copy rate) plus the last wave's pushes;
+  gemm_ar also gathers every owner's rows ((P-1)/P M N over NVLink, M N of HBM writes at the
+  copy rate); ag_gemm waits for the
   first remote row block (none at P = 1). At P = 1 (fused forced) gemm_rs and gemm_ar store their tiles
   straight into y (no owner buffer, no enter or leave kernel): none of it.
 - T_sync: barriers x one NVLink round trip; T_launch: kernels x launch cost.
 
-"serial" is T_launch + max(T_comp, T_mem) at all SMs + the collective's time at its bandwidth.
+"serial" is T_launch + max(T_comp, T_mem) at all SMs + the collective as pk's collective engine
+runs it (`collective_phases`): a staging copy into the symmetric workspace, then the pulls from
+the peers, each phase at the slower of its HBM traffic at the copy rate and its peer bytes over
+NVLink.
+
+"auto" (P > 1) runs fused only where the model predicts it faster than serial by more than its
+own measured error on fused times (FUSED_MARGIN): a near-tie goes to the simpler serial path.
 
 Overrides: the context manager `override(mode=..., num_comm_sms=...)`, which is part of what
 jit caches on (a jitted function called inside and outside the block is traced for each), or
 PK_JAX_TP_MODE / PK_JAX_TP_COMM_SMS in the environment, fixed at the first `pk.init`. The
-constants below are from the data sheets, and the H200 GEMM efficiency from
-bench/results/matmul_notes.md (pk.matmul at about 680 TFLOP/s of 989).
+constants below are from the data sheets, the H200 GEMM efficiency from
+bench/results/matmul_notes.md (pk.matmul at about 680 TFLOP/s of 989) and the copy rate
+measured on the H200 (see GPU.copy_gbps).
 """
 
 from __future__ import annotations
@@ -66,10 +74,19 @@ class GPU:
     pull_gbps_per_sm: float   # bulk copies of one communication SM (ag_gemm), bytes written
     launch_us: float          # one more kernel on the stream
     barrier_us: float         # one signal round trip over NVLink
+    copy_gbps: float          # HBM bytes read + written per second by a copy-like pass
 
 
-H100 = GPU("H100", 132, 989.0, 0.66, 3350.0, 450.0, 40.0, 3.0, 3.0)
-H200 = GPU("H200", 132, 989.0, 0.69, 4800.0, 450.0, 40.0, 3.0, 3.0)
+# copy_gbps: the H200's device-to-device copy, measured at 3.3 TB/s counting bytes read plus
+# written (a 2 GiB buffer; the rank emulator's copy on one 64-SM partition gets 1.49 TB/s copied,
+# 3.0 read + written: bench/results/emulated_notes.md); the H100's is that scaled by its HBM
+# (3.35 / 4.8 TB/s; not measured here). It is the rate of every pass that only moves bytes through HBM:
+# the collectives' staging and pulls (the serial path) and gemm_rs / gemm_ar's zero-fill and
+# copy-out. Checked on the H200 (bench/results/tp_notes.md, 2026-11-29, P = 1 with the full
+# protocol forced): fused gemm_rs took pk.matmul's time + 3 M N bytes at 3.3 TB/s within 4% at
+# all six shapes (at the data sheet's 4.8 TB/s it left 1-20% unexplained).
+H100 = GPU("H100", 132, 989.0, 0.66, 3350.0, 450.0, 40.0, 3.0, 3.0, 3300.0 * 3350.0 / 4800.0)
+H200 = GPU("H200", 132, 989.0, 0.69, 4800.0, 450.0, 40.0, 3.0, 3.0, 3300.0)
 
 COMM_SMS_CANDIDATES = (2, 4, 8, 12, 16, 20, 24, 32)
 
@@ -77,6 +94,17 @@ COMM_SMS_CANDIDATES = (2, 4, 8, 12, 16, 20, 24, 32)
 # ranks (bench/bench_tp.py --quick on the H200, geomean over its six shapes per op, 2026-12-01):
 # ag_gemm's loader also writes x_full and waits on row-block flags, so it multiplies slower.
 FUSED_EFFICIENCY = {"gemm_rs": 0.95, "ag_gemm": 0.80, "gemm_ar": 0.96}
+
+# "auto" picks fused only where fused's predicted time x (1 + FUSED_MARGIN) is below serial's
+# (`auto_pick`). FUSED_MARGIN is the model's largest error on the fused kernels' time measured
+# on the H200 with nothing crossing ranks: |measured / predicted - 1| over the P = 1
+# forced-fused rows of bench_tp (bench/results/{gemm_rs,ag_gemm,gemm_ar}.jsonl, world 1, the
+# rows since the kernels the model costs at P = 1 landed on 2026-12-01: 30 rows, 5 shapes x 3
+# ops x 2 runs, those predicted at 100 us or more). It is 0.081 (gemm_ar and gemm_rs at
+# 8192 x 8192 x 1024, measured 8% slower than predicted); `python bench/check_cost_model.py`
+# recomputes it (fused_margin) and tests/test_cost_model.py checks the constant against it.
+# None of the rank emulator's fused-vs-serial cases it is judged on went into it.
+FUSED_MARGIN = 0.081
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +178,55 @@ def gpu_for(device_kind: str) -> GPU:
     return H200 if "H200" in device_kind else H100
 
 
+# The pk all_reduce runs one-shot up to this many bytes and always at P <= 2, two-shot above
+# (cuda/kernels/all_reduce.cuh, ONESHOT_MAX_BYTES).
+ALL_REDUCE_ONESHOT_MAX_BYTES = 512 * 1024
+
+
+def collective_phases(op: str, out_bytes: float, shard_bytes: float,
+                      p: int) -> list[tuple[float, float]]:
+    """The serial path's collective as pk's collective engine runs it (pk/collective.cuh), phase by
+    phase: (HBM bytes read + written, bytes pulled from peers) per rank.
+
+    Every round of the engine stages its input into the symmetric workspace (a local copy: read
+    x, write the workspace), meets the peers at a barrier, then pulls from every peer's workspace
+    (SUM: reads the P copies of my slice, writes it; GATHER: reads and writes the P blocks); the
+    two-shot all_reduce sums my slice into the workspace, meets the peers again and gathers.
+    Nothing is pulled before the barrier, so the phases follow one another. Reads of a peer's
+    workspace load that peer's HBM, but every rank reads its peers as much as they read it, so
+    the count per rank is also what each rank's HBM serves.
+
+    gemm_rs: reduce_scatter of the M x N partial product (out_bytes); gemm_ar: all_reduce of it;
+    ag_gemm: all_gather of the M/P x K shard (shard_bytes).
+    """
+    if op == "gemm_rs":
+        return [(2 * out_bytes, 0.0), (out_bytes + out_bytes / p, (p - 1) / p * out_bytes)]
+    if op == "gemm_ar":
+        if p <= 2 or out_bytes <= ALL_REDUCE_ONESHOT_MAX_BYTES:
+            return [(2 * out_bytes, 0.0), ((p + 1) * out_bytes, (p - 1) * out_bytes)]
+        return [(2 * out_bytes, 0.0), (out_bytes + out_bytes / p, (p - 1) / p * out_bytes),
+                (2 * out_bytes, (p - 1) / p * out_bytes)]
+    return [(2 * shard_bytes, 0.0), (2 * p * shard_bytes, (p - 1) * shard_bytes)]
+
+
+def collective_us(op: str, out_bytes: float, shard_bytes: float, p: int, gpu: GPU) -> float:
+    """Microseconds of the serial path's collective: each phase of collective_phases at the
+    slower of its HBM traffic at copy_gbps and its pulls at the link rate.
+
+    On NVLink the pulls bind (e.g. reduce_scatter of 128 MiB at P = 8: 261 us of link after 81 us
+    of staging); in the rank emulator, where a rank's link is the shared HBM, the HBM traffic
+    does. Checked against the emulator's collective rows (bench/results/emulated_notes.md):
+    every measured time is above this prediction; the rest is a per-call cost of about 30-80 us
+    that the 16 MiB rows cannot separate from the emulator's launch path (at P = 2 all four
+    collectives take 86-93 us at 8 to 32 MiB), so no fixed cost beyond the launch and barrier
+    terms is added. At P = 1 (bench_collectives, kernels forced) a 4 KiB collective costs what
+    XLA's own dispatch does, within the noise.
+    """
+    hbm, nvl = gpu.copy_gbps * 1e9, gpu.nvlink_gbps * 1e9
+    return sum(max(h / hbm, x / nvl) for h, x in collective_phases(op, out_bytes, shard_bytes, p)
+               ) * 1e6
+
+
 def predict(op: str, m: int, n: int, k: int, p: int, *, mode: str, num_comm_sms: int = 0,
             itemsize: int = 2, gpu: GPU = H200) -> Plan:
     """The predicted time of one call in `mode` (see the module docstring for the terms)."""
@@ -158,7 +235,7 @@ def predict(op: str, m: int, n: int, k: int, p: int, *, mode: str, num_comm_sms:
     us = 1e6
     flops = 2.0 * m * n * k
     rate = gpu.peak_tflops * 1e12 * gpu.gemm_efficiency
-    hbm, nvl = gpu.hbm_gbps * 1e9, gpu.nvlink_gbps * 1e9
+    hbm, nvl, copy = gpu.hbm_gbps * 1e9, gpu.nvlink_gbps * 1e9, gpu.copy_gbps * 1e9
     mp = -(-m // p)
     gemm_bytes = itemsize * (m * k + k * n + m * n)
     out_bytes = itemsize * m * n
@@ -170,10 +247,7 @@ def predict(op: str, m: int, n: int, k: int, p: int, *, mode: str, num_comm_sms:
     elif mode == "serial":
         t["launch"] = 2 * gpu.launch_us
         t["comp"] = flops / rate * us
-        coll = {"gemm_rs": (p - 1) / p * out_bytes,
-                "ag_gemm": (p - 1) * mp * k * itemsize,
-                "gemm_ar": 2 * (p - 1) / p * out_bytes}[op]
-        t["non_overlap"] = coll / nvl * us
+        t["non_overlap"] = collective_us(op, out_bytes, mp * k * itemsize, p, gpu)
         t["sync"] = 2 * gpu.barrier_us
     elif mode == "fused":
         c = num_comm_sms if op == "ag_gemm" else 0
@@ -186,17 +260,17 @@ def predict(op: str, m: int, n: int, k: int, p: int, *, mode: str, num_comm_sms:
         elif op in ("gemm_rs", "gemm_ar"):
             pushed = (p - 1) / p * out_bytes
             t["comm"] = pushed / nvl * us
-            t["non_overlap"] = (3 * mp * n * itemsize / hbm + min(pushed, tile_wave) / nvl) * us
+            t["non_overlap"] = (3 * mp * n * itemsize / copy + min(pushed, tile_wave) / nvl) * us
             t["launch"] = 4 * gpu.launch_us
             t["sync"] = 3 * gpu.barrier_us
             if op == "gemm_ar":
-                t["non_overlap"] += ((p - 1) / p * out_bytes / nvl + out_bytes / hbm) * us
+                t["non_overlap"] += ((p - 1) / p * out_bytes / nvl + out_bytes / copy) * us
                 t["sync"] += gpu.barrier_us
         else:
-            copy = max(c, 1) * gpu.pull_gbps_per_sm * 1e9
+            pull = max(c, 1) * gpu.pull_gbps_per_sm * 1e9
             # my shard staged for the peers, then the peers' rows of the gather (P > 1)
             moved = (mp + (p - 1) * mp) * k * itemsize if p > 1 else 0
-            t["comm"] = max((p - 1) * mp * k * itemsize / nvl, moved / copy) * us
+            t["comm"] = max((p - 1) * mp * k * itemsize / nvl, moved / pull) * us
             t["mem"] += mp * k * itemsize / hbm * us  # my rows of x_full, from the stages
             first_block = 128 * k * itemsize / (gpu.pull_gbps_per_sm * 1e9) if p > 1 else 0.0
             # NOTES: measured, not overlapped: in the rank emulator (bench/results/
@@ -215,7 +289,8 @@ def predict(op: str, m: int, n: int, k: int, p: int, *, mode: str, num_comm_sms:
 
 def plan(op: str, m: int, n: int, k: int, p: int, *, itemsize: int = 2,
          gpu: GPU = H200) -> Plan:
-    """The fastest predicted way to run one call, after the overrides.
+    """How one call runs, after the overrides: the mode forced, else at P = 1 "local", else the
+    faster of fused and serial as predicted, fused only beyond FUSED_MARGIN (`auto_pick`).
 
     Args:
         op: "gemm_rs", "ag_gemm" or "gemm_ar".
@@ -236,13 +311,23 @@ def plan(op: str, m: int, n: int, k: int, p: int, *, itemsize: int = 2,
         modes = ("local",) if p == 1 else ("fused", "serial")
     else:
         modes = (mode,)
-    best = None
+    fastest = {}  # the fastest prediction per mode
     for md in modes:
         cands = (sms,) if sms is not None else COMM_SMS_CANDIDATES
         for c in (cands if md == "fused" and op == "ag_gemm" else (0,)):
             pl = predict(op, m, n, k, p, mode=md, num_comm_sms=c, itemsize=itemsize, gpu=gpu)
-            if best is None or pl.predicted_us < best.predicted_us:
-                best = pl
+            if md not in fastest or pl.predicted_us < fastest[md].predicted_us:
+                fastest[md] = pl
+    if len(modes) == 2:
+        best = auto_pick(fastest["fused"], fastest["serial"])
+    else:
+        best = fastest[modes[0]]
     if best.mode == "fused" and op == "ag_gemm" and best.num_comm_sms == 0:
         best = dataclasses.replace(best, num_comm_sms=sms or 8)
     return best
+
+
+def auto_pick(fused: Plan, serial: Plan) -> Plan:
+    """What "auto" runs given the best fused and serial plans: fused only where it is predicted
+    faster by more than FUSED_MARGIN of its own time, else serial."""
+    return fused if fused.predicted_us * (1 + FUSED_MARGIN) < serial.predicted_us else serial
