@@ -141,6 +141,18 @@ __device__ inline void store_rows(void* out, const float (&acc)[D / 2], float mu
   }
 }
 
+/** @brief acc = A B^T over the head dim D (issued, not committed): A = warpgroup c's 64 rows of
+ * tile `a`, B = every row of tile `b` (N of them), both K-major tiles of D / 64 panels. */
+template <typename T, int N, int D, class TA, class TB>
+__device__ inline void mma_rows_bt(float (&acc)[N / 2], const TA& a, int c, const TB& b) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const uint64_t da = wgmma::desc_k_major(a.panel(kk / 4) + c * 64 * 64, (kk % 4) * 16);
+    const uint64_t db = wgmma::desc_k_major(b.panel(kk / 4), (kk % 4) * 16);
+    wgmma::mma<T, N, 0>(acc, da, db, kk > 0 ? 1 : 0);
+  }
+}
+
 /**
  * @brief One forward consumer warpgroup's 64 query rows over a stream of 128-key tiles: its
  * registers (O, the scores S, P packed for the next P V, the row max m and sum l) and the steps
@@ -164,13 +176,7 @@ struct fwd_rows {
   /** @brief Issues S = Q K^T for warpgroup c's rows and stage st's keys (committed). */
   __device__ void qk(const typename C::storage_t& s, int c, int st) {
     wgmma::fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint64_t da =
-          wgmma::desc_k_major(s.q.panel(kk / 4) + c * 64 * 64, (kk % 4) * 16);
-      const uint64_t db = wgmma::desc_k_major(s.k[st].panel(kk / 4), (kk % 4) * 16);
-      wgmma::mma<T, BN, 0>(sc, da, db, kk > 0 ? 1 : 0);
-    }
+    mma_rows_bt<T, BN, D>(sc, s.q, c, s.k[st]);
     wgmma::commit();
   }
 
@@ -491,20 +497,8 @@ struct dq_rows {
   /** @brief S = Q K^T and dP = dO V^T for warpgroup c's rows and stage st (waited for). */
   __device__ void scores(const typename C::storage_t& s, int c, int st) {
     wgmma::fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint64_t db = wgmma::desc_k_major(s.k[st].panel(kk / 4), (kk % 4) * 16);
-      wgmma::mma<T, BN, 0>(
-          sc, wgmma::desc_k_major(s.q.panel(kk / 4) + c * 64 * 64, (kk % 4) * 16), db,
-          kk > 0 ? 1 : 0);
-    }
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint64_t db = wgmma::desc_k_major(s.v[st].panel(kk / 4), (kk % 4) * 16);
-      wgmma::mma<T, BN, 0>(
-          dp, wgmma::desc_k_major(s.d_o.panel(kk / 4) + c * 64 * 64, (kk % 4) * 16), db,
-          kk > 0 ? 1 : 0);
-    }
+    mma_rows_bt<T, BN, D>(sc, s.q, c, s.k[st]);
+    mma_rows_bt<T, BN, D>(dp, s.d_o, c, s.v[st]);
     wgmma::commit();
     wgmma::wait<0>();
     wgmma::fence_regs(sc);
@@ -616,20 +610,8 @@ struct dkdv_step {
   /** @brief S^T = K Q^T and dP^T = V dO^T for warpgroup c's keys (waited for). */
   __device__ void scores(const typename C::storage_t& s, const stage_t& stage, int c) {
     wgmma::fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint64_t db = wgmma::desc_k_major(stage.q.panel(kk / 4), (kk % 4) * 16);
-      wgmma::mma<T, BQ, 0>(
-          sc, wgmma::desc_k_major(s.k.panel(kk / 4) + c * 64 * 64, (kk % 4) * 16), db,
-          kk > 0 ? 1 : 0);
-    }
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint64_t db = wgmma::desc_k_major(stage.d_o.panel(kk / 4), (kk % 4) * 16);
-      wgmma::mma<T, BQ, 0>(
-          dp, wgmma::desc_k_major(s.v.panel(kk / 4) + c * 64 * 64, (kk % 4) * 16), db,
-          kk > 0 ? 1 : 0);
-    }
+    mma_rows_bt<T, BQ, D>(sc, s.k, c, stage.q);
+    mma_rows_bt<T, BQ, D>(dp, s.v, c, stage.d_o);
     wgmma::commit();
     wgmma::wait<0>();
     wgmma::fence_regs(sc);
