@@ -55,6 +55,34 @@ def main() -> None:
             assert calls == fused, (f"rank {me}: fused={fused}, but the HLO "
                                     f"{'calls' if calls else 'does not call'} {target}")
 
+    def run_both(fwd, grad, args, g, target, *, calls, sleep_rank, grads):
+        """fwd(*args) `calls` times (the last rank first sleeping when sleep_rank) and, with
+        `grads`, grad(*args, g), each traced inside fused_kernels(True) and (False): {fused:
+        (this process's outputs, its gradients or None)}."""
+        results = {}
+        for fused in (True, False):
+            with moe_ops.fused_kernels(fused):
+                check_path(fwd, args, target, fused)
+                outs = None
+                for _ in range(calls):
+                    if sleep_rank == me:
+                        time.sleep(1.0)
+                    outs = [local(o) for o in jax.tree.leaves(jax.block_until_ready(fwd(*args)))]
+                gr = None
+                if grads:
+                    gr = [local(v) for v in jax.block_until_ready(grad(*args, place(g)))]
+            results[fused] = (outs, gr)
+        return results
+
+    def check_equal(results, what, out_names, grad_names):
+        """The fused path's outputs and gradients equal the composition's, bit for bit."""
+        for names, i in ((out_names, 0), (grad_names, 1)):
+            if results[True][i] is None:
+                continue
+            for name, a, b in zip(names, results[True][i], results[False][i]):
+                if not np.array_equal(a.astype(np.float64), b.astype(np.float64)):
+                    raise AssertionError(f"{what}: fused {name} differs from the composition")
+
     def build(experts, capacity):
         def body(x, e, w):
             h, sizes, hd = pk.moe_dispatch_gemm(x[0], e[0], w[0], "ep", num_experts=experts,
@@ -81,29 +109,12 @@ def main() -> None:
         w = rng.integers(-1, 2, (n, experts // n, h, nn)).astype(np.float32)
         g = rng.integers(-1, 2, (n, capacity, nn)).astype(np.float32)
         args = (place(x.astype(dtype)), place(ids), place(w.astype(dtype)))
-        results = {}
         fwd, grad = build(experts, capacity)
-        for fused in (True, False):
-            with moe_ops.fused_kernels(fused):
-                check_path(fwd, args, "pk_moe_dispatch_gemm", fused)
-                outs = None
-                for _ in range(calls):
-                    if sleep_rank == me:
-                        time.sleep(1.0)
-                    outs = [local(o) for o in jax.block_until_ready(fwd(*args))]
-                gr = None
-                if grads:
-                    gr = [local(v) for v in jax.block_until_ready(grad(*args, place(g)))]
-            results[fused] = (outs, gr)
-        what = f"P={n} rank {me} case {seed}"
-        names = ("h", "group_sizes", "dest", "pos", "dropped", "received_dropped")
-        for name, a, b in zip(names, results[True][0], results[False][0]):
-            if not np.array_equal(a.astype(np.float64), b.astype(np.float64)):
-                raise AssertionError(f"{what}: fused {name} differs from the composition")
-        if grads:
-            for name, a, b in zip(("dx", "dw1"), results[True][1], results[False][1]):
-                if not np.array_equal(a.astype(np.float64), b.astype(np.float64)):
-                    raise AssertionError(f"{what}: fused {name} differs from the composition")
+        results = run_both(fwd, grad, args, g, "pk_moe_dispatch_gemm", calls=calls,
+                           sleep_rank=sleep_rank, grads=grads)
+        check_equal(results, f"P={n} rank {me} case {seed}",
+                    ("h", "group_sizes", "dest", "pos", "dropped", "received_dropped"),
+                    ("dx", "dw1"))
 
     def build_gc(experts, capacity):
         def body(x, e, hh, w, wt):
@@ -132,28 +143,11 @@ def main() -> None:
         g = rng.integers(-1, 2, (n, t, h)).astype(np.float32)
         args = (place(x.astype(dtype)), place(ids), place(hh.astype(dtype)),
                 place(w.astype(dtype)), place(wt))
-        results = {}
         fwd, grad = build_gc(experts, capacity)
-        for fused in (True, False):
-            with moe_ops.fused_kernels(fused):
-                check_path(fwd, args, "pk_moe_gemm_combine", fused)
-                out = None
-                for _ in range(calls):
-                    if sleep_rank == me:
-                        time.sleep(1.0)
-                    out = local(jax.block_until_ready(fwd(*args)))
-                gr = None
-                if grads:
-                    gr = [local(v) for v in jax.block_until_ready(grad(*args, place(g)))]
-            results[fused] = (out, gr)
-        what = f"P={n} rank {me} gemm_combine case {seed}"
-        if not np.array_equal(results[True][0].astype(np.float64),
-                              results[False][0].astype(np.float64)):
-            raise AssertionError(f"{what}: fused out differs from the composition")
-        if grads:
-            for name, a, b in zip(("dh", "dw2", "dweights"), results[True][1], results[False][1]):
-                if not np.array_equal(a.astype(np.float64), b.astype(np.float64)):
-                    raise AssertionError(f"{what}: fused {name} differs from the composition")
+        results = run_both(fwd, grad, args, g, "pk_moe_gemm_combine", calls=calls,
+                           sleep_rank=sleep_rank, grads=grads)
+        check_equal(results, f"P={n} rank {me} gemm_combine case {seed}", ("out",),
+                    ("dh", "dw2", "dweights"))
 
     print(f"backend moe_dispatch={pk.backend_name('moe_dispatch', 'ep')}", flush=True)
     t0 = time.time()
