@@ -344,17 +344,24 @@ def test_kernel_backward_typing_on_2d_mesh_with_q_replicated_over_dp(monkeypatch
                                    rtol=2e-2, atol=3e-2)
 
 
+def _causal_on_two():
+    """pk.ulysses_attention(causal=True) under shard_map on 2 CPU devices (pk.init done), and
+    its sequence-sharded bf16 q, k, v [1, 128, 4, 64]."""
+    mesh = cpu_mesh((2,), ("sp",))
+    pk.init(mesh)
+    qkv_ = tuple(jax.device_put(x, NamedSharding(mesh, SEQ))
+                 for x in qkv((1, 2 * 64, 4, 64), jnp.bfloat16))
+    f = jax.shard_map(lambda a, b, c: pk.ulysses_attention(a, b, c, "sp", causal=True),
+                      mesh=mesh, in_specs=(SEQ,) * 3, out_specs=SEQ)
+    return f, qkv_
+
+
 def test_kernel_backward_exchanges(monkeypatch):
     """The kernel-backed backward's traffic: pk.all_to_all of q, dO, k, v and of (lse, delta)
     to head shards, one pk_attention backward, pk.all_to_all of dq, dk, dv back (8
     all_to_alls); the forward is the one pk_ulysses_attn call."""
     calls = _stand_in_ulysses(monkeypatch)
-    mesh = cpu_mesh((2,), ("sp",))
-    pk.init(mesh)
-    q, k, v = (jax.device_put(x, NamedSharding(mesh, SEQ))
-               for x in qkv((1, 2 * 64, 4, 64), jnp.bfloat16))
-    f = jax.shard_map(lambda a, b, c: pk.ulysses_attention(a, b, c, "sp", causal=True),
-                      mesh=mesh, in_specs=(SEQ,) * 3, out_specs=SEQ)
+    f, (q, k, v) = _causal_on_two()
     jax.make_jaxpr(jax.grad(lambda *x: jnp.sum(f(*x).astype(jnp.float32)),
                             argnums=(0, 1, 2)))(q, k, v)
     targets = [c["target"] for c in calls]
@@ -438,12 +445,7 @@ def test_composed_exchanges(monkeypatch):
     one pk_attention forward; the backward exchanges only dO to head shards and dq, dk, dv back
     (4 more) around one pk_attention backward."""
     calls = _stand_in_ulysses(monkeypatch, fused=False)
-    mesh = cpu_mesh((2,), ("sp",))
-    pk.init(mesh)
-    q, k, v = (jax.device_put(x, NamedSharding(mesh, SEQ))
-               for x in qkv((1, 2 * 64, 4, 64), jnp.bfloat16))
-    f = jax.shard_map(lambda a, b, c: pk.ulysses_attention(a, b, c, "sp", causal=True),
-                      mesh=mesh, in_specs=(SEQ,) * 3, out_specs=SEQ)
+    f, (q, k, v) = _causal_on_two()
     jax.make_jaxpr(f)(q, k, v)
     targets = [c["target"] for c in calls]
     assert targets.count("pk_all_to_all") == 4 and targets.count("pk_attention") == 1, targets
