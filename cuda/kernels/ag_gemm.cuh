@@ -98,6 +98,7 @@ struct kernel_def : matmul::kernel_def<C> {
     int total;     // loader calls of this block in all
     int pending;   // fill whose A tile still goes to x_full (-1: none) ...
     int row, col;  // ... at x_full box (col, row)
+    bool reading;  // a store issued since the last wait may still read its stage
   };
   __device__ static own_rows_state& own_rows() {
     __shared__ own_rows_state st;  // used by the loader thread only (which also runs setup)
@@ -111,6 +112,7 @@ struct kernel_def : matmul::kernel_def<C> {
     const int tiles = base::scheduler(g).num_tiles();
     st.fills = 0;
     st.pending = -1;
+    st.reading = false;
     st.total = (tiles - info.index + info.compute_blocks - 1) / info.compute_blocks *
                base::k_iters(g);
   }
@@ -119,7 +121,10 @@ struct kernel_def : matmul::kernel_def<C> {
                                 int k) {
     own_rows_state& st = own_rows();
     const int fill = st.fills++;
-    tma::store_wait_read<0>();  // an earlier fill's store to x_full has read its stage
+    if (st.reading) {  // an earlier fill's store to x_full has read its stage (NOTES below)
+      tma::store_wait_read<0>();
+      st.reading = false;
+    }
     t = place(g, t);
     const bool mine = own(g, t.m);
     if (mine) {
@@ -164,6 +169,7 @@ struct kernel_def : matmul::kernel_def<C> {
     tma::store_2d(&g.x, stages[i].a.data, st.col, st.row);
     tma::store_commit();
     st.pending = -1;
+    st.reading = true;
   }
 
   __device__ static void storer(const globals& g, acc_t& acc, out_t& out, int c, tile_coord t,
