@@ -74,6 +74,14 @@ Status LaunchAgGemm(const Where& at, const GemmArgs& a, const CommView& v) {
   g.x_local = a.x;
   g.x_full = a.x_full;
   g.rows_per_rank = static_cast<int>(mp);
+  // Block-rows [own_lo, own_hi) lie wholly in rows [first, first + mp) (the last one may be
+  // partial only on the last rank); the tile order starts at own_lo (see ag_gemm.cuh).
+  const int64_t first = int64_t(c.rank) * mp, own_lo = (first + 127) / 128;
+  const int64_t own_hi = first + mp >= m ? tiles_m : (first + mp) / 128;
+  g.own_lo = static_cast<int>(own_lo);
+  g.own_hi = static_cast<int>(own_hi > own_lo ? own_hi : own_lo);
+  g.tiles_m = static_cast<int>(tiles_m);
+  g.row_shift = static_cast<int>(own_lo % tiles_m);
   if (Status s = tp::StartEpoch(at.stream, c); !s.ok()) return s;
   return CudaStatus(tp::WithConfig(a.dtype, a.config == tp::kTile128x256, [&](auto cfg) {
                       return pk::ag_gemm::launch<decltype(cfg)>(g, at.stream, at.device,

@@ -41,12 +41,17 @@
  * Own rows of x_full: the compute blocks already load every own row block's A tiles from x
  * into their stages; the loader stores those of tile column 0 (each own row block exactly once,
  * all k) from the stage to x_full with a TMA store, so my rows cost one HBM write and no comm
- * SM time. The store of fill f is issued one fill late, after the loader has issued fill
- * f + 1's loads: it waits on fill f's full barrier (parity from the count of this block's
- * fills; no later fill of that stage exists yet), which has usually completed by then, and
- * stores. Every fill first waits until earlier stores have read their stages (a stage is
- * refilled only STAGES >= 2 fills later). The block's last fill stores its own A tile at once,
- * and the loader waits for all its stores to complete before it returns.
+ * SM time. A kept tile is stored STORE_LAG = 2 fills after its load, after that fill's own loads:
+ * by then the consumers are working on it (the loader runs STAGES fills ahead of them, and
+ * STAGES >= 3), so the wait on its full barrier returns at once, and its stage is refilled only
+ * at the next fill, which first waits until the store has read it. A lag of one fill made the
+ * loader wait for each landing (8% of the kernel at 8192^3, ncu). The block's last fill stores
+ * every kept tile, and the loader waits for its stores to complete before it returns.
+ *
+ * The loader's own work per k step is on the pipeline's critical path (3 stages of 128x256
+ * tiles): the tile order's rotation and "own" are a few compares against values the host
+ * computed. Computing both from rank and Mp per k step (a remainder, 64-bit products) cost 18%
+ * of the kernel at 8192^3 (ncu, run 18 of 2026-12-01).
  *
  * Pitfalls: bulk copies and TMA loads are the async proxy, the signals the generic proxy, so
  * the copying thread and the loader fence.proxy.async.global around the release/acquire.
@@ -74,6 +79,10 @@ struct globals : matmul::globals {
   const void* x_local;
   void* x_full;
   int rows_per_rank;  // Mp
+  // Set by the host from rank and Mp, so the loader's per-k-step work is a few compares:
+  int tiles_m;          // ceil(M / BM)
+  int row_shift;        // the tile order starts at block-row ceil(rank Mp / BM) (mod tiles_m)
+  int own_lo, own_hi;   // block-rows [own_lo, own_hi) lie wholly in my shard
 };
 
 template <class C>
@@ -82,22 +91,24 @@ struct kernel_def : matmul::kernel_def<C> {
   using globals = ag_gemm::globals;
   using typename base::acc_t, typename base::out_t, typename base::stage_t;
   static constexpr int BM = C::BM, BN = C::BN, BK = C::BK;
+  // Fills between a kept A tile's load and its store to x_full (see "Own rows of x_full").
+  static constexpr int STORE_LAG = 2, KEPT = STORE_LAG + 1;  // KEPT: the most kept at a time
+  static_assert(C::STAGES > STORE_LAG, "ag_gemm: a kept stage must outlive its store's lag");
 
-  __device__ static bool own(const globals& g, int m) {
-    const int64_t lo = int64_t(m) * BM, hi = lo + BM < g.m ? lo + BM : g.m;
-    const int64_t first = int64_t(g.c.rank) * g.rows_per_rank;
-    return lo >= first && hi <= first + g.rows_per_rank;
-  }
+  __device__ static bool own(const globals& g, int m) { return m >= g.own_lo && m < g.own_hi; }
+  /** @brief Rotates the tile order's block-rows to start at mine (row_shift from the host). */
   __device__ static tile_coord place(const globals& g, tile_coord t) {
-    t.m = (t.m + ceil_div(g.c.rank * g.rows_per_rank, BM)) % ceil_div(g.m, BM);
+    t.m += g.row_shift;
+    if (t.m >= g.tiles_m) t.m -= g.tiles_m;
     return t;
   }
-  /** @brief The loader's fills and its pending store (see "Own rows of x_full"). */
+  /** @brief The loader's fills and its kept A tiles (see "Own rows of x_full"). */
   struct own_rows_state {
-    int fills;     // loader calls of this block so far
-    int total;     // loader calls of this block in all
-    int pending;   // fill whose A tile still goes to x_full (-1: none) ...
-    int row, col;  // ... at x_full box (col, row)
+    int fills;  // loader calls of this block so far
+    int total;  // loader calls of this block in all
+    int head;   // oldest kept tile not yet stored (a ring of KEPT) ...
+    int kept;   // ... and how many there are
+    int fill[KEPT], row[KEPT], col[KEPT];  // their fills and x_full boxes
     bool reading;  // a store issued since the last wait may still read its stage
   };
   __device__ static own_rows_state& own_rows() {
@@ -111,7 +122,8 @@ struct kernel_def : matmul::kernel_def<C> {
     own_rows_state& st = own_rows();
     const int tiles = base::scheduler(g).num_tiles();
     st.fills = 0;
-    st.pending = -1;
+    st.head = 0;
+    st.kept = 0;
     st.reading = false;
     st.total = (tiles - info.index + info.compute_blocks - 1) / info.compute_blocks *
                base::k_iters(g);
@@ -121,7 +133,7 @@ struct kernel_def : matmul::kernel_def<C> {
                                 int k) {
     own_rows_state& st = own_rows();
     const int fill = st.fills++;
-    if (st.reading) {  // an earlier fill's store to x_full has read its stage (NOTES below)
+    if (st.reading) {  // the store issued last fill has read its stage, which may be this one
       tma::store_wait_read<0>();
       st.reading = false;
     }
@@ -146,35 +158,39 @@ struct kernel_def : matmul::kernel_def<C> {
     for (int p = 0; p < base::b_tile::PANELS; ++p) {
       tma::load_2d(s.b.panel(p), &g.w, full, t.n * BN + p * 64, k * BK);
     }
-    const bool last = fill + 1 == st.total;
-    bool keep = mine && t.n == 0;  // my rows of x_full: this fill's A tile, stored next fill
-    for (;;) {  // one round, or two on the last fill (the pending tile, then this one)
-      if (st.pending >= 0) store_pending(g, st, &s - fill % C::STAGES, full - fill % C::STAGES);
-      if (!keep) break;
-      st.pending = fill;
-      st.row = t.m * BM;
-      st.col = k * BK;
-      if (!last) break;
-      keep = false;
+    if (mine && t.n == 0) {  // my rows of x_full: this fill's A tile, stored STORE_LAG fills on
+      int i = st.head + st.kept++;
+      if (i >= KEPT) i -= KEPT;
+      st.fill[i] = fill;
+      st.row[i] = t.m * BM;
+      st.col[i] = k * BK;
     }
-    if (last) tma::store_wait<0>();  // my stores complete before I return
-  }
-
-  /** @brief x_full <- the A tile of fill st.pending, once landed (stages[0], fulls[0]: lcsc's). */
-  __device__ static void store_pending(const globals& g, own_rows_state& st, stage_t* stages,
-                                       mbarrier* fulls) {
-    const int f = st.pending, i = f % C::STAGES;
-    mbar_wait(&fulls[i], (f / C::STAGES) & 1);  // lcsc's phase of fill f (its stage's latest)
-    tma::fence_smem_to_async();
-    tma::store_2d(&g.x, stages[i].a.data, st.col, st.row);
-    tma::store_commit();
-    st.pending = -1;
-    st.reading = true;
+    const bool last = fill + 1 == st.total;
+    if (st.kept > 0 && (last || fill - st.fill[st.head] >= STORE_LAG)) {
+      store_kept(g, st, &s - fill % C::STAGES, full - fill % C::STAGES);
+    }
+    if (last) {
+      while (st.kept > 0) store_kept(g, st, &s - fill % C::STAGES, full - fill % C::STAGES);
+      tma::store_wait<0>();  // my stores complete before I return
+    }
   }
 
   __device__ static void storer(const globals& g, acc_t& acc, out_t& out, int c, tile_coord t,
                                 const lcsc::storer_sync& sync) {
     base::storer(g, acc, out, c, place(g, t), sync);
+  }
+
+  /** @brief x_full <- the oldest kept A tile, once landed (stages[0], fulls[0]: lcsc's). */
+  __device__ static void store_kept(const globals& g, own_rows_state& st, stage_t* stages,
+                                    mbarrier* fulls) {
+    const int h = st.head, f = st.fill[h], i = f % C::STAGES;
+    mbar_wait(&fulls[i], (f / C::STAGES) & 1);  // lcsc's phase of fill f (its stage's latest)
+    tma::fence_smem_to_async();
+    tma::store_2d(&g.x, stages[i].a.data, st.col[h], st.row[h]);
+    tma::store_commit();
+    st.reading = true;
+    st.head = h + 1 == KEPT ? 0 : h + 1;
+    --st.kept;
   }
 
   /** @brief One block of the gather: thread 0 moves the data with bulk copies (see above). */
