@@ -49,9 +49,10 @@
  * every kept tile, and the loader waits for its stores to complete before it returns.
  *
  * The loader's own work per k step is on the pipeline's critical path (3 stages of 128x256
- * tiles): the tile order's rotation and "own" are a few compares against values the host
- * computed. Computing both from rank and Mp per k step (a remainder, 64-bit products) cost 18%
- * of the kernel at 8192^3 (ncu, run 18 of 2026-12-01).
+ * tiles): it issues the B panels first (they need neither the placement nor the store check),
+ * the tile order's rotation and "own" are a few compares against values the host computed,
+ * and the bookkeeping comes after the loads. Computing both from rank and Mp per k step before
+ * any load (a remainder, 64-bit products) cost 18% of the kernel at 8192^3 (ncu, 2026-12-01).
  *
  * Pitfalls: bulk copies and TMA loads are the async proxy, the signals the generic proxy, so
  * the copying thread and the loader fence.proxy.async.global around the release/acquire.
@@ -131,8 +132,12 @@ struct kernel_def : matmul::kernel_def<C> {
 
   __device__ static void loader(const globals& g, stage_t& s, mbarrier* full, tile_coord t,
                                 int k) {
+    // B first: it needs neither the placement nor the store check (stores read A tiles only).
+#pragma unroll
+    for (int p = 0; p < base::b_tile::PANELS; ++p) {
+      tma::load_2d(s.b.panel(p), &g.w, full, t.n * BN + p * 64, k * BK);
+    }
     own_rows_state& st = own_rows();
-    const int fill = st.fills++;
     if (st.reading) {  // the store issued last fill has read its stage, which may be this one
       tma::store_wait_read<0>();
       st.reading = false;
@@ -154,10 +159,7 @@ struct kernel_def : matmul::kernel_def<C> {
       }
       tma::load_2d(s.a.data, &g.x, full, k * BK, t.m * BM);
     }
-#pragma unroll
-    for (int p = 0; p < base::b_tile::PANELS; ++p) {
-      tma::load_2d(s.b.panel(p), &g.w, full, t.n * BN + p * 64, k * BK);
-    }
+    const int fill = st.fills++;
     if (mine && t.n == 0) {  // my rows of x_full: this fill's A tile, stored STORE_LAG fills on
       int i = st.head + st.kept++;
       if (i >= KEPT) i -= KEPT;
