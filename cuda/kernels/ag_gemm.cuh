@@ -17,10 +17,10 @@
  *       only), signal staged[cb][r] on every peer  other block j: wait flag[j] >= e, then
  *     for row blocks j = m_end, m_end + 1, ...       TMA A from x_full
  *       (u-th block to comm block u % C):          storer: y tiles (TMA store), as matmul
- *       skip j if it is an own block; rows of     loader, own block, tile column n: the A
- *       owner o != r: wait staged[*][o] >= e,       tiles of k steps k = n (mod tiles_n) also
- *       x_full rows <- ws_o; my own rows: x_full    go to x_full (TMA store from the stage,
- *       rows <- x (bulk copies); flag[j] = e        see "Own rows of x_full")
+ *       skip j if it is an own block; rows of     loader, own block, tile column 0: the A
+ *       owner o != r: wait staged[*][o] >= e,       tile of every k step also goes to x_full
+ *       x_full rows <- ws_o; my own rows: x_full    (TMA store from the stage, see "Own
+ *       rows <- x (bulk copies); flag[j] = e        rows of x_full")
  *     barrier 2 with peers' block cb
  *
  * Signal protocol (e = this call's epoch, pk/tp.cuh): barrier 0 (slot bar_row(0, cb) + r on
@@ -39,11 +39,9 @@
  * another owner come straight from x (never through ws_r).
  *
  * Own rows of x_full: the compute blocks already load every own row block's A tiles from x
- * into their stages; the loader of tile (m, n) stores those of the k steps with k = n (mod
- * tiles_n) from the stage to x_full with a TMA store (each A tile of an own row block exactly
- * once), so my rows cost one HBM write and no comm SM time. Spreading the stores over the tile
- * columns, instead of all of them on column 0, spreads their cost over every block instead of
- * lengthening the few that ran column 0 (ncu, 8192^3). A kept tile is stored STORE_LAG = 2 fills after its load, after that fill's own loads:
+ * into their stages; the loader stores those of tile column 0 (each own row block exactly once,
+ * all k) from the stage to x_full with a TMA store, so my rows cost one HBM write and no comm
+ * SM time. A kept tile is stored STORE_LAG = 2 fills after its load, after that fill's own loads:
  * by then the consumers are working on it (the loader runs STAGES fills ahead of them, and
  * STAGES >= 3), so the wait on its full barrier returns at once, and its stage is refilled only
  * at the next fill, which first waits until the store has read it. A lag of one fill made the
@@ -162,7 +160,7 @@ struct kernel_def : matmul::kernel_def<C> {
       tma::load_2d(s.a.data, &g.x, full, k * BK, t.m * BM);
     }
     const int fill = st.fills++;
-    if (mine && k % ceil_div(g.n, BN) == t.n) {  // my rows of x_full: stored STORE_LAG fills on
+    if (mine && t.n == 0) {  // my rows of x_full: this fill's A tile, stored STORE_LAG fills on
       int i = st.head + st.kept++;
       if (i >= KEPT) i -= KEPT;
       st.fill[i] = fill;
