@@ -31,9 +31,11 @@ OPS = ("gemm_rs", "ag_gemm", "gemm_ar")
 
 
 # The P = 1 rows whose fused kernels are the ones the model costs at P = 1: gemm_rs / gemm_ar
-# store their tiles straight into y (2835c57) and ag_gemm's loader writes its own rows of x_full
-# (7d55981) since 2026-12-01 13:19 UTC; earlier rows ran the full protocol at P = 1.
-P1_ROWS_SINCE = "2026-12-01T13:19"
+# store their tiles straight into y (2835c57) since 2026-12-01 13:19 UTC (earlier rows ran the
+# full protocol at P = 1); ag_gemm's loader got off the critical path at 8bd4fa8 (its rows since
+# 21:30 UTC; FUSED_EFFICIENCY["ag_gemm"] is that kernel's).
+P1_ROWS_SINCE = {"gemm_rs": "2026-12-01T13:19", "ag_gemm": "2026-12-01T21:30",
+                 "gemm_ar": "2026-12-01T13:19"}
 # Below this predicted time a call is its per-call costs, which the model does not claim: at the
 # one such shape of bench_tp (4096 x 4096 x 512, predicted about 30 us) pk.matmul alone measured
 # 1.3-2.7x its prediction, in every mode alike.
@@ -42,7 +44,7 @@ P1_MIN_PREDICTED_US = 100.0
 
 def fused_p1_errors() -> list[tuple[str, dict, str, float, float]]:
     """(op, shape, commit, measured us, predicted us) of every P = 1 forced-fused row of
-    bench_tp on the H200 since P1_ROWS_SINCE with the model's fused prediction (the row's comm
+    bench_tp on the H200 since P1_ROWS_SINCE[op] with the model's fused prediction (the row's comm
     SMs) at P1_MIN_PREDICTED_US or more: nothing crosses ranks, so it is the model's error on
     the fused kernels alone."""
     out = []
@@ -51,7 +53,7 @@ def fused_p1_errors() -> list[tuple[str, dict, str, float, float]]:
         for line in path.read_text().splitlines() if path.exists() else []:
             r = json.loads(line)
             if (r.get("world") != 1 or r.get("emulated") or "fused_median_us" not in r
-                    or "H200" not in r.get("gpu", "") or r["date"] < P1_ROWS_SINCE):
+                    or "H200" not in r.get("gpu", "") or r["date"] < P1_ROWS_SINCE[op]):
                 continue
             s = r["shape"]
             pred = cost_model.predict(op, s["m"], s["n"], s["k"], 1, mode="fused",
