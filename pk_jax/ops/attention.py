@@ -95,6 +95,14 @@ def kernel_supports(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
             and not any(_split(x) for x in (q, k, v)))
 
 
+def p1_path(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str) -> str:
+    """How ring and Ulysses attention run over a 1-device axis, where the rank holds the whole
+    sequence and every head: "local" (this module's kernels on q, k, v as given, forward and
+    backward) where they take the operands, else "reference"."""
+    route = _backend.route(NAME, axis_name, supported=kernel_supports(q, k, v))
+    return "local" if route.path == "kernel" else "reference"
+
+
 def _forward_call(q, k, v, scale, causal):
     b, s, h, _ = q.shape
     o, lse = _ffi.call("pk_attention", [jax.ShapeDtypeStruct(q.shape, q.dtype),

@@ -146,9 +146,7 @@ def forward_path(q: jax.Array, k: jax.Array, v: jax.Array, p: int, axis_name: st
     FUSED_BACKWARD, pk_ring_attn_bwd) or "reference" (the jax.lax ring; also wherever those
     kernels do not take the operands)."""
     if p == 1:
-        route = _backend.route(_attention_op.NAME, axis_name,
-                               supported=_attention_op.kernel_supports(q, k, v))
-        return "local" if route.path == "kernel" else "reference"
+        return _attention_op.p1_path(q, k, v, axis_name)
     route = _backend.route(STEM, axis_name, supported=kernel_supports(q, k, p))
     return "fused" if route.path == "kernel" else "reference"
 

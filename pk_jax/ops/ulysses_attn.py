@@ -125,9 +125,7 @@ def forward_path(q: jax.Array, k: jax.Array, v: jax.Array, p: int, axis_name: st
     (pk_ulysses_attn, only with PK_JAX_ULYSSES_FUSED=1 and where it takes the operands; it
     measured slower) or "reference"."""
     if p == 1:
-        route = _backend.route(_attention_op.NAME, axis_name,
-                               supported=_attention_op.kernel_supports(q, k, v))
-        return "local" if route.path == "kernel" else "reference"
+        return _attention_op.p1_path(q, k, v, axis_name)
     if (state.settings().ulysses_fused == "1" and _backend.route(
             STEM, axis_name, supported=kernel_supports(q, p)).path == "kernel"):
         return "fused"
