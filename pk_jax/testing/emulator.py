@@ -299,14 +299,32 @@ class World:
             self.mappings.append(mapping)
             vmm.memset_d8(mapping.ptr, 0, mapping.size)
         self.record = vmm.HostRecord(errors.RECORD_BYTES)
+        self._register(self.workspace_bytes)
+        self.ranks = [DeviceBuffer.from_array(np.array([r], np.int32)) for r in range(self.world)]
+
+    def _register(self, workspace_bytes: int) -> None:
         ptrs = [m.ptr for m in self.mappings]
         for r in range(self.world):
             self._ffi.comm_register(self.comm_base + r, self.device, r, self.world, ptrs,
                                     [p + self.signal_offset for p in ptrs],
-                                    self.workspace_bytes, self.signal_count,
+                                    workspace_bytes, self.signal_count,
                                     int(self.timeout_s * 1e9), self.record.device_ptr)
             self.registered.append(self.comm_base + r)
-            self.ranks.append(DeviceBuffer.from_array(np.array([r], np.int32)))
+
+    def limit_workspace(self, nbytes: int | None) -> None:
+        """Re-registers every rank declaring only `nbytes` of its workspace (None: all of it),
+        over the same memory and signal pads: calls that need more are refused by the
+        launchers' workspace checks. Call between calls (after `synchronize`)."""
+        nbytes = self.workspace_bytes if nbytes is None else int(nbytes)
+        if not 0 <= nbytes <= self.workspace_bytes:
+            raise ValueError(f"World.limit_workspace: nbytes must be in 0..{self.workspace_bytes},"
+                             f" got {nbytes}.")
+        for cid in self.registered:
+            self._ffi.comm_unregister(cid, self.device)
+        self.registered = []
+        self._register(nbytes)
+        if self.link_gbps:
+            self.set_link(self.link_gbps)
 
     def set_link(self, gbps: float | None) -> None:
         """Caps every rank's cross-rank traffic at `gbps` GB/s (None or 0: unthrottled).

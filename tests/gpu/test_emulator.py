@@ -122,6 +122,46 @@ def test_unequal_partitions(worlds):
         assert _run(w, [emu_cases.case(op, 4, rng) for _ in range(20)], rng) == []
 
 
+def test_a_refused_call_leaves_every_pad_as_it_was():
+    """Every launcher runs all its checks before its first kernel (the epoch kernel). So a call
+    refused on every rank, here at the workspace check, leaves every signal pad byte for byte
+    as it was, and the next calls are exact. A check after the epoch kernel would bump the
+    epoch of whichever ranks reached it: when a rank-dependent check refused the call on
+    some ranks before the epoch kernel and on the others after it, no kernel would run, nothing
+    would time out, and the ranks would stay out of step for every later call."""
+    from pk_jax.runtime import vmm
+    from pk_jax.testing import World
+
+    rng = np.random.default_rng(17)
+    w = World(4, workspace_bytes=256 << 20, timeout_s=10.0)
+
+    def pads() -> list[bytes]:
+        w.synchronize()
+        return [vmm.copy_to_host(w.signal_ptr(r), w.signal_count * 8) for r in range(4)]
+
+    def any_case(op):
+        return emu_cases.fused_case(4, rng) if op == "moe_dispatch_gemm" else \
+            emu_cases.case(op, 4, rng)
+
+    try:
+        for op in ops.OPS + ops.MOE + ops.FUSED_MOE + ops.ATTENTION:
+            assert _run(w, [any_case(op)], rng) == [], op  # epochs already past zero
+            before = pads()
+            c = ops.Call(w, any_case(op))
+            try:
+                w.limit_workspace(16)
+                for r in range(4):
+                    with pytest.raises(ValueError, match="symmetric workspace"):
+                        w.launch(op, r, c.args[r])
+            finally:
+                w.limit_workspace(None)
+                c.free()
+            assert pads() == before, f"{op}: a refused call changed a signal pad"
+            assert _run(w, [any_case(op) for _ in range(3)], rng) == [], op
+    finally:
+        w.close()
+
+
 def test_ag_gemm_comm_blocks_resident_when_sms_are_held(worlds):
     """Another kernel holds 12 of rank 0's 16 SMs for longer than the timeout while ag_gemm
     runs: its communication blocks come first in the grid, so they are resident and the call
