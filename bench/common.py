@@ -29,18 +29,34 @@ RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 def time_us(fn: Callable, arg_sets: Sequence[tuple], *, iters: int = 20, reps: int = 7,
             warmup: int = 3) -> float:
     """Median microseconds per call of `fn` over `reps` batches of `iters` back-to-back calls."""
+    return time_us_interleaved({"fn": fn}, arg_sets, iters=iters, reps=reps, warmup=warmup)["fn"][0]
+
+
+def time_us_interleaved(fns: dict[str, Callable], arg_sets: Sequence[tuple], *, iters: int = 20,
+                        reps: int = 7, warmup: int = 3) -> dict[str, tuple[float, float]]:
+    """Like time_us for several functions, their batches taken in turn (rep 1 of each, then rep
+    2, ...), so clock and power drift fall on all of them alike. Returns name -> (median
+    microseconds per call, median microseconds the host took to issue a call). Where the
+    second is close to the first, the host, not the GPU, sets the pace."""
     arg_sets = list(arg_sets)
-    for i in range(warmup):
-        jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
-    samples = []
+    for fn in fns.values():
+        for i in range(warmup):
+            jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
+    wall: dict[str, list[float]] = {name: [] for name in fns}
+    issue: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(reps):
-        out = None
-        start = time.perf_counter()
-        for i in range(iters):
-            out = fn(*arg_sets[i % len(arg_sets)])
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - start) / iters * 1e6)
-    return statistics.median(samples)
+        for name, fn in fns.items():
+            out = None
+            start = time.perf_counter()
+            for i in range(iters):
+                out = fn(*arg_sets[i % len(arg_sets)])
+            issued = time.perf_counter()
+            jax.block_until_ready(out)
+            end = time.perf_counter()
+            wall[name].append((end - start) / iters * 1e6)
+            issue[name].append((issued - start) / iters * 1e6)
+    return {name: (statistics.median(wall[name]), statistics.median(issue[name]))
+            for name in fns}
 
 
 def gpu_name() -> str:
