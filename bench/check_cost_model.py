@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import statistics
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -65,9 +66,15 @@ def fused_p1_errors() -> list[tuple[str, dict, str, float, float]]:
 
 
 def fused_margin() -> float:
-    """The largest |measured / predicted - 1| of fused_p1_errors: the margin by which "auto"
-    wants fused predicted faster than serial (cost_model.FUSED_MARGIN)."""
-    return max(abs(meas / pred - 1) for *_, meas, pred in fused_p1_errors())
+    """The margin by which "auto" wants fused predicted faster than serial
+    (cost_model.FUSED_MARGIN): the largest |measured / predicted - 1| over the shapes of
+    fused_p1_errors, each shape's measured time the median of its runs. A single run moves a
+    shape by up to 8% (ag_gemm 4096^3 measured 0.043, 0.079 and 0.124 over its prediction in
+    three runs of one kernel), and the margin bounds the model's error, not one run's noise."""
+    runs: dict[tuple, list[float]] = {}
+    for op, s, _, meas, pred in fused_p1_errors():
+        runs.setdefault((op, s["m"], s["n"], s["k"], pred), []).append(meas)
+    return max(abs(statistics.median(meas) / key[-1] - 1) for key, meas in runs.items())
 
 
 def link_kind(r: dict) -> str:
