@@ -2,9 +2,9 @@
 # Every GPU test and benchmark, on the H200 machine: tests/gpu/run_all.sh [section ...]
 # Sections: install sass unit runtime collectives collectives_mp tp tp_mp grouped attention
 # emulator moe moe_fused moe_mp ring ulysses ulysses_bwd sanitize examples users bench link state
-# (default: all but moe_fused, moe_mp, ulysses_bwd, bench and link). The P = 1 sections (install
-# unit collectives tp examples) may run side by side in separate invocations; the multi-process
-# ones and bench want the GPU alone.
+# hazards (default: all but moe_fused, moe_mp, ulysses_bwd, bench, link and hazards). The P = 1
+# sections (install unit collectives tp examples) may run side by side in separate invocations;
+# the multi-process ones and bench want the GPU alone.
 # Prints one PASSED/FAILED line per step and a summary; exits non-zero if any step failed.
 # Each pytest step is its own process: a kernel that times out traps, and a trapped CUDA
 # context is unusable for the rest of that process.
@@ -276,6 +276,25 @@ section_sanitize() {
     -k 'backward and 2' > $log/attention.log 2>&1; rc=\$?; tail -5 $log/attention.log;
     ! grep -E 'Invalid (__global__|__shared__|__local__)|Out of bounds|Misaligned' \
     $log/attention.log && [ \$rc = 0 ]"
+}
+
+# Each hazard test of issue 10 fails on the extension built with its fix reverted
+# (tests/gpu/hazards/*.patch, built by tests/gpu/hazards/build.sh into build/hazards/, carried
+# here), then passes on the tree's own extension. Not in the default sections.
+section_hazards() {
+  local so=pk_jax/_pk_ffi.abi3.so keep=build/hazards/tree.so
+  ls build/hazards/*.so.gz > /dev/null || { failed+=("hazards: no build/hazards/*.so.gz"); return; }
+  cp "$so" "$keep"
+  for patch in tests/gpu/hazards/*.patch; do
+    local name test
+    name=$(basename "$patch" .patch)
+    test=$(sed -n 's/^Test that must fail with this patch applied: //p' "$patch")
+    gunzip -c "build/hazards/$name.so.gz" > "$so"
+    # pytest's status 1: the test ran and failed (not an import or collection error)
+    step bash -c "$PY -m pytest -q -p no:cacheprovider -m gpu '$test'; [ \$? = 1 ]"
+    cp "$keep" "$so"
+    step "$PY" -m pytest -q -p no:cacheprovider -m gpu "$test"
+  done
 }
 
 # Benchmarks (correctness first, XLA baseline in the same run); JSON lines in bench/results/.
