@@ -6,8 +6,9 @@
 # touches. Each patch is applied to the working tree and reverted right after its build (also
 # on failure or Ctrl-C); cuda/ and ffi/ must have no uncommitted changes.
 set -eu
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../../.."
 PY=${PYTHON:-$PWD/.venv/bin/python}
+export PATH="$PWD/.venv/bin:$PATH"  # cmake and ninja from the dev environment
 BUILD=build/hazards/cmake
 OUT=build/hazards
 if ! git diff --quiet -- cuda ffi; then
