@@ -103,7 +103,7 @@ FUSED_EFFICIENCY = {"gemm_rs": 0.95, "ag_gemm": 0.86, "gemm_ar": 0.96}
 # rows since the kernels the model costs at P = 1 landed on 2026-12-01, those predicted at 100
 # us or more: 65 rows, 15 shapes, 3-5 runs each), each shape's measured time the median of its
 # runs (one run moves a shape by up to 8%). It is 0.081 (gemm_ar at 8192 x 8192 x 1024, measured
-# 8% slower than predicted; the largest single row is 0.124, ag_gemm 4096^3 in one run);
+# 7-10% slower than predicted; the largest single row is 0.124, ag_gemm 4096^3 in one run);
 # `python bench/check_cost_model.py` recomputes it (fused_margin) and tests/test_cost_model.py
 # checks the constant against it. None of the rank emulator's fused-vs-serial cases it is
 # judged on went into it.
