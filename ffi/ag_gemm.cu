@@ -27,10 +27,11 @@ Status LaunchAgGemm(const Where& at, const GemmArgs& a, const CommView& v) {
     // path in Python for these shapes (pk_jax/ops/ag_gemm.py never sends them here).
     return Status::Invalid(std::string("pk.") + op + ": K and N must be positive.");
   }
-  const int64_t tiles_m = (m + 127) / 128;
+  constexpr int64_t kRows = pk::ag_gemm::BLOCK_ROWS;  // a row block (the kernel's BM)
+  const int64_t tiles_m = (m + kRows - 1) / kRows;
   if (static_cast<uint64_t>(tiles_m) > pk::tp::MAX_FLAGS) {
     return Status::Invalid(std::string("pk.") + op + ": M must be at most " +
-                           std::to_string(pk::tp::MAX_FLAGS * 128) + " rows.");
+                           std::to_string(pk::tp::MAX_FLAGS * kRows) + " rows.");
   }
   // NOTES: comm blocks pair up across ranks, so their number is the call's attribute and is
   // never clipped by the local SM count; the compute grid adapts to the SMs (lcsc::launch).
@@ -58,8 +59,8 @@ Status LaunchAgGemm(const Where& at, const GemmArgs& a, const CommView& v) {
     uint32_t box_rows, box_cols;
     CUtensorMap* out;
   } maps[] = {
-      {a.x_full, uint64_t(m), uint64_t(k), 128, 64, &g.x},
-      {a.x, uint64_t(mp), uint64_t(k), 128, 64, &g.xl},
+      {a.x_full, uint64_t(m), uint64_t(k), kRows, 64, &g.x},
+      {a.x, uint64_t(mp), uint64_t(k), kRows, 64, &g.xl},
       {a.w, uint64_t(k), uint64_t(n), 64, 64, &g.w},
       {a.y, uint64_t(m), uint64_t(n), 64, 64, &g.y},
   };
@@ -76,8 +77,8 @@ Status LaunchAgGemm(const Where& at, const GemmArgs& a, const CommView& v) {
   g.rows_per_rank = static_cast<int>(mp);
   // Block-rows [own_lo, own_hi) lie wholly in rows [first, first + mp) (the last one may be
   // partial only on the last rank); the tile order starts at own_lo (see ag_gemm.cuh).
-  const int64_t first = int64_t(c.rank) * mp, own_lo = (first + 127) / 128;
-  const int64_t own_hi = first + mp >= m ? tiles_m : (first + mp) / 128;
+  const int64_t first = int64_t(c.rank) * mp, own_lo = (first + kRows - 1) / kRows;
+  const int64_t own_hi = first + mp >= m ? tiles_m : (first + mp) / kRows;
   g.own_lo = static_cast<int>(own_lo);
   g.own_hi = static_cast<int>(own_hi > own_lo ? own_hi : own_lo);
   g.tiles_m = static_cast<int>(tiles_m);

@@ -73,6 +73,10 @@
 
 namespace pk::ag_gemm {
 
+/** @brief Rows of a row block (every configuration's BM): the host computes the placement
+ * below (tiles_m, row_shift, own_lo, own_hi) and the A maps' boxes in these units. */
+constexpr int BLOCK_ROWS = 128;
+
 /** @brief matmul's globals (x = x_full map, w, y) plus the local shard and the communicator. */
 struct globals : matmul::globals {
   CUtensorMap xl;     // x: dims {K, Mp}, box {64, BM}
@@ -92,6 +96,7 @@ struct kernel_def : matmul::kernel_def<C> {
   using globals = ag_gemm::globals;
   using typename base::acc_t, typename base::out_t, typename base::stage_t;
   static constexpr int BM = C::BM, BN = C::BN, BK = C::BK;
+  static_assert(BM == BLOCK_ROWS, "ag_gemm: the host places row blocks of BLOCK_ROWS rows");
   // Fills between a kept A tile's load and its store to x_full (see "Own rows of x_full").
   static constexpr int STORE_LAG = 2, KEPT = STORE_LAG + 1;  // KEPT: the most kept at a time
   static_assert(C::STAGES > STORE_LAG, "ag_gemm: a kept stage must outlive its store's lag");
