@@ -17,42 +17,38 @@
  *       only), signal staged[cb][r] on every peer  other block j: wait flag[j] >= e, then
  *     for row blocks j = m_end, m_end + 1, ...       TMA A from x_full
  *       (u-th block to comm block u % C):          storer: y tiles (TMA store), as matmul
- *       skip j if it is an own block; rows of     loader, own block, tile column 0: the A
- *       owner o != r: wait staged[*][o] >= e,       tile of every k step also goes to x_full
- *       x_full rows <- ws_o; my own rows: x_full    (TMA store from the stage, see "Own
- *       rows <- x (bulk copies); flag[j] = e        rows of x_full")
+ *       skip j if it is an own block; rows of
+ *       owner o != r: wait staged[*][o] >= e,
+ *       x_full rows <- ws_o; my own rows: x_full
+ *       rows <- x (bulk copies); flag[j] = e
+ *     my own blocks' rows of x_full <- x (the
+ *       cb-th 1/C, bulk copies; no flag)
  *     barrier 2 with peers' block cb
  *
  * Signal protocol (e = this call's epoch, pk/tp.cuh): barrier 0 (slot bar_row(0, cb) + r on
  * every peer) proves every peer's earlier kernels are over, so none still reads my workspace
  * when I restage it; staged: comm block cb of rank s raises bar_row(1, cb) + s on every peer
  * after its share of x_s is in ws_s; flag[j] (slot FLAGS + j, local pad) is raised to e by the
- * comm block that wrote row block j of x_full (own blocks have none: the loaders write them and
- * no compute block waits for them); barrier 2 keeps my kernel alive until every
- * peer has pulled what it needs from my workspace.
+ * comm block that wrote row block j of x_full (own blocks have none: no compute block waits for
+ * them); barrier 2 keeps my kernel alive until every peer has pulled what it needs from my
+ * workspace.
  *
  * Data movement: one thread of each comm block moves whole rows with bulk copies (global ->
  * shared -> global through pk/comm_ops.cuh's bulk_ring in the block's otherwise unused shared
  * memory), four 32 KiB stages in flight, instead of 16-byte loads and stores by every thread.
- * Per call: Mp K staged into ws_r for the peers (skipped at P = 1, where nobody reads it) and
- * the rows of x_full outside my own row blocks (none at P = 1); my rows of a block shared with
- * another owner come straight from x (never through ws_r).
+ * Per call: Mp K staged into ws_r for the peers (skipped at P = 1, where nobody reads it), the
+ * rows of x_full outside my own row blocks (none at P = 1), then my own row blocks' rows (all of
+ * x at P = 1); my rows come straight from x (never through ws_r).
  *
- * Own rows of x_full: the compute blocks already load every own row block's A tiles from x
- * into their stages; the loader stores those of tile column 0 (each own row block exactly once,
- * all k) from the stage to x_full with a TMA store, so my rows cost one HBM write and no comm
- * SM time. A kept tile is stored STORE_LAG = 2 fills after its load, after that fill's own loads:
- * by then the consumers are working on it (the loader runs STAGES fills ahead of them, and
- * STAGES >= 3), so the wait on its full barrier returns at once, and its stage is refilled only
- * at the next fill, which first waits until the store has read it. A lag of one fill made the
- * loader wait for each landing (8% of the kernel at 8192^3, ncu). The block's last fill stores
- * every kept tile, and the loader waits for its stores to complete before it returns.
- *
- * The loader's own work per k step is on the pipeline's critical path (3 stages of 128x256
- * tiles): it issues the B panels first (they need neither the placement nor the store check),
- * the tile order's rotation and "own" are a few compares against values the host computed,
- * and the bookkeeping comes after the loads. Computing both from rank and Mp per k step before
- * any load (a remainder, 64-bit products) cost 18% of the kernel at 8192^3 (ncu, 2026-12-01).
+ * Own rows of x_full: the comm blocks copy them after every row block the compute blocks wait
+ * for, so the copy is off the GEMM's critical path and costs an HBM read and write of my shard
+ * on the comm SMs (idle at P = 1). Until 2026-12-01 the loaders stored them instead, from the A
+ * tiles they had loaded (one HBM write, no comm SM time), but the store's bookkeeping and its
+ * waits sat in the loader, whose work per k step is on the pipeline's critical path (3 stages of
+ * 128x256 tiles): about 9% of the kernel at 8192^3 (ncu). The loader issues the B panels first
+ * (they need neither the placement nor the flag wait); the tile order's rotation and "own" are
+ * a few compares against values the host computed (computing them from rank and Mp per k step,
+ * a remainder and 64-bit products, cost 18% of the kernel at 8192^3, ncu).
  *
  * Pitfalls: bulk copies and TMA loads are the async proxy, the signals the generic proxy, so
  * the copying thread and the loader fence.proxy.async.global around the release/acquire.
@@ -63,8 +59,7 @@
  * every rank: it is an attribute of the call, not derived from the local SM count; the compute
  * grid may differ between ranks. The staging buffer takes Mp K sizeof(T) bytes of workspace.
  * The loader runs with PRODUCER_REGS = 40 registers (the consumers' setmaxnreg needs every
- * register it frees): its x_full bookkeeping lives in shared memory and has one call site of
- * the store; a version storing from per-stage arrays at the stage's refill spilled (ptxas).
+ * register it frees): moving the rotation into the tile scheduler spilled it (ptxas).
  */
 #pragma once
 
@@ -97,9 +92,6 @@ struct kernel_def : matmul::kernel_def<C> {
   using typename base::acc_t, typename base::out_t, typename base::stage_t;
   static constexpr int BM = C::BM, BN = C::BN, BK = C::BK;
   static_assert(BM == BLOCK_ROWS, "ag_gemm: the host places row blocks of BLOCK_ROWS rows");
-  // Fills between a kept A tile's load and its store to x_full (see "Own rows of x_full").
-  static constexpr int STORE_LAG = 2, KEPT = STORE_LAG + 1;  // KEPT: the most kept at a time
-  static_assert(C::STAGES > STORE_LAG, "ag_gemm: a kept stage must outlive its store's lag");
 
   __device__ static bool own(const globals& g, int m) { return m >= g.own_lo && m < g.own_hi; }
   /** @brief Rotates the tile order's block-rows to start at mine (row_shift from the host). */
@@ -108,96 +100,38 @@ struct kernel_def : matmul::kernel_def<C> {
     if (t.m >= g.tiles_m) t.m -= g.tiles_m;
     return t;
   }
-  /** @brief The loader's fills and its kept A tiles (see "Own rows of x_full"). */
-  struct own_rows_state {
-    int fills;  // loader calls of this block so far
-    int total;  // loader calls of this block in all
-    int head;   // oldest kept tile not yet stored (a ring of KEPT) ...
-    int kept;   // ... and how many there are
-    int fill[KEPT], row[KEPT], col[KEPT];  // their fills and x_full boxes
-    bool reading;  // a store issued since the last wait may still read its stage
-  };
-  __device__ static own_rows_state& own_rows() {
-    __shared__ own_rows_state st;  // used by the loader thread only (which also runs setup)
-    return st;
-  }
-
-  __device__ static void setup(const globals& g, lcsc::block_info info) {
+  __device__ static void setup(const globals& g, lcsc::block_info) {
     const CUtensorMap* maps[] = {&g.x, &g.xl, &g.w, &g.y};
     for (const CUtensorMap* m : maps) tma::prefetch(m);
-    own_rows_state& st = own_rows();
-    const int tiles = base::scheduler(g).num_tiles();
-    st.fills = 0;
-    st.head = 0;
-    st.kept = 0;
-    st.reading = false;
-    st.total = (tiles - info.index + info.compute_blocks - 1) / info.compute_blocks *
-               base::k_iters(g);
   }
 
   __device__ static void loader(const globals& g, stage_t& s, mbarrier* full, tile_coord t,
                                 int k) {
-    // B first: it needs neither the placement nor the store check (stores read A tiles only).
+    // B first: it needs neither the placement nor the flag wait.
 #pragma unroll
     for (int p = 0; p < base::b_tile::PANELS; ++p) {
       tma::load_2d(s.b.panel(p), &g.w, full, t.n * BN + p * 64, k * BK);
     }
-    own_rows_state& st = own_rows();
-    if (st.reading) {  // the store issued last fill has read its stage, which may be this one
-      tma::store_wait_read<0>();
-      st.reading = false;
-    }
     t = place(g, t);
-    const bool mine = own(g, t.m);
-    if (mine) {
+    if (own(g, t.m)) {
       tma::load_2d(s.a.data, &g.xl, full, k * BK, t.m * BM - g.c.rank * g.rows_per_rank);
-    } else {
-      if (k == 0) {
-        // NOTES: a flag stays down when a comm block waits for a missing peer; that block's
-        // timeout names the peer, so the flag wait allows 1/8 more before naming the row
-        // block's owner itself.
-        const int owner = static_cast<int>(int64_t(t.m) * BM / g.rows_per_rank);
-        wait(g.c.sig[g.c.rank] + tp::FLAGS + t.m, g.c.epoch(),
-             g.c.timeout_ns + g.c.timeout_ns / 8, g.c.fail(),
-             owner < g.c.world ? owner : g.c.world - 1);
-        fence_proxy_async_global();
-      }
-      tma::load_2d(s.a.data, &g.x, full, k * BK, t.m * BM);
+      return;
     }
-    const int fill = st.fills++;
-    if (mine && t.n == 0) {  // my rows of x_full: this fill's A tile, stored STORE_LAG fills on
-      int i = st.head + st.kept++;
-      if (i >= KEPT) i -= KEPT;
-      st.fill[i] = fill;
-      st.row[i] = t.m * BM;
-      st.col[i] = k * BK;
+    if (k == 0) {
+      // NOTES: a flag stays down when a comm block waits for a missing peer; that block's
+      // timeout names the peer, so the flag wait allows 1/8 more before naming the row
+      // block's owner itself.
+      const int owner = static_cast<int>(int64_t(t.m) * BM / g.rows_per_rank);
+      wait(g.c.sig[g.c.rank] + tp::FLAGS + t.m, g.c.epoch(), g.c.timeout_ns + g.c.timeout_ns / 8,
+           g.c.fail(), owner < g.c.world ? owner : g.c.world - 1);
+      fence_proxy_async_global();
     }
-    const bool last = fill + 1 == st.total;
-    if (st.kept > 0 && (last || fill - st.fill[st.head] >= STORE_LAG)) {
-      store_kept(g, st, &s - fill % C::STAGES, full - fill % C::STAGES);
-    }
-    if (last) {
-      while (st.kept > 0) store_kept(g, st, &s - fill % C::STAGES, full - fill % C::STAGES);
-      tma::store_wait<0>();  // my stores complete before I return
-    }
+    tma::load_2d(s.a.data, &g.x, full, k * BK, t.m * BM);
   }
 
   __device__ static void storer(const globals& g, acc_t& acc, out_t& out, int c, tile_coord t,
                                 const lcsc::storer_sync& sync) {
     base::storer(g, acc, out, c, place(g, t), sync);
-  }
-
-  /** @brief x_full <- the oldest kept A tile, once landed (stages[0], fulls[0]: lcsc's). */
-  __device__ static void store_kept(const globals& g, own_rows_state& st, stage_t* stages,
-                                    mbarrier* fulls) {
-    const int h = st.head, f = st.fill[h], i = f % C::STAGES;
-    mbar_wait(&fulls[i], (f / C::STAGES) & 1);  // lcsc's phase of fill f (its stage's latest)
-    tma::fence_smem_to_async();
-    tma::store_2d(&g.x, stages[i].a.data, st.col[h], st.row[h]);
-    tma::store_commit();
-    st.reading = true;
-    st.head = h + 1 == KEPT ? 0 : h + 1;
-    --st.kept;
   }
 
   /** @brief One block of the gather: thread 0 moves the data with bulk copies (see above). */
@@ -226,7 +160,7 @@ struct kernel_def : matmul::kernel_def<C> {
     uint32_t staged = 0;  // owners whose whole shard is staged (uniform across the block)
     for (int u = cb; u < tiles_m; u += nc) {
       const int j = (u + m_end) % tiles_m;
-      if (own(g, j)) continue;  // the compute blocks' loaders write it (uniform per block)
+      if (own(g, j)) continue;  // copied after the others (uniform per block)
       const int64_t lo = int64_t(j) * BM, hi = lo + BM < g.m ? lo + BM : g.m;
       const int o_lo = static_cast<int>(lo / mp), o_hi = static_cast<int>((hi - 1) / mp);
       for (int o = o_lo; o <= o_hi; ++o) {
@@ -251,6 +185,16 @@ struct kernel_def : matmul::kernel_def<C> {
         }
       }
       tp::publish(c, tp::FLAGS + j, e, /*local=*/true);  // flag[j]
+    }
+    if (lead && g.own_hi > g.own_lo) {  // my own block-rows of x_full, from x (nobody waits)
+      const int64_t first = int64_t(g.own_lo) * BM;
+      const int64_t last = int64_t(g.own_hi) * BM < g.m ? int64_t(g.own_hi) * BM : g.m;
+      const uint64_t units = uint64_t(last - first) * row_bytes / 16;
+      const uint64_t lo = units * cb / nc * 16, hi = units * (cb + 1) / nc * 16;
+      ring.link = link_throttle{};  // a local copy: not paced
+      bulk_copy(ring, static_cast<char*>(g.x_full) + first * row_bytes + lo,
+                static_cast<const char*>(g.x_local) + (first - int64_t(r) * mp) * row_bytes + lo,
+                hi - lo);
     }
     if (lead) fence_proxy_async_global();  // my bulk reads of peers' ws before the release
     c.barrier(2, cb, e);
