@@ -20,11 +20,13 @@ contraction length each device multiplies, N = output columns):
 - T_mem: the GEMM's HBM traffic (A, B once, C once) / HBM bandwidth.
 - T_comm: what crosses NVLink while the GEMM runs: gemm_rs and gemm_ar push (P-1)/P of the
   M x N partial product to its owners; ag_gemm's communication SMs copy M/P x K rows into the
-  workspace and the other ranks' (P-1) M/P x K rows into the gathered x, over NVLink: the
-  slower of that over NVLink and everything at num_comm_sms x the per-SM copy bandwidth (none
-  at P = 1). ag_gemm's own M/P x K rows of the gathered x are stored by the GEMM's loader
-  from its pipeline stages: one more HBM write in T_mem. ag_gemm's T_comm is also counted in
-  T_non_overlap: measured in the rank emulator, its fused kernel does not overlap it yet.
+  workspace (P > 1), the other ranks' (P-1) M/P x K rows into the gathered x over NVLink, and
+  last their own M/P x K rows from x (at P = 1 the whole gather): the slower of the NVLink part
+  and everything at num_comm_sms x the per-SM copy bandwidth. The own rows are also an HBM read
+  and write in T_mem. Few communication SMs make the copy the bottleneck (ncu at P = 1, 4096^3:
+  463 us with 2, 231 us with 8, pk.matmul 178 us), so num_comm_sms balances it against the
+  GEMM. At P > 1 ag_gemm's T_comm is also counted in T_non_overlap: measured in the rank
+  emulator, its fused kernel does not overlap it yet.
 - T_non_overlap: work before the first or after the last tile: gemm_rs zeroes its owner buffer
   and copies it out (3 M/P N bytes of HBM at the copy rate) plus the last wave's pushes;
   gemm_ar also gathers every owner's rows ((P-1)/P M N over NVLink, M N of HBM writes at the
@@ -85,15 +87,19 @@ class GPU:
 # copy-out. Checked on the H200 (bench/results/tp_notes.md, 2026-11-29, P = 1 with the full
 # protocol forced): fused gemm_rs took pk.matmul's time + 3 M N bytes at 3.3 TB/s within 4% at
 # all six shapes (at the data sheet's 4.8 TB/s it left 1-20% unexplained).
-H100 = GPU("H100", 132, 989.0, 0.66, 3350.0, 450.0, 40.0, 3.0, 3.0, 3300.0 * 3350.0 / 4800.0)
-H200 = GPU("H200", 132, 989.0, 0.69, 4800.0, 450.0, 40.0, 3.0, 3.0, 3300.0)
+# pull_gbps_per_sm: one communication SM's bulk-copy ring (pk/comm_ops.cuh), 34 GB/s written on
+# the H200: ag_gemm forced fused at P = 1, where the comm SMs copy all of x into x_full, took
+# 463 us with 2 of them at 4096 x 4096 (32 MiB) and 1.97 ms at 8192 x 8192 (128 MiB) (ncu,
+# 2026-12-02); the H100 is assumed the same.
+H100 = GPU("H100", 132, 989.0, 0.66, 3350.0, 450.0, 34.0, 3.0, 3.0, 3300.0 * 3350.0 / 4800.0)
+H200 = GPU("H200", 132, 989.0, 0.69, 4800.0, 450.0, 34.0, 3.0, 3.0, 3300.0)
 
 COMM_SMS_CANDIDATES = (2, 4, 8, 12, 16, 20, 24, 32)
 
 # The fused kernels' GEMM rate against pk.matmul's, forced fused at P = 1 where nothing crosses
 # ranks (bench/bench_tp.py --quick on the H200, geomean over its six shapes per op, 2026-12-01;
-# ag_gemm's at 8bd4fa8, 0.80 before): ag_gemm's loader also places its A tiles, stores its own
-# rows of x_full and waits on row-block flags, so it multiplies slower.
+# ag_gemm's at 8bd4fa8, 0.80 before): ag_gemm's loader also places its A tiles and waits on
+# row-block flags, so it multiplies slower.
 FUSED_EFFICIENCY = {"gemm_rs": 0.95, "ag_gemm": 0.86, "gemm_ar": 0.96}
 
 # "auto" picks fused only where fused's predicted time x (1 + FUSED_MARGIN) is below serial's
@@ -271,17 +277,17 @@ def predict(op: str, m: int, n: int, k: int, p: int, *, mode: str, num_comm_sms:
                 t["sync"] += gpu.barrier_us
         else:
             pull = max(c, 1) * gpu.pull_gbps_per_sm * 1e9
-            # my shard staged for the peers, then the peers' rows of the gather (P > 1)
-            moved = (mp + (p - 1) * mp) * k * itemsize if p > 1 else 0
+            # my shard staged for the peers (P > 1), the peers' rows of the gather, my own rows
+            moved = ((mp if p > 1 else 0) + (p - 1) * mp + mp) * k * itemsize
             t["comm"] = max((p - 1) * mp * k * itemsize / nvl, moved / pull) * us
-            t["mem"] += mp * k * itemsize / hbm * us  # my rows of x_full, from the stages
+            t["mem"] += 2 * mp * k * itemsize / hbm * us  # my rows of x_full: read x, write
             first_block = 128 * k * itemsize / (gpu.pull_gbps_per_sm * 1e9) if p > 1 else 0.0
             # NOTES: measured, not overlapped: in the rank emulator (bench/results/
             # emulated_notes.md, 12 cases at P = 2, 4, 8, link throttled and not) fused ag_gemm
             # took about its GEMM on the remaining SMs plus its gather, 1.3-1.8x serial in 10
             # of 12; the compute blocks wait on the row blocks' flags more than the overlap
             # saves. Until the kernel overlaps, the gather counts in full.
-            t["non_overlap"] = first_block * us + t["comm"]
+            t["non_overlap"] = first_block * us + t["comm"] if p > 1 else 0.0
             t["launch"] = 2 * gpu.launch_us
             t["sync"] = 3 * gpu.barrier_us if p > 1 else 0.0  # P = 1: barriers with myself
     else:
