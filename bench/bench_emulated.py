@@ -223,7 +223,7 @@ def model_plan(op: str, m: int, n: int, k: int, p: int, gpu: cost_model.GPU,
                      for c in (cands if md == "fused" and op == "ag_gemm" else [0])),
                     key=lambda pl: pl.predicted_us) for md in modes}
     if "fused" in best and "serial" in best:
-        return cost_model.auto_pick(best["fused"], best["serial"])
+        return cost_model.auto_pick(op, best["fused"], best["serial"])
     return min(best.values(), key=lambda pl: pl.predicted_us)
 
 

@@ -9,8 +9,8 @@ their commit picked; this recomputes it, so a model change can be judged on reco
 
 Prints one line per case and the summary: how often the model picks the faster mode, and
 whether every fused pick was faster. First it derives the margin "auto" needs before it picks
-fused (cost_model.FUSED_MARGIN) from data that are not these cases: the model's error on the
-fused kernels' time in the P = 1 rows of bench_tp on the H200 (`fused_margin`). Runs anywhere
+fused (cost_model.FUSED_MARGIN, per op) from data that are not these cases: the model's error on
+each fused kernel's time in the P = 1 rows of bench_tp on the H200 (`fused_margin`). Runs anywhere
 (no GPU).
 """
 
@@ -35,7 +35,7 @@ OPS = ("gemm_rs", "ag_gemm", "gemm_ar")
 # store their tiles straight into y (2835c57) since 2026-12-01 13:19 UTC (earlier rows ran the
 # full protocol at P = 1); ag_gemm's loader got off the critical path at 8bd4fa8 (its rows since
 # 21:30 UTC; FUSED_EFFICIENCY["ag_gemm"] is that kernel's).
-P1_ROWS_SINCE = {"gemm_rs": "2026-12-01T13:19", "ag_gemm": "2026-12-01T21:30",
+P1_ROWS_SINCE = {"gemm_rs": "2026-12-01T13:19", "ag_gemm": "2026-12-02T01:40",
                  "gemm_ar": "2026-12-01T13:19"}
 # Below this predicted time a call is its per-call costs, which the model does not claim: at the
 # one such shape of bench_tp (4096 x 4096 x 512, predicted about 30 us) pk.matmul alone measured
@@ -65,15 +65,16 @@ def fused_p1_errors() -> list[tuple[str, dict, str, float, float]]:
     return out
 
 
-def fused_margin() -> float:
-    """The margin by which "auto" wants fused predicted faster than serial
-    (cost_model.FUSED_MARGIN): the largest |measured / predicted - 1| over the shapes of
+def fused_margin(op: str) -> float:
+    """The margin by which "auto" wants op's fused predicted faster than serial
+    (cost_model.FUSED_MARGIN[op]): the largest |measured / predicted - 1| over op's shapes in
     fused_p1_errors, each shape's measured time the median of its runs. A single run moves a
     shape by up to 8% (ag_gemm 4096^3 measured 0.043, 0.079 and 0.124 over its prediction in
     three runs of one kernel), and the margin bounds the model's error, not one run's noise."""
     runs: dict[tuple, list[float]] = {}
-    for op, s, _, meas, pred in fused_p1_errors():
-        runs.setdefault((op, s["m"], s["n"], s["k"], pred), []).append(meas)
+    for o, s, _, meas, pred in fused_p1_errors():
+        if o == op:
+            runs.setdefault((s["m"], s["n"], s["k"], pred), []).append(meas)
     return max(abs(statistics.median(meas) / key[-1] - 1) for key, meas in runs.items())
 
 
@@ -124,8 +125,11 @@ def main() -> None:
     for op, s, commit, meas, pred in errs:
         print(f"P=1 fused {op:8s} {s['m']}x{s['n']}x{s['k']:<5d} ({commit}): measured "
               f"{meas:8.1f} us predicted {pred:8.1f} us: {meas / pred - 1:+.3f}")
-    print(f"the model's largest error on fused time at P = 1: {fused_margin():.3f} over "
-          f"{len(errs)} rows (cost_model.FUSED_MARGIN = {cost_model.FUSED_MARGIN})\n")
+    for op in OPS:
+        print(f"the model's largest error on {op}'s fused time at P = 1: {fused_margin(op):.3f} "
+              f"over {sum(e[0] == op for e in errs)} rows (cost_model.FUSED_MARGIN[{op!r}] = "
+              f"{cost_model.FUSED_MARGIN[op]})")
+    print()
     right = picks = bad_picks = total = 0
     for op in OPS:
         for (kind, p, m, n, k), r in sorted(latest_rows(op).items()):
