@@ -100,8 +100,9 @@ COMM_SMS_CANDIDATES = (2, 4, 8, 12, 16, 20, 24, 32)
 # The fused kernels' GEMM rate against pk.matmul's, forced fused at P = 1 where nothing crosses
 # ranks (bench/bench_tp.py --quick on the H200, geomean over its six shapes per op, 2026-12-01):
 # ag_gemm's loader also places its A tiles and waits on row-block flags, so it multiplies slower.
-# ag_gemm's is the one whose largest error over its shapes is smallest (41f466f, 2026-12-02:
-# 0.95-1.02x of pk.matmul at the four shapes of 1 ms or more, 0.65x at 4096^3).
+# ag_gemm's (since 2026-12-02, its comm SMs copying its own rows) is set where its shapes of
+# about 1 ms or more are predicted within 5% (41f466f: 0.95-1.02x of pk.matmul there; 4096^3,
+# where the copy outlasts the GEMM, is not a GEMM-rate question).
 FUSED_EFFICIENCY = {"gemm_rs": 0.95, "ag_gemm": 0.94, "gemm_ar": 0.96}
 
 # "auto" picks fused only where fused's predicted time x (1 + FUSED_MARGIN[op]) is below
@@ -111,7 +112,8 @@ FUSED_EFFICIENCY = {"gemm_rs": 0.95, "ag_gemm": 0.94, "gemm_ar": 0.96}
 # since the kernel the model costs at P = 1 landed, those predicted at 100 us or more), each
 # shape's measured time the median of its runs (one run moves a shape by up to 8%). gemm_ar's
 # largest is 8192 x 8192 x 1024 (measured 7-10% slower than predicted); ag_gemm's is 4096^3
-# (1.3x pk.matmul's time with a third of the copy of x to x_full still running, see tp_notes).
+# with 4 comm SMs (measured 22% over the prediction: the copy of x into x_full outlasts the
+# GEMM and runs slower than 34 GB/s per SM there; bench/results/tp_notes.md).
 # Per op since 2026-12-02: one op's outlier shape should not make "auto" shy of the others.
 # `python bench/check_cost_model.py` recomputes them (fused_margin) and tests/test_cost_model.py
 # checks the constants against it. None of the rank emulator's fused-vs-serial cases they are
@@ -289,7 +291,9 @@ def predict(op: str, m: int, n: int, k: int, p: int, *, mode: str, num_comm_sms:
             # emulated_notes.md, 12 cases at P = 2, 4, 8, link throttled and not) fused ag_gemm
             # took about its GEMM on the remaining SMs plus its gather, 1.3-1.8x serial in 10
             # of 12; the compute blocks wait on the row blocks' flags more than the overlap
-            # saves. Until the kernel overlaps, the gather counts in full.
+            # saves. Until the kernel overlaps, the gather counts in full. The kernel of
+            # 2026-12-02 (own rows on the comm SMs) overlaps part of it: throttled, 0.93-1.06x
+            # serial; counting the gather as fully overlapped picked worse on those rows.
             t["non_overlap"] = first_block * us + t["comm"] if p > 1 else 0.0
             t["launch"] = 2 * gpu.launch_us
             t["sync"] = 3 * gpu.barrier_us if p > 1 else 0.0  # P = 1: barriers with myself
