@@ -42,10 +42,12 @@
  *
  * Own rows of x_full: the comm blocks copy them after every row block the compute blocks wait
  * for, so the copy is off the GEMM's critical path and costs an HBM read and write of my shard
- * on the comm SMs (idle at P = 1). Until 2026-12-01 the loaders stored them instead, from the A
- * tiles they had loaded (one HBM write, no comm SM time), but the store's bookkeeping and its
- * waits sat in the loader, whose work per k step is on the pipeline's critical path (3 stages of
- * 128x256 tiles): about 9% of the kernel at 8192^3 (ncu). The loader issues the B panels first
+ * on the comm SMs (idle at P = 1). One SM's bulk ring copies about 34 GB/s, so at P = 1 (all
+ * of x) too few comm SMs make the copy outlast the GEMM: the cost model picks num_comm_sms.
+ * Until 2026-12-01 the loaders stored them instead, from the A tiles they had loaded (one HBM
+ * write, no comm SM time), but the store's bookkeeping and its waits sat in the loader, whose
+ * work per k step is on the pipeline's critical path (3 stages of 128x256 tiles): about 9% of
+ * the kernel at 8192^3 (ncu). The loader issues the B panels first
  * (they need neither the placement nor the flag wait); the tile order's rotation and "own" are
  * a few compares against values the host computed (computing them from rank and Mp per k step,
  * a remainder and 64-bit products, cost 18% of the kernel at 8192^3, ncu).
