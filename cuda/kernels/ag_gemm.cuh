@@ -47,10 +47,10 @@
  * Until 2026-12-01 the loaders stored them instead, from the A tiles they had loaded (one HBM
  * write, no comm SM time), but the store's bookkeeping and its waits sat in the loader, whose
  * work per k step is on the pipeline's critical path (3 stages of 128x256 tiles): about 9% of
- * the kernel at 8192^3 (ncu). The loader issues the B panels first
- * (they need neither the placement nor the flag wait); the tile order's rotation and "own" are
- * a few compares against values the host computed (computing them from rank and Mp per k step,
- * a remainder and 64-bit products, cost 18% of the kernel at 8192^3, ncu).
+ * the kernel at 8192^3 (ncu). The loader issues the B panels first (they need neither the
+ * placement nor the flag wait); the tile order's rotation and "own" are a few compares against
+ * values the host computed (computing them from rank and Mp per k step, a remainder and 64-bit
+ * products, cost 18% of the kernel at 8192^3, ncu).
  *
  * Pitfalls: bulk copies and TMA loads are the async proxy, the signals the generic proxy, so
  * the copying thread and the loader fence.proxy.async.global around the release/acquire.
