@@ -25,6 +25,8 @@ def case(op: str, p: int, rng: np.random.Generator, *, size: str = "small",
         return moe_case(op, p, rng, size=size, dtype=dtype, rank_valued=rank_valued)
     if op == "moe_gemm_combine":
         return gemm_combine_case(p, rng, size=size, dtype=dtype, rank_valued=rank_valued)
+    if op == "moe_dispatch_gemm":
+        return fused_case(p, rng, size=size, dtype=dtype)
     if op == "ulysses_attn":
         return ulysses_case(p, rng, dtype=dtype, size=size)
     if op in ops.ATTENTION:
@@ -160,13 +162,15 @@ def fused_case(p: int, rng: np.random.Generator, *, size: str = "small",
                dtype: str | None = None, t: int | None = None, capacity: str | None = None,
                skew: bool | None = None, num_comm_sms: int = 0) -> ops.Case:
     """A random exact case of moe_dispatch_gemm at world p: x in {-1, 0, 1}, w in {-1, 0, 1}
-    and H <= 256, so every product is an integer exact in bf16 and fp16."""
+    and H <= 256, so every product is an integer exact in bf16 and fp16. size "many": one
+    expert per rank and T k / E = 4096 slots of each source per expert (2 MiB of rows)."""
     big = size == "big"
-    t = t if t is not None else (int(rng.integers(1, 160)) if not big else 1024)
-    k = int(rng.choice([1, 2, 4, 8])) if not big else 8
-    num_experts = p * int(rng.integers(1, 9)) if not big else 32 * p
-    h = int(rng.choice([64, 128, 256])) if not big else 256
-    n = int(rng.choice([8, 64, 264, 512])) if not big else 512
+    many = size == "many"
+    t = t if t is not None else (1024 if big else 4096 if many else int(rng.integers(1, 160)))
+    k = 8 if big else p if many else int(rng.choice([1, 2, 4, 8]))
+    num_experts = 32 * p if big else p if many else p * int(rng.integers(1, 9))
+    h = 256 if big or many else int(rng.choice([64, 128, 256]))
+    n = 512 if big else 64 if many else int(rng.choice([8, 64, 264, 512]))
     dt = dtype or str(rng.choice(["bfloat16", "float16"]))
     skew = bool(rng.integers(0, 2)) if skew is None else skew
     ids = moe_ids(rng, p, t, k, num_experts, skew)

@@ -209,7 +209,8 @@ section_ring() {
 # (cuda/kernels/moe_gemm_combine.cuh) in the rank emulator at P = 2, 4, 8
 # (tests/gpu/test_emulator_moe_fused.py; PK_JAX_EMU_MOE_CALLS / 4 back-to-back calls per P and
 # op, 25 by default here), through JAX with PK_JAX_MOE_FUSED_SIZES processes sharing the GPU
-# (default 2; against the compositions), then bench_moe.py --quick (fused vs serial vs the
+# (default 2; against the compositions), compute-sanitizer memcheck and synccheck over one fused
+# dispatch + GEMM call at P = 2 and 4, then bench_moe.py --quick (fused vs serial vs the
 # reference's traffic + GEMM, emulated P = 8, DeepSeek-V3-like and Mixtral-like; rows into
 # bench/results/moe.jsonl). About 4 minutes.
 section_moe_fused() {
@@ -218,6 +219,15 @@ section_moe_fused() {
     -m gpu tests/gpu/test_emulator_moe_fused.py
   for n in ${PK_JAX_MOE_FUSED_SIZES:-2}; do  # through JAX, fused_kernels(True/False) inside
     PK_JAX_TIMEOUT_S=30 step launch "$n" --timeout 250 tests/gpu/moe_fused_mp.py
+  done
+  local log=${PK_JAX_LOG_DIR:-/tmp}/pk_jax_sanitize
+  mkdir -p "$log"
+  # P = 2 and 4 only: at P = 8 the sanitizer does not run the eight ranks' kernels at once (the
+  # waits time out, as gemm_rs's do; section sanitize)
+  for tool in memcheck synccheck; do
+    step bash -c "compute-sanitizer --tool $tool --print-limit 50 $PY tests/gpu/emu_short.py \
+      moe_dispatch_gemm 2,4 > $log/moe_fused_$tool.log 2>&1; tail -3 $log/moe_fused_$tool.log;
+      ! grep -E 'Invalid (__global__|__shared__|__local__)|Out of bounds|Misaligned|Barrier error|Error: process didn' $log/moe_fused_$tool.log && grep -q 'emu_short: OK' $log/moe_fused_$tool.log"
   done
   step "$PY" bench/bench_moe.py --quick
 }

@@ -109,6 +109,19 @@ def test_a_straggler(worlds, p):
     assert problems == [], problems[:5]
 
 
+@pytest.mark.parametrize("p", (2, 4, 8))
+def test_many_rows_per_expert(worlds, p):
+    """One expert per rank and 4096 slots of each source per expert: exact, tight capacity,
+    twice on poisoned outputs, with skew."""
+    rng = np.random.default_rng(700 + p)
+    w = worlds(p)
+    cases = [emu_cases.fused_case(p, rng, size="many", capacity=cap, skew=False,
+                                  num_comm_sms=m)
+             for cap, m in (("exact", 0), ("tight", 1), ("exact", 2))]
+    assert _run(w, cases, rng) == []
+    assert _run(w, cases[::-1], rng, poison=0x7F) == []
+
+
 def test_big_and_unequal_partitions(worlds):
     """T 1024, top-8 of 128 experts, H 256 -> N 512 on ranks of 48, 16, 32 and 16 SMs."""
     rng = np.random.default_rng(11)
