@@ -65,14 +65,15 @@ def fused_p1_errors() -> list[tuple[str, dict, str, float, float]]:
     return out
 
 
-def fused_margin(op: str) -> float:
+def fused_margin(op: str, errs: list | None = None) -> float:
     """The margin by which "auto" wants op's fused predicted faster than serial
     (cost_model.FUSED_MARGIN[op]): the largest |measured / predicted - 1| over op's shapes in
     fused_p1_errors, each shape's measured time the median of its runs. A single run moves a
     shape by up to 8% (ag_gemm 4096^3 measured 0.043, 0.079 and 0.124 over its prediction in
-    three runs of one kernel), and the margin bounds the model's error, not one run's noise."""
+    three runs of one kernel), and the margin bounds the model's error, not one run's noise.
+    errs: fused_p1_errors(), when the caller has it already."""
     runs: dict[tuple, list[float]] = {}
-    for o, s, _, meas, pred in fused_p1_errors():
+    for o, s, _, meas, pred in errs if errs is not None else fused_p1_errors():
         if o == op:
             runs.setdefault((s["m"], s["n"], s["k"], pred), []).append(meas)
     return max(abs(statistics.median(meas) / key[-1] - 1) for key, meas in runs.items())
@@ -126,7 +127,7 @@ def main() -> None:
         print(f"P=1 fused {op:8s} {s['m']}x{s['n']}x{s['k']:<5d} ({commit}): measured "
               f"{meas:8.1f} us predicted {pred:8.1f} us: {meas / pred - 1:+.3f}")
     for op in OPS:
-        print(f"the model's largest error on {op}'s fused time at P = 1: {fused_margin(op):.3f} "
+        print(f"the model's largest error on {op}'s fused time at P = 1: {fused_margin(op, errs):.3f} "
               f"over {sum(e[0] == op for e in errs)} rows (cost_model.FUSED_MARGIN[{op!r}] = "
               f"{cost_model.FUSED_MARGIN[op]})")
     print()

@@ -35,6 +35,17 @@ step() {
   else failed+=("$*"); echo "FAILED: $*"; fi
 }
 
+# What compute-sanitizer prints for a device-side error (host-side cuGetProcAddress probes,
+# reported as CUDA_ERROR_INVALID_VALUE, are not among them), and the command of one step that
+# runs tests/gpu/emu_short.py OPS WORLDS under `--tool TOOL` into LOG: it fails on any of them or
+# on a wrong result. Usage: step bash -c "$(emu_sanitized TOOL OPS WORLDS LOG)".
+SANITIZER_ERRORS='Invalid (__global__|__shared__|__local__)|Out of bounds|Misaligned|Barrier error|Race reported|Error: process didn'
+emu_sanitized() {
+  local tool=$1 ops=$2 worlds=$3 log=$4
+  echo "compute-sanitizer --tool $tool --print-limit 50 $PY tests/gpu/emu_short.py $ops $worlds \
+    > $log 2>&1; tail -5 $log; ! grep -E '$SANITIZER_ERRORS' $log && grep -q 'emu_short: OK' $log"
+}
+
 # The package imports with its extension, outside the source tree, on a Hopper GPU.
 section_install() {
   step bash -c "cd / && $PY -c 'import jax, pk_jax; assert pk_jax.HAS_CUDA, pk_jax._ffi.IMPORT_ERROR;
@@ -175,10 +186,8 @@ section_moe() {
   done
   local log=${PK_JAX_LOG_DIR:-/tmp}/pk_jax_sanitize
   mkdir -p "$log"
-  step bash -c "compute-sanitizer --tool memcheck --print-limit 50 $PY tests/gpu/emu_short.py \
-    moe_dispatch,moe_scatter,moe_combine,moe_gather 2,4 > $log/moe_memcheck.log 2>&1;
-    tail -5 $log/moe_memcheck.log;
-    ! grep -E 'Invalid (__global__|__shared__|__local__)|Out of bounds|Misaligned|Error: process didn' $log/moe_memcheck.log && grep -q 'emu_short: OK' $log/moe_memcheck.log"
+  step bash -c "$(emu_sanitized memcheck moe_dispatch,moe_scatter,moe_combine,moe_gather 2,4 \
+    "$log/moe_memcheck.log")"
 }
 
 # pk.moe_dispatch / pk.moe_combine through JAX alone, with PK_JAX_MOE_MP_SIZES processes sharing
@@ -225,9 +234,7 @@ section_moe_fused() {
   # P = 2 and 4 only: at P = 8 the sanitizer does not run the eight ranks' kernels at once (the
   # waits time out, as gemm_rs's do; section sanitize)
   for tool in memcheck synccheck; do
-    step bash -c "compute-sanitizer --tool $tool --print-limit 50 $PY tests/gpu/emu_short.py \
-      moe_dispatch_gemm 2,4 > $log/moe_fused_$tool.log 2>&1; tail -3 $log/moe_fused_$tool.log;
-      ! grep -E 'Invalid (__global__|__shared__|__local__)|Out of bounds|Misaligned|Barrier error|Error: process didn' $log/moe_fused_$tool.log && grep -q 'emu_short: OK' $log/moe_fused_$tool.log"
+    step bash -c "$(emu_sanitized $tool moe_dispatch_gemm 2,4 "$log/moe_fused_$tool.log")"
   done
   step "$PY" bench/bench_moe.py --quick
 }
@@ -276,9 +283,7 @@ section_sanitize() {
   local log=${PK_JAX_LOG_DIR:-/tmp}/pk_jax_sanitize
   mkdir -p "$log"
   for tool in memcheck synccheck; do
-    step bash -c "compute-sanitizer --tool $tool --print-limit 50 $PY tests/gpu/emu_short.py \
-      $SANITIZE_OPS 2,4 > $log/$tool.log 2>&1; rc=\$?; tail -5 $log/$tool.log;
-      ! grep -E 'Invalid (__global__|__shared__|__local__)|Out of bounds|Misaligned|Barrier error|Race reported|Error: process didn' $log/$tool.log && grep -q 'emu_short: OK' $log/$tool.log"
+    step bash -c "$(emu_sanitized $tool $SANITIZE_OPS 2,4 "$log/$tool.log")"
   done
   # The one-pass attention backward (in the emulated Ulysses backward) under memcheck.
   PK_JAX_EMU_ULYSSES_CALLS=1 step bash -c "compute-sanitizer --tool memcheck --print-limit 50 \
