@@ -227,9 +227,13 @@ def model_plan(op: str, m: int, n: int, k: int, p: int, gpu: cost_model.GPU,
     return min(best.values(), key=lambda pl: pl.predicted_us)
 
 
-def bench_tp(world: World, links: list[Link], shapes, rng, rows: list) -> None:
+TP_OPS = ("gemm_rs", "ag_gemm", "gemm_ar")
+
+
+def bench_tp(world: World, links: list[Link], shapes, rng, rows: list,
+             which: tuple[str, ...] = TP_OPS) -> None:
     p = world.world
-    for op in ("gemm_rs", "ag_gemm", "gemm_ar"):
+    for op in (o for o in TP_OPS if o in which):
         for m, n, k in shapes:
             b = tp_buffers(world, op, m, n, k, rng)
             k_dev = k if op == "ag_gemm" else k // p
@@ -294,12 +298,13 @@ def link_bytes(op: str, case: ops.Case, p: int) -> int:
     return (p - 1) * nbytes // p  # reduce_scatter (my slice from every peer), all_to_all
 
 
-def bench_collectives(world: World, links: list[Link], nbytes: int, rng, rows: list) -> None:
+def bench_collectives(world: World, links: list[Link], nbytes: int, rng, rows: list,
+                      which: tuple[str, ...] = ops.COLLECTIVES) -> None:
     p = world.world
     n = nbytes // 2
     n -= n % (p * 8)
     cu = vmm.driver()
-    for op in ops.COLLECTIVES:
+    for op in (o for o in ops.COLLECTIVES if o in which):
         xs = [ops.integers(rng, n) for _ in range(p)]
         if op == "all_reduce":
             case = ops.all_reduce(xs, BF16)
@@ -375,7 +380,13 @@ def main() -> None:
                     help="the real node's FLOP/byte the throttle reproduces (default 1750)")
     ap.add_argument("--link-gbps", type=float, default=None,
                     help="a fixed cap per rank (GB/s) instead of the FLOP/byte rule")
+    ap.add_argument("--ops", default=",".join(TP_OPS + tuple(ops.COLLECTIVES)),
+                    help="comma-separated ops to run (default: all seven)")
     args = ap.parse_args()
+    which = tuple(args.ops.split(","))
+    unknown = set(which) - set(TP_OPS) - set(ops.COLLECTIVES)
+    if unknown:
+        ap.error(f"--ops: unknown {sorted(unknown)}; known: {TP_OPS + tuple(ops.COLLECTIVES)}")
     rng = np.random.default_rng(0)
     shapes = [(8192, 8192, 8192), (8192, 8192, 2048), (4096, 4096, 8192)]
     coll_bytes = 32 << 20
@@ -397,8 +408,8 @@ def main() -> None:
                   f"{real_node_link_gbps(tflops, args.flop_per_byte):.1f} GB/s per rank; "
                   f"links: {', '.join(f'{lk.label} ({lk.model_gbps:.1f} GB/s)' for lk in links)}",
                   flush=True)
-            bench_tp(world, links, shapes, rng, rows)
-            bench_collectives(world, links, coll_bytes, rng, rows)
+            bench_tp(world, links, shapes, rng, rows, which)
+            bench_collectives(world, links, coll_bytes, rng, rows, which)
             print(f"=== P={p} done at {time.monotonic() - t0:.0f} s", flush=True)
     summary(rows)
     print(f"=== total {time.monotonic() - t0:.0f} s")

@@ -20,18 +20,19 @@ contraction length each device multiplies, N = output columns):
 - T_mem: the GEMM's HBM traffic (A, B once, C once) / HBM bandwidth.
 - T_comm: what crosses NVLink while the GEMM runs: gemm_rs and gemm_ar push (P-1)/P of the
   M x N partial product to its owners; ag_gemm's communication SMs copy M/P x K rows into the
-  workspace (P > 1), the other ranks' (P-1) M/P x K rows into the gathered x over NVLink, and
-  last their own M/P x K rows from x (at P = 1 the whole gather): the slower of the NVLink part
-  and everything at num_comm_sms x the per-SM copy bandwidth. The own rows are also an HBM read
-  and write in T_mem. Few communication SMs make the copy the bottleneck (ncu at P = 1, 4096^3:
-  463 us with 2, 231 us with 8, pk.matmul 178 us), so num_comm_sms balances it against the
-  GEMM. At P > 1 ag_gemm's T_comm is also counted in T_non_overlap: measured in the rank
-  emulator, its fused kernel does not overlap it yet.
+  workspace (P > 1) and the other ranks' (P-1) M/P x K rows into the gathered x over NVLink
+  (none at P = 1): the slower of the NVLink part and everything at num_comm_sms x the per-SM
+  copy bandwidth. At P > 1 ag_gemm's T_comm is also counted in T_non_overlap: measured in the
+  rank emulator, its fused kernel does not overlap it yet.
+- ag_gemm's own M/P x K rows of the gathered x (at P = 1 all of it): an HBM read and write in
+  T_mem; the communication SMs copy them during the GEMM (T_comp), and what they have not
+  copied by then is copied by every SM after the last tile, at the copy rate, in T_non_overlap.
+  Too few communication SMs leave much of it to that tail; too many cost the GEMM SMs.
 - T_non_overlap: work before the first or after the last tile: gemm_rs zeroes its owner buffer
   and copies it out (3 M/P N bytes of HBM at the copy rate) plus the last wave's pushes;
   gemm_ar also gathers every owner's rows ((P-1)/P M N over NVLink, M N of HBM writes at the
-  copy rate); ag_gemm waits for the
-  first remote row block (none at P = 1). At P = 1 (fused forced) gemm_rs and gemm_ar store their tiles
+  copy rate); ag_gemm waits for the first remote row block (none at P = 1) and copies the rest
+  of its own rows (above). At P = 1 (fused forced) gemm_rs and gemm_ar store their tiles
   straight into y (no owner buffer, no enter or leave kernel): none of it.
 - T_sync: barriers x one NVLink round trip; T_launch: kernels x launch cost.
 
@@ -282,10 +283,12 @@ def predict(op: str, m: int, n: int, k: int, p: int, *, mode: str, num_comm_sms:
                 t["sync"] += gpu.barrier_us
         else:
             pull = max(c, 1) * gpu.pull_gbps_per_sm * 1e9
-            # my shard staged for the peers (P > 1), the peers' rows of the gather, my own rows
-            moved = ((mp if p > 1 else 0) + (p - 1) * mp + mp) * k * itemsize
+            # my shard staged for the peers and the peers' rows of the gather (P > 1 only)
+            moved = p * mp * k * itemsize if p > 1 else 0
             t["comm"] = max((p - 1) * mp * k * itemsize / nvl, moved / pull) * us
-            t["mem"] += 2 * mp * k * itemsize / hbm * us  # my rows of x_full: read x, write
+            own = mp * k * itemsize  # my rows of x_full: read x, write (T_mem), copied last
+            t["mem"] += 2 * own / hbm * us
+            own_tail = 2 * max(0.0, own - pull * t["comp"] / us) / copy * us
             first_block = 128 * k * itemsize / (gpu.pull_gbps_per_sm * 1e9) if p > 1 else 0.0
             # NOTES: measured, not overlapped: in the rank emulator (bench/results/
             # emulated_notes.md, 12 cases at P = 2, 4, 8, link throttled and not) fused ag_gemm
@@ -294,7 +297,7 @@ def predict(op: str, m: int, n: int, k: int, p: int, *, mode: str, num_comm_sms:
             # saves. Until the kernel overlaps, the gather counts in full. The kernel of
             # 2026-12-02 (own rows on the comm SMs) overlaps part of it: throttled, 0.93-1.06x
             # serial; counting the gather as fully overlapped picked worse on those rows.
-            t["non_overlap"] = first_block * us + t["comm"] if p > 1 else 0.0
+            t["non_overlap"] = (first_block * us + t["comm"] if p > 1 else 0.0) + own_tail
             t["launch"] = 2 * gpu.launch_us
             t["sync"] = 3 * gpu.barrier_us if p > 1 else 0.0  # P = 1: barriers with myself
     else:

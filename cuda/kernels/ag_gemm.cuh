@@ -20,9 +20,9 @@
  *       skip j if it is an own block; rows of
  *       owner o != r: wait staged[*][o] >= e,
  *       x_full rows <- ws_o; my own rows: x_full
- *       rows <- x (bulk copies); flag[j] = e
- *     my own blocks' rows of x_full <- x (the
- *       cb-th 1/C, bulk copies; no flag)
+ *       rows <- x (bulk copies); flag[j] = e     after the last tile: every consumer warp
+ *     my own blocks' rows of x_full <- x, 128     copies 16 KiB units of my own block-rows
+ *       KiB claims (bulk copies; no flag)           of x_full that are still unclaimed
  *     barrier 2 with peers' block cb
  *
  * Signal protocol (e = this call's epoch, pk/tp.cuh): barrier 0 (slot bar_row(0, cb) + r on
@@ -40,12 +40,16 @@
  * rows of x_full outside my own row blocks (none at P = 1), then my own row blocks' rows (all of
  * x at P = 1); my rows come straight from x (never through ws_r).
  *
- * Own rows of x_full: the comm blocks copy them after every row block the compute blocks wait
- * for, so the copy is off the GEMM's critical path and costs an HBM read and write of my shard
- * on the comm SMs (idle at P = 1). One SM's bulk ring copies about 34 GB/s, so at P = 1 (all
- * of x) too few comm SMs make the copy outlast the GEMM: the cost model picks num_comm_sms.
- * Until 2026-12-01 the loaders stored them instead, from the A tiles they had loaded (one HBM
- * write, no comm SM time), but the store's bookkeeping and its waits sat in the loader, whose
+ * Own rows of x_full: nobody waits for them, so they are copied last: a work list of 16 KiB
+ * units behind one counter (tp::claim; CLAIMS slot, zeroed by the epoch kernel). The comm
+ * blocks claim 8 units at a time after every row block the compute blocks wait for, and every
+ * consumer warp of the compute blocks claims one at a time after its last tile, so the copy
+ * runs under the GEMM on the comm SMs and what is left when the tiles end takes all SMs (HBM
+ * rate). One SM's bulk ring copies about 34 GB/s: at P = 1 (all of x) with the comm SMs alone
+ * the copy outlasted the GEMM at 4096^3 with 4 of them, and 8 cost the GEMM a fifth wave
+ * (0.75x of pk.matmul, bench/results/tp_notes.md). Until 2026-12-01 the loaders stored them
+ * instead, from the A tiles they had loaded (one HBM write, no comm SM time), but the store's
+ * bookkeeping and its waits sat in the loader, whose
  * work per k step is on the pipeline's critical path (3 stages of 128x256 tiles): about 9% of
  * the kernel at 8192^3 (ncu). The loader issues the B panels first (they need neither the
  * placement nor the flag wait); the tile order's rotation and "own" are a few compares against
@@ -73,6 +77,11 @@ namespace pk::ag_gemm {
 /** @brief Rows of a row block (every configuration's BM): the host computes the placement
  * below (tiles_m, row_shift, own_lo, own_hi) and the A maps' boxes in these units. */
 constexpr int BLOCK_ROWS = 128;
+
+/** @brief Bytes of one unit of the own-row copy that comm blocks and compute warps share, and
+ * the units a comm block claims at once (COMM_CLAIM x OWN_UNIT = 4 bulk-ring stages). */
+constexpr uint64_t OWN_UNIT = 16 * 1024;
+constexpr uint64_t COMM_CLAIM = 8;
 
 /** @brief matmul's globals (x = x_full map, w, y) plus the local shard and the communicator. */
 struct globals : matmul::globals {
@@ -136,6 +145,44 @@ struct kernel_def : matmul::kernel_def<C> {
     base::storer(g, acc, out, c, place(g, t), sync);
   }
 
+  /** @brief My own block-rows of x_full and where they come from in x: `units` of OWN_UNIT. */
+  struct own_rows {
+    char* dst;
+    const char* src;
+    uint64_t bytes, units;
+  };
+  __device__ static own_rows own_rows_of(const globals& g) {
+    const uint64_t row_bytes = uint64_t(g.k) * sizeof(typename C::dtype);
+    const int64_t first = int64_t(g.own_lo) * BM;
+    const int64_t last = int64_t(g.own_hi) * BM < g.m ? int64_t(g.own_hi) * BM : g.m;
+    const uint64_t bytes = uint64_t(last - first) * row_bytes;
+    return own_rows{static_cast<char*>(g.x_full) + first * row_bytes,
+                    static_cast<const char*>(g.x_local) +
+                        (first - int64_t(g.c.rank) * g.rows_per_rank) * row_bytes,
+                    bytes, (bytes + OWN_UNIT - 1) / OWN_UNIT};
+  }
+
+  /**
+   * @brief After its last tile, each warp of a consumer warpgroup copies units of my own rows
+   * of x_full that the comm blocks have not claimed yet (16-byte loads and stores, 8 in flight
+   * per thread), until none is left.
+   */
+  __device__ static void finish(const globals& g, int) {
+    if (g.own_hi <= g.own_lo) return;  // uniform: no own block-row
+    const own_rows own = own_rows_of(g);
+    const int lane = static_cast<int>(threadIdx.x % 32);
+    for (;;) {
+      uint64_t u = 0;
+      if (lane == 0) u = tp::claim(g.c, 1, own.units);
+      u = __shfl_sync(0xffffffffu, u, 0);
+      if (u >= own.units) return;
+      const uint64_t hi = (u + 1) * OWN_UNIT < own.bytes ? (u + 1) * OWN_UNIT : own.bytes;
+      const uint4* src = reinterpret_cast<const uint4*>(own.src);
+      tp::copy_units(reinterpret_cast<uint4*>(own.dst), [&](uint64_t i) { return src + i; },
+                     u * OWN_UNIT / 16 + lane, 32, hi / 16);
+    }
+  }
+
   /** @brief One block of the gather: thread 0 moves the data with bulk copies (see above). */
   __device__ static void communicator(const globals& g, lcsc::block_info info, void* smem) {
     static_assert(sizeof(bulk_ring) <= sizeof(lcsc::shared_storage<kernel_def>),
@@ -188,15 +235,23 @@ struct kernel_def : matmul::kernel_def<C> {
       }
       tp::publish(c, tp::FLAGS + j, e, /*local=*/true);  // flag[j]
     }
-    if (lead && g.own_hi > g.own_lo) {  // my own block-rows of x_full, from x (nobody waits)
-      const int64_t first = int64_t(g.own_lo) * BM;
-      const int64_t last = int64_t(g.own_hi) * BM < g.m ? int64_t(g.own_hi) * BM : g.m;
-      const uint64_t units = uint64_t(last - first) * row_bytes / 16;
-      const uint64_t lo = units * cb / nc * 16, hi = units * (cb + 1) / nc * 16;
-      ring.link = link_throttle{};  // a local copy: not paced
-      bulk_copy(ring, static_cast<char*>(g.x_full) + first * row_bytes + lo,
-                static_cast<const char*>(g.x_local) + (first - int64_t(r) * mp) * row_bytes + lo,
-                hi - lo);
+    if (lead && g.own_hi > g.own_lo) {  // my own block-rows of x_full, claimed 128 KiB at a time
+      const own_rows own = own_rows_of(g);
+      uint64_t cur = 0, end = 0;
+      bulk_move(ring, [&](bulk_piece* pc) {  // not paced: a local copy
+        if (cur >= end) {
+          const uint64_t u = tp::claim(c, COMM_CLAIM, own.units);
+          if (u >= own.units) return false;
+          cur = u * OWN_UNIT;
+          end = (u + COMM_CLAIM) * OWN_UNIT < own.bytes ? (u + COMM_CLAIM) * OWN_UNIT : own.bytes;
+        }
+        const uint64_t n = end - cur < bulk_ring::STAGE_BYTES ? end - cur : bulk_ring::STAGE_BYTES;
+        pc->src = own.src + cur;
+        pc->dst = own.dst + cur;
+        pc->bytes = static_cast<uint32_t>(n);
+        cur += n;
+        return true;
+      });
     }
     if (lead) fence_proxy_async_global();  // my bulk reads of peers' ws before the release
     c.barrier(2, cb, e);

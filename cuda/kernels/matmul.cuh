@@ -131,6 +131,7 @@ struct kernel_def {
   }
 
   __device__ static void communicator(const globals&, lcsc::block_info, void*) {}
+  __device__ static void finish(const globals&, int) {}
 
  protected:
   /**

@@ -18,6 +18,7 @@
  *     for each tile: for k: wait full[s]; K::consumer(g, acc, stage[s], c, k);
  *                           release stage s (one step late when K::ASYNC_MMA: wgmma reads it)
  *                    K::storer(g, acc, out[c], c, tile, sync)
+ *                    after the last tile: K::finish(g, c) (the whole warpgroup)
  *
  * Communication block (the FIRST comm_blocks blocks of the grid): K::communicator(g, info,
  * smem), with the block's whole dynamic shared memory (sizeof(shared_storage<K>) bytes, 1024-
@@ -36,7 +37,7 @@
  *   consts   STAGES, CONSUMERS, STAGE_BYTES (TMA bytes per stage), PRODUCER_REGS,
  *            CONSUMER_REGS, ASYNC_MMA
  *   hooks    scheduler(g) -> tile_scheduler; k_iters(g) -> int (>= 1); setup(g, info) (one
- *            thread, before the roles start); loader; consumer; storer; communicator;
+ *            thread, before the roles start); loader; consumer; storer; finish; communicator;
  *            bound(g) -> pk::wait_bound (error record and timeout of its mbarrier waits)
  */
 #pragma once
@@ -173,6 +174,7 @@ __global__ void __launch_bounds__((K::CONSUMERS + 1) * WARPGROUP_THREADS, 1)
     K::storer(g, acc, s.out[c], c, t, sync);
   }
   if (leader) tma::store_wait<0>();
+  K::finish(g, c);
 }
 
 /** @brief Dynamic shared memory the template kernel of K needs (with alignment slack). */

@@ -29,6 +29,7 @@ constexpr uint64_t SLOT_BASE = 8192;
 constexpr uint64_t OP_SLOTS = 16384;
 constexpr uint64_t SLOTS_NEEDED = SLOT_BASE + 3 * OP_SLOTS;
 constexpr uint64_t EPOCH = 0;                                // local: calls of this op so far
+constexpr uint64_t CLAIMS = 1;  // local: ag_gemm's own-row copy units claimed this call (claim)
 constexpr uint64_t ROW = uint64_t(MAX_BLOCKS) * MAX_PEERS;   // slots of one per-block barrier
 constexpr uint64_t BAR0 = 64;                                // barrier i: BAR0 + i * ROW
 constexpr uint64_t FLAGS = BAR0 + 4 * ROW;                   // ag_gemm: local row-block flags
@@ -82,11 +83,26 @@ __device__ inline void publish(const comm& c, uint64_t slot, uint64_t e, bool lo
   }
 }
 
-/** @brief One thread: checks the rank operand and starts a new epoch of this op. */
+/**
+ * @brief One thread: checks the rank operand, starts a new epoch of this op and zeroes its
+ * CLAIMS counter (the call's kernels start after this one ends, so none claims before).
+ */
 static __global__ void epoch_kernel(const __grid_constant__ comm c) {
   const int32_t got = *c.rank_ptr;
   if (got != c.rank) fail(c.fail(), ERR_RANK_MISMATCH, got);
   c.sig[c.rank][EPOCH] += 1;
+  c.sig[c.rank][CLAIMS] = 0;
+}
+
+/**
+ * @brief Claims `n` units of this call's shared work list (counter `CLAIMS` of my pad, zeroed by
+ * epoch_kernel): returns the first unit, `total` or more once every unit is taken. One thread.
+ */
+__device__ inline uint64_t claim(const comm& c, uint64_t n, uint64_t total) {
+  unsigned long long* slot = reinterpret_cast<unsigned long long*>(c.sig[c.rank] + CLAIMS);
+  // A plain read first: once the list is empty, the late claimers leave without an atomic.
+  if (*reinterpret_cast<volatile unsigned long long*>(slot) >= total) return total;
+  return atomicAdd(slot, static_cast<unsigned long long>(n));
 }
 
 /**
