@@ -18,7 +18,8 @@ Per P and link setting:
   (matmul + all_reduce), at a few (M, N, K) with K the whole contraction; the cost model's
   predictions for both modes next to the measurements, with the model's constants scaled to a
   partition (SMs, peak, HBM / P; link = the cap when throttled, the measured copy rate / P
-  when not);
+  when not); ag_gemm with the comm SMs of the model's best fused plan (`--comm-sms-sweep
+  2,4,8` adds rows at those counts first, marked `comm_sms_forced`);
 - the four collectives at 32 MiB per rank against a device copy of the same bytes on every
   rank's stream at once (what the shared HBM allows); throttled rows also give the link floor
   (bytes each rank moves across ranks / cap).
@@ -30,6 +31,7 @@ per call, median of 5 batches.
 
     CUDA_MODULE_LOADING=EAGER python bench/bench_emulated.py [--worlds 2,4,8] [--quick]
         [--throttle both|real-node|off] [--flop-per-byte 1750] [--link-gbps G]
+        [--ops gemm_rs,ag_gemm,...] [--comm-sms-sweep 2,4,8]
 """
 
 from __future__ import annotations
@@ -231,7 +233,10 @@ TP_OPS = ("gemm_rs", "ag_gemm", "gemm_ar")
 
 
 def bench_tp(world: World, links: list[Link], shapes, rng, rows: list,
-             which: tuple[str, ...] = TP_OPS) -> None:
+             which: tuple[str, ...] = TP_OPS, sweep: tuple[int, ...] = ()) -> None:
+    """Fused against serial per op, shape and link, both checked first. ag_gemm runs with the
+    comm SMs of the model's best fused plan; `sweep` adds rows at those comm SM counts first
+    (marked comm_sms_forced; bench/check_cost_model.py judges the model's rows only)."""
     p = world.world
     for op in (o for o in TP_OPS if o in which):
         for m, n, k in shapes:
@@ -241,42 +246,52 @@ def bench_tp(world: World, links: list[Link], shapes, rng, rows: list,
             for link in links:
                 world.set_link(link.gbps)
                 plan = model_plan(op, m, n_dev, k_dev, p, link.gpu)
-                comm_sms = 0
-                if op == "ag_gemm":
-                    comm_sms = min(plan.num_comm_sms or 8, world.sms[0] // 2)
-                    for a in b["fused"].args:
-                        a["num_comm_sms"] = comm_sms
-                for c in (b["fused"], b["serial"]):
-                    poison(c)
-                b["fused"].launch()
-                serial_launch(world, op, b)
-                world.synchronize()
-                problems = b["fused"].check() + b["serial"].check()
-                if problems:
-                    raise SystemExit(f"{op} P={p} {m}x{n}x{k} ({link.label}): wrong results: "
-                                     f"{problems[:3]}")
-                t_fused = common.emulated_us(world, b["fused"].launch)
-                t_serial = common.emulated_us(world,
-                                              lambda op=op, b=b: serial_launch(world, op, b))
-                pred = {md: cost_model.predict(op, m, n_dev, k_dev, p, mode=md,
-                                               num_comm_sms=comm_sms,
-                                               gpu=link.gpu).predicted_us
-                        for md in ("fused", "serial")}
-                flops = 2.0 * m * n * k
-                row = common.record(
-                    op=op, shape={"m": m, "n": n, "k": k}, median_us=t_fused,
-                    tflops=flops / t_fused / 1e6, baseline="serial (emulated)",
-                    baseline_median_us=t_serial, mode="fused", dtype=BF16, world=p,
-                    processes=1, predicted_fused_us=round(pred["fused"], 1),
-                    predicted_serial_us=round(pred["serial"], 1), model_choice=plan.mode,
-                    num_comm_sms=comm_sms, **link_fields(world, link))
-                rows.append(row)
-                faster = "fused" if t_fused < t_serial else "serial"
-                print(f"P={p} {link.label:22s} {op:8s} {m}x{n}x{k}: fused {t_fused:9.1f} us "
-                      f"({flops / t_fused / 1e6:6.1f} TFLOP/s)  serial {t_serial:9.1f} us  "
-                      f"{t_serial / t_fused:5.2f}x | model fused {pred['fused']:8.1f} "
-                      f"serial {pred['serial']:8.1f} -> {plan.mode} (faster: {faster})",
-                      flush=True)
+                runs = [(0, False)]
+                if op == "ag_gemm":  # the comm SMs of the model's best fused plan, last
+                    best = model_plan(op, m, n_dev, k_dev, p, link.gpu, modes=("fused",))
+                    runs = [(c, True) for c in sweep
+                            if c < world.sms[0] and c != best.num_comm_sms]
+                    runs.append((best.num_comm_sms, False))
+                t_serial = None
+                for comm_sms, forced in runs:
+                    if op == "ag_gemm":
+                        for a in b["fused"].args:
+                            a["num_comm_sms"] = comm_sms
+                    for c in (b["fused"], b["serial"]):
+                        poison(c)
+                    b["fused"].launch()
+                    serial_launch(world, op, b)
+                    world.synchronize()
+                    problems = b["fused"].check() + b["serial"].check()
+                    if problems:
+                        raise SystemExit(f"{op} P={p} {m}x{n}x{k} ({link.label}): wrong results: "
+                                         f"{problems[:3]}")
+                    t_fused = common.emulated_us(world, b["fused"].launch)
+                    if t_serial is None:
+                        t_serial = common.emulated_us(
+                            world, lambda op=op, b=b: serial_launch(world, op, b))
+                    pred = {md: cost_model.predict(op, m, n_dev, k_dev, p, mode=md,
+                                                   num_comm_sms=comm_sms,
+                                                   gpu=link.gpu).predicted_us
+                            for md in ("fused", "serial")}
+                    flops = 2.0 * m * n * k
+                    extra = {"comm_sms_forced": True} if forced else {}
+                    row = common.record(
+                        op=op, shape={"m": m, "n": n, "k": k}, median_us=t_fused,
+                        tflops=flops / t_fused / 1e6, baseline="serial (emulated)",
+                        baseline_median_us=t_serial, mode="fused", dtype=BF16, world=p,
+                        processes=1, predicted_fused_us=round(pred["fused"], 1),
+                        predicted_serial_us=round(pred["serial"], 1), model_choice=plan.mode,
+                        num_comm_sms=comm_sms, **extra, **link_fields(world, link))
+                    if not forced:
+                        rows.append(row)
+                    faster = "fused" if t_fused < t_serial else "serial"
+                    print(f"P={p} {link.label:22s} {op:8s} {m}x{n}x{k}: fused {t_fused:9.1f} us "
+                          f"({flops / t_fused / 1e6:6.1f} TFLOP/s)  serial {t_serial:9.1f} us  "
+                          f"{t_serial / t_fused:5.2f}x | model fused {pred['fused']:8.1f} "
+                          f"serial {pred['serial']:8.1f} -> {plan.mode} (faster: {faster})"
+                          + (f" [comm SMs {comm_sms}{', forced' if forced else ''}]"
+                             if op == "ag_gemm" else ""), flush=True)
             world.set_link(None)
             for c in (b["fused"], b["serial"]):
                 c.free()
@@ -382,7 +397,10 @@ def main() -> None:
                     help="a fixed cap per rank (GB/s) instead of the FLOP/byte rule")
     ap.add_argument("--ops", default=",".join(TP_OPS + tuple(ops.COLLECTIVES)),
                     help="comma-separated ops to run (default: all seven)")
+    ap.add_argument("--comm-sms-sweep", default="",
+                    help="ag_gemm: also time fused at these comm SM counts (e.g. 2,4,8)")
     args = ap.parse_args()
+    sweep = tuple(int(c) for c in args.comm_sms_sweep.split(",") if c)
     which = tuple(args.ops.split(","))
     unknown = set(which) - set(TP_OPS) - set(ops.COLLECTIVES)
     if unknown:
@@ -408,7 +426,7 @@ def main() -> None:
                   f"{real_node_link_gbps(tflops, args.flop_per_byte):.1f} GB/s per rank; "
                   f"links: {', '.join(f'{lk.label} ({lk.model_gbps:.1f} GB/s)' for lk in links)}",
                   flush=True)
-            bench_tp(world, links, shapes, rng, rows, which)
+            bench_tp(world, links, shapes, rng, rows, which, sweep)
             bench_collectives(world, links, coll_bytes, rng, rows, which)
             print(f"=== P={p} done at {time.monotonic() - t0:.0f} s", flush=True)
     summary(rows)

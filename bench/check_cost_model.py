@@ -35,7 +35,7 @@ OPS = ("gemm_rs", "ag_gemm", "gemm_ar")
 # store their tiles straight into y (2835c57) since 2026-12-01 13:19 UTC (earlier rows ran the
 # full protocol at P = 1); ag_gemm's loader got off the critical path at 8bd4fa8 (its rows since
 # 21:30 UTC; FUSED_EFFICIENCY["ag_gemm"] is that kernel's).
-P1_ROWS_SINCE = {"gemm_rs": "2026-12-01T13:19", "ag_gemm": "2026-12-02T01:40",
+P1_ROWS_SINCE = {"gemm_rs": "2026-12-01T13:19", "ag_gemm": "2026-12-02T05:38",
                  "gemm_ar": "2026-12-01T13:19"}
 # Below this predicted time a call is its per-call costs, which the model does not claim: at the
 # one such shape of bench_tp (4096 x 4096 x 512, predicted about 30 us) pk.matmul alone measured
@@ -93,7 +93,7 @@ def latest_rows(op: str) -> dict:
         return latest
     for line in path.read_text().splitlines():
         r = json.loads(line)
-        if r.get("emulated") and r.get("mode") == "fused":
+        if r.get("emulated") and r.get("mode") == "fused" and not r.get("comm_sms_forced"):
             s = r["shape"]
             latest[(link_kind(r), r["world"], s["m"], s["n"], s["k"])] = r
     return latest
