@@ -68,25 +68,33 @@ class Link:
     gbps: float          # the throttle's cap per rank; 0 = off
     model_gbps: float    # the link rate the cost model is given
     gpu: cost_model.GPU
+    copy_gbps: float     # rank 0's partition's copy rate, measured in the run
+    tflops: float        # one rank's matmul rate with every rank multiplying, measured
 
 
-def emulated_gpu(world: World, link_gbps: float) -> cost_model.GPU:
-    """The cost model's constants for one partition of the H200, with link `link_gbps`."""
-    return partition_gpu(world.world, world.sms[0], link_gbps)
+def emulated_gpu(world: World, link_gbps: float, tflops: float) -> cost_model.GPU:
+    """The cost model's constants for one partition of the H200, with link `link_gbps` and the
+    partition's measured GEMM rate."""
+    return partition_gpu(world.world, world.sms[0], link_gbps, tflops)
 
 
-def partition_gpu(p: int, sms: int, link_gbps: float) -> cost_model.GPU:
+def partition_gpu(p: int, sms: int, link_gbps: float,
+                  tflops: float | None = None) -> cost_model.GPU:
     """The H200's constants scaled to one of P partitions of `sms` SMs (peak by SMs, HBM and its
-    copy rate / P: the ranks share one HBM), with link `link_gbps` (also
-    bench/check_cost_model.py, from a row's fields)."""
+    copy rate / P: the ranks share one HBM), with link `link_gbps` and, when given, the GEMM
+    rate `tflops` measured on the partition while every rank multiplies (partition_tflops; the
+    emulator's counterpart of the H200's gemm_efficiency, which comes from pk.matmul measured on
+    the whole GPU). Also bench/check_cost_model.py, from a row's fields."""
     h = cost_model.H200
-    return dataclasses.replace(h, name=f"H200/{p}", sms=sms, peak_tflops=h.peak_tflops * sms / h.sms,
+    peak = h.peak_tflops * sms / h.sms
+    return dataclasses.replace(h, name=f"H200/{p}", sms=sms, peak_tflops=peak,
+                               gemm_efficiency=tflops / peak if tflops else h.gemm_efficiency,
                                hbm_gbps=h.hbm_gbps / p, copy_gbps=h.copy_gbps / p,
                                nvlink_gbps=link_gbps)
 
 
 def copy_rate_gbps(world: World, nbytes: int = 256 << 20) -> float:
-    """Device-to-device copy rate of the whole GPU (bytes read + written per second / 2)."""
+    """Device-to-device copy rate of rank 0's partition alone (bytes copied per second)."""
     a, b = DeviceBuffer(nbytes), DeviceBuffer(nbytes)
     cu = vmm.driver()
     stream = cu.CUstream(world.parts[0].stream)
@@ -97,7 +105,8 @@ def copy_rate_gbps(world: World, nbytes: int = 256 << 20) -> float:
     us = common.emulated_us(world, one)
     a.free()
     b.free()
-    # One partition's copy engine path is not SM-bound: this is the shared HBM's copy rate.
+    # NOTES: the copy runs on partition 0's SMs: below 64 SMs it is bound by them, not by the
+    # HBM (1.39, 1.06, 0.57 TB/s at P = 2, 4, 8 on 2026-12-02), so it is one partition's rate.
     return nbytes / (us * 1e-6) / 1e9
 
 
@@ -125,26 +134,38 @@ def partition_tflops(world: World, m: int = 8192, n: int = 8192, k: int = 2048) 
     return 2.0 * m * n * k / (us * 1e-6) / 1e12
 
 
+def unthrottled_link_gbps(p: int, partition_copy_gbps: float) -> float:
+    """What one of P ranks moves per second when every rank copies at once, unthrottled: its
+    partition's own copy rate (measured, SM-bound below 64 SMs: 1.39 / 1.06 / 0.57 TB/s at
+    P = 2 / 4 / 8), or its 1/P of the shared HBM's copy rate (cost_model.H200.copy_gbps counts
+    bytes read + written), whichever is lower. Rows before 2026-12-02 06:00 UTC took the
+    partition's rate / P, as if it were the whole HBM's: at P = 8 that is 72 GB/s, where the
+    serial all_gather of ag_gemm measured about 195 GB/s per rank."""
+    return min(partition_copy_gbps, cost_model.H200.copy_gbps / 2 / p)
+
+
 def links_for(world: World, throttle: str, flop_per_byte: float, link_gbps: float | None,
               copy_gbps: float, tflops: float) -> list[Link]:
     """The link settings of this run: unthrottled and/or throttled."""
     p = world.world
     out = []
     if throttle in ("both", "off"):
-        free = copy_gbps / p
-        out.append(Link("unthrottled", 0.0, free, emulated_gpu(world, free)))
+        free = unthrottled_link_gbps(p, copy_gbps)
+        out.append(Link("unthrottled", 0.0, free, emulated_gpu(world, free, tflops), copy_gbps,
+                        tflops))
     if throttle in ("both", "real-node"):
         cap = link_gbps or real_node_link_gbps(tflops, flop_per_byte)
         label = (f"throttled {cap:.1f} GB/s" if link_gbps
                  else f"throttled {flop_per_byte:g} FLOP/B")
-        out.append(Link(label, cap, cap, emulated_gpu(world, cap)))
+        out.append(Link(label, cap, cap, emulated_gpu(world, cap, tflops), copy_gbps, tflops))
     return out
 
 
 def link_fields(world: World, link: Link) -> dict:
     return {"emulated": True, "machine": MACHINE, "link": link.label,
             "link_gbps": round(link.model_gbps, 2), "throttled": link.gbps > 0,
-            "sms_per_rank": world.sms[0]}
+            "sms_per_rank": world.sms[0], "partition_copy_gbps": round(link.copy_gbps, 1),
+            "partition_tflops": round(link.tflops, 1)}
 
 
 def poison(call: ops.Call) -> None:
@@ -418,10 +439,11 @@ def main() -> None:
             tflops = partition_tflops(world)
             links = links_for(world, args.throttle, args.flop_per_byte, args.link_gbps, rate,
                               tflops)
-            print(f"=== P={p}: {world.sms} SMs per rank, device copy {rate:.0f} GB/s "
-                  f"(/{p} = {rate / p:.0f} GB/s per rank unthrottled); matmul "
+            free = unthrottled_link_gbps(p, rate)
+            print(f"=== P={p}: {world.sms} SMs per rank, partition copy {rate:.0f} GB/s "
+                  f"({free:.0f} GB/s per rank unthrottled, all ranks at once); matmul "
                   f"{tflops:.1f} TFLOP/s per rank (all ranks at once) -> "
-                  f"{tflops * 1e3 / (rate / p):.0f} FLOP/B unthrottled; real-node cap "
+                  f"{tflops * 1e3 / free:.0f} FLOP/B unthrottled; real-node cap "
                   f"{tflops:.1f}e12 / {args.flop_per_byte:g} = "
                   f"{real_node_link_gbps(tflops, args.flop_per_byte):.1f} GB/s per rank; "
                   f"links: {', '.join(f'{lk.label} ({lk.model_gbps:.1f} GB/s)' for lk in links)}",

@@ -23,7 +23,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from bench_emulated import model_plan, partition_gpu
+from bench_emulated import model_plan, partition_gpu, unthrottled_link_gbps
 
 from pk_jax import cost_model
 
@@ -99,6 +99,16 @@ def latest_rows(op: str) -> dict:
     return latest
 
 
+def link_gbps(r: dict) -> float:
+    """The link rate of row r's case: the cap when throttled; unthrottled, what
+    bench_emulated.unthrottled_link_gbps makes of the partition's copy rate (rows before
+    `partition_copy_gbps` was recorded stored that rate / P)."""
+    if link_kind(r) == "throttled":
+        return r["link_gbps"]
+    copy = r.get("partition_copy_gbps") or r["link_gbps"] * r["world"]
+    return unthrottled_link_gbps(r["world"], copy)
+
+
 def model_choice(r: dict) -> str:
     """What the current cost model picks for row r's case, with the row's constants (rows from
     before the throttle lack them: their recorded choice)."""
@@ -114,7 +124,7 @@ def model_predictions(r: dict) -> tuple[str, float, float]:
     op = r["op"]
     n = s["n"] // p if op == "ag_gemm" else s["n"]  # ag_gemm: each rank has w[:, N/P]
     k = s["k"] if op == "ag_gemm" else s["k"] // p
-    gpu = partition_gpu(p, r["sms_per_rank"], r["link_gbps"])
+    gpu = partition_gpu(p, r["sms_per_rank"], link_gbps(r), r.get("partition_tflops"))
     pick = model_plan(op, s["m"], n, k, p, gpu)
     serial = model_plan(op, s["m"], n, k, p, gpu, modes=("serial",))
     fused = model_plan(op, s["m"], n, k, p, gpu, modes=("fused",))
