@@ -33,8 +33,8 @@ OPS = ("gemm_rs", "ag_gemm", "gemm_ar")
 
 # The P = 1 rows whose fused kernels are the ones the model costs at P = 1: gemm_rs / gemm_ar
 # store their tiles straight into y (2835c57) since 2026-12-01 13:19 UTC (earlier rows ran the
-# full protocol at P = 1); ag_gemm's loader got off the critical path at 8bd4fa8 (its rows since
-# 21:30 UTC; FUSED_EFFICIENCY["ag_gemm"] is that kernel's).
+# full protocol at P = 1); ag_gemm's own rows became a work list shared with the compute warps
+# at 861c0cf (its rows since 2026-12-02 05:38 UTC).
 P1_ROWS_SINCE = {"gemm_rs": "2026-12-01T13:19", "ag_gemm": "2026-12-02T05:38",
                  "gemm_ar": "2026-12-01T13:19"}
 # Below this predicted time a call is its per-call costs, which the model does not claim: at the
