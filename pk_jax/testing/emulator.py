@@ -32,6 +32,9 @@ barely matters without it. `real_node_link_gbps(tflops_per_rank)` gives the cap 
 a real node's ratio. Only the emulator sets it: pk.init's communicators never pace.
 
 Needs CUDA_MODULE_LOADING=EAGER set before CUDA starts (`require_eager_loading` says why).
+Under compute-sanitizer at P = 8, also CUDA_DEVICE_MAX_CONNECTIONS=32: with the default 8
+hardware work queues, ranks 4-7's kernels waited in the queues of ranks 0-3's, which wait for
+them (seen on the H200, 2026-12-02; tests/gpu/run_all.sh sets it for its sanitizer steps).
 """
 
 from __future__ import annotations

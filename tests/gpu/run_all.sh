@@ -40,10 +40,14 @@ step() {
 # runs tests/gpu/emu_short.py OPS WORLDS under `--tool TOOL` into LOG: it fails on any of them or
 # on a wrong result. Usage: step bash -c "$(emu_sanitized TOOL OPS WORLDS LOG)".
 SANITIZER_ERRORS='Invalid (__global__|__shared__|__local__)|Out of bounds|Misaligned|Barrier error|Race reported|Error: process didn'
+# CUDA_DEVICE_MAX_CONNECTIONS=32: under the sanitizer, with the default 8 hardware work queues,
+# ranks 4-7 of P = 8 never started (their kernels queued behind ranks 0-3's, which wait for
+# them); with 32 every op passes at P = 8 (2026-12-02).
 emu_sanitized() {
   local tool=$1 ops=$2 worlds=$3 log=$4
-  echo "compute-sanitizer --tool $tool --print-limit 50 $PY tests/gpu/emu_short.py $ops $worlds \
-    > $log 2>&1; tail -5 $log; ! grep -E '$SANITIZER_ERRORS' $log && grep -q 'emu_short: OK' $log"
+  echo "CUDA_DEVICE_MAX_CONNECTIONS=32 compute-sanitizer --tool $tool --print-limit 50 \
+    $PY tests/gpu/emu_short.py $ops $worlds > $log 2>&1; tail -5 $log;
+    ! grep -E '$SANITIZER_ERRORS' $log && grep -q 'emu_short: OK' $log"
 }
 
 # The package imports with its extension, outside the source tree, on a Hopper GPU.
@@ -231,10 +235,8 @@ section_moe_fused() {
   done
   local log=${PK_JAX_LOG_DIR:-/tmp}/pk_jax_sanitize
   mkdir -p "$log"
-  # P = 2 and 4 only: at P = 8 the sanitizer does not run the eight ranks' kernels at once (the
-  # waits time out, as gemm_rs's do; section sanitize)
   for tool in memcheck synccheck; do
-    step bash -c "$(emu_sanitized $tool moe_dispatch_gemm 2,4 "$log/moe_fused_$tool.log")"
+    step bash -c "$(emu_sanitized $tool moe_dispatch_gemm 2,4,8 "$log/moe_fused_$tool.log")"
   done
   step "$PY" bench/bench_moe.py --quick
 }
@@ -273,17 +275,17 @@ section_ulysses_bwd() {
   step "$PY" bench/plot_sp_attention.py  # bench/results/sp_attention.png (ring and Ulysses rows)
 }
 
-# compute-sanitizer over a short emulated run of every op (P = 2, 4): device-side errors only
+# compute-sanitizer over a short emulated run of every op (P = 2, 4, 8): device-side errors only
 # (host-side cuGetProcAddress probes are reported as CUDA_ERROR_INVALID_VALUE: ignored).
-# Every cross-rank op but the fused MoE kernels (one call each at P = 2 and 4). At P = 8 under
-# memcheck, gemm_rs's ranks 4-7 never started within 120 s (ranks 0-3 timed out waiting for
-# them, 2026-12-01), so P = 8 is left out.
+# Every cross-rank op but the fused MoE kernels (one call each at P = 2, 4 and 8; P = 8 needs
+# the hardware work queues that emu_sanitized sets).
 SANITIZE_OPS=all_reduce,all_gather,reduce_scatter,all_to_all,gemm_rs,ag_gemm,gemm_ar,moe_dispatch,moe_combine,ring_attn,ring_attn_bwd,ulysses_attn
 section_sanitize() {
+  export CUDA_MODULE_LOADING=EAGER  # the emulated attention step (pk_jax.testing needs it)
   local log=${PK_JAX_LOG_DIR:-/tmp}/pk_jax_sanitize
   mkdir -p "$log"
   for tool in memcheck synccheck; do
-    step bash -c "$(emu_sanitized $tool $SANITIZE_OPS 2,4 "$log/$tool.log")"
+    step bash -c "$(emu_sanitized $tool $SANITIZE_OPS 2,4,8 "$log/$tool.log")"
   done
   # The one-pass attention backward (in the emulated Ulysses backward) under memcheck.
   PK_JAX_EMU_ULYSSES_CALLS=1 step bash -c "compute-sanitizer --tool memcheck --print-limit 50 \
