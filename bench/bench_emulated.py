@@ -17,8 +17,8 @@ Per P and link setting:
   collective's): gemm_rs (matmul + reduce_scatter), ag_gemm (all_gather + matmul), gemm_ar
   (matmul + all_reduce), at a few (M, N, K) with K the whole contraction; the cost model's
   predictions for both modes next to the measurements, with the model's constants scaled to a
-  partition (SMs, peak, HBM / P; link = the cap when throttled, the measured copy rate / P
-  when not); ag_gemm with the comm SMs of the model's best fused plan (`--comm-sms-sweep
+  partition (SMs, peak, HBM / P, the partition's measured GEMM rate; link = the cap when
+  throttled, `unthrottled_link_gbps` when not); ag_gemm with the comm SMs of the model's best fused plan (`--comm-sms-sweep
   2,4,8` adds rows at those counts first, marked `comm_sms_forced`);
 - the four collectives at 32 MiB per rank against a device copy of the same bytes on every
   rank's stream at once (what the shared HBM allows); throttled rows also give the link floor
@@ -138,9 +138,9 @@ def unthrottled_link_gbps(p: int, partition_copy_gbps: float) -> float:
     """What one of P ranks moves per second when every rank copies at once, unthrottled: its
     partition's own copy rate (measured, SM-bound below 64 SMs: 1.39 / 1.06 / 0.57 TB/s at
     P = 2 / 4 / 8), or its 1/P of the shared HBM's copy rate (cost_model.H200.copy_gbps counts
-    bytes read + written), whichever is lower. Rows before 2026-12-02 06:00 UTC took the
-    partition's rate / P, as if it were the whole HBM's: at P = 8 that is 72 GB/s, where the
-    serial all_gather of ag_gemm measured about 195 GB/s per rank."""
+    bytes read + written), whichever is lower. Rows without `partition_copy_gbps` (before
+    f8bff60) took the partition's rate / P, as if it were the whole HBM's: at P = 8 that is
+    72 GB/s, where the serial all_gather of ag_gemm measured about 195 GB/s per rank."""
     return min(partition_copy_gbps, cost_model.H200.copy_gbps / 2 / p)
 
 
