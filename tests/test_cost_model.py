@@ -65,6 +65,31 @@ def test_fused_margin_is_the_measured_p1_error():
         assert cm.FUSED_MARGIN[op] == pytest.approx(check_cost_model.fused_margin(op), abs=5e-4)
 
 
+def test_emulated_cases_use_the_rows_rates():
+    # check_cost_model judges the model with each emulated row's own constants: the throttle's
+    # cap, or unthrottled the lower of the partition's copy rate and its share of the HBM (rows
+    # before partition_copy_gbps stored that rate / P), and the measured partition GEMM rate.
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
+    import check_cost_model
+    from bench_emulated import partition_gpu, unthrottled_link_gbps
+
+    hbm_share = cm.H200.copy_gbps / 2 / 8
+    old = {"world": 8, "link": "unthrottled", "link_gbps": 71.8}
+    assert check_cost_model.link_gbps(old) == pytest.approx(min(71.8 * 8, hbm_share))
+    new = dict(old, partition_copy_gbps=100.0)
+    assert check_cost_model.link_gbps(new) == pytest.approx(100.0)
+    capped = {"world": 8, "link": "throttled 1750 FLOP/B", "throttled": True, "link_gbps": 56.8}
+    assert check_cost_model.link_gbps(capped) == 56.8
+    assert unthrottled_link_gbps(2, 1356.0) == pytest.approx(cm.H200.copy_gbps / 2 / 2)
+    gpu = partition_gpu(4, 32, 100.0, tflops=206.1)
+    assert gpu.peak_tflops * gpu.gemm_efficiency == pytest.approx(206.1)
+    assert partition_gpu(4, 32, 100.0).gemm_efficiency == cm.H200.gemm_efficiency
+    # the comm-SM sweep's rows are data, not cases: the latest row per case is the model's
+    for op in cm.OPS:
+        assert all(not r.get("comm_sms_forced")
+                   for r in check_cost_model.latest_rows(op).values())
+
+
 def test_terms_add_up():
     pl = cm.predict("gemm_rs", 8192, 8192, 1024, 8, mode="fused")
     t = pl.terms
