@@ -33,8 +33,8 @@ a real node's ratio. Only the emulator sets it: pk.init's communicators never pa
 
 Needs CUDA_MODULE_LOADING=EAGER set before CUDA starts (`require_eager_loading` says why).
 Under compute-sanitizer at P = 8, also CUDA_DEVICE_MAX_CONNECTIONS=32: with the default 8
-hardware work queues, ranks 4-7's kernels waited in the queues of ranks 0-3's, which wait for
-them (seen on the H200, 2026-12-02; tests/gpu/run_all.sh sets it for its sanitizer steps).
+hardware work queues, ranks 4-7 never started (most likely queued behind ranks 0-3's kernels,
+which wait for them; on the H200, 2026-12-02, 32 fixed it; tests/gpu/run_all.sh sets it).
 """
 
 from __future__ import annotations

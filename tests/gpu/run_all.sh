@@ -41,8 +41,8 @@ step() {
 # on a wrong result. Usage: step bash -c "$(emu_sanitized TOOL OPS WORLDS LOG)".
 SANITIZER_ERRORS='Invalid (__global__|__shared__|__local__)|Out of bounds|Misaligned|Barrier error|Race reported|Error: process didn'
 # CUDA_DEVICE_MAX_CONNECTIONS=32: under the sanitizer, with the default 8 hardware work queues,
-# ranks 4-7 of P = 8 never started (their kernels queued behind ranks 0-3's, which wait for
-# them); with 32 every op passes at P = 8 (2026-12-02).
+# ranks 4-7 of P = 8 never started (most likely queued behind ranks 0-3's kernels, which wait
+# for them); with 32 every op passes at P = 8 (2026-12-02).
 emu_sanitized() {
   local tool=$1 ops=$2 worlds=$3 log=$4
   echo "CUDA_DEVICE_MAX_CONNECTIONS=32 compute-sanitizer --tool $tool --print-limit 50 \
