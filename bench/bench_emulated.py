@@ -18,8 +18,9 @@ Per P and link setting:
   (matmul + all_reduce), at a few (M, N, K) with K the whole contraction; the cost model's
   predictions for both modes next to the measurements, with the model's constants scaled to a
   partition (SMs, peak, HBM / P, the partition's measured GEMM rate; link = the cap when
-  throttled, `unthrottled_link_gbps` when not); ag_gemm with the comm SMs of the model's best fused plan (`--comm-sms-sweep
-  2,4,8` adds rows at those counts first, marked `comm_sms_forced`);
+  throttled, `unthrottled_link_gbps` when not); ag_gemm with the comm SMs of the model's best
+  fused plan (`--comm-sms-sweep 2,4,8` adds rows at those counts first, marked
+  `comm_sms_forced`);
 - the four collectives at 32 MiB per rank against a device copy of the same bytes on every
   rank's stream at once (what the shared HBM allows); throttled rows also give the link floor
   (bytes each rank moves across ranks / cap).

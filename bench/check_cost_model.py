@@ -137,9 +137,9 @@ def main() -> None:
         print(f"P=1 fused {op:8s} {s['m']}x{s['n']}x{s['k']:<5d} ({commit}): measured "
               f"{meas:8.1f} us predicted {pred:8.1f} us: {meas / pred - 1:+.3f}")
     for op in OPS:
-        print(f"the model's largest error on {op}'s fused time at P = 1: {fused_margin(op, errs):.3f} "
-              f"over {sum(e[0] == op for e in errs)} rows (cost_model.FUSED_MARGIN[{op!r}] = "
-              f"{cost_model.FUSED_MARGIN[op]})")
+        print(f"the model's largest error on {op}'s fused time at P = 1: "
+              f"{fused_margin(op, errs):.3f} over {sum(e[0] == op for e in errs)} rows "
+              f"(cost_model.FUSED_MARGIN[{op!r}] = {cost_model.FUSED_MARGIN[op]})")
     print()
     right = picks = bad_picks = total = 0
     for op in OPS:

@@ -127,9 +127,9 @@ FUSED_MARGIN = {"gemm_rs": 0.071, "ag_gemm": 0.044, "gemm_ar": 0.081}
 # Measured in the rank emulator on 2026-12-02 (bench_emulated --comm-sms-sweep 2,4,8 at b961664,
 # the GEMM at the partition's measured rate): (fused - the GEMM on the compute SMs) / T_comm was
 # 0.04-1.8 over 36 (P, link, K, comm SMs) points (above 1 only at P = 8 unthrottled), median
-# 0.38 over the 12 cases at the comm SMs the model picks, so the kernel hides about half. Until 861c0cf the
-# model counted all of it (1.0). Fit on the emulator's ag_gemm cases that check_cost_model also
-# judges (an earlier run): not an independent check.
+# 0.38 over the 12 cases at the comm SMs the model picks, so the kernel hides about half.
+# Until 861c0cf the model counted all of it (1.0). Fit on the emulator's ag_gemm cases that
+# check_cost_model also judges (an earlier run): not an independent check.
 GATHER_EXPOSED = 0.5
 
 

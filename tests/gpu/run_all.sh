@@ -223,7 +223,7 @@ section_ring() {
 # (tests/gpu/test_emulator_moe_fused.py; PK_JAX_EMU_MOE_CALLS / 4 back-to-back calls per P and
 # op, 25 by default here), through JAX with PK_JAX_MOE_FUSED_SIZES processes sharing the GPU
 # (default 2; against the compositions), compute-sanitizer memcheck and synccheck over one fused
-# dispatch + GEMM call at P = 2 and 4, then bench_moe.py --quick (fused vs serial vs the
+# dispatch + GEMM call at P = 2, 4 and 8, then bench_moe.py --quick (fused vs serial vs the
 # reference's traffic + GEMM, emulated P = 8, DeepSeek-V3-like and Mixtral-like; rows into
 # bench/results/moe.jsonl). About 4 minutes.
 section_moe_fused() {
