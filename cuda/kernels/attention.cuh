@@ -111,11 +111,15 @@ __device__ inline void load_rows(Tile& tile, const CUtensorMap* map, mbarrier* b
   for (int p = 0; p < Tile::PANELS; ++p) tma::load_4d(tile.panel(p), map, bar, p * 64, head, row0, b);
 }
 
-/** @brief Shared memory of a kernel: a 1024-aligned view of the dynamic buffer. */
+/** @brief Shared memory of a kernel: a 1024-aligned view of the dynamic buffer. The view is
+ * the buffer plus an offset (not a pointer rebuilt from an integer), so the compiler keeps
+ * knowing it is shared memory and emits LDS/STS/ATOMS for plain accesses through it instead
+ * of generic loads and stores (the backward's lse, delta and dS tiles, release counters). */
 template <class S>
 __device__ inline S& storage() {
   extern __shared__ unsigned char smem_raw[];
-  return *reinterpret_cast<S*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const uint32_t at = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  return *reinterpret_cast<S*>(smem_raw + ((1024u - (at & 1023u)) & 1023u));
 }
 
 /** @brief Stores a consumer's 64 x D fp32 accumulator (times `mul`) to rows `row0`.. of
@@ -145,11 +149,14 @@ __device__ inline void store_rows(void* out, const float (&acc)[D / 2], float mu
  * tile `a`, B = every row of tile `b` (N of them), both K-major tiles of D / 64 panels. */
 template <typename T, int N, int D, class TA, class TB>
 __device__ inline void mma_rows_bt(float (&acc)[N / 2], const TA& a, int c, const TB& b) {
+  const uint64_t da0 = wgmma::desc_k_major(a.panel(0) + c * 64 * 64, 0);
+  const uint64_t db0 = wgmma::desc_k_major(b.panel(0), 0);
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
-    const uint64_t da = wgmma::desc_k_major(a.panel(kk / 4) + c * 64 * 64, (kk % 4) * 16);
-    const uint64_t db = wgmma::desc_k_major(b.panel(kk / 4), (kk % 4) * 16);
-    wgmma::mma<T, N, 0>(acc, da, db, kk > 0 ? 1 : 0);
+    const uint32_t at = (kk / 4) * TA::PANEL_BYTES + (kk % 4) * 16 * sizeof(T);
+    const uint32_t bt = (kk / 4) * TB::PANEL_BYTES + (kk % 4) * 16 * sizeof(T);
+    wgmma::mma<T, N, 0>(acc, wgmma::desc_advance(da0, at), wgmma::desc_advance(db0, bt),
+                        kk > 0 ? 1 : 0);
   }
 }
 
@@ -183,9 +190,9 @@ struct fwd_rows {
   /** @brief Issues O += P V with stage st's values (committed). */
   __device__ void pv(const typename C::storage_t& s, int st) {
     wgmma::fence();
+    const uint64_t db0 = wgmma::desc_mn_major(s.v[st].data, 0, C::kv_tile::PANEL_BYTES);
     frag::static_for<BN / 16>([&](auto kk) {
-      const uint64_t db = wgmma::desc_mn_major(s.v[st].data, kk * 16, C::kv_tile::PANEL_BYTES);
-      frag::mma_rs<T, D, 1, kk>(o, p, db, 1);
+      frag::mma_rs<T, D, 1, kk>(o, p, wgmma::desc_advance(db0, kk * 16 * 128), 1);
     });
     wgmma::commit();
   }
@@ -624,6 +631,15 @@ struct dkdv_step {
   template <class QPos>
   __device__ void grad_scores(const stage_t& stage, float sl2, bool masked, const QPos& qpos,
                               const int (&lim)[2]) {
+    // Two code paths: one shared path with the mask as a runtime flag costs an unmasked step
+    // about 100 instructions of comparisons and selects (ncu, D = 64).
+    if (masked) grad_scores_as<true>(stage, sl2, qpos, lim);
+    else grad_scores_as<false>(stage, sl2, qpos, lim);
+  }
+
+  template <bool MASKED, class QPos>
+  __device__ void grad_scores_as(const stage_t& stage, float sl2, const QPos& qpos,
+                                 const int (&lim)[2]) {
     const int lane = threadIdx.x % 32;
 #pragma unroll
     for (int jj = 0; jj < BQ / 8; ++jj) {
@@ -632,12 +648,12 @@ struct dkdv_step {
         const int col = 8 * jj + 2 * (lane % 4) + cc;
         const float l2 = stage.lse[col] * LOG2E;  // +inf past S: p = 0
         const float dl = stage.delta[col];
-        const int qp = masked ? qpos(col) : 0;
+        const int qp = MASKED ? qpos(col) : 0;
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
           const int el = 4 * jj + 2 * i + cc;
           float pr = frag::exp2_approx(fmaf(sc[el], sl2, -l2));
-          if (masked && qp < lim[i]) pr = 0.f;
+          if (MASKED && qp < lim[i]) pr = 0.f;
           sc[el] = pr;
           dp[el] = pr * (dp[el] - dl);
         }
@@ -660,13 +676,13 @@ struct dkdv_step {
     wgmma::fence_regs(dv);
     wgmma::fence_regs(dk);
     wgmma::fence();
+    const uint64_t d_o = wgmma::desc_mn_major(stage.d_o.data, 0, C::q_tile::PANEL_BYTES);
+    const uint64_t q = wgmma::desc_mn_major(stage.q.data, 0, C::q_tile::PANEL_BYTES);
     frag::static_for<BQ / 16>([&](auto kk) {
-      frag::mma_rs<T, D, 1, kk>(
-          dv, pa, wgmma::desc_mn_major(stage.d_o.data, kk * 16, C::q_tile::PANEL_BYTES), 1);
+      frag::mma_rs<T, D, 1, kk>(dv, pa, wgmma::desc_advance(d_o, kk * 16 * 128), 1);
     });
     frag::static_for<BQ / 16>([&](auto kk) {
-      frag::mma_rs<T, D, 1, kk>(
-          dk, dsa, wgmma::desc_mn_major(stage.q.data, kk * 16, C::q_tile::PANEL_BYTES), 1);
+      frag::mma_rs<T, D, 1, kk>(dk, dsa, wgmma::desc_advance(q, kk * 16 * 128), 1);
     });
     wgmma::commit();
   }
@@ -788,13 +804,15 @@ __global__ void __launch_bounds__(THREADS, 1) bwd_kernel(const __grid_constant__
   dkdv_step<C> step;
 
   mbar_wait(&s.kv_full, 0);
+  // Tile j is query block qb0 + qi of head h (qi = j % per_head) in stage st = j % STAGES,
+  // phase ph: counters, not divisions, in the loop.
+  int h = hk * group, qi = 0, st = 0;
+  uint32_t ph = 0;
   for (int j = 0; j < n_tiles; ++j) {
-    const int st = j % STAGES;
-    const int h = hk * group + j / per_head;
-    const int q0 = (qb0 + j % per_head) * BQ;
+    const int q0 = (qb0 + qi) * BQ;
     auto& stage = s.st[st];
     auto& ds = s.ds[j & 1];
-    mbar_wait(&s.full[st], (j / STAGES) & 1);
+    mbar_wait(&s.full[st], ph);
     step.scores(s, stage, c);
     const bool mask = dm.causal && q0 < k0 + c * 64 + 63;
     step.grad_scores(stage, sl2, mask, [&](int col) { return q0 + col; }, keys);
@@ -813,14 +831,15 @@ __global__ void __launch_bounds__(THREADS, 1) bwd_kernel(const __grid_constant__
     warpgroup::sync(BWD_DS, THREADS);
     float dq[DQN / 2];
     wgmma::fence();
+    // D = 64: columns 32.. start 64 bytes into the swizzled panel rows, like a k offset of a
+    // K-major operand (the hardware swizzles the final address).
+    const uint64_t da = wgmma::desc_mn_major(ds.data, 0, C::ds_tile::PANEL_BYTES);
+    const uint64_t db = wgmma::desc_mn_major(s.k.panel(nbeg / 64) + nbeg % 64, 0,
+                                             C::kv_tile::PANEL_BYTES);
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
-      // D = 64: columns 32.. start 64 bytes into the swizzled panel rows, like a k offset of
-      // a K-major operand (the hardware swizzles the final address).
-      mma_dq<T, DQN>(dq, wgmma::desc_mn_major(ds.data, 16 * kk, C::ds_tile::PANEL_BYTES),
-                     wgmma::desc_mn_major(s.k.panel(nbeg / 64) + nbeg % 64, 16 * kk,
-                                          C::kv_tile::PANEL_BYTES),
-                     kk > 0 ? 1 : 0);
+      mma_dq<T, DQN>(dq, wgmma::desc_advance(da, kk * 16 * 128),
+                     wgmma::desc_advance(db, kk * 16 * 128), kk > 0 ? 1 : 0);
     }
     wgmma::commit();
     wgmma::wait<0>();
@@ -840,6 +859,14 @@ __global__ void __launch_bounds__(THREADS, 1) bwd_kernel(const __grid_constant__
                      "f"(dq[4 * jj + 2 * i]), "f"(dq[4 * jj + 2 * i + 1])
                      : "memory");
       }
+    }
+    if (++qi == per_head) {
+      qi = 0;
+      ++h;
+    }
+    if (++st == STAGES) {
+      st = 0;
+      ph ^= 1;
     }
   }
   store_rows<T, D>(g.dk, dk, dm.scale, dm.scale, b, k0 + c * 64, hk, dm.hkv, dm.s);
