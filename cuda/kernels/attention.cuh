@@ -111,17 +111,6 @@ __device__ inline void load_rows(Tile& tile, const CUtensorMap* map, mbarrier* b
   for (int p = 0; p < Tile::PANELS; ++p) tma::load_4d(tile.panel(p), map, bar, p * 64, head, row0, b);
 }
 
-/** @brief Shared memory of a kernel: a 1024-aligned view of the dynamic buffer. The view is
- * the buffer plus an offset (not a pointer rebuilt from an integer), so the compiler keeps
- * knowing it is shared memory and emits LDS/STS/ATOMS for plain accesses through it instead
- * of generic loads and stores (the backward's lse, delta and dS tiles, release counters). */
-template <class S>
-__device__ inline S& storage() {
-  extern __shared__ unsigned char smem_raw[];
-  const uint32_t at = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
-  return *reinterpret_cast<S*>(smem_raw + ((1024u - (at & 1023u)) & 1023u));
-}
-
 /** @brief Stores a consumer's 64 x D fp32 accumulator (times `mul`) to rows `row0`.. of
  * [.., S, heads, D] at head `head`, dropping rows past S. */
 template <typename T, int D>
@@ -371,7 +360,7 @@ template <class C>
 __global__ void __launch_bounds__(THREADS, 1) fwd_kernel(const __grid_constant__ fwd_globals g) {
   using T = typename C::dtype;
   constexpr int BM = C::BM, BN = C::BN, STAGES = C::STAGES;
-  auto& s = storage<typename C::storage_t>();
+  auto& s = dynamic_smem<typename C::storage_t>();
   const dims& dm = g.d;
   const int h = blockIdx.x, b = blockIdx.z;
   const int qb = dm.causal ? static_cast<int>(gridDim.y - 1 - blockIdx.y) : blockIdx.y;
@@ -751,7 +740,7 @@ __global__ void __launch_bounds__(THREADS, 1) bwd_kernel(const __grid_constant__
   using T = typename C::dtype;
   constexpr int D = C::HEAD_DIM, BN = C::BN, BQ = C::BQ, STAGES = C::STAGES;
   constexpr int DQN = D / 2;  // the warpgroup's dQ columns
-  auto& s = storage<typename C::storage_t>();
+  auto& s = dynamic_smem<typename C::storage_t>();
   const dims& dm = g.d;
   const int hk = blockIdx.x, b = blockIdx.z;
   const int kb = blockIdx.y;  // causal: key block kb meets query rows from 128 kb on, so the

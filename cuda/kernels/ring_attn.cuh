@@ -191,7 +191,7 @@ template <class C>
 __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ globals g) {
   using T = typename C::dtype;
   constexpr int BM = C::BM, BN = C::BN, STAGES = C::STAGES;
-  auto& s = attention::storage<typename C::storage_t>();
+  auto& s = dynamic_smem<typename C::storage_t>();
   if (threadIdx.x == 0) {
     // NOTES: mbarrier waits get a quarter more than the signal waits, so a missing peer is
     // named by the signal wait (peer known) before an mbarrier wait gives up (peer -1).

@@ -118,7 +118,7 @@ __device__ void dq_block(const globals& g, int idx) {
   using CQ = typename C::CQ;
   using T = typename C::dtype;
   constexpr int D = C::HEAD_DIM, BM = CQ::BM, BN = CQ::BN, STAGES = CQ::STAGES;
-  auto& s = attention::storage<typename CQ::storage_t>();
+  auto& s = dynamic_smem<typename CQ::storage_t>();
   const ring_attn::globals& f = g.f;
   const attention::dims& dm = f.d;
   const tp::comm& cm = f.c;
@@ -233,7 +233,7 @@ __device__ void dkdv_lane(const globals& g, int ln) {
   using T = typename C::dtype;
   constexpr int D = C::HEAD_DIM, BN = CK::BN, BQ = CK::BQ, STAGES = CK::STAGES;
   static_assert(BN == C::BN, "ring_attn_bwd: the lanes' key tile is the ring's chunk tile");
-  auto& s = attention::storage<typename CK::storage_t>();
+  auto& s = dynamic_smem<typename CK::storage_t>();
   const ring_attn::globals& f = g.f;
   const attention::dims& dm = f.d;
   const tp::comm& cm = f.c;
@@ -442,7 +442,7 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ glo
   const int idx = static_cast<int>(blockIdx.x);
   if (idx < g.f.comm_blocks) {
     __syncthreads();
-    ring_attn::communicate<C>(g.f, idx, &attention::storage<typename C::CK::storage_t>());
+    ring_attn::communicate<C>(g.f, idx, &dynamic_smem<typename C::CK::storage_t>());
     return;
   }
   if (idx - g.f.comm_blocks < g.lanes) {

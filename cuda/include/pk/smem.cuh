@@ -19,6 +19,20 @@ __device__ __host__ constexpr uint32_t swizzle128_offset(int row, int col) {
 }
 
 /**
+ * @brief The kernel's dynamic shared memory as an S, 1024-aligned (the launch adds 1 KiB of
+ * slack). The view is the buffer plus an offset, not a pointer rebuilt from an integer, so the
+ * compiler keeps knowing it is shared memory and emits LDS/STS/ATOMS for plain accesses through
+ * it instead of generic loads and stores. (lcsc.cuh, grouped_matmul.cuh and the MoE kernels
+ * still align through uintptr_t; their shared accesses are mostly explicit PTX.)
+ */
+template <class S>
+__device__ inline S& dynamic_smem() {
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t at = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  return *reinterpret_cast<S*>(smem_raw + ((1024u - (at & 1023u)) & 1023u));
+}
+
+/**
  * @brief A ROWS x COLS tile of 2-byte elements stored as COLS/64 swizzled panels.
  * @tparam T bf16 or fp16.
  */
