@@ -319,13 +319,13 @@ struct fwd_rows {
  * completed). `released` counts the warpgroups' releases of each stage, forever (CONSUMERS per
  * round); the leader of the last warpgroup to release refills the stage with tile
  * r + STAGES (`issue`), so no warpgroup ever waits for another to free a stage. */
-template <int STAGES, class Issue>
+template <int WGS = CONSUMERS, int STAGES, class Issue>
 __device__ inline void release_stage(int (&released)[STAGES], int r, int n_tiles,
                                      const Issue& issue) {
   if (warpgroup::thread() == 0) {
     __threadfence_block();
     const int before = atomicAdd(&released[r % STAGES], 1);
-    if (before % CONSUMERS == CONSUMERS - 1 && r + STAGES < n_tiles) issue(r + STAGES);
+    if (before % WGS == WGS - 1 && r + STAGES < n_tiles) issue(r + STAGES);
   }
   __syncwarp();
 }
@@ -333,11 +333,12 @@ __device__ inline void release_stage(int (&released)[STAGES], int r, int n_tiles
 // ---------------------------------------------------------------------------------------------
 // Forward.
 
-template <typename T, int D>
+template <typename T, int D, int WGS = CONSUMERS>
 struct fwd_config {
   using dtype = T;
   static constexpr int HEAD_DIM = D;
-  static constexpr int BM = 128, BN = 128;
+  static constexpr int WARPGROUPS = WGS, THREADS = WGS * WARPGROUP_THREADS;
+  static constexpr int BM = 64 * WGS, BN = 128;
   static constexpr int STAGES = D == 128 ? 3 : 5;
   using q_tile = st_panels<T, BM, D>;
   using kv_tile = st_panels<T, BN, D>;
@@ -357,9 +358,10 @@ struct fwd_config {
 constexpr int FWD_TURN = 1;
 
 template <class C>
-__global__ void __launch_bounds__(THREADS, 1) fwd_kernel(const __grid_constant__ fwd_globals g) {
+__global__ void __launch_bounds__(C::THREADS, 1)
+    fwd_kernel(const __grid_constant__ fwd_globals g) {
   using T = typename C::dtype;
-  constexpr int BM = C::BM, BN = C::BN, STAGES = C::STAGES;
+  constexpr int BM = C::BM, BN = C::BN, STAGES = C::STAGES, WGS = C::WARPGROUPS;
   auto& s = dynamic_smem<typename C::storage_t>();
   const dims& dm = g.d;
   const int h = blockIdx.x, b = blockIdx.z;
@@ -395,16 +397,19 @@ __global__ void __launch_bounds__(THREADS, 1) fwd_kernel(const __grid_constant__
   const int c = warpgroup::index();
   const int t = warpgroup::thread();
   const int lane = t % 32;
-  auto release = [&](int r) { release_stage(s.released, r, n_tiles, issue); };
-  // Ping-pong: the warpgroups take turns issuing their GEMMs, so one's softmax runs under the
-  // other's GEMMs instead of both at once. Warpgroup 1 opens warpgroup 0's first turn; every
-  // turn but warpgroup 1's last hands the next one over (n_tiles + 1 turns each).
+  auto release = [&](int r) { release_stage<WGS>(s.released, r, n_tiles, issue); };
+  // Ping-pong: the warpgroups take turns issuing their GEMMs, in order 0, 1, .., WGS - 1, 0, ..,
+  // so one's softmax runs under the others' GEMMs instead of all at once. The last warpgroup
+  // opens warpgroup 0's first turn; every turn but the last warpgroup's last hands the next
+  // one over (n_tiles + 1 turns each). Each turn's barrier joins two warpgroups.
   int turns_left = n_tiles + 1;
-  auto take_turn = [&]() { warpgroup::sync(FWD_TURN + c, THREADS); };
+  auto take_turn = [&]() { warpgroup::sync(FWD_TURN + c, 2 * WARPGROUP_THREADS); };
   auto end_turn = [&]() {
-    if (--turns_left > 0 || c == 0) warpgroup::arrive(FWD_TURN + 1 - c, THREADS);
+    if (--turns_left > 0 || c != WGS - 1) {
+      warpgroup::arrive(FWD_TURN + (c + 1) % WGS, 2 * WARPGROUP_THREADS);
+    }
   };
-  if (c == 1) warpgroup::arrive(FWD_TURN, THREADS);
+  if (c == WGS - 1) warpgroup::arrive(FWD_TURN, 2 * WARPGROUP_THREADS);
   const int row_lo = q0 + c * 64 + 16 * (t / 32) + lane / 4;
   const int rows[2] = {row_lo, row_lo + 8};
   const float sl2 = dm.scale * LOG2E;
@@ -878,7 +883,7 @@ __global__ void dq_convert_kernel(const float4* __restrict__ acc, uint2* __restr
 
 template <class C, class G>
 inline cudaError_t launch_kernel(void (*kernel)(G), const G& g, dim3 grid, cudaStream_t stream,
-                                 int device) {
+                                 int device, int threads = THREADS) {
   static_assert(C::SMEM + sizeof(wait_bound) <= 232448,
                 "attention: shared memory over the sm_90 limit of 227 KiB");
   if (cudaError_t err = opt_in_smem(reinterpret_cast<const void*>(kernel), device,
@@ -886,16 +891,21 @@ inline cudaError_t launch_kernel(void (*kernel)(G), const G& g, dim3 grid, cudaS
       err != cudaSuccess) {
     return err;
   }
-  kernel<<<grid, THREADS, C::SMEM, stream>>>(g);
+  kernel<<<grid, threads, C::SMEM, stream>>>(g);
   return cudaGetLastError();
 }
+
+/** @brief The forward's query rows per block at head dim D: 64 per consumer warpgroup, three
+ * at D = 64 (see fwd_warpgroups), two at 128. The q map's box has this many rows. */
+constexpr int fwd_warpgroups(int d) { return d == 64 ? 3 : 2; }
+constexpr int fwd_block_rows(int d) { return 64 * fwd_warpgroups(d); }
 
 /** @brief The forward for head dim D: O and lse. */
 template <typename T, int D>
 inline cudaError_t launch_fwd(const fwd_globals& g, cudaStream_t stream, int device) {
-  using C = fwd_config<T, D>;
+  using C = fwd_config<T, D, fwd_warpgroups(D)>;
   const dim3 grid(g.d.h, ceil_div(g.d.s, C::BM), g.d.b);
-  return launch_kernel<C>(&fwd_kernel<C>, g, grid, stream, device);
+  return launch_kernel<C>(&fwd_kernel<C>, g, grid, stream, device, C::THREADS);
 }
 
 /** @brief The backward for head dim D: zero dq_acc, bwd_kernel (dK, dV, and dQ summed into
