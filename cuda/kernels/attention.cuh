@@ -6,17 +6,17 @@
  * query i sees keys 0..i. Every operand is read through a 4-D TMA map (tma_4d.cuh), so rows
  * past S arrive as zeros; the kernels mask those keys and never store those rows.
  *
- * Two kernels, one block of 2 consumer warpgroups each, 64 rows each of the block's
- * stationary tile, streaming the other operand through a ring of STAGES buffers with full
- * mbarriers. Thread 0 issues the first STAGES tiles before the loop; each later one is issued
- * by the leader of whichever warpgroup releases its stage last (release_stage), so neither
- * warpgroup waits for the other to free a stage (see NOTES at THREADS for why there is no
- * producer warpgroup):
+ * Two kernels, one block of 2 consumer warpgroups each (the forward at D = 64: 3), 64 rows
+ * each of the block's stationary tile, streaming the other operand through a ring of STAGES
+ * buffers with full mbarriers. Thread 0 issues the first STAGES tiles before the loop; each
+ * later one is issued by the leader of whichever warpgroup releases its stage last
+ * (release_stage), so no warpgroup waits for another to free a stage (see NOTES at THREADS
+ * for why there is no producer warpgroup):
  *
  *   kernel | block owns (stationary)  | streams (per step)      | consumer step
  *   -------+--------------------------+-------------------------+-------------------------------
- *   fwd    | 128 query rows: Q        | 128 keys: K, V          | S = Q K^T (smem x smem);
- *          |                          |                         | online softmax in registers;
+ *   fwd    | 128 query rows: Q (192   | 128 keys: K, V          | S = Q K^T (smem x smem);
+ *          | at D = 64)               |                         | online softmax in registers;
  *          |                          |                         | O += P V (P from registers)
  *   bwd    | 128 keys of head hk: K,V | 64 query rows of each   | S^T = K Q^T, dP^T = V dO^T;
  *          |                          | head of hk's group: Q,  | dV += P^T dO; dK += dS^T Q;
@@ -24,21 +24,22 @@
  *
  * The forward overlaps each step's softmax with the previous step's P V: step j issues
  * S_j = Q K_j^T and O += P_{j-1} V_{j-1}, waits for S_j only, runs the softmax of S_j while the
- * tensor cores finish P V, then rescales O. The two warpgroups also take turns issuing their
- * GEMMs (named barriers FWD_TURN, FWD_TURN + 1: ping-pong), so one's softmax runs under the
- * other's GEMMs. It writes O and lse = scale * max + log(sum) per
- * row. The backward recomputes P = exp(scale q k^T - lse) from the saved lse; delta =
- * rowsum(dO * O) comes from the caller (padded with lse = +inf past S, so padded rows give
- * P = 0). It runs in one pass, five GEMMs per step: dK and dV sum over the group's query heads
+ * tensor cores finish P V, then rescales O. The warpgroups also take turns issuing their
+ * GEMMs (named barriers FWD_TURN + c: ping-pong), so one's softmax runs under the others'
+ * GEMMs. At D = 64 the softmax's exponentials take as long as the GEMMs, so a third
+ * warpgroup gives each softmax two GEMMs to hide under. It writes O and lse = scale * max +
+ * log(sum) per row. The backward recomputes P = exp(scale q k^T - lse) from the saved lse;
+ * delta = rowsum(dO * O) comes from the caller (padded with lse = +inf past S, so padded rows
+ * give P = 0). It runs in one pass, five GEMMs per step: dK and dV sum over the group's query heads
  * in registers, and dQ's parts are summed into a float32 scratch dq_acc (zeroed by the launcher,
  * converted to dq by a second small kernel) with float32 reductions, so dq is not bitwise
  * reproducible (dk and dv are). ring_attn_bwd.cuh builds its dQ and dK/dV lanes from this
  * file's per-step pieces (dq_rows on dq_config's storage: 128 query rows, 64-key tiles;
  * dkdv_step on dkdv_config's).
  *
- * Grid: fwd (H, ceil(S / 128), B); bwd (Hkv, ceil(S / 128), B). Causal blocks run the longest
- * rows first (fwd: block y counts down; bwd: key block y meets the query rows from 128 y on)
- * and skip the tiles wholly above the diagonal.
+ * Grid: fwd (H, ceil(S / BM), B), BM = fwd_block_rows(D); bwd (Hkv, ceil(S / 128), B).
+ * Causal blocks run the longest rows first (fwd: block y counts down; bwd: key block y meets
+ * the query rows from 128 y on) and skip the tiles wholly above the diagonal.
  *
  * Signals: none (no peers).
  *
@@ -71,6 +72,7 @@ constexpr int CONSUMERS = 2;
 // ptxas (nvcc 13.0) then caps every thread at 168 registers, ignoring the setmaxnreg that
 // would hand the producer's share to the consumers; the forward's O, S and P (D = 128) and
 // the dK/dV kernel's two accumulators spilled there. With 256 threads they get up to 255.
+// The forward at D = 64 fits the cap (158 registers): it runs 3 warpgroups (fwd_warpgroups).
 constexpr int THREADS = CONSUMERS * WARPGROUP_THREADS;
 
 /** @brief Sizes shared by the kernels. */
@@ -80,7 +82,8 @@ struct dims {
   int causal;
 };
 
-/** @brief Forward arguments: maps {D, heads, S, B} with boxes {64, 1, 128, 1}. */
+/** @brief Forward arguments: maps {D, heads, S, B} with boxes {64, 1, rows, 1}, rows 128 for k
+ * and v and fwd_block_rows(D) for q. */
 struct fwd_globals {
   CUtensorMap q, k, v;
   void* o;     // [B, S, H, D]
@@ -316,7 +319,7 @@ struct fwd_rows {
 };
 
 /** @brief The calling warpgroup is done with streamed tile r (its GEMMs reading r's stage have
- * completed). `released` counts the warpgroups' releases of each stage, forever (CONSUMERS per
+ * completed). `released` counts the warpgroups' releases of each stage, forever (WGS per
  * round); the leader of the last warpgroup to release refills the stage with tile
  * r + STAGES (`issue`), so no warpgroup ever waits for another to free a stage. */
 template <int WGS = CONSUMERS, int STAGES, class Issue>
