@@ -898,8 +898,9 @@ inline cudaError_t launch_kernel(void (*kernel)(G), const G& g, dim3 grid, cudaS
   return cudaGetLastError();
 }
 
-/** @brief The forward's query rows per block at head dim D: 64 per consumer warpgroup, three
- * at D = 64 (see fwd_warpgroups), two at 128. The q map's box has this many rows. */
+/** @brief The forward's consumer warpgroups at head dim D: three at D = 64, where a softmax
+ * takes as long as a GEMM (file comment), two at 128 (registers: NOTES at THREADS); and its
+ * query rows per block, 64 per warpgroup, which are also the rows of the q map's box. */
 constexpr int fwd_warpgroups(int d) { return d == 64 ? 3 : 2; }
 constexpr int fwd_block_rows(int d) { return 64 * fwd_warpgroups(d); }
 
