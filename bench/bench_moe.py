@@ -49,7 +49,8 @@ What the numbers mean: each emulated rank has 1/8 of the SMs, and all ranks shar
 Correctness first: every configuration's outputs are checked exactly (integer inputs) against
 the numpy references of pk_jax.testing.ops before it is timed. Timing: back-to-back calls on
 every rank's stream, no host synchronisation inside a batch, wall clock per call, median of 5
-batches of 10.
+batches of 10. Rows go to bench/results/moe.jsonl; the plot (bench/results/moe.png, the latest
+row per op, shape and path) is drawn by bench/plot_moe.py when matplotlib is there.
 
     CUDA_MODULE_LOADING=EAGER python bench/bench_moe.py [--quick | --skewed] [--no-fused]
 
@@ -437,6 +438,11 @@ def main() -> None:
     if fused:
         print(f"geomean of the fused kernels vs serial: {common.geomean(fused):.2f}x "
               f"({len(fused)} rows)")
+    try:
+        import plot_moe
+        plot_moe.main()
+    except ImportError as e:
+        print(f"no plot: {e}")
     if FAILED:
         raise SystemExit("bench_moe: fused kernels failed their checks: " + "; ".join(FAILED))
 
