@@ -19,6 +19,16 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+
+def _gemm_series(op: str, reference: str, serial: str) -> list:
+    """A GEMM op's bars: the reference (timed apart), the serial path and the fused kernel."""
+    return [(reference, op, "serial", "baseline_median_us", "#999999"),
+            (serial, op, "serial", "median_us", "#1f77b4"),
+            ("fused (opt-in)", op, "fused", "median_us", "#d62728")]
+
+
+# (title, [(label, op, path, field, color)]): one panel each.
 PANELS = [
     ("moe_dispatch / moe_combine kernels vs the reference's all_gathers",
      [("all_gather of x", "moe_dispatch", None, "baseline_median_us", "#bbbbbb"),
@@ -26,17 +36,11 @@ PANELS = [
       ("all_gather of y", "moe_combine", None, "baseline_median_us", "#777777"),
       ("moe_combine", "moe_combine", None, "median_us", "#ff7f0e")]),
     ("first expert GEMM: dispatch + grouped GEMM",
-     [("reference traffic + grouped GEMM", "moe_dispatch_gemm", "serial", "baseline_median_us",
-       "#999999"),
-      ("serial (dispatch, grouped_matmul)", "moe_dispatch_gemm", "serial", "median_us",
-       "#1f77b4"),
-      ("fused (opt-in)", "moe_dispatch_gemm", "fused", "median_us", "#d62728")]),
+     _gemm_series("moe_dispatch_gemm", "reference traffic + grouped GEMM",
+                  "serial (dispatch, grouped_matmul)")),
     ("second expert GEMM + combine",
-     [("grouped GEMM + reference traffic", "moe_gemm_combine", "serial", "baseline_median_us",
-       "#999999"),
-      ("serial (grouped_matmul, moe_combine)", "moe_gemm_combine", "serial", "median_us",
-       "#1f77b4"),
-      ("fused (opt-in)", "moe_gemm_combine", "fused", "median_us", "#d62728")]),
+     _gemm_series("moe_gemm_combine", "grouped GEMM + reference traffic",
+                  "serial (grouped_matmul, moe_combine)")),
 ]
 
 
