@@ -184,7 +184,8 @@ struct fwd_rows {
     wgmma::fence();
     const uint64_t db0 = wgmma::desc_mn_major(s.v[st].data, 0, C::kv_tile::PANEL_BYTES);
     frag::static_for<BN / 16>([&](auto kk) {
-      frag::mma_rs<T, D, 1, kk>(o, p, wgmma::desc_advance(db0, kk * 16 * 128), 1);
+      const uint32_t at = wgmma::mn_major_k_bytes(16 * kk);
+      frag::mma_rs<T, D, 1, kk>(o, p, wgmma::desc_advance(db0, at), 1);
     });
     wgmma::commit();
   }
@@ -676,10 +677,12 @@ struct dkdv_step {
     const uint64_t d_o = wgmma::desc_mn_major(stage.d_o.data, 0, C::q_tile::PANEL_BYTES);
     const uint64_t q = wgmma::desc_mn_major(stage.q.data, 0, C::q_tile::PANEL_BYTES);
     frag::static_for<BQ / 16>([&](auto kk) {
-      frag::mma_rs<T, D, 1, kk>(dv, pa, wgmma::desc_advance(d_o, kk * 16 * 128), 1);
+      const uint32_t at = wgmma::mn_major_k_bytes(16 * kk);
+      frag::mma_rs<T, D, 1, kk>(dv, pa, wgmma::desc_advance(d_o, at), 1);
     });
     frag::static_for<BQ / 16>([&](auto kk) {
-      frag::mma_rs<T, D, 1, kk>(dk, dsa, wgmma::desc_advance(q, kk * 16 * 128), 1);
+      const uint32_t at = wgmma::mn_major_k_bytes(16 * kk);
+      frag::mma_rs<T, D, 1, kk>(dk, dsa, wgmma::desc_advance(q, at), 1);
     });
     wgmma::commit();
   }
@@ -700,6 +703,7 @@ struct dkdv_step {
 template <typename T, int D>
 struct bwd_config : dkdv_config<T, D> {
   using base = dkdv_config<T, D>;
+  static constexpr int THREADS = attention::THREADS;  // bwd_kernel's launch bounds
   static constexpr int STAGES = D == 128 ? 3 : 6;
   using ds_tile = st_panels<T, base::BN, base::BQ>;  // dS^T: 128 keys (k rows) x 64 queries
   struct storage_t {
@@ -835,8 +839,9 @@ __global__ void __launch_bounds__(THREADS, 1) bwd_kernel(const __grid_constant__
                                              C::kv_tile::PANEL_BYTES);
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
-      mma_dq<T, DQN>(dq, wgmma::desc_advance(da, kk * 16 * 128),
-                     wgmma::desc_advance(db, kk * 16 * 128), kk > 0 ? 1 : 0);
+      const uint32_t at = wgmma::mn_major_k_bytes(16 * kk);
+      mma_dq<T, DQN>(dq, wgmma::desc_advance(da, at), wgmma::desc_advance(db, at),
+                     kk > 0 ? 1 : 0);
     }
     wgmma::commit();
     wgmma::wait<0>();
@@ -886,7 +891,7 @@ __global__ void dq_convert_kernel(const float4* __restrict__ acc, uint2* __restr
 
 template <class C, class G>
 inline cudaError_t launch_kernel(void (*kernel)(G), const G& g, dim3 grid, cudaStream_t stream,
-                                 int device, int threads = THREADS) {
+                                 int device) {
   static_assert(C::SMEM + sizeof(wait_bound) <= 232448,
                 "attention: shared memory over the sm_90 limit of 227 KiB");
   if (cudaError_t err = opt_in_smem(reinterpret_cast<const void*>(kernel), device,
@@ -894,7 +899,7 @@ inline cudaError_t launch_kernel(void (*kernel)(G), const G& g, dim3 grid, cudaS
       err != cudaSuccess) {
     return err;
   }
-  kernel<<<grid, threads, C::SMEM, stream>>>(g);
+  kernel<<<grid, C::THREADS, C::SMEM, stream>>>(g);
   return cudaGetLastError();
 }
 
@@ -909,7 +914,7 @@ template <typename T, int D>
 inline cudaError_t launch_fwd(const fwd_globals& g, cudaStream_t stream, int device) {
   using C = fwd_config<T, D, fwd_warpgroups(D)>;
   const dim3 grid(g.d.h, ceil_div(g.d.s, C::BM), g.d.b);
-  return launch_kernel<C>(&fwd_kernel<C>, g, grid, stream, device, C::THREADS);
+  return launch_kernel<C>(&fwd_kernel<C>, g, grid, stream, device);
 }
 
 /** @brief The backward for head dim D: zero dq_acc, bwd_kernel (dK, dV, and dQ summed into

@@ -63,6 +63,10 @@ __device__ inline uint64_t desc_k_major(const T* tile, int k) {
   return make_desc(smem_addr(tile) + k * sizeof(T), 16, 1024);
 }
 
+/** @brief Bytes from k row 0 to k row `k` of an MN-major 128B-swizzled panel (one 128-byte
+ * row per k): the offset desc_mn_major applies and desc_advance moves by. */
+__device__ __host__ constexpr uint32_t mn_major_k_bytes(int k) { return uint32_t(k) * 128; }
+
 /**
  * @brief Descriptor of an MN-major 128B-swizzled operand made of 64-wide panels
  * `panel_bytes` apart (each panel: rows of 64 MN elements, one row per k), at k row `k`
@@ -70,7 +74,7 @@ __device__ inline uint64_t desc_k_major(const T* tile, int k) {
  */
 template <typename T>
 __device__ inline uint64_t desc_mn_major(const T* tile, int k, uint32_t panel_bytes) {
-  return make_desc(smem_addr(tile) + k * 128, panel_bytes, 1024);
+  return make_desc(smem_addr(tile) + mn_major_k_bytes(k), panel_bytes, 1024);
 }
 
 /** @brief Orders register accesses before the next wgmma (call before a batch of MMAs). */
