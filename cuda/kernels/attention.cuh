@@ -74,6 +74,10 @@ constexpr int CONSUMERS = 2;
 // the dK/dV kernel's two accumulators spilled there. With 256 threads they get up to 255.
 // The forward at D = 64 fits the cap (158 registers): it runs 3 warpgroups (fwd_warpgroups).
 constexpr int THREADS = CONSUMERS * WARPGROUP_THREADS;
+// The ring and Ulysses forwards refill a stage from one thread, which waits on the stage's
+// empty mbarrier for every warpgroup's release: the last warpgroup's leader, which under the
+// ping-pong (turns) releases each stage last, so it rarely waits.
+constexpr int LAST_LEADER = THREADS - WARPGROUP_THREADS;
 
 /** @brief Sizes shared by the kernels. */
 struct dims {
@@ -151,6 +155,36 @@ __device__ inline void mma_rows_bt(float (&acc)[N / 2], const TA& a, int c, cons
                         kk > 0 ? 1 : 0);
   }
 }
+
+// Named barriers of the forward's ping-pong: warpgroup c issues its GEMMs after passing
+// FWD_TURN + c, and then lets the next warpgroup pass.
+constexpr int FWD_TURN = 1;
+
+/**
+ * @brief The forward's ping-pong (ENABLED): the WGS warpgroups of a block take turns issuing
+ * their GEMMs, in order 0, 1, .., WGS - 1, 0, .., so one's softmax runs under the others'
+ * GEMMs instead of all at once. Each turn's named barrier joins two warpgroups: the last
+ * warpgroup opens warpgroup 0's first turn (constructor), and every turn but the last
+ * warpgroup's final one hands the next warpgroup its turn. Disabled: no-ops.
+ */
+template <int WGS, bool ENABLED>
+struct turns {
+  int c;
+  __device__ explicit turns(int wg) : c(wg) {
+    if (ENABLED && c == WGS - 1) warpgroup::arrive(FWD_TURN, 2 * WARPGROUP_THREADS);
+  }
+  __device__ void take() const {
+    if constexpr (ENABLED) warpgroup::sync(FWD_TURN + c, 2 * WARPGROUP_THREADS);
+  }
+  /** @brief Ends the warpgroup's turn; `final`: its last turn of the stream. */
+  __device__ void end(bool final) const {
+    if constexpr (ENABLED) {
+      if (!final || c != WGS - 1) {
+        warpgroup::arrive(FWD_TURN + (c + 1) % WGS, 2 * WARPGROUP_THREADS);
+      }
+    }
+  }
+};
 
 /**
  * @brief One forward consumer warpgroup's 64 query rows over a stream of 128-key tiles: its
@@ -256,15 +290,21 @@ struct fwd_rows {
    * number j (the first is `cur`, then next(item) while more(item)) and sits in stage
    * j % STAGES behind the k_full / v_full mbarriers; softmax(item) masks its scores and
    * updates, release(j) frees tile j's stage. The softmax of tile j overlaps P V of tile
-   * j - 1. (The attention forward's own loop adds the ping-pong turns.)
+   * j - 1. With TURNS the block's warpgroups also take turns issuing their GEMMs (ping-pong,
+   * see `turns`), so one's softmax runs under the others' GEMMs; every warpgroup of the block
+   * must then fold a stream of the same length.
    */
-  template <class Item, class Next, class More, class Softmax, class Release>
+  template <bool TURNS = false, class Item, class Next, class More, class Softmax,
+            class Release>
   __device__ void fold(typename C::storage_t& s, int c, Item cur, const Next& next,
                        const More& more, const Softmax& softmax, const Release& release) {
     constexpr int STAGES = C::STAGES;
+    turns<C::WARPGROUPS, TURNS> turn(c);
     mbar_wait(&s.q_full, 0);
     mbar_wait(&s.k_full[0], 0);
+    turn.take();
     qk(s, c, 0);
+    turn.end(false);
     wgmma::wait<0>();
     wgmma::fence_regs(sc);
     softmax(cur);
@@ -273,10 +313,14 @@ struct fwd_rows {
     for (cur = next(cur); more(cur); cur = next(cur), ++j) {
       const int st = j % STAGES, prev = (j - 1) % STAGES;
       mbar_wait(&s.k_full[st], (j / STAGES) & 1);
+      // With turns, both waits come first: a warpgroup holding the turn must not wait for data.
+      if constexpr (TURNS) mbar_wait(&s.v_full[prev], ((j - 1) / STAGES) & 1);
+      turn.take();
       qk(s, c, st);
-      mbar_wait(&s.v_full[prev], ((j - 1) / STAGES) & 1);
+      if constexpr (!TURNS) mbar_wait(&s.v_full[prev], ((j - 1) / STAGES) & 1);
       wgmma::fence_regs(o);
       pv(s, prev);
+      turn.end(false);
       wgmma::wait<1>();
       wgmma::fence_regs(sc);
       softmax(cur);
@@ -289,8 +333,10 @@ struct fwd_rows {
     }
     const int last = (j - 1) % STAGES;
     mbar_wait(&s.v_full[last], ((j - 1) / STAGES) & 1);
+    turn.take();
     wgmma::fence_regs(o);
     pv(s, last);
+    turn.end(true);
     wgmma::wait<0>();
     wgmma::fence_regs(o);
     frag::fence_regs(p);
@@ -357,10 +403,6 @@ struct fwd_config {
   static constexpr size_t SMEM = sizeof(storage_t) + 1024;
 };
 
-// Named barriers of the forward's ping-pong: warpgroup c issues its GEMMs after passing
-// FWD_TURN + c, and then lets the other warpgroup pass.
-constexpr int FWD_TURN = 1;
-
 template <class C>
 __global__ void __launch_bounds__(C::THREADS, 1)
     fwd_kernel(const __grid_constant__ fwd_globals g) {
@@ -402,18 +444,6 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   const int t = warpgroup::thread();
   const int lane = t % 32;
   auto release = [&](int r) { release_stage<WGS>(s.released, r, n_tiles, issue); };
-  // Ping-pong: the warpgroups take turns issuing their GEMMs, in order 0, 1, .., WGS - 1, 0, ..,
-  // so one's softmax runs under the others' GEMMs instead of all at once. The last warpgroup
-  // opens warpgroup 0's first turn; every turn but the last warpgroup's last hands the next
-  // one over (n_tiles + 1 turns each). Each turn's barrier joins two warpgroups.
-  int turns_left = n_tiles + 1;
-  auto take_turn = [&]() { warpgroup::sync(FWD_TURN + c, 2 * WARPGROUP_THREADS); };
-  auto end_turn = [&]() {
-    if (--turns_left > 0 || c != WGS - 1) {
-      warpgroup::arrive(FWD_TURN + (c + 1) % WGS, 2 * WARPGROUP_THREADS);
-    }
-  };
-  if (c == WGS - 1) warpgroup::arrive(FWD_TURN, 2 * WARPGROUP_THREADS);
   const int row_lo = q0 + c * 64 + 16 * (t / 32) + lane / 4;
   const int rows[2] = {row_lo, row_lo + 8};
   const float sl2 = dm.scale * LOG2E;
@@ -426,45 +456,8 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     if (tail || diag) r.mask(k0, dm.s, dm.causal, [](int key) { return key; }, rows);
     r.softmax(sl2);
   };
-
-  mbar_wait(&s.q_full, 0);
-  mbar_wait(&s.k_full[0], 0);
-  take_turn();
-  r.qk(s, c, 0);
-  end_turn();
-  wgmma::wait<0>();
-  wgmma::fence_regs(r.sc);
-  softmax(0);
-  frag::to_a<T>(r.p, r.sc);
-  for (int j = 1; j < n_tiles; ++j) {
-    const int st = j % STAGES, prev = (j - 1) % STAGES;
-    mbar_wait(&s.k_full[st], (j / STAGES) & 1);
-    mbar_wait(&s.v_full[prev], ((j - 1) / STAGES) & 1);
-    take_turn();
-    r.qk(s, c, st);
-    wgmma::fence_regs(r.o);
-    r.pv(s, prev);
-    end_turn();
-    wgmma::wait<1>();
-    wgmma::fence_regs(r.sc);
-    softmax(j);
-    wgmma::wait<0>();
-    wgmma::fence_regs(r.o);
-    frag::fence_regs(r.p);
-    release(j - 1);
-    r.rescale();
-    frag::to_a<T>(r.p, r.sc);
-  }
-  const int last = (n_tiles - 1) % STAGES;
-  mbar_wait(&s.v_full[last], ((n_tiles - 1) / STAGES) & 1);
-  take_turn();
-  wgmma::fence_regs(r.o);
-  r.pv(s, last);
-  end_turn();
-  wgmma::wait<0>();
-  wgmma::fence_regs(r.o);
-  frag::fence_regs(r.p);
-  release(n_tiles - 1);
+  r.template fold<true>(s, c, 0, [](int j) { return j + 1; },
+                        [&](int j) { return j < n_tiles; }, softmax, release);
   r.store(g.o, g.lse + (int64_t(b) * dm.h + h) * dm.s, b, q0 + c * 64, h, dm.h, dm.s,
           dm.scale);
 }

@@ -239,7 +239,7 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ glo
     return it;
   };
 
-  const bool issuer = threadIdx.x == 0;
+  const bool issuer = threadIdx.x == attention::LAST_LEADER;
   item pit{0, -1};         // the issuer's next item to load
   item waited{0, 0};       // the last (step, chunk) whose FULL the issuer has seen
   auto issue = [&](int j) {
@@ -307,9 +307,9 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ glo
   };
 
   // The stream of items: the same order as the issuer's (softmax of item j overlaps P V of
-  // item j - 1, as in the attention forward).
-  r.fold(s, c, advance(item{0, -1}), advance, [&](item it) { return it.t < P; }, softmax,
-         release);
+  // item j - 1, and the warpgroups take turns, as in the attention forward).
+  r.template fold<true>(s, c, advance(item{0, -1}), advance,
+                        [&](item it) { return it.t < P; }, softmax, release);
   r.store(g.o, g.lse + (int64_t(b) * dm.h + h) * dm.s, b, q0 + c * 64, h, dm.h, dm.s,
           dm.scale);
 }

@@ -246,7 +246,7 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ glo
     fence_proxy_async_global();  // the acquires before the TMA reads of the section
   };
 
-  const bool issuer = threadIdx.x == 0;
+  const bool issuer = threadIdx.x == attention::LAST_LEADER;
   item pit{0, -1};  // the issuer's next item to load
   int waited = -1;  // the issuer has seen FULL for the sources of items t <= waited
   auto issue = [&](int j) {
@@ -309,8 +309,9 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ glo
     r.softmax(sl2);
   };
 
-  r.fold(s, c, advance(item{0, -1}), advance, [&](item it) { return it.t < P; }, softmax,
-         release);
+  // The warpgroups take turns issuing their GEMMs (ping-pong), as in the attention forward.
+  r.template fold<true>(s, c, advance(item{0, -1}), advance,
+                        [&](item it) { return it.t < P; }, softmax, release);
 
   // O and lse of rows of source `src` into my OW / LW at index src B + b.
   const int bz = src * dm.b + b;
