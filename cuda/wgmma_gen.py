@@ -1,7 +1,7 @@
 # Generates cuda/include/pk/wgmma_ops.cuh (the wgmma inline-asm wrappers):
 #   python cuda/wgmma_gen.py > cuda/include/pk/wgmma_ops.cuh
 out = []
-for n in (64, 128, 256):
+for n in (64, 128, 176, 256):
     regs = n // 2
     for tname, ptx in (("bf16", "bf16"), ("f16", "f16")):
         dlist = ", ".join(f"%{i}" for i in range(regs))

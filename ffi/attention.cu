@@ -63,8 +63,9 @@ Status LaunchAttention(const Where& at, const AttnArgs& a) {
     f.d = dm;
     const int q_rows = pk::attention::fwd_block_rows(int(a.d));
     if (Status s = Map(a.q, a.b, a.s, a.h, a.d, q_rows, type, &f.q); !s.ok()) return s;
-    if (Status s = Map(a.k, a.b, a.s, a.hkv, a.d, 128, type, &f.k); !s.ok()) return s;
-    if (Status s = Map(a.v, a.b, a.s, a.hkv, a.d, 128, type, &f.v); !s.ok()) return s;
+    const int kv_rows = pk::attention::fwd_block_keys(int(a.d), a.causal);
+    if (Status s = Map(a.k, a.b, a.s, a.hkv, a.d, kv_rows, type, &f.k); !s.ok()) return s;
+    if (Status s = Map(a.v, a.b, a.s, a.hkv, a.d, kv_rows, type, &f.v); !s.ok()) return s;
     err = type == 0 ? Launch<__nv_bfloat16>(a, &f, nullptr, at.stream, at.device)
                     : Launch<__half>(a, &f, nullptr, at.stream, at.device);
   } else {

@@ -11,12 +11,13 @@
  * buffers with full mbarriers. Thread 0 issues the first STAGES tiles before the loop; each
  * later one is issued by the leader of whichever warpgroup releases its stage last
  * (release_stage), so no warpgroup waits for another to free a stage (see NOTES at THREADS
- * for why there is no producer warpgroup):
+ * for why there is no producer warpgroup; the forward with 176-key tiles frees K and V apart,
+ * fwd_config::SPLIT_RELEASE):
  *
  *   kernel | block owns (stationary)  | streams (per step)      | consumer step
  *   -------+--------------------------+-------------------------+-------------------------------
- *   fwd    | 128 query rows: Q (192   | 128 keys: K, V          | S = Q K^T (smem x smem);
- *          | at D = 64)               |                         | online softmax in registers;
+ *   fwd    | 128 query rows: Q (192   | 128 keys: K, V (176 at  | S = Q K^T (smem x smem);
+ *          | at D = 64)               | D = 128, not causal)    | online softmax in registers;
  *          |                          |                         | O += P V (P from registers)
  *   bwd    | 128 keys of head hk: K,V | 64 query rows of each   | S^T = K Q^T, dP^T = V dO^T;
  *          |                          | head of hk's group: Q,  | dV += P^T dO; dK += dS^T Q;
@@ -86,8 +87,8 @@ struct dims {
   int causal;
 };
 
-/** @brief Forward arguments: maps {D, heads, S, B} with boxes {64, 1, rows, 1}, rows 128 for k
- * and v and fwd_block_rows(D) for q. */
+/** @brief Forward arguments: maps {D, heads, S, B} with boxes {64, 1, rows, 1}, rows
+ * fwd_block_keys(D, causal) for k and v and fwd_block_rows(D) for q. */
 struct fwd_globals {
   CUtensorMap q, k, v;
   void* o;     // [B, S, H, D]
@@ -383,13 +384,18 @@ __device__ inline void release_stage(int (&released)[STAGES], int r, int n_tiles
 // ---------------------------------------------------------------------------------------------
 // Forward.
 
-template <typename T, int D, int WGS = CONSUMERS>
+template <typename T, int D, int WGS = CONSUMERS, int KEYS = 128>
 struct fwd_config {
   using dtype = T;
   static constexpr int HEAD_DIM = D;
   static constexpr int WARPGROUPS = WGS, THREADS = WGS * WARPGROUP_THREADS;
-  static constexpr int BM = 64 * WGS, BN = 128;
-  static constexpr int STAGES = D == 128 ? 3 : 5;
+  static constexpr int BM = 64 * WGS, BN = KEYS;
+  static constexpr int STAGES = D == 64 ? 5 : BN == 128 ? 3 : 2;
+  // fwd_kernel frees a stage's K after the step's S = Q K^T and its V after P V, each refilled
+  // on its own, where only 2 stages fit (wider key tiles): freeing both after P V, the next K
+  // was issued one step before it was needed, 25% slower (H200, 2026-12-02). With 3 stages,
+  // freeing them apart cost 3% at D = 64 (two releases per step), so those free both at once.
+  static constexpr bool SPLIT_RELEASE = STAGES == 2;
   using q_tile = st_panels<T, BM, D>;
   using kv_tile = st_panels<T, BN, D>;
   struct storage_t {
@@ -399,6 +405,7 @@ struct fwd_config {
     mbarrier q_full, k_full[STAGES], v_full[STAGES];
     mbarrier empty[STAGES];  // ring_attn.cuh's kernel (same storage) frees stages with these
     int released[STAGES];    // see release_stage
+    int released_v[STAGES];  // fwd_kernel with SPLIT_RELEASE: V's (released: K's)
   };
   static constexpr size_t SMEM = sizeof(storage_t) + 1024;
 };
@@ -417,13 +424,20 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   const int kv_end = dm.causal ? min(dm.s, q0 + BM) : dm.s;
   const int n_tiles = ceil_div(kv_end, BN);
   const bool issuer = threadIdx.x == 0;
-  // Streamed tile j into stage j % STAGES (the stage is free).
-  auto issue = [&](int j) {
+  // Streamed tile j's K or V into stage j % STAGES (free); issue: both.
+  auto issue_k = [&](int j) {
     const int st = j % STAGES;
     mbar_arrive_expect_tx(&s.k_full[st], C::kv_tile::BYTES);
     load_rows(s.k[st], &g.k, &s.k_full[st], b, j * BN, hk);
+  };
+  auto issue_v = [&](int j) {
+    const int st = j % STAGES;
     mbar_arrive_expect_tx(&s.v_full[st], C::kv_tile::BYTES);
     load_rows(s.v[st], &g.v, &s.v_full[st], b, j * BN, hk);
+  };
+  auto issue = [&](int j) {
+    issue_k(j);
+    issue_v(j);
   };
   if (issuer) {
     block_wait_bound() = wait_bound{};
@@ -432,6 +446,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
       mbar_init(&s.k_full[i], 1);
       mbar_init(&s.v_full[i], 1);
       s.released[i] = 0;
+      if constexpr (C::SPLIT_RELEASE) s.released_v[i] = 0;
     }
     fence_mbar_init();
     mbar_arrive_expect_tx(&s.q_full, C::q_tile::BYTES);
@@ -443,7 +458,14 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   const int c = warpgroup::index();
   const int t = warpgroup::thread();
   const int lane = t % 32;
-  auto release = [&](int r) { release_stage<WGS>(s.released, r, n_tiles, issue); };
+  // K of tile r is done (SPLIT_RELEASE), V (or with 3 stages both) of tile r is done.
+  auto release_k = [&](int r) {
+    if constexpr (C::SPLIT_RELEASE) release_stage<WGS>(s.released, r, n_tiles, issue_k);
+  };
+  auto release_v = [&](int r) {
+    if constexpr (C::SPLIT_RELEASE) release_stage<WGS>(s.released_v, r, n_tiles, issue_v);
+    else release_stage<WGS>(s.released, r, n_tiles, issue);
+  };
   // Ping-pong (`turns`, written out with a turn counter; the same steps as fold<true>: through
   // fold, or with `turns`, nvcc 13.0 compiled the D = 64 kernel to one more register and a
   // 2-3% slower forward on the H200, 2026-12-02). The warpgroups take turns issuing their
@@ -477,6 +499,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   end_turn();
   wgmma::wait<0>();
   wgmma::fence_regs(r.sc);
+  release_k(0);
   softmax(0);
   frag::to_a<T>(r.p, r.sc);
   for (int j = 1; j < n_tiles; ++j) {
@@ -490,11 +513,12 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     end_turn();
     wgmma::wait<1>();
     wgmma::fence_regs(r.sc);
+    release_k(j);
     softmax(j);
     wgmma::wait<0>();
     wgmma::fence_regs(r.o);
     frag::fence_regs(r.p);
-    release(j - 1);
+    release_v(j - 1);
     r.rescale();
     frag::to_a<T>(r.p, r.sc);
   }
@@ -507,7 +531,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   wgmma::wait<0>();
   wgmma::fence_regs(r.o);
   frag::fence_regs(r.p);
-  release(n_tiles - 1);
+  release_v(n_tiles - 1);
   r.store(g.o, g.lse + (int64_t(b) * dm.h + h) * dm.s, b, q0 + c * 64, h, dm.h, dm.s,
           dm.scale);
 }
@@ -951,13 +975,25 @@ inline cudaError_t launch_kernel(void (*kernel)(G), const G& g, dim3 grid, cudaS
  * query rows per block, 64 per warpgroup, which are also the rows of the q map's box. */
 constexpr int fwd_warpgroups(int d) { return d == 64 ? 3 : 2; }
 constexpr int fwd_block_rows(int d) { return 64 * fwd_warpgroups(d); }
+/** @brief The forward's keys per streamed tile, also the rows of the k and v maps' boxes: 176
+ * at D = 128 without a causal mask (FlashAttention-3's tile; 2 stages, SPLIT_RELEASE, 235
+ * registers), where a step's fixed costs (waits, turns, the O rescale) spread over more keys:
+ * 2.5-6% faster than 128 keys on the H200 (2026-12-02). Causal calls keep 128, whose blocks
+ * end on the diagonal. */
+constexpr int fwd_block_keys(int d, bool causal) { return d == 128 && !causal ? 176 : 128; }
+
+template <typename T, int D, int KEYS>
+inline cudaError_t launch_fwd_as(const fwd_globals& g, cudaStream_t stream, int device) {
+  using C = fwd_config<T, D, fwd_warpgroups(D), KEYS>;
+  const dim3 grid(g.d.h, ceil_div(g.d.s, C::BM), g.d.b);
+  return launch_kernel<C>(&fwd_kernel<C>, g, grid, stream, device);
+}
 
 /** @brief The forward for head dim D: O and lse. */
 template <typename T, int D>
 inline cudaError_t launch_fwd(const fwd_globals& g, cudaStream_t stream, int device) {
-  using C = fwd_config<T, D, fwd_warpgroups(D)>;
-  const dim3 grid(g.d.h, ceil_div(g.d.s, C::BM), g.d.b);
-  return launch_kernel<C>(&fwd_kernel<C>, g, grid, stream, device);
+  if (g.d.causal) return launch_fwd_as<T, D, fwd_block_keys(D, true)>(g, stream, device);
+  return launch_fwd_as<T, D, fwd_block_keys(D, false)>(g, stream, device);
 }
 
 /** @brief The backward for head dim D: zero dq_acc, bwd_kernel (dK, dV, and dQ summed into

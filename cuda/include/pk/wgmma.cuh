@@ -98,7 +98,8 @@ __device__ inline void fence_regs(float (&d)[R]) {
 
 /**
  * @brief D (+)= A * B for one warpgroup: A 64x16 (K-major), B 16xN, D 64xN fp32 in registers.
- * @tparam T __nv_bfloat16 or __half. @tparam N 64, 128 or 256. @tparam TRANS_B 1: B MN-major.
+ * @tparam T __nv_bfloat16 or __half. @tparam N 64, 128, 176 or 256.
+ * @tparam TRANS_B 1: B MN-major.
  * @param scale_d 0 overwrites D (first k step), 1 accumulates.
  */
 template <typename T, int N, int TRANS_B>
@@ -108,11 +109,14 @@ __device__ inline void mma(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, 
   if constexpr (N == 256) {
     if constexpr (BF16) ops::mma_m64n256k16_bf16<TRANS_B>(d, desc_a, desc_b, scale_d);
     else ops::mma_m64n256k16_f16<TRANS_B>(d, desc_a, desc_b, scale_d);
+  } else if constexpr (N == 176) {
+    if constexpr (BF16) ops::mma_m64n176k16_bf16<TRANS_B>(d, desc_a, desc_b, scale_d);
+    else ops::mma_m64n176k16_f16<TRANS_B>(d, desc_a, desc_b, scale_d);
   } else if constexpr (N == 128) {
     if constexpr (BF16) ops::mma_m64n128k16_bf16<TRANS_B>(d, desc_a, desc_b, scale_d);
     else ops::mma_m64n128k16_f16<TRANS_B>(d, desc_a, desc_b, scale_d);
   } else {
-    static_assert(N == 64, "wgmma: N must be 64, 128 or 256");
+    static_assert(N == 64, "wgmma: N must be 64, 128, 176 or 256");
     if constexpr (BF16) ops::mma_m64n64k16_bf16<TRANS_B>(d, desc_a, desc_b, scale_d);
     else ops::mma_m64n64k16_f16<TRANS_B>(d, desc_a, desc_b, scale_d);
   }
