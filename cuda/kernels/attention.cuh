@@ -188,7 +188,7 @@ struct turns {
 };
 
 /**
- * @brief One forward consumer warpgroup's 64 query rows over a stream of 128-key tiles: its
+ * @brief One forward consumer warpgroup's 64 query rows over a stream of BN-key tiles: its
  * registers (O, the scores S, P packed for the next P V, the row max m and sum l) and the steps
  * every forward kernel takes with them (this one, ring_attn.cuh's and ulysses_attn.cuh's, all
  * on fwd_config's storage). Each thread holds rows row_lo and row_lo + 8 of the warpgroup.
@@ -394,7 +394,7 @@ struct fwd_config {
   // fwd_kernel frees a stage's K after the step's S = Q K^T and its V after P V, each refilled
   // on its own, where only 2 stages fit (wider key tiles): freeing both after P V, the next K
   // was issued one step before it was needed, 25% slower (H200, 2026-12-02). With 3 stages,
-  // freeing them apart cost 3% at D = 64 (two releases per step), so those free both at once.
+  // freeing them apart cost 5% at D = 64 (two releases per step), so those free both at once.
   static constexpr bool SPLIT_RELEASE = STAGES == 2;
   using q_tile = st_panels<T, BM, D>;
   using kv_tile = st_panels<T, BN, D>;
@@ -466,11 +466,10 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     if constexpr (C::SPLIT_RELEASE) release_stage<WGS>(s.released_v, r, n_tiles, issue_v);
     else release_stage<WGS>(s.released, r, n_tiles, issue);
   };
-  // Ping-pong (`turns`, written out with a turn counter; the same steps as fold<true>: through
-  // fold, or with `turns`, nvcc 13.0 compiled the D = 64 kernel to one more register and a
-  // 2-3% slower forward on the H200, 2026-12-02). The warpgroups take turns issuing their
-  // GEMMs; every turn but the last warpgroup's last (n_tiles + 1 turns each) hands the next
-  // warpgroup over.
+  // Ping-pong: the steps of fold<true> (see `turns`), written out with a turn counter. Through
+  // fold, nvcc 13.0 compiled the D = 64 kernel to one more register and a 2-3% slower forward
+  // (H200, 2026-12-02); this is the code that was measured. Every turn but the last
+  // warpgroup's last (n_tiles + 1 turns each) hands the next warpgroup over.
   int turns_left = n_tiles + 1;
   auto take_turn = [&]() { warpgroup::sync(FWD_TURN + c, 2 * WARPGROUP_THREADS); };
   auto end_turn = [&]() {

@@ -1,10 +1,10 @@
 /*
  * moe_dispatch_gemm: expert-parallel dispatch fused with every local expert's first GEMM
  * (pk.moe_dispatch_gemm; reference: moe_dispatch then grouped_matmul, pk_jax/ops/moe.py).
- * WORK IN PROGRESS (2026-12-01): compiled, not yet run on a GPU; tested by the rank emulator
- * (tests/gpu/test_emulator_moe_fused.py) and through JAX (tests/gpu/moe_fused_mp.py).
- * pk.moe_dispatch_gemm runs it only with PK_JAX_MOE_FUSED=1 and composes the two ops
- * otherwise.
+ * Exact on the H200 in the rank emulator (tests/gpu/test_emulator_moe_fused.py) and through
+ * JAX (tests/gpu/moe_fused_mp.py), but slower than the composition there (0.63-0.79x,
+ * bench/results/moe_notes.md): pk.moe_dispatch_gemm runs it only with PK_JAX_MOE_FUSED=1 and
+ * composes the two ops otherwise.
  *
  * Per rank r (P ranks, E experts, EL = E / P local experts, k slots per token):
  *   x [T, H], ids [T, k] int32, w1 [EL, H, N]  ->  h [C, N] = grouped GEMM of the rows r's

@@ -1,9 +1,10 @@
 /*
  * moe_gemm_combine: every local expert's second GEMM fused with the combine
  * (pk.moe_gemm_combine; reference: grouped_matmul then moe_combine, pk_jax/ops/moe.py).
- * WORK IN PROGRESS (2026-12-01): compiled, not yet run on a GPU; tested by the rank emulator
- * (tests/gpu/test_emulator_moe_fused.py). pk.moe_gemm_combine runs it only with
- * PK_JAX_MOE_FUSED=1 and composes grouped_matmul and moe_combine otherwise.
+ * Exact on the H200 in the rank emulator (tests/gpu/test_emulator_moe_fused.py) and through
+ * JAX (tests/gpu/moe_fused_mp.py), but no faster than the composition there (0.73-0.99x,
+ * bench/results/moe_notes.md): pk.moe_gemm_combine runs it only with PK_JAX_MOE_FUSED=1 and
+ * composes grouped_matmul and moe_combine otherwise.
  *
  * Per rank r (P ranks, EL local experts, k slots per token, T tokens, C rows):
  *   h [C, F] (the rows r's experts received, moe_dispatch's order), w2 [EL, F, H], the

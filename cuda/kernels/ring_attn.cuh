@@ -19,8 +19,8 @@
  *               push chunk ch of k, v into slot 1 of
  *               rank r+1; FULL[1][ch] there
  *     1..P-2    wait FULL[t][ch] here; forward chunk    wait FULL[t][ch] for the chunk of
- *               ch of slot t to slot t+1 of r+1;        the next tile it loads (thread 0,
- *               FULL[t+1][ch] there                     the issuer); K/V tiles of slot t
+ *               ch of slot t to slot t+1 of r+1;        the next tile it loads (the issuer,
+ *               FULL[t+1][ch] there                     LAST_LEADER); K/V tiles of slot t
  *      P-1      wait FULL[P-1][ch] here (the last       as above; then O / l and lse out
  *               block landed: after this kernel
  *               nobody writes my workspace)
