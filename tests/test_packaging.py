@@ -172,6 +172,18 @@ def test_makefile_pins_satisfy_the_declared_floor():
         assert len(pins) == 2 and all(v(pin) >= v(low) for pin in pins), (dep, pins, low)
 
 
+@pytest.mark.parametrize("gen,header", [("wgmma_gen.py", "wgmma_ops.cuh"),
+                                        ("wgmma_rs_gen.py", "wgmma_rs.cuh"),
+                                        ("wgmma_ta_gen.py", "wgmma_ta.cuh")])
+def test_generated_wgmma_wrappers_are_their_generators_output(gen, header):
+    """The wgmma wrappers are generated ("do not edit"): a shape edited into the header by hand,
+    or added to the generator without regenerating, fails here."""
+    got = subprocess.run([sys.executable, str(ROOT / "cuda" / gen)], capture_output=True,
+                         text=True, check=True, timeout=60).stdout
+    assert got == (ROOT / "cuda" / "include" / "pk" / header).read_text(), (
+        f"regenerate: python cuda/{gen} > cuda/include/pk/{header}")
+
+
 # Files of the other developers that still cite documents kept outside the repository; they
 # are named here so that this test holds for everything else meanwhile.
 _CITES_OUTSIDE_DOCS_PENDING: set[str] = set()
