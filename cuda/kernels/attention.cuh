@@ -466,18 +466,17 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     if constexpr (C::SPLIT_RELEASE) release_stage<WGS>(s.released_v, r, n_tiles, issue_v);
     else release_stage<WGS>(s.released, r, n_tiles, issue);
   };
-  // Ping-pong: the steps of fold<true> (see `turns`), written out with a turn counter. Through
-  // fold, nvcc 13.0 compiled the D = 64 kernel to one more register and a 2-3% slower forward
-  // (H200, 2026-12-02); this is the code that was measured. Every turn but the last
-  // warpgroup's last (n_tiles + 1 turns each) hands the next warpgroup over.
+  // Ping-pong: the steps of fold<true>, written out. Through fold, nvcc 13.0 compiled the D = 64
+  // kernel to one more register and a 2-3% slower forward (H200, 2026-12-02); turns::end (the
+  // final turn marked at its call site, or from the counter) also changes its code. This is the
+  // code that was measured: the last warpgroup's last turn (n_tiles + 1 each) hands none over.
+  const turns<WGS, true> turn(c);
   int turns_left = n_tiles + 1;
-  auto take_turn = [&]() { warpgroup::sync(FWD_TURN + c, 2 * WARPGROUP_THREADS); };
   auto end_turn = [&]() {
     if (--turns_left > 0 || c != WGS - 1) {
       warpgroup::arrive(FWD_TURN + (c + 1) % WGS, 2 * WARPGROUP_THREADS);
     }
   };
-  if (c == WGS - 1) warpgroup::arrive(FWD_TURN, 2 * WARPGROUP_THREADS);
   const int row_lo = q0 + c * 64 + 16 * (t / 32) + lane / 4;
   const int rows[2] = {row_lo, row_lo + 8};
   const float sl2 = dm.scale * LOG2E;
@@ -493,7 +492,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
 
   mbar_wait(&s.q_full, 0);
   mbar_wait(&s.k_full[0], 0);
-  take_turn();
+  turn.take();
   r.qk(s, c, 0);
   end_turn();
   wgmma::wait<0>();
@@ -505,7 +504,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     const int st = j % STAGES, prev = (j - 1) % STAGES;
     mbar_wait(&s.k_full[st], (j / STAGES) & 1);
     mbar_wait(&s.v_full[prev], ((j - 1) / STAGES) & 1);
-    take_turn();
+    turn.take();
     r.qk(s, c, st);
     wgmma::fence_regs(r.o);
     r.pv(s, prev);
@@ -523,7 +522,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   }
   const int last = (n_tiles - 1) % STAGES;
   mbar_wait(&s.v_full[last], ((n_tiles - 1) / STAGES) & 1);
-  take_turn();
+  turn.take();
   wgmma::fence_regs(r.o);
   r.pv(s, last);
   end_turn();
