@@ -854,6 +854,22 @@ struct dq_part {
     wgmma::commit();
   }
 
+  /** @brief A backward step after its S^T and dP^T: the softmax gradient (`mask`: the causal
+   * diagonal, queries from q0), dV += P^T dO and dK += dS^T Q, dS^T shared, dq = dS K; returns
+   * once all of them have completed. */
+  __device__ void after_scores(dkdv_step<C>& step, const typename C::stage_t& stage,
+                               typename C::ds_tile& ds, const typename C::kv_tile& k,
+                               float (&dk)[D / 2], float (&dv)[D / 2], bool mask, float sl2,
+                               int q0, const int (&keys)[2], int row, int lane, int nbeg) {
+    step.grad_scores(stage, sl2, mask, [&](int col) { return q0 + col; }, keys);
+    step.issue(stage, dk, dv);
+    share(ds, step.dsa, row, lane);
+    issue(ds, k, nbeg);
+    wgmma::wait<0>();
+    wgmma::fence_regs(dq);
+    step.finish(dk, dv);
+  }
+
   /** @brief dq_acc rows q0 + 16 (t / 32) + lane / 4 (+ 8) of head h, columns
    * nbeg + 8 jj + 2 (lane % 4) (+ 1), += dq (float32 vector reductions). */
   __device__ void reduce(const bwd_globals& g, int b, int h, int q0, int nbeg, int t) const {
@@ -947,7 +963,9 @@ __global__ void __launch_bounds__(THREADS, 1) bwd_kernel(const __grid_constant__
 
   mbar_wait(&s.kv_full, 0);
   // Tile j is query block qb0 + qi of head h (qi = j % per_head) in stage st = j % STAGES,
-  // phase ph: counters, not divisions, in the loop.
+  // phase ph: counters, not divisions, in the loop. Each loop below advances them itself: the
+  // same steps in a shared lambda or struct change both loops' machine code, and these are the
+  // forms measured (attention_notes.md, "the D = 64 backward pipelined").
   int h = hk * group, qi = 0, st = 0;
   uint32_t ph = 0;
   if constexpr (D == 128) {
@@ -957,15 +975,9 @@ __global__ void __launch_bounds__(THREADS, 1) bwd_kernel(const __grid_constant__
       auto& ds = s.ds[j & 1];
       mbar_wait(&s.full[st], ph);
       step.scores(s, stage, c);
-      const bool mask = dm.causal && q0 < k0 + c * 64 + 63;
-      step.grad_scores(stage, sl2, mask, [&](int col) { return q0 + col; }, keys);
-      step.issue(stage, dk, dv);
       dq_part<C> part;
-      part.share(ds, step.dsa, key_lo - k0, lane);
-      part.issue(ds, s.k, nbeg);
-      wgmma::wait<0>();
-      wgmma::fence_regs(part.dq);
-      step.finish(dk, dv);
+      part.after_scores(step, stage, ds, s.k, dk, dv, dm.causal && q0 < k0 + c * 64 + 63, sl2,
+                        q0, keys, key_lo - k0, lane, nbeg);
       release(j);
       part.reduce(g, b, h, q0, nbeg, t);
       if (++qi == per_head) {
@@ -982,7 +994,9 @@ __global__ void __launch_bounds__(THREADS, 1) bwd_kernel(const __grid_constant__
     // dQ reductions, so the tensor cores run them while the reductions issue (forward +
     // backward 2.5-5% faster; at D = 128, 250 registers and 1-2% slower: H200, 2026-12-02).
     // The last step is peeled off (`last`): with the issue under a condition inside the loop,
-    // ptxas waits for the GEMMs early (warning C7517), which undoes the overlap.
+    // ptxas waits for the GEMMs early (warning C7517), which undoes the overlap. The step
+    // spells out dq_part::after_scores: called through it, this loop compiles to other code
+    // than the one measured.
     mbar_wait(&s.full[0], 0);
     step.issue_scores(s, s.st[0], c);
     auto tile = [&](int j, auto last) {
