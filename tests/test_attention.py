@@ -109,6 +109,9 @@ _GPU_FWD = [  # (B, S, H, Hkv, D, causal)
 _GPU_GRAD = [
     (1, 512, 4, 4, 128, False), (2, 300, 8, 2, 64, True), (1, 1100, 8, 1, 128, True),
     (1, 2048, 4, 2, 64, False),
+    # D = 64, causal, one K/V head per query head: key block 1 streams a single query block,
+    # the pipelined backward's peeled last step alone; key block 0 streams three.
+    (1, 150, 2, 2, 64, True),
 ]
 
 
