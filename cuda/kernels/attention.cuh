@@ -992,7 +992,7 @@ __global__ void __launch_bounds__(THREADS, 1) bwd_kernel(const __grid_constant__
   } else {
     // D = 64: step j's S^T and dP^T are issued at the end of step j - 1, before that step's
     // dQ reductions, so the tensor cores run them while the reductions issue (forward +
-    // backward 2.5-5% faster; at D = 128, 250 registers and 1-2% slower: H200, 2026-12-02).
+    // backward 1.7-4.4% faster; at D = 128, 250 registers and 1-2% slower: H200, 2026-12-02).
     // The last step is peeled off (`last`): with the issue under a condition inside the loop,
     // ptxas waits for the GEMMs early (warning C7517), which undoes the overlap. The step
     // spells out dq_part::after_scores: called through it, this loop compiles to other code
