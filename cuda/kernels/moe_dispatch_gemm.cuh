@@ -17,10 +17,11 @@
  *     route       1 block                    moe.cuh's route (count exchange, positions,
  *                                            group sizes) plus `order`: r's slots sorted by
  *                                            (expert, local index), and order_off [E + 1]
- *     fused       G_comm + G_gemm blocks     comm blocks b < G_comm: for each expert e = b,
- *                                            b + G_comm, ...: push r's kept rows of e into
- *                                            ws_{dest(e)} at their positions (16-byte vector
- *                                            stores), then ARRIVED[r][e] = epoch on dest(e)'s
+ *     fused       G_comm + G_gemm blocks     comm blocks b < G_comm: for n = b, b + G_comm,
+ *                                            ... < E, expert e = d EL + j with j = n / P and
+ *                                            d = (r + n) % P: push r's kept rows of e into
+ *                                            ws_d at their positions (16-byte vector
+ *                                            stores), then ARRIVED[r][e] = epoch on d's
  *                                            pad (bar.sync, system fence, release);
  *                                            compute blocks: grouped_matmul.cuh's persistent
  *                                            (group, tile) loop over A = ws_r [C, H] (TMA);
@@ -29,16 +30,21 @@
  *                                            expert e, then fence.proxy.async
  *
  * The GEMM of expert e starts as soon as every rank has pushed its rows of e, while the
- * comm blocks still push the later experts: experts are pushed in increasing order and the
- * tile walk meets them in increasing order too.
+ * comm blocks still push the later experts. Every rank pushes local expert j of every
+ * destination before local expert j + 1 (destinations rotated by the source's rank, so the
+ * ranks push to different destinations at a time), and each rank's tile walk meets its local
+ * experts in increasing order too. (Pushed in global expert order, rank P - 1's first rows
+ * arrived only after every rank had pushed to ranks 0..P-2, so its GEMM started near the end
+ * of the exchange.)
  *
  * Signals: ARRIVED[s][e] (moe.cuh's slot map: the count range's second half) has one writer,
- * comm block e % G_comm of rank s; G_comm may differ between ranks (nobody waits for a block
- * index). Epoch: the route kernel's EPOCH_D (shared with moe_dispatch: the two ops count
- * calls together, every rank makes the same calls). ARRIVED carries epoch << 32, as COUNTS
- * do, because a plain moe_dispatch with P x E above MAX_FUSED_COUNTS writes its counts into
- * these slots: (e << 32 | count) of an earlier epoch stays below a later (e' << 32), and a
- * later count exchange's values stay above an earlier ARRIVED.
+ * comm block n % G_comm of rank s, where n is e's place in s's push order; G_comm may differ
+ * between ranks (nobody waits for a block index). Epoch: the route kernel's EPOCH_D (shared
+ * with moe_dispatch: the two ops count calls together, every rank makes the same calls).
+ * ARRIVED carries epoch << 32, as COUNTS do, because a plain moe_dispatch with P x E above
+ * MAX_FUSED_COUNTS writes its counts into these slots: (e << 32 | count) of an earlier epoch
+ * stays below a later (e' << 32), and a later count exchange's values stay above an earlier
+ * ARRIVED.
  *
  * Workspace. Peers write ws_r only after every rank published its counts for this call (the
  * exchange is the entry barrier, as in moe_dispatch). When the kernel ends no peer writes
@@ -74,7 +80,8 @@ struct fused_args {
   int32_t comm_blocks;       ///< G_comm
 };
 
-/** @brief Comm block: pushes this rank's kept rows of experts b, b + G_comm, ... */
+/** @brief Comm block b: pushes this rank's kept rows of the experts of n = b, b + G_comm, ...
+ * (local expert n / P of destination (rank + n) % P; one writer per ARRIVED slot). */
 template <int THREADS_>
 __device__ inline void push_experts(const fused_args& f) {
   constexpr int NW = THREADS_ / WARP_THREADS;
@@ -82,8 +89,9 @@ __device__ inline void push_experts(const fused_args& f) {
   const uint64_t epoch = c.epoch(EPOCH_D);
   const int warp = threadIdx.x / WARP_THREADS, lane = threadIdx.x % WARP_THREADS;
   const int64_t units = f.row_bytes / 16;
-  for (int e = blockIdx.x; e < f.E; e += f.comm_blocks) {
-    const int d = e / f.EL;
+  for (int n = blockIdx.x; n < f.E; n += f.comm_blocks) {
+    const int d = (c.rank + n) % c.world;
+    const int e = d * f.EL + n / c.world;
     const int lo = f.order_off[e], hi = f.order_off[e + 1];
     char* dst_ws = static_cast<char*>(c.ws[d]);
     for (int q = lo + warp; q < hi; q += NW) {
