@@ -149,11 +149,17 @@ struct kernel_def {
   /**
    * @brief The producer thread: loads tile w's k-steps in order into the ring, each into the
    * next stage once the consumers have freed it (stage and phase carry over between tiles).
+   * IDS: also writes `id` into ids[stage] for the tile's first stage, before that stage's
+   * arrival (consumers of a dynamically claimed tile order read it there).
    */
+  template <bool IDS = false>
   __device__ static void produce(const globals& g, shared_storage& s, const work& w, int& stage,
-                                 uint32_t& phase) {
+                                 uint32_t& phase, int* ids = nullptr, int id = 0) {
     for (int k = 0; k < w.k_iters; ++k) {
       mbar_wait(&s.empty[stage], phase ^ 1);
+      if constexpr (IDS) {
+        if (k == 0) ids[stage] = id;
+      }
       mbar_arrive_expect_tx(&s.full[stage], STAGE_BYTES);
       loader(g, s.stages[stage], &s.full[stage], w, k);
       if (++stage == STAGES) {

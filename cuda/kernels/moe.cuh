@@ -103,6 +103,8 @@ constexpr uint64_t OP_SLOTS = 8192;
 constexpr uint64_t SLOTS_NEEDED = SLOT_BASE + OP_SLOTS;
 constexpr uint64_t EPOCH_D = 0;      // local: dispatch calls (and scatters) so far
 constexpr uint64_t EPOCH_C = 1;      // local: combine calls so far
+// Local slots 2 and 3 are moe_gemm_combine's (GC_TARGET, GC_ROWS).
+constexpr uint64_t TILES = 4;        // local: moe_dispatch_gemm's next tile id (route zeroes it)
 constexpr uint64_t ENTER_D = 32;     // [s]: the scatter's entry barrier
 constexpr uint64_t ENTER_C = 48;     // [s]: the combine's entry barrier
 constexpr uint64_t PUSHED = 64;      // [s][b]: block b of rank s pushed its rows
@@ -285,6 +287,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     if (got != me) fail(c.fail(), ERR_RANK_MISMATCH, got);
     const uint64_t e = c.epoch(EPOCH_D) + 1;
     c.sig[me][EPOCH_D] = e;
+    c.sig[me][TILES] = 0;
     s_e = e;
     misc[0] = 0;
     misc[1] = 0;

@@ -17,28 +17,38 @@
  *     route       1 block                    moe.cuh's route (count exchange, positions,
  *                                            group sizes) plus `order`: r's slots sorted by
  *                                            (expert, local index), and order_off [E + 1]
- *     fused       G_comm + G_gemm blocks     comm blocks b < G_comm: for each expert e = b,
- *                                            b + G_comm, ...: push r's kept rows of e into
- *                                            ws_{dest(e)} at their positions (16-byte vector
- *                                            stores), then ARRIVED[r][e] = epoch on dest(e)'s
+ *     fused       G_comm + G_gemm blocks     comm blocks b < G_comm: for n = b, b + G_comm,
+ *                                            ... < E, expert e = d EL + j with j = n / P and
+ *                                            d = (r + n) % P: push r's kept rows of e into
+ *                                            ws_d at their positions (16-byte vector
+ *                                            stores), then ARRIVED[r][e] = epoch on d's
  *                                            pad (bar.sync, system fence, release);
- *                                            compute blocks: grouped_matmul.cuh's persistent
- *                                            (group, tile) loop over A = ws_r [C, H] (TMA);
- *                                            the loader waits ARRIVED[s][e] >= epoch for every
- *                                            s before the first load of a tile of local
- *                                            expert e, then fence.proxy.async
+ *                                            every block (the comm blocks once their pushes
+ *                                            are done): grouped_matmul.cuh's (group, tile)
+ *                                            GEMM over A = ws_r [C, H] (TMA), tile ids
+ *                                            claimed in increasing order from TILES (local
+ *                                            pad, zeroed by route); the loader waits
+ *                                            ARRIVED[s][e] >= epoch for every s before the
+ *                                            first load of a tile of local expert e, then
+ *                                            fence.proxy.async
  *
  * The GEMM of expert e starts as soon as every rank has pushed its rows of e, while the
- * comm blocks still push the later experts: experts are pushed in increasing order and the
- * tile walk meets them in increasing order too.
+ * comm blocks still push the later experts. Every rank pushes local expert j of every
+ * destination before local expert j + 1 (destinations rotated by the source's rank, so the
+ * ranks push to different destinations at a time), and each rank's blocks claim its local
+ * experts' tiles in increasing order too. (Pushed in global expert order, rank P - 1's first
+ * rows arrived only after every rank had pushed to ranks 0..P-2, so its GEMM started near the
+ * end of the exchange.) Dispatch is a few percent of the serial time at some shapes, so the
+ * comm SMs join the GEMM instead of idling once they have pushed.
  *
  * Signals: ARRIVED[s][e] (moe.cuh's slot map: the count range's second half) has one writer,
- * comm block e % G_comm of rank s; G_comm may differ between ranks (nobody waits for a block
- * index). Epoch: the route kernel's EPOCH_D (shared with moe_dispatch: the two ops count
- * calls together, every rank makes the same calls). ARRIVED carries epoch << 32, as COUNTS
- * do, because a plain moe_dispatch with P x E above MAX_FUSED_COUNTS writes its counts into
- * these slots: (e << 32 | count) of an earlier epoch stays below a later (e' << 32), and a
- * later count exchange's values stay above an earlier ARRIVED.
+ * comm block n % G_comm of rank s, where n is e's place in s's push order; G_comm may differ
+ * between ranks (nobody waits for a block index). Epoch: the route kernel's EPOCH_D (shared
+ * with moe_dispatch: the two ops count calls together, every rank makes the same calls).
+ * ARRIVED carries epoch << 32, as COUNTS do, because a plain moe_dispatch with P x E above
+ * MAX_FUSED_COUNTS writes its counts into these slots: (e << 32 | count) of an earlier epoch
+ * stays below a later (e' << 32), and a later count exchange's values stay above an earlier
+ * ARRIVED.
  *
  * Workspace. Peers write ws_r only after every rank published its counts for this call (the
  * exchange is the entry barrier, as in moe_dispatch). When the kernel ends no peer writes
@@ -74,7 +84,8 @@ struct fused_args {
   int32_t comm_blocks;       ///< G_comm
 };
 
-/** @brief Comm block: pushes this rank's kept rows of experts b, b + G_comm, ... */
+/** @brief Comm block b: pushes this rank's kept rows of the experts of n = b, b + G_comm, ...
+ * (local expert n / P of destination (rank + n) % P; one writer per ARRIVED slot). */
 template <int THREADS_>
 __device__ inline void push_experts(const fused_args& f) {
   constexpr int NW = THREADS_ / WARP_THREADS;
@@ -82,8 +93,9 @@ __device__ inline void push_experts(const fused_args& f) {
   const uint64_t epoch = c.epoch(EPOCH_D);
   const int warp = threadIdx.x / WARP_THREADS, lane = threadIdx.x % WARP_THREADS;
   const int64_t units = f.row_bytes / 16;
-  for (int e = blockIdx.x; e < f.E; e += f.comm_blocks) {
-    const int d = e / f.EL;
+  for (int n = blockIdx.x; n < f.E; n += f.comm_blocks) {
+    const int d = (c.rank + n) % c.world;
+    const int e = d * f.EL + n / c.world;
     const int lo = f.order_off[e], hi = f.order_off[e + 1];
     char* dst_ws = static_cast<char*>(c.ws[d]);
     for (int q = lo + warp; q < hi; q += NW) {
@@ -105,24 +117,24 @@ __device__ inline void push_experts(const fused_args& f) {
 
 /**
  * @brief The fused launch: comm blocks first, then grouped_matmul's persistent loop (FWD)
- * over blocks comm_blocks.. with the arrival wait in the loader.
+ * with the arrival wait in the loader. Every block's loader claims tile ids in increasing
+ * order from the TILES counter (local pad, zeroed by the route kernel) and writes each into
+ * `tile_of`[stage] of the tile's first stage; its consumers read it there, and id -1 (a stage
+ * with no loads) ends them. The comm blocks claim tiles too once their pushes are done.
  */
 template <class K>
 __global__ void __launch_bounds__(K::THREADS, 1)
     dispatch_gemm_kernel(const __grid_constant__ grouped_matmul::globals g,
                          const __grid_constant__ fused_args f) {
   static_assert(K::MODE == grouped_matmul::FWD, "moe_dispatch_gemm: the forward GEMM only");
-  if (static_cast<int>(blockIdx.x) < f.comm_blocks) {
-    push_experts<K::THREADS>(f);
-    return;
-  }
+  const bool comm_block = static_cast<int>(blockIdx.x) < f.comm_blocks;
+  if (comm_block) push_experts<K::THREADS>(f);
   using shared_storage = typename K::shared_storage;
   extern __shared__ unsigned char smem_raw[];
   auto& s = *reinterpret_cast<shared_storage*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  __shared__ int tile_of[K::STAGES];
   const comm& c = f.c;
-  const int bid = static_cast<int>(blockIdx.x) - f.comm_blocks;
-  const int nblk = static_cast<int>(gridDim.x) - f.comm_blocks;
   if (threadIdx.x == 0) {
     // NOTES: twice the signal bound, so that a missing peer is named by the loader's signal
     // wait, not by a consumer's mbarrier wait on the loads that never start.
@@ -139,10 +151,13 @@ __global__ void __launch_bounds__(K::THREADS, 1)
     warpgroup::decrease_registers<40>();
     if (warpgroup::thread() != 0) return;
     const uint64_t epoch = c.epoch(EPOCH_D);
+    auto* next_tile = reinterpret_cast<unsigned long long*>(c.sig[c.rank] + TILES);
     int stage = 0;
     uint32_t phase = 0;
     int ready = -1;  // the last expert whose arrivals this loader has seen
-    for (int id = bid; id < num_tiles; id += nblk) {
+    for (;;) {
+      const int id = static_cast<int>(atomicAdd(next_tile, 1ull));
+      if (id >= num_tiles) break;
       const grouped_matmul::work w = K::tile(g, s, id);
       if (w.e != ready) {
         const uint64_t e = uint64_t(c.rank) * f.EL + w.e;
@@ -153,8 +168,11 @@ __global__ void __launch_bounds__(K::THREADS, 1)
         fence_proxy_async_global();
         ready = w.e;
       }
-      K::produce(g, s, w, stage, phase);
+      K::template produce<true>(g, s, w, stage, phase, tile_of, id);
     }
+    mbar_wait(&s.empty[stage], phase ^ 1);
+    tile_of[stage] = -1;
+    mbar_arrive(&s.full[stage]);
     return;
   }
 
@@ -164,7 +182,10 @@ __global__ void __launch_bounds__(K::THREADS, 1)
   const lcsc::storer_sync sync{1 + cw, leader};
   int stage = 0;
   uint32_t phase = 0;
-  for (int id = bid; id < num_tiles; id += nblk) {
+  for (;;) {
+    mbar_wait(&s.full[stage], phase);
+    const int id = *static_cast<volatile int*>(&tile_of[stage]);
+    if (id < 0) break;
     const grouped_matmul::work w = K::tile(g, s, id);
     typename K::acc_t acc;
 #pragma unroll
@@ -188,9 +209,11 @@ __global__ void __launch_bounds__(K::THREADS, 1)
   if (leader) tma::store_wait<0>();
   // Rows past the kept ones are zero (grouped_matmul's zero_tail over the compute blocks).
   const int total = s.row_off[g.groups];
-  if (total < g.m) {
+  if (!comm_block && total < g.m) {
     using T = typename K::T;
     constexpr int CT = K::CONSUMERS * WARPGROUP_THREADS;
+    const int bid = static_cast<int>(blockIdx.x) - f.comm_blocks;
+    const int nblk = static_cast<int>(gridDim.x) - f.comm_blocks;
     const size_t chunks = static_cast<size_t>(g.m - total) * g.n / 8;
     uint4* y = reinterpret_cast<uint4*>(static_cast<T*>(g.y) + static_cast<size_t>(total) * g.n);
     for (size_t i = size_t(bid) * CT + (threadIdx.x - WARPGROUP_THREADS); i < chunks;

@@ -71,6 +71,8 @@ namespace pk::moe {
 
 constexpr uint64_t GC_TARGET = 2;  // local: cumulative ROWS this rank waits for
 constexpr uint64_t GC_ROWS = 3;    // local, added to by every peer: row pieces received
+static_assert(GC_TARGET != TILES && GC_ROWS != TILES && GC_TARGET > EPOCH_C,
+              "moe_gemm_combine's slots clash with moe.cuh's local slots");
 
 /** @brief The fused second GEMM + combine (besides grouped_matmul::globals for the GEMM). */
 struct gemm_combine_args {
