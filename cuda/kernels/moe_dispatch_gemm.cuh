@@ -2,9 +2,9 @@
  * moe_dispatch_gemm: expert-parallel dispatch fused with every local expert's first GEMM
  * (pk.moe_dispatch_gemm; reference: moe_dispatch then grouped_matmul, pk_jax/ops/moe.py).
  * Exact on the H200 in the rank emulator (tests/gpu/test_emulator_moe_fused.py) and through
- * JAX (tests/gpu/moe_fused_mp.py), but slower than the composition there (0.63-0.79x,
- * bench/results/moe_notes.md): pk.moe_dispatch_gemm runs it only with PK_JAX_MOE_FUSED=1 and
- * composes the two ops otherwise.
+ * JAX (tests/gpu/moe_fused_mp.py), and 0.93-1.02x of the composition's speed there (emulated
+ * P = 8, bench/results/moe_notes.md): pk.moe_dispatch_gemm runs it only with
+ * PK_JAX_MOE_FUSED=1 and composes the two ops otherwise.
  *
  * Per rank r (P ranks, E experts, EL = E / P local experts, k slots per token):
  *   x [T, H], ids [T, k] int32, w1 [EL, H, N]  ->  h [C, N] = grouped GEMM of the rows r's
@@ -85,34 +85,70 @@ struct fused_args {
 };
 
 /** @brief Comm block b: pushes this rank's kept rows of the experts of n = b, b + G_comm, ...
- * (local expert n / P of destination (rank + n) % P; one writer per ARRIVED slot). */
+ * (local expert n / P of destination (rank + n) % P; one writer per ARRIVED slot). `done`:
+ * shared memory for MAX_EXPERTS counters (the GEMM's, free until the block joins it). */
 template <int THREADS_>
-__device__ inline void push_experts(const fused_args& f) {
+__device__ inline void push_experts(const fused_args& f, int* done) {
   constexpr int NW = THREADS_ / WARP_THREADS;
+  constexpr int PUSH_UNROLL = 8;  // 16-byte loads in flight per lane
   const comm& c = f.c;
   const uint64_t epoch = c.epoch(EPOCH_D);
   const int warp = threadIdx.x / WARP_THREADS, lane = threadIdx.x % WARP_THREADS;
   const int64_t units = f.row_bytes / 16;
-  for (int n = blockIdx.x; n < f.E; n += f.comm_blocks) {
+  for (int i = threadIdx.x; i < MAX_EXPERTS; i += THREADS_) done[i] = 0;
+  __syncthreads();
+  int it = 0;  // this block's expert count so far
+  for (int n = blockIdx.x; n < f.E; n += f.comm_blocks, ++it) {
     const int d = (c.rank + n) % c.world;
     const int e = d * f.EL + n / c.world;
     const int lo = f.order_off[e], hi = f.order_off[e + 1];
     char* dst_ws = static_cast<char*>(c.ws[d]);
-    for (int q = lo + warp; q < hi; q += NW) {
-      const int32_t i = f.order[q];
-      const int32_t p = f.pos[i];
-      if (p < 0 || p >= f.capacity) continue;  // dropped (uniform over the warp)
-      const uint4* src =
-          reinterpret_cast<const uint4*>(static_cast<const char*>(f.x) + (i / f.k) * f.row_bytes);
-      uint4* dst = reinterpret_cast<uint4*>(dst_ws + int64_t(p) * f.row_bytes);
-      for (int64_t u = lane; u < units; u += WARP_THREADS) dst[u] = src[u];
+    // NOTES: the copy is bound by loads in flight, not by bandwidth. A lane first looks up
+    // the rows of 32 of the warp's slots at once (one round trip, not two per row); then every
+    // load of a chunk is issued before its stores (a plain copy loop kept one 16-byte load in
+    // flight per lane, as the stores may alias the source: about 6 KB per SM).
+    for (int q0 = lo + warp; q0 < hi; q0 += NW * WARP_THREADS) {
+      const int q = q0 + lane * NW;
+      int32_t src_row = -1, dst_row = -1;
+      if (q < hi) {
+        const int32_t i = f.order[q];
+        const int32_t p = f.pos[i];
+        if (p >= 0 && p < f.capacity) src_row = i / f.k, dst_row = p;  // else dropped
+      }
+      const int rows = min(WARP_THREADS, (hi - q0 + NW - 1) / NW);
+      for (int j = 0; j < rows; ++j) {
+        const int32_t sr = __shfl_sync(0xffffffffu, src_row, j);
+        const int32_t dr = __shfl_sync(0xffffffffu, dst_row, j);
+        if (dr < 0) continue;  // uniform over the warp
+        const uint4* src =
+            reinterpret_cast<const uint4*>(static_cast<const char*>(f.x) + sr * f.row_bytes);
+        uint4* dst = reinterpret_cast<uint4*>(dst_ws + int64_t(dr) * f.row_bytes);
+        for (int64_t u0 = lane; u0 < units; u0 += PUSH_UNROLL * WARP_THREADS) {
+          uint4 v[PUSH_UNROLL];
+#pragma unroll
+          for (int u = 0; u < PUSH_UNROLL; ++u) {
+            if (u0 + u * WARP_THREADS < units) v[u] = src[u0 + u * WARP_THREADS];
+          }
+#pragma unroll
+          for (int u = 0; u < PUSH_UNROLL; ++u) {
+            if (u0 + u * WARP_THREADS < units) dst[u0 + u * WARP_THREADS] = v[u];
+          }
+        }
+      }
     }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      __threadfence_system();
-      signal(c.sig[d] + ARRIVED + uint64_t(c.rank) * f.E + e, epoch << 32);
+    // NOTES: the warps do not wait for each other between experts. Each fences its own rows
+    // and counts itself in; the last one of an expert signals it. (A block barrier and one
+    // fence per expert held every warp until the slowest warp's rows had landed.)
+    __syncwarp();
+    if (lane == 0) {
+      __threadfence_system();  // this warp's rows, then its count: a release
+      if (atomicAdd(&done[it], 1) == NW - 1) {
+        __threadfence_system();  // the count read, then this fence: the other warps' rows
+        signal(c.sig[d] + ARRIVED + uint64_t(c.rank) * f.E + e, epoch << 32);
+      }
     }
   }
+  __syncthreads();  // `done` goes back to the GEMM
 }
 
 /**
@@ -127,12 +163,14 @@ __global__ void __launch_bounds__(K::THREADS, 1)
     dispatch_gemm_kernel(const __grid_constant__ grouped_matmul::globals g,
                          const __grid_constant__ fused_args f) {
   static_assert(K::MODE == grouped_matmul::FWD, "moe_dispatch_gemm: the forward GEMM only");
-  const bool comm_block = static_cast<int>(blockIdx.x) < f.comm_blocks;
-  if (comm_block) push_experts<K::THREADS>(f);
   using shared_storage = typename K::shared_storage;
+  static_assert(sizeof(shared_storage) >= MAX_EXPERTS * sizeof(int),
+                "moe_dispatch_gemm: the push's counters live in the GEMM's shared memory");
   extern __shared__ unsigned char smem_raw[];
   auto& s = *reinterpret_cast<shared_storage*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const bool comm_block = static_cast<int>(blockIdx.x) < f.comm_blocks;
+  if (comm_block) push_experts<K::THREADS>(f, reinterpret_cast<int*>(&s));
   __shared__ int tile_of[K::STAGES];
   const comm& c = f.c;
   if (threadIdx.x == 0) {

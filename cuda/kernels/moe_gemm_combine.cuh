@@ -2,9 +2,10 @@
  * moe_gemm_combine: every local expert's second GEMM fused with the combine
  * (pk.moe_gemm_combine; reference: grouped_matmul then moe_combine, pk_jax/ops/moe.py).
  * Exact on the H200 in the rank emulator (tests/gpu/test_emulator_moe_fused.py) and through
- * JAX (tests/gpu/moe_fused_mp.py), but no faster than the composition there (0.73-0.99x,
- * bench/results/moe_notes.md): pk.moe_gemm_combine runs it only with PK_JAX_MOE_FUSED=1 and
- * composes grouped_matmul and moe_combine otherwise.
+ * JAX (tests/gpu/moe_fused_mp.py), and 1.03-1.06x of the composition's speed there (emulated
+ * P = 8, bench/results/moe_notes.md). It shares its switch with the fused dispatch:
+ * pk.moe_gemm_combine runs it only with PK_JAX_MOE_FUSED=1 and composes grouped_matmul and
+ * moe_combine otherwise.
  *
  * Per rank r (P ranks, EL local experts, k slots per token, T tokens, C rows):
  *   h [C, F] (the rows r's experts received, moe_dispatch's order), w2 [EL, F, H], the
@@ -31,8 +32,9 @@
  *                                           rows x BN columns: (first time) wait STAGED[s][b]
  *                                           >= e for all s, b < G_inv; stage in smem; each
  *                                           row's BN columns -> ws_{s}[slot] (16-byte stores);
- *                                           then per owner s with n_s rows in the piece:
- *                                           ROWS[s] += n_s (red.add.release.sys on s's pad)
+ *                                           after the consumer's last piece, per owner s
+ *                                           with n_s rows stored: ROWS[s] += n_s (a system
+ *                                           fence, then red.add.relaxed.sys on s's pad)
  *     sum         G_sum (from T)            wait ROWS[r] >= TARGET; warp per token: out[t] =
  *                                           sum over kept j of w[t, j] ws_r[t k + j] (fp32)
  *
@@ -88,9 +90,9 @@ struct gemm_combine_args {
   int32_t inv_grid;      ///< G_inv, the same on every rank
 };
 
-/** @brief Adds `v` to a (peer's) counter slot, releasing this thread's earlier writes. */
-__device__ inline void add_release(uint64_t* slot, uint64_t v) {
-  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(slot), "l"(v) : "memory");
+/** @brief Adds `v` to a (peer's) counter slot; after a system fence, that is a release. */
+__device__ inline void add_relaxed(uint64_t* slot, uint64_t v) {
+  asm volatile("red.relaxed.sys.global.add.u64 [%0], %1;" ::"l"(slot), "l"(v) : "memory");
 }
 
 /** @brief Enter (one block of THREADS): rank check, epoch, this call's TARGET, barrier. */
@@ -150,6 +152,7 @@ __global__ void __launch_bounds__(K::THREADS, 1)
   using shared_storage = typename K::shared_storage;
   extern __shared__ unsigned char smem_raw[];
   __shared__ int s_count[K::CONSUMERS][MAX_PEERS];
+  __shared__ int2 s_owner[K::CONSUMERS][64];  // (rank, slot) of each row of the piece
   auto& s = *reinterpret_cast<shared_storage*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const comm& c = f.c;
@@ -180,6 +183,7 @@ __global__ void __launch_bounds__(K::THREADS, 1)
   const int2* inv = reinterpret_cast<const int2*>(static_cast<const char*>(c.ws[c.rank]) +
                                                   f.inv_off);
   bool ready = false;  // this consumer has seen every rank's inverse map
+  if (t < MAX_PEERS) s_count[cw][t] = 0;  // rows sent to each owner, over the whole kernel
   int stage = 0;
   uint32_t phase = 0;
   for (int id = blockIdx.x; id < num_tiles; id += gridDim.x) {
@@ -214,29 +218,35 @@ __global__ void __launch_bounds__(K::THREADS, 1)
       }
       ready = true;
     }
-    warpgroup::sync(bar);  // the previous piece's reads of staging and counts are done
+    warpgroup::sync(bar);  // the previous piece's reads of staging and owners are done
     K::stage_out(acc, s.out[cw]);
-    if (t < MAX_PEERS) s_count[cw][t] = 0;
+    // NOTES: the piece's owners are read once, into shared memory, before the stores. Read per
+    // 16-byte chunk, each store waited for an L2 round trip, and the epilogue, not the GEMM,
+    // set the fused time.
+    if (t < valid) s_owner[cw][t] = __ldcg(inv + row0 + t);
     warpgroup::sync(bar);
+    if (t < valid) atomicAdd(&s_count[cw][s_owner[cw][t].x], 1);
     const int col0 = w.nt * K::BN;
     constexpr int CHUNKS = K::BN / 8;
     for (int i = t; i < valid * CHUNKS; i += WARPGROUP_THREADS) {
       const int r = i / CHUNKS, col = (i % CHUNKS) * 8;
-      const int2 o = __ldcg(inv + row0 + r);
-      if (col == 0) atomicAdd(&s_count[cw][o.x], 1);
+      const int2 o = s_owner[cw][r];
       if (col0 + col < g.n) {
         const uint4 v = *reinterpret_cast<const uint4*>(s.out[cw].at(r, col));
         T* dst = reinterpret_cast<T*>(static_cast<char*>(c.ws[o.x]) + int64_t(o.y) * f.row_bytes);
         *reinterpret_cast<uint4*>(dst + col0 + col) = v;
       }
     }
-    warpgroup::sync(bar);
-    if (leader) {
-      __threadfence_system();
-      for (int p = 0; p < c.world; ++p) {
-        const int n = s_count[cw][p];
-        if (n > 0) add_release(c.sig[p] + GC_ROWS, uint64_t(n));
-      }
+  }
+  // NOTES: the counts are sent once, when the consumer's last piece is stored. The owners'
+  // sums wait for every piece anyway, and a system fence plus up to P system-scope releases
+  // after every piece stalled the leader's warp, so the warpgroup's next wgmma.
+  warpgroup::sync(bar);
+  if (leader) {
+    __threadfence_system();
+    for (int p = 0; p < c.world; ++p) {
+      const int n = s_count[cw][p];
+      if (n > 0) add_relaxed(c.sig[p] + GC_ROWS, uint64_t(n));
     }
   }
 }
