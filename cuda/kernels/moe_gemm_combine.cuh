@@ -2,7 +2,7 @@
  * moe_gemm_combine: every local expert's second GEMM fused with the combine
  * (pk.moe_gemm_combine; reference: grouped_matmul then moe_combine, pk_jax/ops/moe.py).
  * Exact on the H200 in the rank emulator (tests/gpu/test_emulator_moe_fused.py) and through
- * JAX (tests/gpu/moe_fused_mp.py), and 1.03-1.06x of the composition's speed there (emulated
+ * JAX (tests/gpu/moe_fused_mp.py), and 1.02-1.06x of the composition's speed there (emulated
  * P = 8, bench/results/moe_notes.md). It shares its switch with the fused dispatch:
  * pk.moe_gemm_combine runs it only with PK_JAX_MOE_FUSED=1 and composes grouped_matmul and
  * moe_combine otherwise.

@@ -202,7 +202,7 @@ def moe_dispatch_gemm(x: jax.Array, expert_ids: jax.Array, w1: jax.Array, axis_n
     """`moe_dispatch`, then every local expert's first GEMM on the rows it received.
 
     With PK_JAX_MOE_FUSED=1 (fixed at pk.init) or inside `fused_kernels()` (off by default: it
-    measured 0.93-1.02x of the composition), and on the CUDA path, one fused kernel runs instead
+    measured 0.91-1.02x of the composition), and on the CUDA path, one fused kernel runs instead
     (cuda/kernels/moe_dispatch_gemm.cuh): each expert's GEMM starts as soon as every rank's
     rows of it have arrived (bf16/fp16, H and N multiples of 8, P x num_experts <= 2528).
 
@@ -235,7 +235,7 @@ def moe_gemm_combine(h: jax.Array, w2: jax.Array, weights: jax.Array, handle: Mo
     """Every local expert's second GEMM on its rows, then `moe_combine`.
 
     With PK_JAX_MOE_FUSED=1 (fixed at pk.init) or inside `fused_kernels()` (off by default, as
-    the fused dispatch: it measured 1.03-1.06x of the composition, the fused dispatch 0.93-1.02x),
+    the fused dispatch: it measured 1.02-1.06x of the composition, the fused dispatch 0.91-1.02x),
     and on the CUDA path, fused kernels run instead
     (cuda/kernels/moe_gemm_combine.cuh): the GEMM's epilogue stores each output row straight
     into its token's rank's symmetric workspace and the token's rank sums its k rows
@@ -361,8 +361,8 @@ def _dispatch_k_bwd(axis_name, num_experts, capacity, res, cts):
 _dispatch_k.defvjp(_dispatch_k_fwd, _dispatch_k_bwd)
 
 
-# The fused kernels (moe_dispatch_gemm.cuh: dispatch + first expert GEMM, 0.93-1.02x of the
-# composition's speed; moe_gemm_combine.cuh: second GEMM + combine, 1.03-1.06x; emulated P = 8,
+# The fused kernels (moe_dispatch_gemm.cuh: dispatch + first expert GEMM, 0.91-1.02x of the
+# composition's speed; moe_gemm_combine.cuh: second GEMM + combine, 1.02-1.06x; emulated P = 8,
 # bench/results/moe_notes.md) are opt-in: PK_JAX_MOE_FUSED=1 (a setting fixed at pk.init) or
 # a `fused_kernels` block; the ops compose dispatch / grouped_matmul / combine otherwise.
 FUSED_ENV = "PK_JAX_MOE_FUSED"  # state.Settings.moe_fused
