@@ -22,7 +22,9 @@
  *                                            d = (r + n) % P: push r's kept rows of e into
  *                                            ws_d at their positions (16-byte vector
  *                                            stores), then ARRIVED[r][e] = epoch on d's
- *                                            pad (bar.sync, system fence, release);
+ *                                            pad (each warp: system fence, a count in
+ *                                            shared memory; the expert's last warp: fence,
+ *                                            release);
  *                                            every block (the comm blocks once their pushes
  *                                            are done): grouped_matmul.cuh's (group, tile)
  *                                            GEMM over A = ws_r [C, H] (TMA), tile ids
@@ -60,7 +62,8 @@
  * inside the group), so the race is harmless. Comm blocks come first in the grid, so they
  * are resident before any compute block spins. Rows move by generic 16-byte stores (row
  * bytes, x and the workspace 16-byte aligned: H % 8 == 0, checked on the host), released by
- * the system fence before the signal; the loader orders its acquire before the async-proxy
+ * the system fences before the signal (each warp's before its count, the last warp's after
+ * reading the count); the loader orders its acquire before the async-proxy
  * TMA reads with fence.proxy.async (as ag_gemm's loader). Peer data is read by TMA only
  * (no L1).
  */
