@@ -33,12 +33,12 @@ nonzero +-1 entries per column, so every product is a small integer, exact in bf
 And the second expert GEMM with the combine (pk.moe_gemm_combine's work), per shape, on
 integer hidden rows h [capacity, expert hidden] and w2 [E / P, expert hidden, H] (16 nonzero
 +-1 per column), with the dispatch's handle:
-- serial: grouped GEMM, then the combine kernel (pk.moe_gemm_combine's default path);
+- serial: grouped GEMM, then the combine kernel (pk.moe_gemm_combine with PK_JAX_MOE_FUSED=0);
 - reference: the same grouped GEMM plus the all_gather of y (the lax reference's traffic),
   timed apart and added;
 - fused: cuda/kernels/moe_gemm_combine.cuh (the GEMM's epilogue stores each output row into
-  its token's rank's workspace; the owner sums its k slots; opt-in, measured 1.02-1.06x of
-  serial: only with PK_JAX_MOE_FUSED=1), checked equal to the serial output on every rank
+  its token's rank's workspace; the owner sums its k slots; pk.moe_gemm_combine's default
+  path since 2026-12-02, measured 1.02-1.06x of serial), checked equal to the serial output on every rank
   before it is timed; the serial output is checked on sampled tokens of rank 0 against numpy
   on the GEMM's y.
 A fused kernel that fails its check is reported (and the script exits non-zero at the end)

@@ -192,7 +192,15 @@ def kernel_path(monkeypatch):
     monkeypatch.setattr(moe, "_dispatch_call", _stand_in_dispatch)
     monkeypatch.setattr(moe, "_scatter_call", _stand_in_scatter)
     monkeypatch.setattr(moe, "_combine_call", _stand_in_combine)
+    monkeypatch.setattr(moe, "_gemm_combine_call", _stand_in_gemm_combine)
     return calls
+
+
+def _stand_in_gemm_combine(h, w2, weights, dest, pos, group_sizes, axis_name):
+    """pk_moe_gemm_combine's contract in lax: the grouped GEMM (y rounded to h's dtype), then
+    the combine."""
+    y = pk.grouped_matmul(h, w2, group_sizes)
+    return _stand_in_combine(y, weights, dest, pos, axis_name)
 
 
 @pytest.mark.parametrize("p,t,k,h,experts,capacity,skew", CASES[1:4])
@@ -299,22 +307,9 @@ def test_emulator_gemm_combine_cases_match_the_references(p, seed):
         np.testing.assert_array_equal(np.asarray(out, np.float32), want.astype(np.float32))
 
 
-def test_fused_gemm_combine_path_forward_and_vjp(kernel_path, monkeypatch):
-    """fused_kernels() (as PK_JAX_MOE_FUSED=1) with the kernel path on (pk_moe_gemm_combine
-    replaced by a lax stand-in with its contract): the fused path is taken inside the block
-    only (one jitted function: the block is part of jit's cache key), and its forward and
-    custom VJP (the composition's) equal the composition's."""
-    from pk_jax.ops import moe
-
-    taken = []
-
-    def stand_in(h, w2, weights, dest, pos, group_sizes, axis_name):
-        taken.append(1)
-        y = pk.grouped_matmul(h, w2, group_sizes)
-        return _stand_in_combine(y, weights, dest, pos, axis_name)
-
-    monkeypatch.setattr(moe, "_gemm_combine_call", stand_in)
-    p, t, k, f, h, el, capacity = 4, 9, 2, 16, 24, 2, 20
+def _gemm_combine_loss_case(p: int = 4):
+    """Inputs and a jitted value-and-grad of a dispatch + moe_gemm_combine loss at P = p."""
+    t, k, f, h, el, capacity = 9, 2, 16, 24, 2, 20
     mesh = _mesh(p)
     rng = np.random.default_rng(3)
     ids = rng.integers(0, p * el, (p, t, k)).astype(np.int32)
@@ -334,8 +329,58 @@ def test_fused_gemm_combine_path_forward_and_vjp(kernel_path, monkeypatch):
             x_, e_, h_, w_, wt_)
         return jnp.sum(out.astype(jnp.float32) * g), out
 
+    return jax.jit(jax.value_and_grad(loss, argnums=(2, 3, 4), has_aux=True)), (x, ids, hh,
+                                                                                 w2, wt)
+
+
+def _counting_gemm_combine(monkeypatch) -> list:
+    from pk_jax.ops import moe
+
+    taken = []
+
+    def stand_in(*args):
+        taken.append(1)
+        return _stand_in_gemm_combine(*args)
+
+    monkeypatch.setattr(moe, "_gemm_combine_call", stand_in)
+    return taken
+
+
+@pytest.mark.parametrize("mode,fused", [("auto", True), ("1", True), ("0", False)])
+def test_gemm_combine_default_is_the_fused_kernel(kernel_path, monkeypatch, mode, fused):
+    """PK_JAX_MOE_FUSED "auto" (the default) and "1" run the fused moe_gemm_combine where it
+    applies, "0" the composition; "auto" composes where the workspace cannot hold its rows,
+    while "1" raises the error that names workspace_bytes."""
+    from pk_jax.runtime import state
+
+    assert state.Settings().moe_fused == "auto"
+    monkeypatch.setattr(state, "settings", lambda: state.Settings(moe_fused=mode))
+    taken = _counting_gemm_combine(monkeypatch)
+    f, args = _gemm_combine_loss_case()
+    f(*args)
+    assert bool(taken) == fused, (mode, len(taken))
+    del taken[:]
+    monkeypatch.setattr(state, "workspace_bytes", lambda: 1024)
+    f, args = _gemm_combine_loss_case()
+    if mode == "1":
+        with pytest.raises(ValueError, match="workspace_bytes="):
+            f(*args)
+    else:
+        f(*args)
+        assert not taken, "the fused path was taken with a workspace too small for it"
+
+
+def test_fused_gemm_combine_path_forward_and_vjp(kernel_path, monkeypatch):
+    """fused_kernels() (as PK_JAX_MOE_FUSED=1) with the kernel path on (pk_moe_gemm_combine
+    replaced by a lax stand-in with its contract): the fused path is taken inside the block,
+    never inside fused_kernels(False), and by default outside a block (one jitted function: the
+    block is part of jit's cache key); its forward and custom VJP (the composition's) equal the
+    composition's."""
+    from pk_jax.ops import moe
+
+    taken = _counting_gemm_combine(monkeypatch)
+    f, (x, ids, hh, w2, wt) = _gemm_combine_loss_case()
     results = {}
-    f = jax.jit(jax.value_and_grad(loss, argnums=(2, 3, 4), has_aux=True))
     for fused in (True, False):  # one jitted function: the block is part of its cache key
         with moe.fused_kernels(fused):
             (_val, out), grads = f(x, ids, hh, w2, wt)
@@ -344,8 +389,8 @@ def test_fused_gemm_combine_path_forward_and_vjp(kernel_path, monkeypatch):
             assert taken, "the fused path was not taken inside fused_kernels()"
             traced = len(taken)
         assert len(taken) == traced, "the fused path was taken inside fused_kernels(False)"
-    f(x, ids, hh, w2, wt)  # outside a block: PK_JAX_MOE_FUSED (unset), the composition
-    assert len(taken) == traced, "the fused path was taken outside fused_kernels()"
+    f(x, ids, hh, w2, wt)  # outside a block: PK_JAX_MOE_FUSED unset ("auto"), fused
+    assert len(taken) > traced, "the fused path was not taken by default"
     np.testing.assert_array_equal(np.asarray(results[True][0], np.float32),
                                   np.asarray(results[False][0], np.float32))
     for a, b in zip(results[True][1], results[False][1]):

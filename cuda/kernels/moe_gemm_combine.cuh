@@ -3,9 +3,9 @@
  * (pk.moe_gemm_combine; reference: grouped_matmul then moe_combine, pk_jax/ops/moe.py).
  * Exact on the H200 in the rank emulator (tests/gpu/test_emulator_moe_fused.py) and through
  * JAX (tests/gpu/moe_fused_mp.py), and 1.02-1.06x of the composition's speed there (emulated
- * P = 8, bench/results/moe_notes.md). It shares its switch with the fused dispatch:
- * pk.moe_gemm_combine runs it only with PK_JAX_MOE_FUSED=1 and composes grouped_matmul and
- * moe_combine otherwise.
+ * P = 8, bench/results/moe_notes.md): pk.moe_gemm_combine runs it by default (PK_JAX_MOE_FUSED
+ * unset or "auto", where the workspace fits) and composes grouped_matmul and moe_combine with
+ * PK_JAX_MOE_FUSED=0.
  *
  * Per rank r (P ranks, EL local experts, k slots per token, T tokens, C rows):
  *   h [C, F] (the rows r's experts received, moe_dispatch's order), w2 [EL, F, H], the

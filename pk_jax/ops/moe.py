@@ -234,9 +234,9 @@ def moe_gemm_combine(h: jax.Array, w2: jax.Array, weights: jax.Array, handle: Mo
                      axis_name: str) -> jax.Array:
     """Every local expert's second GEMM on its rows, then `moe_combine`.
 
-    With PK_JAX_MOE_FUSED=1 (fixed at pk.init) or inside `fused_kernels()` (off by default, as
-    the fused dispatch: it measured 1.02-1.06x of the composition, the fused dispatch 0.91-1.02x),
-    and on the CUDA path, fused kernels run instead
+    By default (PK_JAX_MOE_FUSED unset or "auto", fixed at pk.init; "1" or a `fused_kernels()`
+    block too; not with "0" or inside `fused_kernels(False)`), on the CUDA path, fused kernels
+    run instead (1.02-1.06x of the composition's speed, emulated P = 8)
     (cuda/kernels/moe_gemm_combine.cuh): the GEMM's epilogue stores each output row straight
     into its token's rank's symmetric workspace and the token's rank sums its k rows
     (bf16/fp16, F and H' multiples of 8); the same result as the composition, bit for bit (y
@@ -252,17 +252,19 @@ def moe_gemm_combine(h: jax.Array, w2: jax.Array, weights: jax.Array, handle: Mo
 
     Raises:
         ValueError, TypeError: as `grouped_matmul` and `moe_combine` raise them; on the fused
-            path, a symmetric workspace smaller than T k H' itemsize + capacity x 8 bytes.
+            path when asked for (PK_JAX_MOE_FUSED=1, `fused_kernels()`), a symmetric workspace
+            smaller than T k H' itemsize + capacity x 8 bytes (by default that composes).
     """
     p = _checks.axis_size("moe_gemm_combine", axis_name)
     if _gemm_combine_applies(h, w2, weights, handle, p, axis_name):
         t, k = weights.shape
-        slots = -(-t * k * w2.shape[2] * h.dtype.itemsize // 256) * 256
-        _tp.check_workspace("moe_gemm_combine", slots + h.shape[0] * 8,
-                            f"its [{t} x {k}, {w2.shape[2]}] expert rows received for its "
-                            f"tokens and a [{h.shape[0]}] row map")
-        return _gemm_combine_k(h, w2, weights, handle.dest_rank, handle.position,
-                               handle.group_sizes, axis_name)
+        need = -(-t * k * w2.shape[2] * h.dtype.itemsize // 256) * 256 + h.shape[0] * 8
+        if not (_fused_by_default() and need > state.workspace_bytes()):
+            _tp.check_workspace("moe_gemm_combine", need,
+                                f"its [{t} x {k}, {w2.shape[2]}] expert rows received for its "
+                                f"tokens and a [{h.shape[0]}] row map")
+            return _gemm_combine_k(h, w2, weights, handle.dest_rank, handle.position,
+                                   handle.group_sizes, axis_name)
     y = pk_grouped_matmul(h, w2, handle.group_sizes)
     return moe_combine(y, weights, handle, axis_name)
 
@@ -363,8 +365,9 @@ _dispatch_k.defvjp(_dispatch_k_fwd, _dispatch_k_bwd)
 
 # The fused kernels (moe_dispatch_gemm.cuh: dispatch + first expert GEMM, 0.91-1.02x of the
 # composition's speed; moe_gemm_combine.cuh: second GEMM + combine, 1.02-1.06x; emulated P = 8,
-# bench/results/moe_notes.md) are opt-in: PK_JAX_MOE_FUSED=1 (a setting fixed at pk.init) or
-# a `fused_kernels` block; the ops compose dispatch / grouped_matmul / combine otherwise.
+# bench/results/moe_notes.md). PK_JAX_MOE_FUSED (a setting fixed at pk.init): unset or "auto",
+# the fused GEMM + combine where it applies and its workspace fits, the dispatch composed; "1",
+# both fused; "0", both composed. A `fused_kernels` block forces both either way.
 FUSED_ENV = "PK_JAX_MOE_FUSED"  # state.Settings.moe_fused
 _local = threading.local()
 # The block's choice joins jit's cache key through a user context (as cost_model.override).
@@ -387,11 +390,22 @@ def fused_kernels(enabled: bool = True):
         _local.fused = prev
 
 
-def fused_enabled() -> bool:
-    """Whether the fused MoE kernels are asked for here: the innermost `fused_kernels` block,
-    else PK_JAX_MOE_FUSED (fixed at pk.init)."""
+def fused_enabled(op: str = "moe_dispatch_gemm") -> bool:
+    """Whether `op`'s fused kernel is asked for here: the innermost `fused_kernels` block, else
+    PK_JAX_MOE_FUSED (fixed at pk.init): "1" both ops, "auto" (the default) moe_gemm_combine
+    only, anything else neither."""
     forced = getattr(_local, "fused", None)
-    return forced if forced is not None else state.settings().moe_fused == "1"
+    if forced is not None:
+        return forced
+    mode = state.settings().moe_fused
+    return mode == "1" or (mode == "auto" and op == "moe_gemm_combine")
+
+
+def _fused_by_default() -> bool:
+    """Whether only the default ("auto") asks for the fused combine here: it then composes
+    where the workspace is too small for it, instead of raising."""
+    return getattr(_local, "fused", None) is None and state.settings().moe_fused == "auto"
+
 
 KERNEL_MAX_FUSED_COUNTS = KERNEL_MAX_COUNTS // 2  # the count range's other half: arrivals
 
@@ -487,7 +501,7 @@ _combine_k.defvjp(_combine_k_fwd, _combine_k_bwd)
 
 
 def _gemm_combine_applies(h, w2, weights, handle, p: int, axis_name: str) -> bool:
-    if not fused_enabled() or w2.ndim != 3 or h.ndim != 2:
+    if not fused_enabled("moe_gemm_combine") or w2.ndim != 3 or h.ndim != 2:
         return False
     if weights.ndim != 2 or weights.shape != handle.position.shape:
         return False  # the composition raises the shape error

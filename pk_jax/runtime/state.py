@@ -61,7 +61,7 @@ class Settings:
     all_reduce_algorithm: str = "auto"     # PK_JAX_ALL_REDUCE_ALGORITHM
     single_device_kernels: str = "0"       # PK_JAX_SINGLE_DEVICE_KERNELS
     ulysses_fused: str = "0"               # PK_JAX_ULYSSES_FUSED
-    moe_fused: str = "0"                   # PK_JAX_MOE_FUSED
+    moe_fused: str = "auto"                # PK_JAX_MOE_FUSED
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -75,7 +75,7 @@ SETTINGS_ENV = {"backend": ("PK_JAX_BACKEND", "auto"), "tp_mode": ("PK_JAX_TP_MO
                 "all_reduce_algorithm": ("PK_JAX_ALL_REDUCE_ALGORITHM", "auto"),
                 "single_device_kernels": ("PK_JAX_SINGLE_DEVICE_KERNELS", "0"),
                 "ulysses_fused": ("PK_JAX_ULYSSES_FUSED", "0"),
-                "moe_fused": ("PK_JAX_MOE_FUSED", "0")}
+                "moe_fused": ("PK_JAX_MOE_FUSED", "auto")}
 
 
 def settings() -> Settings:

@@ -1,5 +1,6 @@
-"""pk.moe_dispatch_gemm's and pk.moe_gemm_combine's fused kernels (opt-in: PK_JAX_MOE_FUSED=1
-or a pk_jax.ops.moe.fused_kernels() block) across P processes, through JAX: the FFI handlers,
+"""pk.moe_dispatch_gemm's and pk.moe_gemm_combine's fused kernels (the dispatch's opt-in:
+PK_JAX_MOE_FUSED=1 or a pk_jax.ops.moe.fused_kernels() block; the combine's the default, "auto")
+across P processes, through JAX: the FFI handlers,
 the lowerings and the custom VJPs.
 
     python -m pk_jax.launch -n 4 --share-gpu tests/gpu/moe_fused_mp.py
@@ -8,7 +9,9 @@ Every process builds every rank's inputs from one seed and runs pk.moe_dispatch_
 jit(shard_map) twice: traced inside fused_kernels(True) (the fused kernel; on a GPU its HLO must
 call pk_moe_dispatch_gemm) and inside fused_kernels(False) (the
 composition of pk.moe_dispatch and pk.grouped_matmul, tested by moe_mp.py and the grouped GEMM
-tests). Integer inputs in {-1, 0, 1}, so both are exact and must agree bit for bit: h, the
+tests); then once outside a block, where the HLO must call the kernel exactly when
+PK_JAX_MOE_FUSED asks for it (by default: moe_gemm_combine's, not moe_dispatch_gemm's) and
+the output must equal the composition's. Integer inputs in {-1, 0, 1}, so both are exact and must agree bit for bit: h, the
 group sizes and the whole handle; then the gradients of sum(h * g) with respect to x and w1;
 then two calls in a row, and a straggler (the last rank sleeps 1 s before its call).
 pk.moe_gemm_combine the same way (fused against grouped_matmul then moe_combine, on the handle
@@ -72,6 +75,14 @@ def main() -> None:
                 if grads:
                     gr = [local(v) for v in jax.block_until_ready(grad(*args, place(g)))]
             results[fused] = (outs, gr)
+        # Outside a block: PK_JAX_MOE_FUSED as set (unset: "auto", the fused combine only).
+        default = moe_ops.fused_enabled(target.removeprefix("pk_"))
+        check_path(fwd, args, target, default)
+        outs = [local(o) for o in jax.tree.leaves(jax.block_until_ready(fwd(*args)))]
+        for a, b in zip(outs, results[False][0]):
+            if not np.array_equal(a.astype(np.float64), b.astype(np.float64)):
+                raise AssertionError(f"rank {me}: {target} by default (fused={default}) differs "
+                                     "from the composition")
         return results
 
     def check_equal(results, what, out_names, grad_names):

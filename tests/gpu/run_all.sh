@@ -217,9 +217,9 @@ section_ring() {
   step "$PY" bench/bench_ring_attn.py --quick
 }
 
-# The fused MoE kernels (opt-in: PK_JAX_MOE_FUSED=1, measured slower): dispatch + first
-# expert GEMM (cuda/kernels/moe_dispatch_gemm.cuh) and second expert GEMM + combine
-# (cuda/kernels/moe_gemm_combine.cuh) in the rank emulator at P = 2, 4, 8
+# The fused MoE kernels (PK_JAX_MOE_FUSED "auto", the default, fuses the combine only; "1"
+# both): dispatch + first expert GEMM (cuda/kernels/moe_dispatch_gemm.cuh) and second expert
+# GEMM + combine (cuda/kernels/moe_gemm_combine.cuh) in the rank emulator at P = 2, 4, 8
 # (tests/gpu/test_emulator_moe_fused.py; PK_JAX_EMU_MOE_CALLS / 4 back-to-back calls per P and
 # op, 25 by default here), through JAX with PK_JAX_MOE_FUSED_SIZES processes sharing the GPU
 # (default 2; against the compositions), compute-sanitizer memcheck and synccheck over one fused
