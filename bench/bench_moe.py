@@ -38,9 +38,9 @@ integer hidden rows h [capacity, expert hidden] and w2 [E / P, expert hidden, H]
   timed apart and added;
 - fused: cuda/kernels/moe_gemm_combine.cuh (the GEMM's epilogue stores each output row into
   its token's rank's workspace; the owner sums its k slots; pk.moe_gemm_combine's default
-  path since 2026-12-02, measured 1.02-1.06x of serial), checked equal to the serial output on every rank
-  before it is timed; the serial output is checked on sampled tokens of rank 0 against numpy
-  on the GEMM's y.
+  path since 2026-12-02, measured 1.02-1.06x of serial), checked equal to the serial output
+  on every rank before it is timed; the serial output is checked on sampled tokens of rank 0
+  against numpy on the GEMM's y.
 A fused kernel that fails its check is reported (and the script exits non-zero at the end)
 without a row; the other rows are kept.
 

@@ -377,7 +377,9 @@ def test_fused_gemm_combine_path_forward_and_vjp(kernel_path, monkeypatch):
     block is part of jit's cache key); its forward and custom VJP (the composition's) equal the
     composition's."""
     from pk_jax.ops import moe
+    from pk_jax.runtime import state
 
+    monkeypatch.setattr(state, "settings", lambda: state.Settings())  # PK_JAX_MOE_FUSED unset
     taken = _counting_gemm_combine(monkeypatch)
     f, (x, ids, hh, w2, wt) = _gemm_combine_loss_case()
     results = {}

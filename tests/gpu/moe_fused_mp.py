@@ -1,7 +1,6 @@
 """pk.moe_dispatch_gemm's and pk.moe_gemm_combine's fused kernels (the dispatch's opt-in:
 PK_JAX_MOE_FUSED=1 or a pk_jax.ops.moe.fused_kernels() block; the combine's the default, "auto")
-across P processes, through JAX: the FFI handlers,
-the lowerings and the custom VJPs.
+across P processes, through JAX: the FFI handlers, the lowerings and the custom VJPs.
 
     python -m pk_jax.launch -n 4 --share-gpu tests/gpu/moe_fused_mp.py
 
@@ -11,9 +10,10 @@ call pk_moe_dispatch_gemm) and inside fused_kernels(False) (the
 composition of pk.moe_dispatch and pk.grouped_matmul, tested by moe_mp.py and the grouped GEMM
 tests); then once outside a block, where the HLO must call the kernel exactly when
 PK_JAX_MOE_FUSED asks for it (by default: moe_gemm_combine's, not moe_dispatch_gemm's) and
-the output must equal the composition's. Integer inputs in {-1, 0, 1}, so both are exact and must agree bit for bit: h, the
-group sizes and the whole handle; then the gradients of sum(h * g) with respect to x and w1;
-then two calls in a row, and a straggler (the last rank sleeps 1 s before its call).
+the output must equal the composition's. Integer inputs in {-1, 0, 1}, so both are exact and
+must agree bit for bit: h, the group sizes and the whole handle; then the gradients of
+sum(h * g) with respect to x and w1; then two calls in a row, and a straggler (the last rank
+sleeps 1 s before its call).
 pk.moe_gemm_combine the same way (fused against grouped_matmul then moe_combine, on the handle
 of a pk.moe_dispatch): out, then the gradients of sum(out * g) with respect to h, w2 and the
 weights.
