@@ -412,7 +412,7 @@ KERNEL_MAX_FUSED_COUNTS = KERNEL_MAX_COUNTS // 2  # the count range's other half
 
 def _fused_applies(x, expert_ids, w1, p: int, num_experts: int, capacity: int,
                    axis_name: str) -> bool:
-    if not fused_enabled() or w1.ndim != 3:
+    if not fused_enabled("moe_dispatch_gemm") or w1.ndim != 3:
         return False
     el, h, n = w1.shape
     fits = (x.dtype in (jnp.bfloat16, jnp.float16) and w1.dtype == x.dtype
