@@ -11,7 +11,8 @@
 namespace pk_ffi {
 namespace {
 
-// The operands' 4-D map (tensor_map.h Map4d): one swizzled panel of `rows` positions of one head.
+// The operands' 4-D map (tensor_map.h Map4d): one swizzled panel of `rows` positions of one head
+// (dtype 2: float32, dq_acc).
 Status Map(const void* ptr, int64_t b, int64_t s, int64_t heads, int64_t d, int rows, int dtype,
            CUtensorMap* out) {
   return Map4d("attention", ptr, b, s, heads, d, uint32_t(rows), dtype, out);
@@ -90,6 +91,8 @@ Status LaunchAttention(const Where& at, const AttnArgs& a) {
         return s;
       }
     }
+    // dq_acc, float32: the dQ reductions' boxes of 64 query rows.
+    if (Status s = Map(a.dq_acc, a.b, a.s, a.h, a.d, 64, 2, &g.dq32); !s.ok()) return s;
     err = type == 0 ? Launch<__nv_bfloat16>(a, nullptr, &g, at.stream, at.device)
                     : Launch<__half>(a, nullptr, &g, at.stream, at.device);
   }

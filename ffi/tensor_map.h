@@ -137,7 +137,8 @@ inline Status PeerTensorMaps(const char* op, void* const* ws, int world, uint64_
 
 // A 128B-swizzled map over a [b, s, heads, d] tensor of 2-byte elements: dims {d, heads, s, b},
 // box {64, 1, rows, 1} (one swizzled panel of `rows` positions of one head); the attention
-// kernels' operands and workspace slots. Encoded on every call (not cached).
+// kernels' operands and workspace slots. dtype 0 bf16, 1 fp16, 2 float32 (box {32, 1, rows, 1}:
+// a swizzled row is 128 bytes). Encoded on every call (not cached).
 inline Status Map4d(const char* op, const void* ptr, int64_t b, int64_t s, int64_t heads,
                     int64_t d, uint32_t rows, int dtype, CUtensorMap* out) {
   PFN_cuTensorMapEncodeTiled_v12000 encode = EncodeFn();
@@ -145,15 +146,16 @@ inline Status Map4d(const char* op, const void* ptr, int64_t b, int64_t s, int64
     return Status::Internal(std::string("pk.") + op +
                             ": cuTensorMapEncodeTiled is not available.");
   }
+  const cuuint64_t elem = dtype == 2 ? 4 : 2;
   const cuuint64_t dims[4] = {cuuint64_t(d), cuuint64_t(heads), cuuint64_t(s), cuuint64_t(b)};
-  const cuuint64_t strides[3] = {cuuint64_t(d) * 2, cuuint64_t(heads * d) * 2,
-                                 cuuint64_t(s * heads * d) * 2};
-  const cuuint32_t box[4] = {64, 1, rows, 1};
+  const cuuint64_t strides[3] = {cuuint64_t(d) * elem, cuuint64_t(heads * d) * elem,
+                                 cuuint64_t(s * heads * d) * elem};
+  const cuuint32_t box[4] = {uint32_t(128 / elem), 1, rows, 1};
   const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
-  CUresult r = encode(out,
-                      dtype == 0 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-                                 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-                      4, const_cast<void*>(ptr), dims, strides, box, elem_strides,
+  const CUtensorMapDataType type = dtype == 0   ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                   : dtype == 1 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                                : CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+  CUresult r = encode(out, type, 4, const_cast<void*>(ptr), dims, strides, box, elem_strides,
                       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) {

@@ -33,8 +33,8 @@
  * delta = rowsum(dO * O) comes from the caller (padded with lse = +inf past S, so padded rows
  * give P = 0). It runs in one pass, five GEMMs per step: dK and dV sum over the group's query heads
  * in registers, and dQ's parts are summed into a float32 scratch dq_acc (zeroed by the launcher,
- * converted to dq by a second small kernel) with float32 reductions, so dq is not bitwise
- * reproducible (dk and dv are). ring_attn_bwd.cuh builds its dQ and dK/dV lanes from this
+ * converted to dq by a second small kernel) by TMA reductions (cp.reduce.async.bulk.tensor add)
+ * from shared memory, so dq is not bitwise reproducible (dk and dv are). ring_attn_bwd.cuh builds its dQ and dK/dV lanes from this
  * file's per-step pieces (dq_rows on dq_config's storage: 128 query rows, 64-key tiles;
  * dkdv_step on dkdv_config's).
  *
@@ -97,10 +97,11 @@ struct fwd_globals {
 };
 
 /** @brief Backward arguments: q, d_o with boxes of 64 rows (q64, do64), k, v with boxes of 128
- * (k128, v128). lse and delta are [B, H, SP] with SP = S rounded up to 128, lse = +inf and
- * delta = 0 past S. */
+ * (k128, v128); dq32 maps dq_acc (float32 {D, H, S, B}) with boxes {32, 1, 64, 1}, 128B-swizzled,
+ * for the dQ reductions. lse and delta are [B, H, SP] with SP = S rounded up to 128, lse = +inf
+ * and delta = 0 past S. */
 struct bwd_globals {
-  CUtensorMap q64, do64, k128, v128;
+  CUtensorMap q64, do64, k128, v128, dq32;
   const float* lse;
   const float* delta;
   int sp;
@@ -705,23 +706,31 @@ struct dkdv_step {
   template <class QPos>
   __device__ void grad_scores(const stage_t& stage, float sl2, bool masked, const QPos& qpos,
                               const int (&lim)[2]) {
+    grad_scores(stage.lse, stage.delta, sl2, masked, qpos, lim);
+  }
+
+  /** @brief `grad_scores` with the stage's 64 lse and delta values at `lse` and `delta` (the
+   * one-pass backward keeps them apart from its stages, bwd_config). */
+  template <class QPos>
+  __device__ void grad_scores(const float* lse, const float* delta, float sl2, bool masked,
+                              const QPos& qpos, const int (&lim)[2]) {
     // Two code paths: one shared path with the mask as a runtime flag costs an unmasked step
     // about 100 instructions of comparisons and selects (ncu, D = 64).
-    if (masked) grad_scores_as<true>(stage, sl2, qpos, lim);
-    else grad_scores_as<false>(stage, sl2, qpos, lim);
+    if (masked) grad_scores_as<true>(lse, delta, sl2, qpos, lim);
+    else grad_scores_as<false>(lse, delta, sl2, qpos, lim);
   }
 
   template <bool MASKED, class QPos>
-  __device__ void grad_scores_as(const stage_t& stage, float sl2, const QPos& qpos,
-                                 const int (&lim)[2]) {
+  __device__ void grad_scores_as(const float* lse, const float* delta, float sl2,
+                                 const QPos& qpos, const int (&lim)[2]) {
     const int lane = threadIdx.x % 32;
 #pragma unroll
     for (int jj = 0; jj < BQ / 8; ++jj) {
 #pragma unroll
       for (int cc = 0; cc < 2; ++cc) {
         const int col = 8 * jj + 2 * (lane % 4) + cc;
-        const float l2 = stage.lse[col] * LOG2E;  // +inf past S: p = 0
-        const float dl = stage.delta[col];
+        const float l2 = lse[col] * LOG2E;  // +inf past S: p = 0
+        const float dl = delta[col];
         const int qp = MASKED ? qpos(col) : 0;
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
@@ -782,19 +791,34 @@ struct bwd_config : dkdv_config<T, D> {
   static constexpr int THREADS = attention::THREADS;  // bwd_kernel's launch bounds
   static constexpr int STAGES = D == 128 ? 3 : 6;
   using ds_tile = st_panels<T, base::BN, base::BQ>;  // dS^T: 128 keys (k rows) x 64 queries
+  // A warpgroup's dQ part of a step, 64 queries x D/2 columns of float32, staged for the TMA
+  // reduction into dq_acc: D/64 boxes of 64 rows x 32 columns, each row 128 bytes, swizzled.
+  static constexpr int DQ_BOXES = D / 64;
+  struct alignas(1024) dq_box {
+    float v[base::BQ * 32];
+  };
+  // A stage's q and dO tiles; its lse and delta sit in storage_t's tail, where they do not
+  // round each stage up to the tiles' 1 KiB alignment (D = 128 fits in 227 KiB only so).
+  struct stage_t {
+    typename base::q_tile q, d_o;
+  };
   struct storage_t {
     typename base::kv_tile k, v;
-    typename base::stage_t st[STAGES];
+    dq_box dqs[CONSUMERS][DQ_BOXES];  // warpgroup c's staged dQ part (dq_part::reduce)
+    stage_t st[STAGES];
     ds_tile ds[2];  // step j writes ds[j % 2]; see bwd_kernel
+    float lse[STAGES][base::BQ], delta[STAGES][base::BQ];  // stage st's
     mbarrier kv_full, full[STAGES];
     int released[STAGES];  // see release_stage
   };
-  static constexpr size_t SMEM = sizeof(storage_t) + 1024;
+  // The bytes used, not sizeof (which rounds the tail up to 1 KiB), and 1 KiB for aligning the
+  // base (dynamic_smem).
+  static constexpr size_t SMEM = offsetof(storage_t, released) + sizeof(int) * STAGES + 1024;
 };
 
-// Named barrier of the one-pass backward: both warpgroups' dS^T rows of a step are in shared
-// memory.
-constexpr int BWD_DS = 1;
+// Named barriers of the one-pass backward: both warpgroups' dS^T rows of a step are in shared
+// memory (BWD_DS); warpgroup c's dQ part is staged (BWD_DQ + c).
+constexpr int BWD_DS = 1, BWD_DQ = 2;
 
 /** @brief m64nNk16 (N = 32, 64) with A and B MN-major from shared memory: dQ += dS K, dS
  * stored transposed. */
@@ -822,7 +846,9 @@ struct dq_part {
 
   /** @brief Stores dS^T rows `row` and row + 8 (packed register 2 jj + i holds queries
    * 8 jj + 2 (lane % 4) and the next one of row + 8 i, fragment.cuh) and waits until the other
-   * warpgroup has stored its rows (named barrier BWD_DS). */
+   * warpgroup has stored its rows (named barrier BWD_DS). Before that barrier each warpgroup's
+   * leader waits until its last dQ reduction (`reduce`, a step ago) has read its staging, so
+   * both warpgroups may restage after it. */
   __device__ static void share(typename C::ds_tile& ds, const uint32_t (&dsa)[BQ / 4], int row,
                                int lane) {
 #pragma unroll
@@ -834,6 +860,7 @@ struct dq_part {
       }
     }
     tma::fence_smem_to_async();
+    if (threadIdx.x % WARPGROUP_THREADS == 0) tma::store_wait_read<0>();
     warpgroup::sync(BWD_DS, THREADS);
   }
 
@@ -858,10 +885,11 @@ struct dq_part {
    * diagonal, queries from q0), dV += P^T dO and dK += dS^T Q, dS^T shared, dq = dS K; returns
    * once all of them have completed. */
   __device__ void after_scores(dkdv_step<C>& step, const typename C::stage_t& stage,
+                               const float* lse, const float* delta,
                                typename C::ds_tile& ds, const typename C::kv_tile& k,
                                float (&dk)[D / 2], float (&dv)[D / 2], bool mask, float sl2,
                                int q0, const int (&keys)[2], int row, int lane, int nbeg) {
-    step.grad_scores(stage, sl2, mask, [&](int col) { return q0 + col; }, keys);
+    step.grad_scores(lse, delta, sl2, mask, [&](int col) { return q0 + col; }, keys);
     step.issue(stage, dk, dv);
     share(ds, step.dsa, row, lane);
     issue(ds, k, nbeg);
@@ -870,22 +898,34 @@ struct dq_part {
     step.finish(dk, dv);
   }
 
-  /** @brief dq_acc rows q0 + 16 (t / 32) + lane / 4 (+ 8) of head h, columns
-   * nbeg + 8 jj + 2 (lane % 4) (+ 1), += dq (float32 vector reductions). */
-  __device__ void reduce(const bwd_globals& g, int b, int h, int q0, int nbeg, int t) const {
+  /** @brief dq_acc rows q0.. of head h, columns nbeg.. (rows past S dropped) += dq: warpgroup
+   * c's thread t stages its part in `box` (row r = 16 (t / 32) + lane / 4 (+ 8), columns
+   * 8 jj + 2 (lane % 4) (+ 1): 16-byte chunk j of a 128-byte row sits at chunk j ^ (r % 8), the
+   * 128B swizzle, so a warp's 8-byte stores hit every bank), then, once the warpgroup has
+   * (named barrier BWD_DQ + c), its leader adds the boxes into dq_acc by TMA (one bulk group).
+   * The float32 adds run in the L2 while the warpgroup goes on; `share` waits for their reads. */
+  __device__ void reduce(const bwd_globals& g, typename C::dq_box (&box)[C::DQ_BOXES], int b,
+                         int h, int q0, int nbeg, int t, int c) const {
     const int lane = t % 32;
+    const int r0 = 16 * (t / 32) + lane / 4;
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int row = q0 + 16 * (t / 32) + lane / 4 + 8 * i;
-      if (row >= g.d.s) continue;
-      float* dst =
-          g.dq_acc + ((int64_t(b) * g.d.s + row) * g.d.h + h) * D + nbeg + 2 * (lane % 4);
+    for (int jj = 0; jj < DQN / 8; ++jj) {
+      const int chunk = 2 * (jj % 4) + (lane % 4) / 2;
 #pragma unroll
-      for (int jj = 0; jj < DQN / 8; ++jj) {
-        asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(dst + 8 * jj),
-                     "f"(dq[4 * jj + 2 * i]), "f"(dq[4 * jj + 2 * i + 1])
-                     : "memory");
+      for (int i = 0; i < 2; ++i) {
+        const int r = r0 + 8 * i;
+        float* at = box[jj / 4].v + r * 32 + (chunk ^ (r % 8)) * 4 + (lane % 2) * 2;
+        *reinterpret_cast<float2*>(at) = make_float2(dq[4 * jj + 2 * i], dq[4 * jj + 2 * i + 1]);
       }
+    }
+    tma::fence_smem_to_async();
+    warpgroup::sync(BWD_DQ + c);
+    if (t == 0) {
+#pragma unroll
+      for (int x = 0; x < C::DQ_BOXES; ++x) {
+        tma::store_add_4d(&g.dq32, box[x].v, nbeg + 32 * x, h, q0, b);
+      }
+      tma::store_commit();
     }
   }
 };
@@ -896,11 +936,14 @@ struct dq_part {
  * group (dkdv_step: dK and dV in registers); after dS^T is computed, each warpgroup stores its
  * 64 key rows of it (rounded to T) into the step's ds tile; once both have (named barrier
  * BWD_DS), warpgroup c computes columns [c D/2, (c + 1) D/2) of dQ_step = dS K for the stage's
- * 64 queries over all 128 keys and adds them to dq_acc with vector reductions
- * (red.global.add.v2.f32; dq_part). At D = 64 the next step's S^T and dP^T are issued before
- * those reductions. ds is double-buffered: a warpgroup writes ds[j % 2] in step j only after
- * passing step j - 1's barrier, which the other passed after its step j - 2 wait, the last read
- * of that buffer.
+ * 64 queries over all 128 keys, stages them in shared memory and its leader adds them to
+ * dq_acc with TMA reductions (dq_part::reduce). With per-thread vector reductions
+ * (red.global.add.v2.f32) in their place, 16 per thread and step at D = 128, the backward's
+ * forward + backward geomean was 0.816x of cuDNN at three shapes against 0.910x with these
+ * (H200, 2026-12-02, attention_notes.md). At D = 64 the next step's S^T and dP^T are issued
+ * before those reductions. ds is double-buffered: a warpgroup writes ds[j % 2] in step j only
+ * after passing step j - 1's barrier, which the other passed after its step j - 2 wait, the
+ * last read of that buffer. The staging is single-buffered: `share` waits for its last read.
  * The block's dQ partials of a query row are summed in fp32 by the L2 in any order, so dq is
  * not bitwise reproducible (dk and dv are).
  */
@@ -929,8 +972,8 @@ __global__ void __launch_bounds__(THREADS, 1) bwd_kernel(const __grid_constant__
     load_rows(stage.q, &g.q64, &s.full[st], b, q0, h);
     load_rows(stage.d_o, &g.do64, &s.full[st], b, q0, h);
     const int64_t at = (int64_t(b) * dm.h + h) * g.sp + q0;  // q0 + 64 <= SP: padded
-    tma::load_1d(stage.lse, g.lse + at, BQ * sizeof(float), &s.full[st]);
-    tma::load_1d(stage.delta, g.delta + at, BQ * sizeof(float), &s.full[st]);
+    tma::load_1d(s.lse[st], g.lse + at, BQ * sizeof(float), &s.full[st]);
+    tma::load_1d(s.delta[st], g.delta + at, BQ * sizeof(float), &s.full[st]);
   };
   if (issuer) {
     block_wait_bound() = wait_bound{};
@@ -976,10 +1019,11 @@ __global__ void __launch_bounds__(THREADS, 1) bwd_kernel(const __grid_constant__
       mbar_wait(&s.full[st], ph);
       step.scores(s, stage, c);
       dq_part<C> part;
-      part.after_scores(step, stage, ds, s.k, dk, dv, dm.causal && q0 < k0 + c * 64 + 63, sl2,
-                        q0, keys, key_lo - k0, lane, nbeg);
+      part.after_scores(step, stage, s.lse[st], s.delta[st], ds, s.k, dk, dv,
+                        dm.causal && q0 < k0 + c * 64 + 63, sl2, q0, keys, key_lo - k0, lane,
+                        nbeg);
       release(j);
-      part.reduce(g, b, h, q0, nbeg, t);
+      part.reduce(g, s.dqs[c], b, h, q0, nbeg, t, c);
       if (++qi == per_head) {
         qi = 0;
         ++h;
@@ -1005,7 +1049,8 @@ __global__ void __launch_bounds__(THREADS, 1) bwd_kernel(const __grid_constant__
       auto& ds = s.ds[j & 1];
       step.wait_scores();
       const bool mask = dm.causal && q0 < k0 + c * 64 + 63;
-      step.grad_scores(stage, sl2, mask, [&](int col) { return q0 + col; }, keys);
+      step.grad_scores(s.lse[st], s.delta[st], sl2, mask, [&](int col) { return q0 + col; },
+                       keys);
       step.issue(stage, dk, dv);
       dq_part<C> part;
       part.share(ds, step.dsa, key_lo - k0, lane);
@@ -1026,11 +1071,12 @@ __global__ void __launch_bounds__(THREADS, 1) bwd_kernel(const __grid_constant__
         mbar_wait(&s.full[st], ph);
         step.issue_scores(s, s.st[st], c);
       }
-      part.reduce(g, b, hq, q0, nbeg, t);
+      part.reduce(g, s.dqs[c], b, hq, q0, nbeg, t, c);
     };
     for (int j = 0; j + 1 < n_tiles; ++j) tile(j, std::false_type{});
     tile(n_tiles - 1, std::true_type{});
   }
+  if (t == 0) tma::store_wait<0>();  // the staging stays valid until the last reduction is done
   store_rows<T, D>(g.dk, dk, dm.scale, dm.scale, b, k0 + c * 64, hk, dm.hkv, dm.s);
   store_rows<T, D>(g.dv, dv, 1.f, 1.f, b, k0 + c * 64, hk, dm.hkv, dm.s);
 }

@@ -1,6 +1,6 @@
 /**
  * @file tma_4d.cuh
- * @brief 4-D TMA tile loads and 1-D bulk loads (sm_90).
+ * @brief 4-D TMA tile loads and reductions, and 1-D bulk loads (sm_90).
  *
  * A 4-D map describes a [B, S, H, D] activation as dims {D, H, S, B}: a box {64, 1, ROWS, 1}
  * is ROWS consecutive positions of one head of one batch element, 64 features wide, which lands
@@ -23,6 +23,17 @@ __device__ inline void load_4d(void* dst, const CUtensorMap* map, mbarrier* bar,
       " [%0], [%1, {%3, %4, %5, %6}], [%2];" ::"r"(smem_addr(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2),
       "r"(c3)
+      : "memory");
+}
+
+/** @brief Adds shared memory `src` element-wise into the 4-D box at (c0, c1, c2, c3) (atomic per
+ * element; elements outside the tensor are dropped); part of the open bulk group. */
+__device__ inline void store_add_4d(const CUtensorMap* map, const void* src, int c0, int c1,
+                                    int c2, int c3) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group"
+      " [%0, {%2, %3, %4, %5}], [%1];" ::"l"(reinterpret_cast<uint64_t>(map)),
+      "r"(smem_addr(src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
       : "memory");
 }
 
