@@ -34,9 +34,9 @@
  * give P = 0). It runs in one pass, five GEMMs per step: dK and dV sum over the group's query heads
  * in registers, and dQ's parts are summed into a float32 scratch dq_acc (zeroed by the launcher,
  * converted to dq by a second small kernel) by TMA reductions (cp.reduce.async.bulk.tensor add)
- * from shared memory, so dq is not bitwise reproducible (dk and dv are). ring_attn_bwd.cuh builds its dQ and dK/dV lanes from this
- * file's per-step pieces (dq_rows on dq_config's storage: 128 query rows, 64-key tiles;
- * dkdv_step on dkdv_config's).
+ * from shared memory, so dq is not bitwise reproducible (dk and dv are). ring_attn_bwd.cuh
+ * builds its dQ and dK/dV lanes from this file's per-step pieces (dq_rows on dq_config's
+ * storage: 128 query rows, 64-key tiles; dkdv_step on dkdv_config's).
  *
  * Grid: fwd (H, ceil(S / BM), B), BM = fwd_block_rows(D); bwd (Hkv, ceil(S / 128), B).
  * Causal blocks run the longest rows first (fwd: block y counts down; bwd: key block y meets
