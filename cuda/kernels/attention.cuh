@@ -930,6 +930,16 @@ struct dq_part {
   }
 };
 
+/** @brief Where bwd_block's q/dO stages come from: pk.attention's operands, all present from
+ * the start, each head's query tiles in order (`tile`: the stream's tile qi of a head, from
+ * qb0, to its query tile). ulysses_attn_bwd.cuh's source also waits for the rows other ranks
+ * push, and starts each head at the rows that arrive first. */
+struct local_rows {
+  __device__ wait_bound bound() const { return wait_bound{}; }
+  __device__ void before_load(int /*q0*/) const {}
+  __device__ int tile(int qb0, int qi, int /*nq*/) const { return qb0 + qi; }
+};
+
 /**
  * The backward in one pass, five GEMMs per step (a dQ pass and a dK/dV pass took seven): each
  * block holds 128 keys of K/V head hk and streams 64-query stages of every query head of hk's
@@ -945,18 +955,20 @@ struct dq_part {
  * after passing step j - 1's barrier, which the other passed after its step j - 2 wait, the
  * last read of that buffer. The staging is single-buffered: `share` waits for its last read.
  * The block's dQ partials of a query row are summed in fp32 by the L2 in any order, so dq is
- * not bitwise reproducible (dk and dv are).
+ * not bitwise reproducible (dk and dv are). This is key block kb (128 keys) of K/V head hk,
+ * batch b, its q/dO stages from `src`.
  */
-template <class C>
-__global__ void __launch_bounds__(THREADS, 1) bwd_kernel(const __grid_constant__ bwd_globals g) {
+template <class C, class Src>
+__device__ __forceinline__ void bwd_block(const bwd_globals& g, int hk, int kb, int b,
+                                          const Src& src) {
   using T = typename C::dtype;
   constexpr int D = C::HEAD_DIM, BN = C::BN, BQ = C::BQ, STAGES = C::STAGES;
   constexpr int DQN = D / 2;  // the warpgroup's dQ columns
   auto& s = dynamic_smem<typename C::storage_t>();
   const dims& dm = g.d;
-  const int hk = blockIdx.x, b = blockIdx.z;
-  const int kb = blockIdx.y;  // causal: key block kb meets query rows from 128 kb on, so the
-  const int k0 = kb * BN;      // blocks with the most work come first
+  // causal: key block kb meets query rows from 128 kb on, so the blocks with the most work
+  // come first
+  const int k0 = kb * BN;
   const int group = dm.h / dm.hkv;
   const int nq = ceil_div(dm.s, BQ);
   const int qb0 = dm.causal ? k0 / BQ : 0;
@@ -966,7 +978,8 @@ __global__ void __launch_bounds__(THREADS, 1) bwd_kernel(const __grid_constant__
   auto issue = [&](int j) {
     const int st = j % STAGES;
     const int h = hk * group + j / per_head;
-    const int q0 = (qb0 + j % per_head) * BQ;
+    const int q0 = src.tile(qb0, j % per_head, nq) * BQ;
+    src.before_load(q0);
     auto& stage = s.st[st];
     mbar_arrive_expect_tx(&s.full[st], C::STAGE_BYTES);
     load_rows(stage.q, &g.q64, &s.full[st], b, q0, h);
@@ -976,7 +989,7 @@ __global__ void __launch_bounds__(THREADS, 1) bwd_kernel(const __grid_constant__
     tma::load_1d(s.delta[st], g.delta + at, BQ * sizeof(float), &s.full[st]);
   };
   if (issuer) {
-    block_wait_bound() = wait_bound{};
+    block_wait_bound() = src.bound();
     mbar_init(&s.kv_full, 1);
     for (int i = 0; i < STAGES; ++i) {
       mbar_init(&s.full[i], 1);
@@ -1013,7 +1026,7 @@ __global__ void __launch_bounds__(THREADS, 1) bwd_kernel(const __grid_constant__
   uint32_t ph = 0;
   if constexpr (D == 128) {
     for (int j = 0; j < n_tiles; ++j) {
-      const int q0 = (qb0 + qi) * BQ;
+      const int q0 = src.tile(qb0, qi, nq) * BQ;
       auto& stage = s.st[st];
       auto& ds = s.ds[j & 1];
       mbar_wait(&s.full[st], ph);
@@ -1044,7 +1057,7 @@ __global__ void __launch_bounds__(THREADS, 1) bwd_kernel(const __grid_constant__
     mbar_wait(&s.full[0], 0);
     step.issue_scores(s, s.st[0], c);
     auto tile = [&](int j, auto last) {
-      const int q0 = (qb0 + qi) * BQ, hq = h;
+      const int q0 = src.tile(qb0, qi, nq) * BQ, hq = h;
       auto& stage = s.st[st];
       auto& ds = s.ds[j & 1];
       step.wait_scores();
@@ -1079,6 +1092,12 @@ __global__ void __launch_bounds__(THREADS, 1) bwd_kernel(const __grid_constant__
   if (t == 0) tma::store_wait<0>();  // the staging stays valid until the last reduction is done
   store_rows<T, D>(g.dk, dk, dm.scale, dm.scale, b, k0 + c * 64, hk, dm.hkv, dm.s);
   store_rows<T, D>(g.dv, dv, 1.f, 1.f, b, k0 + c * 64, hk, dm.hkv, dm.s);
+}
+
+/** @brief The one-pass backward (bwd_block), grid (Hkv, key blocks, B). */
+template <class C>
+__global__ void __launch_bounds__(THREADS, 1) bwd_kernel(const __grid_constant__ bwd_globals g) {
+  bwd_block<C>(g, blockIdx.x, blockIdx.y, blockIdx.z, local_rows{});
 }
 
 /** @brief dq = T(scale dq_acc), n elements (a multiple of 4). */
