@@ -22,20 +22,25 @@ and the baseline's attention output with the fused one. Timing: back-to-back cal
 rank's stream, no host synchronisation inside a batch, wall clock per call, median of 5
 batches of 10.
 
-Backward (run_shape_bwd; no fused Ulysses backward kernel yet): the kernel-backed backward that
-pk.ulysses_attention's VJP runs on GPUs (pk_jax.testing.ulysses_bwd: pk all_to_all of q, dO,
-k, v and (lse, delta) to head shards, the pk.attention backward for the head group, all_to_all
-of dq, dk, dv back; delta's XLA reduction not counted) against the fused ring backward
+Backward (run_shape_bwd): the kernel-backed composed backward that pk.ulysses_attention's VJP
+runs on GPUs (pk_jax.testing.ulysses_bwd.UlyssesBackward: pk all_to_all of q, dO, k, v and
+(lse, delta) to head shards, the pk.attention backward for the head group, all_to_all of dq,
+dk, dv back; delta's XLA reduction not counted) against the fused ring backward
 (pk_ring_attn_bwd) at the same shape, the other sequence-parallel backward, in the same run;
 `attention_only_us` is the head-group attention backward alone (the composed path's compute
-floor). Before timing, heads 0 and H - 1 (their lse and delta exact, the other heads' random
-finite stand-ins) are compared on ranks 0 and P - 1 with a float32 numpy reference over the
-whole sequence (the ring backward's tolerance), and the ring backward's gradients must come
-out finite. 2.5 x the forward's FLOPs; median of 3 batches of 5.
+floor). Then the fused Ulysses backward (pk_ulysses_attn_bwd, FusedUlyssesBackward: q, k, v
+and lse already in head shards, as the composed forward keeps them; dO and delta exchanged
+inside the kernel, dq, dk, dv pulled back by its tail kernel) against the composed backward,
+rows in bench/results/ulysses_attention_bwd_fused.jsonl (ratio = composed / fused). Before
+timing, heads 0 and H - 1 (their lse and delta exact, the other heads' random finite
+stand-ins) are compared on ranks 0 and P - 1 with a float32 numpy reference over the whole
+sequence (the ring backward's tolerance) for both Ulysses backwards, the fused backward's
+gradients with the composed one's at every head of those ranks, and the ring backward's
+gradients must come out finite. 2.5 x the forward's FLOPs; median of 3 batches of 5.
 
     CUDA_MODULE_LOADING=EAGER python bench/bench_ulysses_attn.py [--quick] [--forward-only]
 
---quick: S/P = 2048 only, the backward causal only (about 90 s on the H200, estimated).
+--quick: S/P = 2048 only, the backward causal only (about 2 min on the H200, estimated).
 """
 
 from __future__ import annotations
@@ -55,7 +60,11 @@ import numpy as np
 
 from pk_jax.testing import DeviceBuffer, World, ops
 from pk_jax.testing.emulator import DTYPES, np_dtype
-from pk_jax.testing.ulysses_bwd import UlyssesBackward
+from pk_jax.testing.ulysses_bwd import (
+    FusedUlyssesBackward,
+    UlyssesBackward,
+    fused_workspace_bytes,
+)
 
 MACHINE = "h200-emulated"
 LINK = "shared HBM (unthrottled)"
@@ -182,7 +191,8 @@ def _reference_grads_head(q, k, v, do, causal: bool, scale: float, chunk: int = 
 
 
 def run_shape_bwd(world: World, p: int, sl: int, causal: bool, rng, rows: list) -> None:
-    """The kernel-backed Ulysses backward against the fused ring backward (module docstring)."""
+    """The composed Ulysses backward against the fused ring backward, and the fused Ulysses
+    backward against the composed one (module docstring)."""
     dt = np_dtype(BF16)
     h = GROUP * p
     s_total = sl * p
@@ -207,22 +217,39 @@ def run_shape_bwd(world: World, p: int, sl: int, causal: bool, rng, rows: list) 
             lses[r][0, hh, :sl] = lse[r * sl:(r + 1) * sl]
             deltas[r][0, hh, :sl] = dl[r * sl:(r + 1) * sl]
 
+    what = f"P={p}, S/P={sl}, causal={causal}"
+
+    def check(bwd, path: str) -> None:  # the checked heads against the float32 reference
+        bwd.launch()
+        world.synchronize()
+        for r in (0, p - 1):
+            got = bwd.grads(r)
+            for hh in checked:
+                for name, ref in zip(("dq", "dk", "dv"), want[hh]):
+                    g = got[name][0, :, hh].astype(np.float32)
+                    w = ref[r * sl:(r + 1) * sl]
+                    big = max(1.0, float(np.abs(w).max()))
+                    if not (np.all(np.isfinite(g)) and np.allclose(g, w, atol=1.5e-2 * big,
+                                                                   rtol=1.5e-2)):
+                        raise SystemExit(f"bench_ulysses_attention: wrong {name} before timing "
+                                         f"({path} backward, {what}, rank {r}, head {hh}): max "
+                                         f"error {np.abs(g - w).max()}")
+
     ulysses = UlyssesBackward(world, BF16, qs, ks, vs, dos, lses, deltas, causal=causal,
                               scale=scale)
-    ulysses.launch()
-    world.synchronize()
-    for r in (0, p - 1):
-        got = ulysses.grads(r)
-        for hh in checked:
-            for name, ref in zip(("dq", "dk", "dv"), want[hh]):
-                g = got[name][0, :, hh].astype(np.float32)
-                w = ref[r * sl:(r + 1) * sl]
-                big = max(1.0, float(np.abs(w).max()))
-                if not (np.all(np.isfinite(g)) and np.allclose(g, w, atol=1.5e-2 * big,
-                                                               rtol=1.5e-2)):
-                    raise SystemExit(f"bench_ulysses_attention: wrong {name} before timing "
-                                     f"(backward, P={p}, S/P={sl}, causal={causal}, rank {r}, "
-                                     f"head {hh}): max error {np.abs(g - w).max()}")
+    check(ulysses, "composed")
+    fused = FusedUlyssesBackward(world, BF16, qs, ks, vs, dos, lses, deltas, causal=causal,
+                                 scale=scale, num_comm_sms=NUM_COMM_SMS)
+    check(fused, "fused")
+    for r in (0, p - 1):  # every head, the stand-ins' too: the same inputs, the same gradients
+        mine, theirs = fused.grads(r), ulysses.grads(r)
+        for name, y in mine.items():
+            g, w = y.astype(np.float32), theirs[name].astype(np.float32)
+            big = max(1.0, float(np.abs(w).max()))
+            if not (np.all(np.isfinite(g)) and np.allclose(g, w, atol=2e-2 * big, rtol=2e-2)):
+                raise SystemExit(f"bench_ulysses_attention: the fused backward's {name} "
+                                 f"disagrees with the composed one's before timing ({what}, "
+                                 f"rank {r}): max error {np.abs(g - w).max()}")
 
     params = {"b": B, "s": sl, "h": h, "hkv": h, "d": D, "scale": scale,
               "causal": int(causal), "zigzag": 0, "num_comm_sms": NUM_COMM_SMS}
@@ -244,6 +271,7 @@ def run_shape_bwd(world: World, p: int, sl: int, causal: bool, rng, rows: list) 
     t_ours = common.emulated_us(world, ulysses.launch, iters=5, reps=3)
     t_ring = common.emulated_us(world, ring.launch, iters=5, reps=3)
     t_attn = common.emulated_us(world, ulysses.launch_attention, iters=5, reps=3)
+    t_fused = common.emulated_us(world, fused.launch, iters=5, reps=3)
     flops = 10 * B * h * D * s_total * s_total * (0.5 if causal else 1.0)  # all ranks
     shape = {"b": B, "s": s_total, "s_local": sl, "h": h, "hkv": h, "d": D,
              "causal": causal, "num_comm_sms": NUM_COMM_SMS, "pass": "backward",
@@ -259,17 +287,27 @@ def run_shape_bwd(world: World, p: int, sl: int, causal: bool, rng, rows: list) 
           f"({flops / t_ours / 1e6:6.1f} TFLOP/s over all ranks; attention alone "
           f"{t_attn:9.1f} us)  ring fused {t_ring:9.1f} us  {t_ring / t_ours:5.2f}x",
           flush=True)
-    ulysses.free()
-    ring.free()
+    rows.append(common.record(
+        op="ulysses_attention_bwd_fused", shape={**shape, "path": "fused"}, dtype=BF16,
+        world=p, processes=1, median_us=t_fused, tflops=flops / t_fused / 1e6,
+        baseline="composed (pk all_to_all + pk.attention backward + all_to_all)",
+        baseline_median_us=t_ours, emulated=True, machine=MACHINE, link=LINK,
+        sms_per_rank=world.sms[0]))
+    print(f"P={p} S/P={sl:5d} causal={causal!s:5s} backward: fused {t_fused:9.1f} us "
+          f"({flops / t_fused / 1e6:6.1f} TFLOP/s over all ranks)  composed {t_ours:9.1f} us  "
+          f"{t_ours / t_fused:5.2f}x", flush=True)
+    for c in (ulysses, fused, ring):
+        c.free()
 
 
 def _workspace_bytes(p: int, sl: int) -> int:
     """The largest need of one world: the fused ring backward's P - 1 K/V blocks and P fp32
-    dK/dV blocks (ring_attn.workspace_need_bwd) at H = GROUP P, else 512 MiB (the forward's
-    sections and the all_to_alls' staging)."""
+    dK/dV blocks (ring_attn.workspace_need_bwd) at H = GROUP P, or the fused Ulysses
+    backward's sections, else 512 MiB (the forward's sections and the all_to_alls' staging)."""
     kv = B * sl * GROUP * p * D * 2
     ring = 2 * (p - 1) * kv + p * (-(-sl // 128) * GROUP * p * B) * 2 * 128 * D * 4
-    return max(512 << 20, -(-(ring + (64 << 20)) // (64 << 20)) * (64 << 20))
+    need = max(ring, fused_workspace_bytes(p, B, sl, GROUP * p, GROUP * p, D))
+    return max(512 << 20, -(-(need + (64 << 20)) // (64 << 20)) * (64 << 20))
 
 
 def main() -> None:
@@ -291,10 +329,10 @@ def main() -> None:
                     run_shape(world, p, sl, causal, rng, rows)
                     if not args.forward_only and (causal or not args.quick):
                         run_shape_bwd(world, p, sl, causal, rng, rows)
-    for name, sel in (("forward, fused vs unfused", False),
-                      ("backward, composed vs fused ring", True)):
-        ratios = [r["ratio"] for r in rows
-                  if r["ratio"] and (r["shape"].get("pass") == "backward") == sel]
+    for name, path in (("forward, fused vs unfused", None),
+                       ("backward, composed vs fused ring", "composed"),
+                       ("backward, fused vs composed", "fused")):
+        ratios = [r["ratio"] for r in rows if r["ratio"] and r["shape"].get("path") == path]
         if ratios:
             print(f"geomean {name}: {common.geomean(ratios):.2f}x ({len(ratios)} rows, "
                   "emulated)")

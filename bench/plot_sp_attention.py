@@ -3,7 +3,8 @@ ulysses_attention.jsonl (latest row per pass, P, S/P and causal, `"emulated": tr
 time / ours per shape, one panel per (op, pass): ring forward and backward against the unfused
 ring (pk.attention per block after an all_gather), Ulysses forward against the unfused
 all_to_all / pk.attention / all_to_all, Ulysses backward (composed of kernels) against the
-fused ring backward; into bench/results/sp_attention.png. Runs anywhere matplotlib is
+fused ring backward, and the fused Ulysses backward (ulysses_attention_bwd_fused.jsonl) against
+the composed one; into bench/results/sp_attention.png. Runs anywhere matplotlib is
 installed.
 
     python bench/plot_sp_attention.py
@@ -23,7 +24,8 @@ RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 PANELS = (("ring_attention", "forward", "unfused ring / fused"),
           ("ring_attention", "backward", "unfused ring / fused"),
           ("ulysses_attention", "forward", "unfused / fused"),
-          ("ulysses_attention", "backward", "fused ring / composed Ulysses"))
+          ("ulysses_attention", "backward", "fused ring / composed Ulysses"),
+          ("ulysses_attention_bwd_fused", "backward", "composed / fused Ulysses"))
 
 
 def latest(op: str) -> dict:

@@ -237,6 +237,30 @@ struct UlyssesAttnArgs {
 };
 
 Status LaunchUlyssesAttn(const Where& at, const UlyssesAttnArgs& a, const CommView& v);
+// The checks both Ulysses kernels make (ffi/ulysses_attn.cu): the error record, the signal
+// pad, the world, the dtype, the head dim, P dividing H and Hkv, Hkv dividing H, the
+// communication blocks; errors start with "pk." + op.
+Status CheckUlysses(const std::string& op, DType dtype, int64_t d, int64_t h, int64_t hkv,
+                    int64_t num_comm_sms, const CommView& v);
+
+// Ulysses attention backward (cuda/kernels/ulysses_attn_bwd.cuh) after the composed forward:
+// d_o [b, s, h, d] and delta float32 [b, h, s] (this rank's S/P = s positions), the head
+// shards q [b, P s, h/P, d], k and v [b, P s, hkv/P, d] and lse float32 [b, h/P, SP] (SP = P s
+// rounded up to 128, +inf past P s) -> dq [b, s, h, d], dk and dv [b, s, hkv, d]. P >= 2
+// divides h and hkv.
+struct UlyssesAttnBwdArgs {
+  DType dtype;
+  const void *q, *k, *v, *d_o;
+  const float *lse, *delta;
+  void *dq, *dk, *dv;
+  const int32_t* rank;
+  int64_t b, s, h, hkv, d;
+  float scale;
+  bool causal;
+  int64_t num_comm_sms;
+};
+
+Status LaunchUlyssesAttnBwd(const Where& at, const UlyssesAttnBwdArgs& a, const CommView& v);
 
 // Ring attention backward (cuda/kernels/ring_attn_bwd.cuh): q, d_o [b, s, h, d], k and v
 // [b, s, hkv, d], lse and delta float32 [b, h, SP] (SP = s rounded up to 128; lse = +inf and

@@ -54,6 +54,7 @@ const Registration kRegistrations[] = {
     {"pk_moe_gemm_combine", "CUDA", reinterpret_cast<void*>(PkMoeGemmCombine), true},
     {"pk_ulysses_attn", "CUDA", reinterpret_cast<void*>(PkUlyssesAttn), true},
     {"pk_ring_attn_bwd", "CUDA", reinterpret_cast<void*>(PkRingAttnBwd), true},
+    {"pk_ulysses_attn_bwd", "CUDA", reinterpret_cast<void*>(PkUlyssesAttnBwd), true},
 };
 
 // The communicator table's view of one key, for tests; None when nothing is registered.
@@ -100,7 +101,8 @@ T* Ptr(const nb::dict& d, const char* key) {
 }
 
 // The fields the attention launchers' arguments share (AttnArgs, RingAttnArgs,
-// UlyssesAttnArgs, RingAttnBwdArgs): q, k, v, the shape, the scale and the causal flag.
+// UlyssesAttnArgs, RingAttnBwdArgs, UlyssesAttnBwdArgs): q, k, v, the shape, the scale and the
+// causal flag.
 template <class A>
 void AttentionFields(const nb::dict& d, A* a) {
   a->q = Ptr<const void>(d, "q");
@@ -113,6 +115,22 @@ void AttentionFields(const nb::dict& d, A* a) {
   a->d = Get(d, "d");
   a->scale = static_cast<float>(nb::cast<double>(d["scale"]));
   a->causal = Get(d, "causal") != 0;
+}
+
+// The fields the fused attention backwards' arguments share (RingAttnBwdArgs,
+// UlyssesAttnBwdArgs): AttentionFields', dO, lse, delta, the gradients, the rank operand and
+// the communication blocks.
+template <class A>
+void BackwardFields(const nb::dict& d, A* a) {
+  AttentionFields(d, a);
+  a->d_o = Ptr<const void>(d, "do");
+  a->lse = Ptr<const float>(d, "lse");
+  a->delta = Ptr<const float>(d, "delta");
+  a->dq = Ptr<void>(d, "dq");
+  a->dk = Ptr<void>(d, "dk");
+  a->dv = Ptr<void>(d, "dv");
+  a->rank = Ptr<const int32_t>(d, "rank");
+  a->num_comm_sms = Get(d, "num_comm_sms", 2);
 }
 
 // Runs op `op` ("all_reduce", ..., "ulysses_attn"; "matmul", "attention" and "grouped_matmul"
@@ -313,19 +331,18 @@ void EmuLaunch(const std::string& op, int64_t comm_id, int device, uint64_t stre
     Raise(pk_ffi::LaunchUlyssesAttn(at, a, *v));
     return;
   }
+  if (op == "ulysses_attn_bwd") {
+    pk_ffi::UlyssesAttnBwdArgs a{};
+    a.dtype = dtype;
+    BackwardFields(args, &a);
+    Raise(pk_ffi::LaunchUlyssesAttnBwd(at, a, *v));
+    return;
+  }
   if (op == "ring_attn_bwd") {
     pk_ffi::RingAttnBwdArgs a{};
     a.dtype = dtype;
-    AttentionFields(args, &a);
-    a.d_o = Ptr<const void>(args, "do");
-    a.lse = Ptr<const float>(args, "lse");
-    a.delta = Ptr<const float>(args, "delta");
-    a.dq = Ptr<void>(args, "dq");
-    a.dk = Ptr<void>(args, "dk");
-    a.dv = Ptr<void>(args, "dv");
-    a.rank = Ptr<const int32_t>(args, "rank");
+    BackwardFields(args, &a);
     a.zigzag = Get(args, "zigzag") != 0;
-    a.num_comm_sms = Get(args, "num_comm_sms", 2);
     Raise(pk_ffi::LaunchRingAttnBwd(at, a, *v));
     return;
   }

@@ -28,31 +28,41 @@ Status Map(const void* ptr, int64_t batch, int64_t s, int64_t heads, int64_t d, 
 
 }  // namespace
 
-Status LaunchUlyssesAttn(const Where& at, const UlyssesAttnArgs& a, const CommView& v) {
+Status CheckUlysses(const std::string& op, DType dtype, int64_t d, int64_t h, int64_t hkv,
+                    int64_t num_comm_sms, const CommView& v) {
   namespace ua = pk::ulysses_attn;
-  if (Status s = CheckRecord("ulysses_attention", v); !s.ok()) return s;
+  auto invalid = [&](const std::string& what) { return Status::Invalid("pk." + op + ": " + what); };
+  if (Status s = CheckRecord(op.c_str(), v); !s.ok()) return s;
   if (v.signal_count < ua::SLOTS_NEEDED) {
-    return Invalid("the signal pad has " + std::to_string(v.signal_count) +
+    return invalid("the signal pad has " + std::to_string(v.signal_count) +
                    " slots, the kernel needs " + std::to_string(ua::SLOTS_NEEDED));
   }
   const int P = v.world;
-  if (P > ua::MAX_PEERS) return Invalid("at most " + std::to_string(ua::MAX_PEERS) + " ranks");
-  if (a.dtype != DType::kBF16 && a.dtype != DType::kF16) {
-    return Invalid("q, k and v must all be bf16 or all fp16.");
+  if (P > ua::MAX_PEERS) return invalid("at most " + std::to_string(ua::MAX_PEERS) + " ranks");
+  if (dtype != DType::kBF16 && dtype != DType::kF16) {
+    return invalid("the operands must all be bf16 or all fp16.");
   }
-  if (a.d != 64 && a.d != 128) {
-    return Invalid("head_dim must be 64 or 128, got " + std::to_string(a.d));
-  }
-  if (a.hkv < 1 || a.h % a.hkv != 0) return Invalid("the K/V heads must divide the query heads.");
-  if (a.h % P != 0 || a.hkv % P != 0) {
-    return Invalid("the query heads (" + std::to_string(a.h) + ") and the K/V heads (" +
-                   std::to_string(a.hkv) + ") must both be divisible by the world size " +
+  if (d != 64 && d != 128) return invalid("head_dim must be 64 or 128, got " + std::to_string(d));
+  if (hkv < 1 || h % hkv != 0) return invalid("the K/V heads must divide the query heads.");
+  if (h % P != 0 || hkv % P != 0) {
+    return invalid("the query heads (" + std::to_string(h) + ") and the K/V heads (" +
+                   std::to_string(hkv) + ") must both be divisible by the world size " +
                    std::to_string(P) + ".");
   }
-  if (a.num_comm_sms < 1 || a.num_comm_sms > ua::MAX_COMM) {
-    return Invalid("num_comm_sms must be in 1.." + std::to_string(ua::MAX_COMM) + ", got " +
-                   std::to_string(a.num_comm_sms));
+  if (num_comm_sms < 1 || num_comm_sms > ua::MAX_COMM) {
+    return invalid("num_comm_sms must be in 1.." + std::to_string(ua::MAX_COMM) + ", got " +
+                   std::to_string(num_comm_sms));
   }
+  return Status::Ok();
+}
+
+Status LaunchUlyssesAttn(const Where& at, const UlyssesAttnArgs& a, const CommView& v) {
+  namespace ua = pk::ulysses_attn;
+  if (Status s = CheckUlysses("ulysses_attention", a.dtype, a.d, a.h, a.hkv, a.num_comm_sms, v);
+      !s.ok()) {
+    return s;
+  }
+  const int P = v.world;
   if (a.b < 0 || a.s < 0 || a.h < 0 || a.b * P > 65535 || a.h > 65535 ||
       a.s * a.h * a.d > INT32_MAX || a.s * int64_t(P) > INT32_MAX / 2 ||
       (a.s + 127) / 128 * P * (a.h / P) * a.b > INT32_MAX / 2) {

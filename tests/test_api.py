@@ -48,7 +48,7 @@ def test_every_op_has_a_docstring_with_raises(name, stem):
 # Targets whose files carry the name of their op family (pk_jax/ops/moe.py, ffi/moe.cu, ...).
 FILE_STEM = {"moe_dispatch": "moe", "moe_scatter": "moe", "moe_combine": "moe",
              "moe_dispatch_gemm": "moe", "moe_gemm_combine": "moe",
-             "ring_attn_bwd": "ring_attn"}
+             "ring_attn_bwd": "ring_attn", "ulysses_attn_bwd": "ulysses_attn"}
 
 
 @pytest.mark.needs_ext

@@ -3,8 +3,9 @@ sequence: P in {1,2,3,4,8} with H divisible by P, causal or not, every dtype, od
 B > 1, a 2-D mesh, key blocks shorter than the sequence, gradients, and the error messages; and,
 with jax.lax stand-ins for the FFI calls, the GPU paths' wiring: the default composed kernels
 (pk.all_to_all, the pk.attention forward and backward kernels on the head group), the fused
-forward behind PK_JAX_ULYSSES_FUSED=1 and, at P = 1, the pk.attention kernels alone; on an H200
-(marker gpu) P = 1 against pk.attention and a float32 reference."""
+forward behind PK_JAX_ULYSSES_FUSED=1, the fused backward behind PK_JAX_ULYSSES_FUSED=bwd and, at
+P = 1, the pk.attention kernels alone; on an H200 (marker gpu) P = 1 against pk.attention and a
+float32 reference (the fused kernels' lowering: tests/gpu/ulysses_mp.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -218,22 +219,25 @@ def _dense_gqa_grads(q, k, v, dy, causal):
     return (np.asarray(dq), *(np.asarray(x).reshape(b, s, hkv, g, d).sum(3) for x in (dk, dv)))
 
 
-def _stand_in_ulysses(monkeypatch, fused: bool = True) -> list[dict]:
+def _stand_in_ulysses(monkeypatch, fused: bool | str = True) -> list[dict]:
     """stand_in_attention (the pk_attention forward and backward: the composed path's
     head-group passes) plus a stand-in for pk_ulysses_attn that returns what the kernel does:
-    o [B, S/P, H, D] and lse float32 [B, H, S/P], from K/V with the heads the call passes.
-    `fused`: PK_JAX_ULYSSES_FUSED=1 in the environment (read at the next pk.init), else unset
-    (the composed default)."""
+    o [B, S/P, H, D] and lse float32 [B, H, S/P], from K/V with the heads the call passes; and
+    `_stand_in_fused_bwd` for pk_ulysses_attn_bwd. `fused`: PK_JAX_ULYSSES_FUSED=1 in the
+    environment (read at the next pk.init), a string: that value, False: unset (the composed
+    default)."""
     from pk_jax import _ffi
 
-    if fused:
-        monkeypatch.setenv("PK_JAX_ULYSSES_FUSED", "1")
-    else:
+    if fused is False:
         monkeypatch.delenv("PK_JAX_ULYSSES_FUSED", raising=False)
+    else:
+        monkeypatch.setenv("PK_JAX_ULYSSES_FUSED", "1" if fused is True else fused)
     calls = stand_in_attention(monkeypatch)
     inner = _ffi.call
 
     def fake(target, results, *args, out_vma=None, **attrs):
+        if target == "pk_ulysses_attn_bwd":
+            return _stand_in_fused_bwd(calls, results, *args, **attrs)
         if target != "pk_ulysses_attn":
             return inner(target, results, *args, out_vma=out_vma, **attrs)
         q, k, v, _ = args
@@ -249,6 +253,37 @@ def _stand_in_ulysses(monkeypatch, fused: bool = True) -> list[dict]:
 
     monkeypatch.setattr(_ffi, "call", fake)
     return calls
+
+
+def _stand_in_fused_bwd(calls, results, do, qh, kh, vh, lse, delta, rank, **attrs):
+    """What pk_ulysses_attn_bwd returns, with jax.lax collectives over "sp": dO [B, S/P, H, D]
+    and delta float32 [B, H, S/P] to head shards, the blockwise attention backward of the head
+    group (qh [B, S, H/P, D], kh, vh with the K/V heads the call passes, lse float32
+    [B, H/P, S] padded to whole 128-row tiles), dq, dk, dv back to sequence shards. Appends
+    {"target", "h", "hkv", "s", "sp", "scale", "causal", "num_comm_sms"} to `calls`."""
+    b, s, g, d = qh.shape
+    gk = kh.shape[2]
+    scale, causal = float(attrs["scale"]), bool(attrs["causal"])
+    calls.append({"target": "pk_ulysses_attn_bwd", "h": g, "hkv": gk, "s": s,
+                  "sp": lse.shape[2], "scale": scale,
+                  **{n: int(attrs[n]) for n in ("causal", "num_comm_sms", "comm_id")}})
+    assert do.dtype == qh.dtype == kh.dtype == vh.dtype
+    assert lse.dtype == delta.dtype == jnp.float32 and rank.shape == (1,)
+    assert lse.shape == (b, g, -(-s // 128) * 128), lse.shape
+    assert delta.shape == (b, do.shape[2], do.shape[1]) and do.shape[2] == g * s // do.shape[1]
+    doh = jax.lax.all_to_all(do, "sp", 2, 1, tiled=True)
+    dlh = jax.lax.all_to_all(delta, "sp", 1, 2, tiled=True)  # [B, H/P, S]
+    kr, vr = _attention.repeat_kv(qh, kh, vh)
+    dq, dk, dv = _attention.blockwise_grads(
+        qh, kr, vr, doh.astype(jnp.float32), lse[:, :, :s].transpose(0, 2, 1),
+        dlh.transpose(0, 2, 1), scale=scale, causal=causal)
+    # The padded lse rows must be +inf (the kernel's padded rows then get P = 0): NaN if not.
+    dq = jnp.where(jnp.all(lse[:, :, s:] == jnp.inf), dq, jnp.nan)
+    dk, dv = (x.reshape(b, s, gk, g // gk, d).sum(axis=3) for x in (dk, dv))
+    out = [jax.lax.all_to_all(x, "sp", 1, 2, tiled=True).astype(r.dtype)
+           for x, r in zip((dq, dk, dv), results)]
+    assert all(x.shape == r.shape for x, r in zip(out, results)), (out, results)
+    return out
 
 
 @pytest.mark.parametrize("p,causal,hkv,backward", [
@@ -511,6 +546,187 @@ def test_composed_typing_on_2d_mesh_with_q_replicated_over_dp(monkeypatch):
     assert [c["backward"] for c in calls if c["target"] == "pk_attention"] == [0, 1]
 
 
+# PK_JAX_ULYSSES_FUSED=bwd: the composed forward, the fused backward (pk_ulysses_attn_bwd).
+
+@pytest.mark.parametrize("p,causal,h,hkv,dtype,d,sl", [
+    (2, True, 8, 2, jnp.bfloat16, 64, 3), (4, False, 16, 4, jnp.bfloat16, 64, 3),
+    (2, False, 8, 1, jnp.float16, 128, 3), (4, True, 8, 2, jnp.bfloat16, 128, 130),
+    (4, True, 12, 6, jnp.float16, 64, 3), (2, True, 6, 3, jnp.bfloat16, 128, 130)])
+def test_fused_bwd_wiring_forward_and_backward(monkeypatch, p, causal, h, hkv, dtype, d, sl):
+    """With PK_JAX_ULYSSES_FUSED=bwd the forward is the composed one (one pk_attention forward
+    on the head group, no pk_ulysses_attn) and the backward one pk_ulysses_attn_bwd call on
+    the saved head shards (K/V heads repeated up to lcm(Hkv, P) where P does not divide them:
+    Hkv 1, 2, 6, 3 at P = 2, 4, 4, 2), lse padded to whole 128-row tiles with +inf, delta on the
+    local rows, no pk_attention backward; output and gradients match the reference's and the
+    float32 ones (S/P 3 and 130: past one 128-row tile)."""
+    from pk_jax.ops import ulysses_attn
+
+    calls = _stand_in_ulysses(monkeypatch, fused="bwd")
+    mesh = cpu_mesh((p,), ("sp",))
+    q = normal((2, sl * p, h, d), dtype, 0)
+    k, v = (normal((2, sl * p, hkv, d), dtype, i) for i in (1, 2))
+    dy = normal(q.shape, dtype, 3)
+
+    def ref(q, k, v):
+        kr, vr = _attention.repeat_kv(q, k, v)
+        return ulysses_attn.reference(q, kr, vr, "sp", causal=causal, scale=d ** -0.5)
+
+    ours, want = vjp_both(lambda *x: pk.ulysses_attention(*x, "sp", causal=causal), ref, mesh,
+                          (SEQ,) * 3, SEQ, (q, k, v), dy)
+    assert_close(ours[0], want[0], dtype)
+    for g, w in zip(ours[1:], _dense_gqa_grads(q, k, v, dy, causal)):
+        big = max(1.0, float(np.abs(w).max()))
+        np.testing.assert_allclose(np.asarray(g, np.float32), w, rtol=1.5e-2, atol=1.5e-2 * big)
+    lcm = hkv * p // np.gcd(hkv, p)
+    assert not [c for c in calls if c["target"] == "pk_ulysses_attn"], calls
+    assert [c["backward"] for c in calls if c["target"] == "pk_attention"] == [0], calls
+    bwd = [c for c in calls if c["target"] == "pk_ulysses_attn_bwd"]
+    assert len(bwd) == 1, calls
+    assert bwd[0] == {"target": "pk_ulysses_attn_bwd", "h": h // p, "hkv": lcm // p,
+                      "s": sl * p, "sp": -(-sl * p // 128) * 128,
+                      "scale": np.float32(d ** -0.5), "causal": int(causal),
+                      "num_comm_sms": ulysses_attn.NUM_COMM_SMS,
+                      "comm_id": pk.runtime.state.comm_id("sp")}, bwd
+
+
+def test_fused_bwd_exchanges(monkeypatch):
+    """The fused backward's traffic: the forward's 4 pk.all_to_alls around one pk_attention
+    forward, then one pk_ulysses_attn_bwd call and no other collective (it moves dO, delta and
+    the gradients itself)."""
+    calls = _stand_in_ulysses(monkeypatch, fused="bwd")
+    f, (q, k, v) = _causal_on_two()
+    jax.make_jaxpr(jax.grad(lambda *x: jnp.sum(f(*x).astype(jnp.float32)),
+                            argnums=(0, 1, 2)))(q, k, v)
+    targets = [c["target"] for c in calls]
+    assert targets == ["pk_all_to_all"] * 3 + ["pk_attention", "pk_all_to_all",
+                                               "pk_ulysses_attn_bwd"], targets
+
+
+@pytest.mark.parametrize("p,h,hkv,dtype,d,causal", [
+    (2, 4, 2, jnp.float16, 128, True), (4, 8, 1, jnp.bfloat16, 64, False)])
+def test_fused_bwd_equals_composed(monkeypatch, p, h, hkv, dtype, d, causal):
+    """PK_JAX_ULYSSES_FUSED=bwd and the default give the same output (the same forward) and
+    gradients (the same attention backward on the same head shards; delta from the
+    sequence-sharded output instead of the head-sharded one), S/P = 130."""
+    mesh = cpu_mesh((p,), ("sp",))
+    q = normal((1, 130 * p, h, d), dtype, 0)
+    k, v = (normal((1, 130 * p, hkv, d), dtype, i) for i in (1, 2))
+    dy = normal(q.shape, dtype, 3)
+    f = lambda *x: pk.ulysses_attention(*x, "sp", causal=causal, scale=0.1)
+    results = {}
+    for mode in (False, "bwd"):
+        pk.shutdown()
+        calls = _stand_in_ulysses(monkeypatch, fused=mode)
+        results[mode] = vjp_both(f, f, mesh, (SEQ,) * 3, SEQ, (q, k, v), dy)[0]
+        assert ("pk_ulysses_attn_bwd" in {c["target"] for c in calls}) == (mode == "bwd")
+    np.testing.assert_array_equal(np.asarray(results[False][0], np.float32),
+                                  np.asarray(results["bwd"][0], np.float32))
+    for g, w in zip(results[False][1:], results["bwd"][1:]):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                   rtol=1e-2, atol=1e-2 if dtype == jnp.bfloat16 else 2e-3)
+
+
+def test_fused_bwd_typing_on_2d_mesh_with_q_replicated_over_dp(monkeypatch):
+    """The fused backward's cotangents carry their primals' varying axes (dq summed over dp,
+    where q is replicated) and match the reference's."""
+    from pk_jax.ops import ulysses_attn
+
+    calls = _stand_in_ulysses(monkeypatch, fused="bwd")
+    mesh = cpu_mesh((2, 2), ("dp", "sp"))
+    q = normal((2, 2 * 64, 4, 64), jnp.bfloat16, 0)
+    k, v = (normal((4, 2 * 64, 2, 64), jnp.bfloat16, i) for i in (1, 2))
+    dy = normal((4, 2 * 64, 4, 64), jnp.bfloat16, 3)
+    f = lambda *x: pk.ulysses_attention(*x, "sp", causal=True)
+
+    def ref(q, k, v):
+        kr, vr = _attention.repeat_kv(q, k, v)
+        return ulysses_attn.reference(q, kr, vr, "sp", causal=True, scale=0.125)
+
+    specs = (P(None, "sp"), P("dp", "sp"), P("dp", "sp"))
+    ours, want = vjp_both(f, ref, mesh, specs, P("dp", "sp"), (q, k, v), dy)
+    for g, w in zip(ours, want):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                   rtol=2e-2, atol=3e-2)
+    assert [c["target"] for c in calls if "all_to_all" not in c["target"]] == [
+        "pk_attention", "pk_ulysses_attn_bwd"], calls
+
+
+def test_fused_bwd_takes_what_it_compiles(monkeypatch):
+    """The fused backward's workspace need is its kernel's layout; too small a workspace is a
+    ValueError naming workspace_bytes when the forward is traced (no gradient asked for);
+    where pk_ulysses_attn_bwd does not take the operands (kernel_supports) the backward stays
+    composed."""
+    from pk_jax.ops import ulysses_attn
+
+    q = jax.ShapeDtypeStruct((2, 130, 8, 128), jnp.bfloat16)
+    kr = jax.ShapeDtypeStruct((2, 130, 4, 128), jnp.bfloat16)
+    up = lambda x: -(-x // 1024) * 1024
+    qb, kb, stats = 2 * 130 * 8 * 128 * 2, 2 * 130 * 4 * 128 * 2, 2 * 2 * 640 * 4
+    assert ulysses_attn.fused_bwd_workspace_need(q, kr, 4) == up(
+        up(up(up(up(qb) + stats) + 2 * qb) + kb) + kb)
+
+    calls = _stand_in_ulysses(monkeypatch, fused="bwd")
+    mesh = cpu_mesh((2,), ("sp",))
+    pk.init(mesh, workspace_bytes=1 << 16)
+    q, k, v = qkv((1, 2 * 256, 2, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="pk.ulysses_attention: .*backward.*workspace_bytes="):
+        run(lambda a, b, c: pk.ulysses_attention(a, b, c, "sp"), mesh, (SEQ,) * 3, SEQ, q, k, v,
+            init=False)
+    assert not calls
+
+    pk.shutdown()
+    monkeypatch.setattr(ulysses_attn, "kernel_supports", lambda q, p: False)
+    f, (q, k, v) = _causal_on_two()
+    jax.make_jaxpr(jax.grad(lambda *x: jnp.sum(f(*x).astype(jnp.float32)),
+                            argnums=(0, 1, 2)))(q, k, v)
+    assert [c["backward"] for c in calls if c["target"] == "pk_attention"] == [0, 1], calls
+    assert "pk_ulysses_attn_bwd" not in [c["target"] for c in calls]
+
+
+@pytest.mark.parametrize("causal", (False, True))
+def test_fused_bwd_setting_without_kernels_runs_the_reference(monkeypatch, causal):
+    """On CPU (no kernels) PK_JAX_ULYSSES_FUSED=bwd changes nothing: the reference runs, with
+    the same output and gradients as dense attention, and the program calls no pk kernel."""
+    from pk_jax.ops import ulysses_attn
+
+    monkeypatch.setenv("PK_JAX_ULYSSES_FUSED", "bwd")
+    monkeypatch.setattr(_attention, "QUERY_BLOCK", 3)
+    monkeypatch.setattr(_attention, "KEY_BLOCK", 4)
+    mesh = cpu_mesh((2,), ("sp",))
+    pk.init(mesh)
+    q, k, v = qkv((2, 5 * 2, 4, 4), jnp.float32)
+    w = normal(q.shape, np.float32, 9)
+    f = _sharded(mesh, pk.ulysses_attention, SEQ, causal=causal)
+    assert_close(f(q, k, v), dense(q, k, v, causal=causal))
+    loss = lambda *x: jnp.sum(f(*x) * w)
+    got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    for g, h in zip(got, dense_grads(q, k, v, w, causal=causal)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(h), rtol=1e-4, atol=1e-5)
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    assert not ffi_calls(jaxpr)
+    assert ulysses_attn.fused_mode() == "bwd"
+
+
+def test_fused_setting_values(monkeypatch):
+    """PK_JAX_ULYSSES_FUSED is read at pk.init ("bwd" as given, case and spaces aside); 0 or
+    unset, 1 and bwd are its values, anything else a ValueError naming them at trace time."""
+    from pk_jax.runtime import state
+
+    mesh = cpu_mesh((2,), ("sp",))
+    x = np.zeros((1, 4, 2, 8), np.float32)
+    for value, want in (("bwd", "bwd"), (" BWD ", "bwd"), ("", "0"), ("1", "1")):
+        monkeypatch.setenv("PK_JAX_ULYSSES_FUSED", value)
+        pk.init(mesh)
+        assert state.settings().ulysses_fused == want
+        run(lambda a, b, c: pk.ulysses_attention(a, b, c, "sp"), mesh, (SEQ,) * 3, SEQ, x, x, x,
+            init=False)
+        pk.shutdown()
+    monkeypatch.setenv("PK_JAX_ULYSSES_FUSED", "fwd")
+    with pytest.raises(ValueError, match="pk.ulysses_attention: PK_JAX_ULYSSES_FUSED='fwd' is "
+                                         "not one of 0, 1, bwd"):
+        run(lambda a, b, c: pk.ulysses_attention(a, b, c, "sp"), mesh, (SEQ,) * 3, SEQ, x, x, x)
+
+
 def test_forward_path_is_decided_once(monkeypatch):
     """forward_path: "local" at P = 1 where the pk.attention kernels take q, k, v (bf16/fp16,
     D 64/128), "composed" by default where they take the head group (P > 1), "fused" with
@@ -544,6 +760,9 @@ def test_forward_path_is_decided_once(monkeypatch):
         path(2)
     pk.shutdown()
     assert path(2) == "fused" and path(1) == "local" and path(2, jnp.float32) == "reference"
+    pk.shutdown()
+    monkeypatch.setenv(ulysses_attn.FUSED_ENV, "bwd")  # the composed forward; fused backward
+    assert path(2) == "composed" and path(1) == "local" and path(2, jnp.float32) == "reference"
 
 
 # P = 1 (a 1-device axis): the pk.attention kernels (forward_path "local").

@@ -145,6 +145,27 @@ __device__ inline void copy_rows(char* dst, const char* src, uint64_t upr, uint6
   for (; u < hi; u += step) p2p::st16(d_at(u), p2p::ld16(s_at(u)));
 }
 
+/** @brief After comm block cb's stores into rank dst's workspace: FULL[my rank][cb] there
+ * (every thread fences its stores for the peer's TMA reads, then thread 0 releases them at
+ * system scope). Call from all threads. */
+__device__ inline void publish_full(const tp::comm& c, int dst, int cb, uint64_t e) {
+  fence_proxy_async_global();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    signal(c.sig[dst] + FULL + uint64_t(c.rank) * MAX_COMM + cb, e);
+  }
+}
+
+/** @brief Waits FULL[s][cb] of every source s on my pad: after it, no peer's comm block cb
+ * writes my workspace in this call. */
+__device__ inline void wait_all_full(const tp::comm& c, int cb, uint64_t e) {
+  if (static_cast<int>(threadIdx.x) < c.world) {
+    const int s = threadIdx.x;
+    wait(c.sig[c.rank] + FULL + uint64_t(s) * MAX_COMM + cb, e, c.timeout_ns, c.fail(), s);
+  }
+}
+
 /** @brief One communication block (see the schedule). Call from all threads. */
 __device__ inline void communicate(const globals& g, int cb) {
   const tp::comm& c = g.c;
@@ -170,17 +191,9 @@ __device__ inline void communicate(const globals& g, int cb) {
     copy_rows(ws + g.ws.vw + uint64_t(r) * rows * gk,
               static_cast<const char*>(g.v) + uint64_t(dst) * gk, uk,
               uint64_t(g.kv_heads) * D2, gk, nk * cb / nc, nk * (cb + 1) / nc);
-    fence_proxy_async_global();  // the generic stores before the peer's TMA reads
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      __threadfence_system();
-      signal(c.sig[dst] + FULL + uint64_t(r) * MAX_COMM + cb, e);
-    }
+    publish_full(c, dst, cb, e);
   }
-  if (static_cast<int>(threadIdx.x) < P) {
-    const int s = threadIdx.x;
-    wait(c.sig[r] + FULL + uint64_t(s) * MAX_COMM + cb, e, c.timeout_ns, c.fail(), s);
-  }
+  wait_all_full(c, cb, e);
 }
 
 template <class C>

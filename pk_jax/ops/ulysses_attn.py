@@ -32,10 +32,21 @@ settings): on the H200 (emulated ranks, B 1, S/P 2048, H 8P, D 128, bf16) it mea
 the speed of the composed kernels (geomean 0.53x; bench/results/ulysses_attention_notes.md).
 Its backward is composed too, on the kernel's sequence-sharded out and lse: delta on the local
 rows, `pk.all_to_all` of q, dO, k, v and of (lse, delta) to head shards, the same pk.attention
-backward kernels, and the gradients back. At P = 1 (a 1-device axis) the rank holds the
-whole sequence and every head, so where the pk.attention kernels take the operands the call is
-exactly pk.attention (its forward kernel and its kernel backward, no exchange). `forward_path`
-is the one place that decides.
+backward kernels, and the gradients back.
+
+A fused backward (target pk_ulysses_attn_bwd, cuda/kernels/ulysses_attn_bwd.cuh: communication
+blocks push every rank's head-group slices of dO and its delta rows into the owner's symmetric
+workspace, the one-pass attention backward of the head group starts on a source's rows as
+soon as they have landed, and a tail kernel pulls dq, dk, dv back to sequence shards) runs only
+with PK_JAX_ULYSSES_FUSED=bwd, after the composed forward, where the fused forward would take
+the operands too; it is opt-in, measured in bench/results/ulysses_attention_notes.md. The
+forward then keeps the sequence-sharded output instead of the head-sharded one, for delta on
+the local rows.
+
+At P = 1 (a 1-device axis) the rank holds the whole sequence and every head, so where the
+pk.attention kernels take the operands the call is exactly pk.attention (its forward kernel
+and its kernel backward, no exchange). `forward_path` is the one place that decides the
+forward, `backward_path` the backward of the composed forward; both at trace time.
 """
 
 from __future__ import annotations
@@ -80,10 +91,12 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, 
 
     Raises:
         ValueError: `pk.init` not called, a bad axis, q/k/v not rank 4 or of mismatched
-            shapes, Hkv not dividing H,
-            H not divisible by P, a scale that is not positive, or (the fused kernel, with
-            PK_JAX_ULYSSES_FUSED=1) a symmetric workspace smaller than `workspace_need` (the
-            message names workspace_bytes).
+            shapes, Hkv not dividing H, H not divisible by P, a scale that is not positive,
+            PK_JAX_ULYSSES_FUSED other than 0, 1 or bwd, or a symmetric workspace too small
+            for the fused kernel that runs (the forward with PK_JAX_ULYSSES_FUSED=1:
+            `workspace_need`; the backward with PK_JAX_ULYSSES_FUSED=bwd:
+            `fused_bwd_workspace_need`, checked when the forward is traced; the message names
+            workspace_bytes).
         TypeError: an unsupported or mismatched dtype, a non-bool causal, a non-number scale.
     """
     p = _checks.axis_size(NAME, axis_name)
@@ -103,9 +116,14 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, 
         k, v = _attention.repeat_kv(q, k, v)  # grouped-query attention (a no-op at H = Hkv)
         return reference(q, k, v, axis_name, causal=causal, scale=scale)
     rep = kv_repeats(k.shape[2], p)
-    if path == "composed":
-        return _composed_ulysses(q, k, v, axis_name, causal, float(scale), rep)
     kr = jax.ShapeDtypeStruct((*k.shape[:2], k.shape[2] * rep, k.shape[3]), k.dtype)
+    if path == "composed":
+        fused_bwd = backward_path(q, p, axis_name) == "fused"
+        if fused_bwd:  # here, so that a too small workspace raises before anything runs
+            _tp.check_workspace(NAME, fused_bwd_workspace_need(q, kr, p),
+                                f"the backward's head-group copies of dO {q.shape}, its delta, "
+                                f"float32 dq and dk, dv {kr.shape}")
+        return _composed_ulysses(q, k, v, axis_name, causal, float(scale), rep, fused_bwd)
     _tp.check_workspace(NAME, workspace_need(q, kr, p),
                         f"the head-group copies of q {q.shape}, k and v {kr.shape}, the output "
                         "and lse")
@@ -114,7 +132,25 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, 
     return _kernel_ulysses(q, k, v, axis_name, causal, float(scale), rep, backward)
 
 
-FUSED_ENV = "PK_JAX_ULYSSES_FUSED"  # "1": the fused forward kernel (state.Settings.ulysses_fused)
+FUSED_ENV = "PK_JAX_ULYSSES_FUSED"  # state.Settings.ulysses_fused
+# Its values: "0" (the default) the composed kernels both ways, "1" the fused forward
+# (pk_ulysses_attn), "bwd" the fused backward (pk_ulysses_attn_bwd) after the composed forward.
+FUSED_MODES = ("0", "1", "bwd")
+
+
+def fused_mode() -> str:
+    """PK_JAX_ULYSSES_FUSED as fixed at pk.init: one of FUSED_MODES.
+
+    Raises:
+        ValueError: another value.
+    """
+    mode = state.settings().ulysses_fused
+    if mode not in FUSED_MODES:
+        raise ValueError(f"pk.{NAME}: {FUSED_ENV}={mode!r} is not one of "
+                         f"{', '.join(FUSED_MODES)} (0 or unset: the composed kernels; 1: the "
+                         "fused forward; bwd: the fused backward). Set it to one of them, then "
+                         "call pk.shutdown() and pk.init(mesh).")
+    return mode
 
 
 def forward_path(q: jax.Array, k: jax.Array, v: jax.Array, p: int, axis_name: str) -> str:
@@ -124,13 +160,26 @@ def forward_path(q: jax.Array, k: jax.Array, v: jax.Array, p: int, axis_name: st
     group, all_to_all back; the default where that kernel runs at P > 1), "fused"
     (pk_ulysses_attn, only with PK_JAX_ULYSSES_FUSED=1 and where it takes the operands; it
     measured slower) or "reference"."""
+    mode = fused_mode()
     if p == 1:
         return _attention_op.p1_path(q, k, v, axis_name)
-    if (state.settings().ulysses_fused == "1" and _backend.route(
+    if (mode == "1" and _backend.route(
             STEM, axis_name, supported=kernel_supports(q, p)).path == "kernel"):
         return "fused"
     route = _backend.route(_attention_op.NAME, supported=composed_supports(q, p))
     return "composed" if route.path == "kernel" else "reference"
+
+
+def backward_path(q: jax.Array, p: int, axis_name: str) -> str:
+    """How the backward of the composed forward runs, decided with the forward at trace time
+    (the forward keeps the residuals that backward needs): "fused" (pk_ulysses_attn_bwd, only
+    with PK_JAX_ULYSSES_FUSED=bwd and where the fused kernels take the operands:
+    `kernel_supports`) or "composed" (pk.all_to_all of dO, the pk.attention backward kernel on
+    the head group, all_to_all of dq, dk, dv back)."""
+    if (fused_mode() == "bwd" and _backend.route(
+            STEM, axis_name, supported=kernel_supports(q, p)).path == "kernel"):
+        return "fused"
+    return "composed"
 
 
 def composed_supports(q: jax.Array, p: int) -> bool:
@@ -143,23 +192,29 @@ def composed_supports(q: jax.Array, p: int) -> bool:
 
 # ---------------------------------------------------------------------------------------------
 # The default on GPUs: pk.all_to_all, the pk.attention kernels on the head group, all_to_all
-# back; the custom VJP keeps the head-sharded operands, output and lse.
+# back; the custom VJP keeps the head-sharded operands, output and lse. With fused_bwd
+# (PK_JAX_ULYSSES_FUSED=bwd, `backward_path`) the VJP is one pk_ulysses_attn_bwd call.
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _composed_ulysses(q, k, v, axis_name, causal, scale, rep):
-    return _composed_fwd(q, k, v, axis_name, causal, scale, rep)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _composed_ulysses(q, k, v, axis_name, causal, scale, rep, fused_bwd):
+    return _composed_fwd(q, k, v, axis_name, causal, scale, rep, fused_bwd)[0]
 
 
-def _composed_fwd(q, k, v, axis_name, causal, scale, rep):
+def _composed_fwd(q, k, v, axis_name, causal, scale, rep, fused_bwd):
     # [B, S/P, H, D] -> [B, S, H/P, D]: split heads, gather the sequence in rank order.
     qh, kh, vh = (all_to_all(x, axis_name, 2, 1) for x in (q, _repeat(k, rep), _repeat(v, rep)))
     oh, lse = _attention_op._forward_call(qh, kh, vh, scale, causal)  # lse [B, H/P, S]
     # Empty slices of q, k, v carry their dtypes and varying axes to the backward.
     like = tuple(x[:0] for x in (q, k, v))
-    return all_to_all(oh, axis_name, 1, 2), (qh, kh, vh, oh, lse, like)
+    o = all_to_all(oh, axis_name, 1, 2)
+    # The fused backward takes delta on the local rows, so it keeps the sequence-sharded
+    # output (the primal result) instead of the head-sharded one.
+    return o, (qh, kh, vh, o if fused_bwd else oh, lse, like)
 
 
-def _composed_ulysses_bwd(axis_name, causal, scale, rep, res, do):
+def _composed_ulysses_bwd(axis_name, causal, scale, rep, fused_bwd, res, do):
+    if fused_bwd:
+        return _fused_bwd(axis_name, causal, scale, rep, res, do)
     qh, kh, vh, oh, lse, (q, k, v) = res
     doh = all_to_all(do.astype(qh.dtype), axis_name, 2, 1)
     # delta = rowsum(dO * O) per query row and head of the group, [B, H/P, S] like lse.
@@ -167,6 +222,30 @@ def _composed_ulysses_bwd(axis_name, causal, scale, rep, res, do):
                     ).transpose(0, 2, 1)
     dq, dkr, dvr = (all_to_all(g, axis_name, 1, 2)
                     for g in _head_group_bwd(scale, causal, qh, kh, vh, doh, lse, delta))
+    dk, dv = _unrepeat(dkr, rep, k), _unrepeat(dvr, rep, v)
+    return tuple(_vjp.fit(g, x) for g, x in ((dq, q), (dk, k), (dv, v)))
+
+
+def _fused_bwd(axis_name, causal, scale, rep, res, do):
+    """dq, dk, dv from one pk_ulysses_attn_bwd call: it moves dO and delta to the head group's
+    owner, runs the attention backward there and pulls the gradients back to sequence shards
+    (K/V with the repeated heads; summed here)."""
+    qh, kh, vh, o, lse, (q, k, v) = res
+    do = do.astype(qh.dtype)
+    # delta = rowsum(dO * O) on the local rows, [B, H, S/P]; lse [B, H/P, S] padded to whole
+    # 128-row tiles with +inf (those rows get P = 0).
+    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
+    s = qh.shape[1]
+    lse = jnp.pad(lse, ((0, 0), (0, 0), (0, -s % 128)), constant_values=jnp.inf)
+    b, sl, _, d = do.shape
+    kr_shape = (b, sl, k.shape[2] * rep, d)  # sequence shards of the repeated K/V heads
+    dq, dkr, dvr = _ffi.call(
+        "pk_ulysses_attn_bwd", [jax.ShapeDtypeStruct(do.shape, qh.dtype),
+                                jax.ShapeDtypeStruct(kr_shape, kh.dtype),
+                                jax.ShapeDtypeStruct(kr_shape, vh.dtype)],
+        do, qh, kh, vh, lse, delta, _backend.rank_operand(axis_name),
+        comm_id=np.int64(state.comm_id(axis_name)), scale=np.float32(scale),
+        causal=np.int64(causal), num_comm_sms=np.int64(NUM_COMM_SMS))
     dk, dv = _unrepeat(dkr, rep, k), _unrepeat(dvr, rep, v)
     return tuple(_vjp.fit(g, x) for g, x in ((dq, q), (dk, k), (dv, v)))
 
@@ -183,7 +262,7 @@ def _head_group_bwd(scale, causal, qh, kh, vh, doh, lse, delta):
 # ---------------------------------------------------------------------------------------------
 # The fused kernel (target pk_ulysses_attn, cuda/kernels/ulysses_attn.cuh; PK_JAX_ULYSSES_FUSED=1):
 # the forward in one call; the backward composed of pk.all_to_all and the pk.attention backward
-# kernels.
+# kernels. The fused backward's workspace (pk_ulysses_attn_bwd, PK_JAX_ULYSSES_FUSED=bwd) too.
 
 HEAD_DIMS = (64, 128)
 NUM_COMM_SMS = 2  # communication blocks (the same on every rank; each moves 1/C of the data)
@@ -215,6 +294,19 @@ def workspace_need(q: jax.Array, k: jax.Array, p: int) -> int:
     qb = b * s * h * d * 2
     kb = int(np.prod(k.shape)) * 2
     return up(up(up(up(up(qb) + kb) + kb) + qb) + b * h * s * 4)
+
+
+def fused_bwd_workspace_need(q: jax.Array, k: jax.Array, p: int) -> int:
+    """Bytes of symmetric workspace the fused backward uses (ulysses_attn_bwd::make_layout):
+    the head group's dO (the size of q), its delta rows (float32 [B, H/P, S] padded to whole
+    128-row tiles), float32 dq (twice the size of q), dk and dv (each the size of k, with the
+    heads the kernel is given), each section rounded up to 1 KiB."""
+    up = lambda x: -(-x // 1024) * 1024
+    b, s, h, d = q.shape
+    qb = b * s * h * d * 2
+    kb = int(np.prod(k.shape)) * 2
+    stats = b * (h // p) * (-(-(s * p) // 128) * 128) * 4
+    return up(up(up(up(up(qb) + stats) + 2 * qb) + kb) + kb)
 
 
 def _repeat(x: jax.Array, rep: int) -> jax.Array:

@@ -24,7 +24,8 @@ import threading
 
 OP_NAMES = {1: "all_reduce", 2: "all_gather", 3: "reduce_scatter", 4: "all_to_all",
             5: "gemm_rs", 6: "ag_gemm", 7: "gemm_ar", 12: "moe_dispatch", 13: "moe_combine",
-            14: "ring_attn", 15: "ulysses_attn", 16: "ring_attn_bwd", 17: "moe_gemm_combine"}
+            14: "ring_attn", 15: "ulysses_attn", 16: "ring_attn_bwd", 17: "moe_gemm_combine",
+            18: "ulysses_attn_bwd"}
 CODES = {0: "ok", 1: "timeout", 2: "rank mismatch", 3: "mbarrier timeout"}
 POLL_S = 0.05
 RECORD_WORDS = 8

@@ -60,7 +60,7 @@ class Settings:
     tp_comm_sms: str = ""                  # PK_JAX_TP_COMM_SMS
     all_reduce_algorithm: str = "auto"     # PK_JAX_ALL_REDUCE_ALGORITHM
     single_device_kernels: str = "0"       # PK_JAX_SINGLE_DEVICE_KERNELS
-    ulysses_fused: str = "0"               # PK_JAX_ULYSSES_FUSED
+    ulysses_fused: str = "0"               # PK_JAX_ULYSSES_FUSED (ulysses_attn.FUSED_MODES)
     moe_fused: str = "auto"                # PK_JAX_MOE_FUSED
 
     @classmethod

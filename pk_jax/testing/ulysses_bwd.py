@@ -14,6 +14,12 @@ exchanges only dO in step 1: this is an upper bound of its cost):
 delta = rowsum(dO * O) (an XLA reduction in JAX) is an input here. When S is not a multiple
 of the kernel's 128-row tile, lse and delta are padded (+inf, 0) on the host between steps 1
 and 2, as XLA's pad does in JAX (the host round trip synchronizes: tests only, never timed).
+
+`FusedUlyssesBackward` is the fused backward (op "ulysses_attn_bwd",
+cuda/kernels/ulysses_attn_bwd.cuh) on the same problem: one call per rank takes the head
+shards of q, k, v and lse the composed forward keeps (built here on the host, once, as step 1
+lays them out: `head_shards`) with the rank's sequence shards of dO and delta, exchanges dO and
+delta inside the kernel, and pulls dq, dk, dv back to sequence shards in its tail kernel.
 """
 
 from __future__ import annotations
@@ -24,6 +30,34 @@ from pk_jax.testing import ops
 from pk_jax.testing.emulator import DTYPES, DeviceBuffer, World, np_dtype
 
 TILE = 128
+# The per-rank inputs of both backwards, in their constructors' order, as ops.ring_attn_bwd's
+# case names them.
+INPUTS = ("q", "k", "v", "do", "lse", "delta")
+
+
+def reference_inputs(ref: ops.Case) -> list[list[np.ndarray]]:
+    """qs, ks, vs, dos, lses, deltas (each a per-rank list) of ops.ring_attn_bwd's contiguous
+    case `ref`, for either backward's constructor."""
+    return [[x[n] for x in ref.inputs] for n in INPUTS]
+
+
+def _check_heads(who: str, p: int, h: int, hkv: int) -> None:
+    if h % p or hkv % p or h % hkv:
+        raise ValueError(f"{who}: P = {p} must divide H = {h} and Hkv = {hkv}, and Hkv must "
+                         "divide H.")
+
+
+def _up(x: int) -> int:
+    return -(-x // 1024) * 1024
+
+
+def fused_workspace_bytes(p: int, b: int, sl: int, h: int, hkv: int, d: int) -> int:
+    """The symmetric workspace one ulysses_attn_bwd call needs (kernels/ulysses_attn_bwd.cuh
+    make_layout): dO and float32 delta of the head group, its float32 dq accumulator, dk, dv;
+    sections 1024-aligned."""
+    qb, kb = b * sl * h * d * 2, b * sl * hkv * d * 2
+    sp = -(-(p * sl) // TILE) * TILE
+    return _up(_up(_up(_up(_up(qb) + b * (h // p) * sp * 4) + 2 * qb) + kb) + kb)
 
 
 def _all_to_all(xs, dtype: str, split_axis: int, concat_axis: int) -> ops.Case:
@@ -60,9 +94,7 @@ class UlyssesBackward:
         p = world.world
         b, sl, h, d = qs[0].shape
         hkv = ks[0].shape[2]
-        if h % p or hkv % p or h % hkv:
-            raise ValueError(f"UlyssesBackward: P = {p} must divide H = {h} and Hkv = {hkv}, "
-                             "and Hkv must divide H.")
+        _check_heads("UlyssesBackward", p, h, hkv)
         self.world, self.dtype = world, dtype
         self.shape = (b, sl, h, hkv, d)
         s = sl * p
@@ -128,6 +160,12 @@ class UlyssesBackward:
         for r in range(self.world.world):
             self.world.launch("attention", r, self.args[r])
 
+    def fill(self, byte: int) -> None:
+        """Poisons every rank's dq, dk, dv with one byte value (0xFF: NaNs)."""
+        for c in self.outs:
+            for bufs in c.buffers:
+                bufs["y"].fill(byte)
+
     def grads(self, r: int) -> dict[str, np.ndarray]:
         """Rank r's dq [B, S/P, H, D], dk and dv [B, S/P, Hkv, D] after the last call."""
         b, sl, h, hkv, d = self.shape
@@ -141,3 +179,105 @@ class UlyssesBackward:
         for bufs in (*(self.padded or ()), self.dq_acc):
             for buf in bufs:
                 buf.free()
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused backward (op "ulysses_attn_bwd")
+
+def head_shards(xs, p: int, head_axis: int, seq_axis: int) -> list[np.ndarray]:
+    """Every rank's sequence shard -> every rank's head shard: shard r holds head group r (the
+    r-th of P equal slices of `head_axis`) of every source's rows, sources in rank order along
+    `seq_axis` (the composed backward's step 1, lax.all_to_all(x, head_axis, seq_axis,
+    tiled=True)): q [B, S/P, H, D] -> [B, S, H/P, D] with (2, 1); lse [B, H, S/P] ->
+    [B, H/P, S] with (1, 2)."""
+    parts = [np.split(np.asarray(x), p, axis=head_axis) for x in xs]
+    return [np.ascontiguousarray(np.concatenate([pt[r] for pt in parts], axis=seq_axis))
+            for r in range(p)]
+
+
+def fused_case(dtype: str, qs, ks, vs, dos, lses, deltas, *, causal: bool, scale: float,
+               num_comm_sms: int = 2, expected: list[dict[str, np.ndarray]] | None = None,
+               atol: float = 0.0, rtol: float = 0.0) -> ops.Case:
+    """One ulysses_attn_bwd call on every rank, its launcher's fields by name.
+
+    Args:
+        dtype, qs, ks, vs, dos, lses, deltas, causal, scale: as UlyssesBackward's.
+        num_comm_sms: communication blocks (the same on every rank).
+        expected: per-rank dq, dk, dv to check against (default: zeros, shapes only).
+        atol, rtol: the check's tolerance.
+
+    Returns:
+        The case: per rank do [B, S/P, H, D] and delta float32 [B, H, S/P] (sequence shards),
+        q [B, S, H/P, D], k, v [B, S, Hkv/P, D] and lse float32 [B, H/P, SP] (head shards; SP
+        = S rounded up to 128, +inf past S); outputs dq, dk, dv (sequence shards).
+    """
+    p = len(qs)
+    b, sl, h, d = qs[0].shape
+    hkv = ks[0].shape[2]
+    _check_heads("fused_case", p, h, hkv)
+    dt = np_dtype(dtype)
+    s = sl * p
+    q, k, v = (head_shards([np.asarray(x, dt) for x in xs], p, 2, 1) for xs in (qs, ks, vs))
+    lse = [np.pad(x, ((0, 0), (0, 0), (0, -(-s // TILE) * TILE - s)), constant_values=np.inf)
+           for x in head_shards([np.asarray(x, np.float32)[:, :, :sl] for x in lses], p, 1, 2)]
+    inputs = [{"do": np.ascontiguousarray(dos[r], dt), "q": q[r], "k": k[r], "v": v[r],
+               "lse": lse[r],
+               "delta": np.ascontiguousarray(np.asarray(deltas[r], np.float32)[:, :, :sl])}
+              for r in range(p)]
+    if expected is None:
+        expected = [{"dq": np.zeros((b, sl, h, d), dt), "dk": np.zeros((b, sl, hkv, d), dt),
+                     "dv": np.zeros((b, sl, hkv, d), dt)} for _ in range(p)]
+    params = {"b": b, "s": sl, "h": h, "hkv": hkv, "d": d, "scale": float(scale),
+              "causal": int(causal), "num_comm_sms": int(num_comm_sms)}
+    return ops.Case("ulysses_attn_bwd", dtype, inputs, expected, params, exact=False,
+                    atol=atol, rtol=rtol)
+
+
+def fused_reference(ref: ops.Case, *, num_comm_sms: int = 2) -> ops.Case:
+    """ops.ring_attn_bwd's contiguous case `ref` as a ulysses_attn_bwd case: the same problem,
+    its expected gradients and tolerance."""
+    if ref.params.get("zigzag"):
+        raise ValueError("fused_reference: Ulysses shards the sequence contiguously; the "
+                         "reference must not be zigzag.")
+    return fused_case(ref.dtype, *reference_inputs(ref), causal=bool(ref.params["causal"]),
+                      scale=ref.params["scale"], num_comm_sms=num_comm_sms,
+                      expected=ref.expected, atol=ref.atol, rtol=ref.rtol)
+
+
+class FusedCall(ops.Call):
+    """ops.Call of a ulysses_attn_bwd case (`fused_case`, `fused_reference`): launch, check
+    against the case's gradients, free. Its launcher takes every buffer by its name and the
+    sizes from the params, as ops.ATTENTION's do (ops.Call passes that op through its
+    general fields otherwise)."""
+
+    def _fields(self, r: int, bufs: dict[str, DeviceBuffer]) -> dict:
+        return {"dtype": DTYPES[self.case.dtype], **self.case.params, **bufs}
+
+    def fill(self, byte: int) -> None:
+        """Poisons every rank's dq, dk, dv with one byte value (0xFF: NaNs)."""
+        for bufs in self.buffers:
+            for name in ("dq", "dk", "dv"):
+                bufs[name].fill(byte)
+
+    def grads(self, r: int) -> dict[str, np.ndarray]:
+        """Rank r's dq [B, S/P, H, D], dk and dv [B, S/P, Hkv, D] after the last call."""
+        return self.outputs(r)
+
+
+class FusedUlyssesBackward(FusedCall):
+    """The fused backward on every rank of `world`, ready to queue (`launch(delays_ns=...,
+    skip=...)`: one ulysses_attn_bwd call per rank, no host synchronization) again and again;
+    `grads(r)` reads rank r's dq, dk, dv, `fill(byte)` poisons them, `free()` releases the
+    buffers. The head shards of q, k, v and lse are built on the host once (`fused_case`).
+
+    Args:
+        world, dtype, qs, ks, vs, dos, lses, deltas, causal, scale: as UlyssesBackward's.
+        num_comm_sms: communication blocks (the same on every rank).
+        poison: the byte the gradients hold before the first call.
+    """
+
+    def __init__(self, world: World, dtype: str, qs, ks, vs, dos, lses, deltas, *,
+                 causal: bool, scale: float, num_comm_sms: int = 2, poison: int = 0xFF):
+        super().__init__(world, fused_case(dtype, qs, ks, vs, dos, lses, deltas, causal=causal,
+                                           scale=scale, num_comm_sms=num_comm_sms),
+                         poison=poison)

@@ -12,6 +12,7 @@ import sys
 import numpy as np
 
 from pk_jax.testing import ops
+from pk_jax.testing.ulysses_bwd import FusedCall, fused_reference
 
 # Ops and the world sizes they run at (3 wherever the op allows a world of 3).
 WORLDS = (2, 3, 4, 8)
@@ -29,6 +30,8 @@ def case(op: str, p: int, rng: np.random.Generator, *, size: str = "small",
         return fused_case(p, rng, size=size, dtype=dtype)
     if op == "ulysses_attn":
         return ulysses_case(p, rng, dtype=dtype, size=size)
+    if op == "ulysses_attn_bwd":
+        return ulysses_bwd_case(p, rng, dtype=dtype, size=size)
     if op in ops.ATTENTION:
         return ring_case(p, rng, dtype=dtype, size=size, backward=op == "ring_attn_bwd")
     big = size == "big"
@@ -254,6 +257,30 @@ def ulysses_case(p: int, rng: np.random.Generator, *, dtype: str | None = None,
     return ops.ulysses_attn(qs, ks, vs, dt, causal=causal, num_comm_sms=nc)
 
 
+def ulysses_bwd_case(p: int, rng: np.random.Generator, *, dtype: str | None = None,
+                     size: str = "small", s_local: int | None = None,
+                     causal: bool | None = None, h: int | None = None, hkv: int | None = None,
+                     d: int | None = None, b: int | None = None,
+                     num_comm_sms: int | None = None) -> ops.Case:
+    """A random case of the fused Ulysses backward (ulysses_attn_bwd) at world p: the float32
+    reference of ops.ring_attn_bwd (contiguous) over normal q, k, v, dO, laid out for the fused
+    call (pk_jax.testing.ulysses_bwd.fused_reference); S/P often not a multiple of the 128-row
+    tile, P dividing H and Hkv, GQA or not, causal or not, batch 1 unless asked."""
+    hkv = hkv or p * int(rng.choice([1, 2]))
+    sl = s_local or (int(rng.choice([1, 2, 64, 128, 130, 200, 256])) if size != "big" else 1024)
+    ref = ring_case(p, rng, dtype=dtype, size=size, s_local=sl, causal=causal, zigzag=False,
+                    h=h or hkv * int(rng.choice([1, 2])), hkv=hkv, d=d, b=b, backward=True)
+    return fused_reference(ref, num_comm_sms=num_comm_sms or int(rng.integers(1, 5)))
+
+
+def call(world, c: ops.Case, *, poison: int = 0xFF) -> ops.Call:
+    """ops.Call of case c on world, or, for the fused Ulysses backward, its FusedCall (ops.Call
+    does not know that op's fields)."""
+    if c.op == "ulysses_attn_bwd":
+        return FusedCall(world, c, poison=poison)
+    return ops.Call(world, c, poison=poison)
+
+
 def world_cache(**world_kw):
     """A generator for a module-scoped pytest fixture: yields get(p, **kw), one World per (P,
     options) reused by the module's tests (creating one takes ~100 ms), closed at the end."""
@@ -275,7 +302,7 @@ def world_cache(**world_kw):
 def run_calls(world, cases, rng, *, skew_ns: int, poison: int = 0xFF) -> list[str]:
     """Queues every case on poisoned outputs (each rank after a random delay up to skew_ns),
     synchronizes once, and returns every output's problems."""
-    calls = [ops.Call(world, c, poison=poison) for c in cases]
+    calls = [call(world, c, poison=poison) for c in cases]
     try:
         for c in calls:
             delays = ([int(d) for d in rng.integers(0, skew_ns + 1, world.world)]

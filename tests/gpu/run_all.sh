@@ -246,9 +246,9 @@ section_moe_fused() {
 # backward's tests named test_backward_*; PK_JAX_EMU_ULYSSES_CALLS sets the back-to-back calls
 # per P, default 100), pk.ulysses_attention's forward and gradients through JAX with 2 and 4
 # processes sharing the GPU (tests/gpu/ulysses_mp.py: the default composed kernels; then with 2
-# processes and PK_JAX_ULYSSES_FUSED=1, the fused forward), then the emulated benchmark (forward
-# fused vs unfused: all_to_all of q, k, v, pk.attention, all_to_all back; backward composed vs
-# the fused ring backward).
+# processes and PK_JAX_ULYSSES_FUSED=1, the fused forward, and PK_JAX_ULYSSES_FUSED=bwd, the
+# fused backward), then the emulated benchmark (forward fused vs unfused: all_to_all of q, k, v,
+# pk.attention, all_to_all back; backward composed vs the fused ring backward).
 section_ulysses() {
   export CUDA_MODULE_LOADING=EAGER  # pk_jax.testing.require_eager_loading says why
   step "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_emulator_ulysses.py
@@ -257,6 +257,8 @@ section_ulysses() {
   done
   # the fused forward (opt-in): its forward cases and one gradient case
   PK_JAX_ULYSSES_FUSED=1 PK_JAX_TIMEOUT_S=30 step launch 2 --timeout 250 tests/gpu/ulysses_mp.py
+  # the fused backward (opt-in): the forward cases and every gradient case
+  PK_JAX_ULYSSES_FUSED=bwd PK_JAX_TIMEOUT_S=30 step launch 2 --timeout 250 tests/gpu/ulysses_mp.py
   step "$PY" bench/bench_ulysses_attn.py --quick
 }
 
@@ -264,13 +266,14 @@ section_ulysses() {
 # the emulator's backward tests at P = 2, 4, 8 (pk all_to_all to head shards, the pk.attention
 # backward, all_to_all back, against the float32 reference gradients), pk.ulysses_attention's
 # forward and gradients through JAX with 2 processes sharing the GPU (default path, then
-# PK_JAX_ULYSSES_FUSED=1), then the emulated
+# PK_JAX_ULYSSES_FUSED=1, then PK_JAX_ULYSSES_FUSED=bwd: the fused backward), then the emulated
 # benchmark (forward fused vs unfused; backward composed vs the fused ring backward).
 section_ulysses_bwd() {
   export CUDA_MODULE_LOADING=EAGER  # pk_jax.testing.require_eager_loading says why
   step "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_emulator_ulysses.py -k backward
   PK_JAX_TIMEOUT_S=30 step launch 2 --timeout 250 tests/gpu/ulysses_mp.py
   PK_JAX_ULYSSES_FUSED=1 PK_JAX_TIMEOUT_S=30 step launch 2 --timeout 250 tests/gpu/ulysses_mp.py
+  PK_JAX_ULYSSES_FUSED=bwd PK_JAX_TIMEOUT_S=30 step launch 2 --timeout 250 tests/gpu/ulysses_mp.py
   step "$PY" bench/bench_ulysses_attn.py --quick
   step "$PY" bench/plot_sp_attention.py  # bench/results/sp_attention.png (ring and Ulysses rows)
 }
@@ -279,7 +282,7 @@ section_ulysses_bwd() {
 # (host-side cuGetProcAddress probes are reported as CUDA_ERROR_INVALID_VALUE: ignored).
 # Every cross-rank op but the fused MoE kernels (one call each at P = 2, 4 and 8; P = 8 needs
 # the hardware work queues that emu_sanitized sets).
-SANITIZE_OPS=all_reduce,all_gather,reduce_scatter,all_to_all,gemm_rs,ag_gemm,gemm_ar,moe_dispatch,moe_combine,ring_attn,ring_attn_bwd,ulysses_attn
+SANITIZE_OPS=all_reduce,all_gather,reduce_scatter,all_to_all,gemm_rs,ag_gemm,gemm_ar,moe_dispatch,moe_combine,ring_attn,ring_attn_bwd,ulysses_attn,ulysses_attn_bwd
 section_sanitize() {
   export CUDA_MODULE_LOADING=EAGER  # the emulated attention step (pk_jax.testing needs it)
   local log=${PK_JAX_LOG_DIR:-/tmp}/pk_jax_sanitize
@@ -287,10 +290,12 @@ section_sanitize() {
   for tool in memcheck synccheck; do
     step bash -c "$(emu_sanitized $tool $SANITIZE_OPS 2,4,8 "$log/$tool.log")"
   done
-  # The one-pass attention backward (in the emulated Ulysses backward) under memcheck.
+  # The one-pass attention backward (in the emulated composed Ulysses backward) under memcheck
+  # (the fused backward is among SANITIZE_OPS above).
   PK_JAX_EMU_ULYSSES_CALLS=1 step bash -c "compute-sanitizer --tool memcheck --print-limit 50 \
     $PY -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_emulator_ulysses.py \
-    -k 'backward and 2' > $log/attention.log 2>&1; rc=\$?; tail -5 $log/attention.log;
+    -k 'backward and 2 and not fused' > $log/attention.log 2>&1; rc=\$?;
+    tail -5 $log/attention.log;
     ! grep -E 'Invalid (__global__|__shared__|__local__)|Out of bounds|Misaligned' \
     $log/attention.log && [ \$rc = 0 ]"
 }

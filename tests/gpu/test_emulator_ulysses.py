@@ -1,10 +1,12 @@
 """The fused Ulysses attention forward (pk.ulysses_attention at P > 1 with
-PK_JAX_ULYSSES_FUSED=1, kernels/ulysses_attn.cuh), and its kernel-backed backward (pk
+PK_JAX_ULYSSES_FUSED=1, kernels/ulysses_attn.cuh), its kernel-backed composed backward (pk
 all_to_all, the pk.attention backward on head shards, all_to_all back:
-pk_jax.testing.ulysses_bwd), under true concurrency: P emulated ranks on disjoint SM
-partitions of one GPU (pk_jax.testing.World), started through the launch function the FFI handler calls,
-against a float32 numpy reference over the whole sequence (pk_jax.testing.ops.ulysses_attn),
-with bf16/fp16 tolerances.
+pk_jax.testing.ulysses_bwd.UlyssesBackward) and its fused backward (kernels/ulysses_attn_bwd.cuh,
+op ulysses_attn_bwd: pk_jax.testing.ulysses_bwd.FusedUlyssesBackward; tests named
+test_fused_backward_*), under true concurrency: P emulated ranks on disjoint SM partitions of
+one GPU (pk_jax.testing.World), started through the launch function the FFI handler calls,
+against a float32 numpy reference over the whole sequence (pk_jax.testing.ops.ulysses_attn,
+ring_attn_bwd), with bf16/fp16 tolerances.
 
 Run on the H200: `bash tests/gpu/run_all.sh ulysses` (or, with CUDA_MODULE_LOADING=EAGER,
 `python -m pytest -m gpu tests/gpu/test_emulator_ulysses.py`). The dead-rank cases trap the
@@ -25,10 +27,19 @@ pytestmark = pytest.mark.gpu
 sys.path.insert(0, os.path.dirname(__file__))
 import emu_cases
 
+from pk_jax.runtime import vmm
 from pk_jax.testing import ops
-from pk_jax.testing.ulysses_bwd import UlyssesBackward
+from pk_jax.testing.emulator import DTYPES
+from pk_jax.testing.ulysses_bwd import (
+    FusedUlyssesBackward,
+    UlyssesBackward,
+    fused_workspace_bytes,
+    reference_inputs,
+)
 
 CALLS = int(os.environ.get("PK_JAX_EMU_ULYSSES_CALLS", "100"))  # back-to-back calls per P
+# back-to-back fused backward calls per P (each with a float32 reference: fewer)
+BWD_CALLS = int(os.environ.get("PK_JAX_EMU_ULYSSES_BWD_CALLS", "40"))
 BATCH = 20                                                      # calls in flight between syncs
 SKEW_NS = 20_000                                                # random per-rank start skew
 WORKSPACE = 64 << 20
@@ -71,15 +82,17 @@ def test_grouped_query_attention(worlds, p):
     assert _run(w, cases, rng) == []
 
 
-def _backward_case(w, p, rng, b, sl, h, hkv, d, dt, causal):
-    """A composed backward on world w with random inputs, and its float32 reference
-    (ops.ring_attn_bwd, contiguous: the same function, with the reference lse and delta)."""
+def _backward_case(w, p, rng, b, sl, h, hkv, d, dt, causal, *, fused: bool = False,
+                   num_comm_sms: int = 2):
+    """A composed (or, with `fused`, the fused) backward on world w with random inputs, and
+    its float32 reference (ops.ring_attn_bwd, contiguous: the same function, with the
+    reference lse and delta)."""
     xs = [[rng.standard_normal(shape) for _ in range(p)]
           for shape in ((b, sl, h, d), (b, sl, hkv, d), (b, sl, hkv, d), (b, sl, h, d))]
     ref = ops.ring_attn_bwd(*xs, dt, causal=causal)
-    bwd = UlyssesBackward(w, dt, *([x[n] for x in ref.inputs]
-                                   for n in ("q", "k", "v", "do", "lse", "delta")),
-                          causal=causal, scale=ref.params["scale"])
+    kw = {"num_comm_sms": num_comm_sms} if fused else {}
+    bwd = (FusedUlyssesBackward if fused else UlyssesBackward)(
+        w, dt, *reference_inputs(ref), causal=causal, scale=ref.params["scale"], **kw)
     return bwd, ref
 
 
@@ -93,6 +106,18 @@ def _backward_problems(bwd, ref, what: str) -> list[str]:
                                                            rtol=ref.rtol)):
                 problems.append(f"{what} rank {r} {name}: max error "
                                 f"{np.nanmax(np.abs(g - want))}")
+    return problems
+
+
+def _twice_on_poison(w, bwd, ref, what: str) -> list[str]:
+    """Two calls in a row, the gradients poisoned before each (0xFF: NaNs, then 0x7F), each
+    checked against the reference."""
+    problems: list[str] = []
+    for call, byte in enumerate((0xFF, 0x7F)):
+        bwd.fill(byte)
+        bwd.launch()
+        w.synchronize()
+        problems += _backward_problems(bwd, ref, f"{what} call {call}")
     return problems
 
 
@@ -111,33 +136,29 @@ def test_backward_against_the_float32_reference(worlds, p):
                                          (1, 64, 2 * p, 2 * p, 64, "float16", False)):
         bwd, ref = _backward_case(w, p, rng, b, sl, h, hkv, d, dt, causal)
         try:
-            for call in range(2):
-                for c in bwd.outs:
-                    for bufs in c.buffers:
-                        bufs["y"].fill(0xFF if call == 0 else 0x7F)
-                bwd.launch()
-                w.synchronize()
-                problems += _backward_problems(bwd, ref, f"P={p} b={b} S/P={sl} h={h} "
-                                               f"hkv={hkv} d={d} {dt} causal={causal} call "
-                                               f"{call}")
+            problems += _twice_on_poison(w, bwd, ref, f"P={p} b={b} S/P={sl} h={h} hkv={hkv} "
+                                         f"d={d} {dt} causal={causal}")
         finally:
             bwd.free()
     assert problems == [], problems[:5]
 
 
-def test_backward_with_a_late_rank(worlds):
-    """One rank starts the backward 200 ms after the others (well inside the timeout): still
-    correct."""
-    rng = np.random.default_rng(7)
-    w = worlds(4)
+def _late_rank(w, rng, *, fused: bool) -> None:
     for causal in (False, True):
-        bwd, ref = _backward_case(w, 4, rng, 1, 192, 8, 4, 128, "bfloat16", causal)
+        bwd, ref = _backward_case(w, 4, rng, 1, 192, 8, 4, 128, "bfloat16", causal,
+                                  fused=fused)
         try:
             bwd.launch(delays_ns=[0, 0, 200_000_000, 0])
             w.synchronize()
             assert _backward_problems(bwd, ref, f"late rank, causal={causal}") == []
         finally:
             bwd.free()
+
+
+def test_backward_with_a_late_rank(worlds):
+    """One rank starts the backward 200 ms after the others (well inside the timeout): still
+    correct."""
+    _late_rank(worlds(4), np.random.default_rng(7), fused=False)
 
 
 @pytest.mark.parametrize("p", PS)
@@ -200,14 +221,140 @@ def test_interleaved_with_the_other_ops_on_one_workspace(worlds, p):
 _failure = emu_cases.failure
 
 
-@pytest.mark.parametrize("p", PS)
-def test_a_rank_that_never_arrives(p):
+def _dead_rank(op: str, p: int) -> None:
     """The others fail within timeout + 1 s with the record naming op, rank and missing peer;
     a fresh world (a new process) runs the op."""
-    r = _failure("dead", "ulysses_attn", str(p))
+    r = _failure("dead", op, str(p))
     assert r["failed"], r
     assert r["elapsed_s"] < r["timeout_s"] + 1.0, r
     assert r["code"] == 1 and r["op"] == r["expected_op"], r
     assert r["peer"] == r["dead"] and r["rank"] != r["dead"], r
-    assert "ulysses_attn" in r["message"], r
-    assert _failure("fresh", "ulysses_attn", str(p))["fresh_world_ok"]
+    assert op in r["message"], r
+    assert _failure("fresh", op, str(p))["fresh_world_ok"]
+
+
+@pytest.mark.parametrize("p", PS)
+def test_a_rank_that_never_arrives(p):
+    """The others fail within timeout + 1 s with the record naming op, rank and missing peer;
+    a fresh world (a new process) runs the op."""
+    _dead_rank("ulysses_attn", p)
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused backward (op ulysses_attn_bwd, kernels/ulysses_attn_bwd.cuh): dq, dk, dv against
+# the float32 reference gradients over the whole sequence, at the composed backward's tolerance.
+
+def _fused_shapes(p: int):
+    """(B, S/P, H, Hkv, D, dtype, num_comm_sms) at world p: GQA with Hkv = P and 2P, H = P..4P,
+    S/P a multiple of the 128-row tile and not (down to 1), B = 2, D 64 and 128, bf16 and fp16,
+    1-3 communication blocks."""
+    return ((1, 128, p, p, 128, "bfloat16", 2),
+            (2, 130, 2 * p, p, 64, "float16", 1),
+            (1, 200, 4 * p, 2 * p, 128, "bfloat16", 3),
+            (2, 64, 2 * p, 2 * p, 64, "float16", 2),
+            (2, 1, 4 * p, p, 128, "float16", 3),
+            (1, 256, 3 * p, p, 64, "bfloat16", 1))
+
+
+@pytest.mark.parametrize("p,causal", list(itertools.product(PS, (False, True))))
+def test_fused_backward_against_the_float32_reference(worlds, p, causal):
+    """Every shape of _fused_shapes, causal or not, called twice in a row on poisoned
+    gradients (0xFF, then 0x7F)."""
+    rng = np.random.default_rng(600 + 10 * p + causal)
+    w = worlds(p)
+    problems: list[str] = []
+    for b, sl, h, hkv, d, dt, nc in _fused_shapes(p):
+        bwd, ref = _backward_case(w, p, rng, b, sl, h, hkv, d, dt, causal, fused=True,
+                                  num_comm_sms=nc)
+        try:
+            problems += _twice_on_poison(w, bwd, ref, f"fused P={p} b={b} S/P={sl} h={h} "
+                                         f"hkv={hkv} d={d} {dt} causal={causal} comm={nc}")
+        finally:
+            bwd.free()
+    assert problems == [], problems[:5]
+
+
+def test_fused_backward_with_a_late_rank(worlds):
+    """One rank starts the fused backward 200 ms after the others (well inside the timeout):
+    still correct."""
+    _late_rank(worlds(4), np.random.default_rng(8), fused=True)
+
+
+@pytest.mark.parametrize("p", PS)
+def test_fused_backward_back_to_back_with_skew(worlds, p):
+    """BWD_CALLS calls, BATCH at a time without host synchronisation, forward (ulysses_attn)
+    and fused backward calls alternating (one slot range and epoch for both), each rank
+    starting each call after a random delay, shapes changing every call; each call has its own
+    buffers, so every one is checked."""
+    rng = np.random.default_rng(2100 + p)
+    w = worlds(p)
+    problems: list[str] = []
+    done = 0
+    while done < BWD_CALLS:
+        n = min(BATCH, BWD_CALLS - done)
+        sls = [int(rng.choice([1, 64, 130, 256])) for _ in range(n)]
+        cases = [emu_cases.ulysses_bwd_case(p, rng, s_local=sl) if i % 2 == 0 else
+                 emu_cases.ulysses_case(p, rng, s_local=sl) for i, sl in enumerate(sls)]
+        problems += _run(w, cases, rng, skew_ns=SKEW_NS, poison=0xFF if done == 0 else 0x7F)
+        done += n
+    assert problems == [], problems[:5]
+
+
+@pytest.mark.parametrize("p", PS)
+def test_fused_backward_interleaved_with_the_other_ops_on_one_workspace(worlds, p):
+    """The fused backward mixed with both attention forwards, the ring backward, the
+    collectives and the fused GEMMs on the same workspace and pads, with skew; every other
+    call is the fused backward."""
+    rng = np.random.default_rng(99 + p)
+    w = worlds(p)
+    others = ops.ATTENTION + ops.OPS
+    seq = [("ulysses_attn_bwd" if i % 2 == 0 else str(rng.choice(others))) for i in range(BATCH)]
+    assert _run(w, [emu_cases.case(op, p, rng) for op in seq], rng, skew_ns=SKEW_NS) == []
+
+
+@pytest.mark.parametrize("p", (2, 4))
+def test_fused_backward_refuses_bad_calls(worlds, p):
+    """Shapes, head dims, dtypes and communication block counts the kernel does not take, and a
+    workspace one byte short of the call's need, are refused with a ValueError on every rank,
+    leaving the signal pads as they were; with exactly the need the call runs and is right."""
+    rng = np.random.default_rng(40 + p)
+    w = worlds(p)
+    case = emu_cases.ulysses_bwd_case(p, rng, s_local=130, h=2 * p, hkv=p, d=64, b=2,
+                                      num_comm_sms=2)
+    c = emu_cases.call(w, case)
+
+    def pads() -> list[bytes]:
+        w.synchronize()
+        return [vmm.copy_to_host(w.signal_ptr(r), w.signal_count * 8) for r in range(p)]
+
+    bad = (({"d": 96}, "head_dim"), ({"num_comm_sms": 0}, "num_comm_sms"),
+           ({"num_comm_sms": 17}, "num_comm_sms"), ({"hkv": 1}, "world size"),
+           ({"dtype": DTYPES["float32"]}, "bf16"))
+    need = fused_workspace_bytes(p, 2, 130, 2 * p, p, 64)
+    try:
+        before = pads()
+        for fields, what in bad:
+            for r in range(p):
+                with pytest.raises(ValueError, match=what):
+                    w.launch("ulysses_attn_bwd", r, {**c.args[r], **fields})
+        try:
+            w.limit_workspace(need - 1)
+            for r in range(p):
+                with pytest.raises(ValueError, match="symmetric workspace"):
+                    w.launch("ulysses_attn_bwd", r, c.args[r])
+            assert pads() == before, "a refused call changed a signal pad"
+            w.limit_workspace(need)
+            c.launch()
+            w.synchronize()
+            assert c.check() == []
+        finally:
+            w.limit_workspace(None)
+    finally:
+        c.free()
+
+
+@pytest.mark.parametrize("p", PS)
+def test_fused_backward_a_rank_that_never_arrives(p):
+    """The others fail within timeout + 1 s with the record naming ulysses_attn_bwd, rank and
+    the missing peer; a fresh world (a new process) runs the op."""
+    _dead_rank("ulysses_attn_bwd", p)
