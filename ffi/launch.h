@@ -243,12 +243,11 @@ Status LaunchUlyssesAttn(const Where& at, const UlyssesAttnArgs& a, const CommVi
 Status CheckUlysses(const std::string& op, DType dtype, int64_t d, int64_t h, int64_t hkv,
                     int64_t num_comm_sms, const CommView& v);
 
-// Ulysses attention backward (cuda/kernels/ulysses_attn_bwd.cuh) after the composed forward:
-// d_o [b, s, h, d] and delta float32 [b, h, s] (this rank's S/P = s positions), the head
-// shards q [b, P s, h/P, d], k and v [b, P s, hkv/P, d] and lse float32 [b, h/P, SP] (SP = P s
-// rounded up to 128, +inf past P s) -> dq [b, s, h, d], dk and dv [b, s, hkv, d]. P >= 2
-// divides h and hkv.
-struct UlyssesAttnBwdArgs {
+// The fused attention backwards' arguments (RingAttnBwdArgs, UlyssesAttnBwdArgs): q, k, v,
+// d_o, the forward's lse and delta = rowsum(dO O) in; dq, dk, dv out; the rank operand, the
+// shape (b, s = this rank's S/P positions, h, hkv, d), scale, causal, and the communication
+// blocks (the same on every rank).
+struct AttnBwdArgs {
   DType dtype;
   const void *q, *k, *v, *d_o;
   const float *lse, *delta;
@@ -260,21 +259,19 @@ struct UlyssesAttnBwdArgs {
   int64_t num_comm_sms;
 };
 
+// Ulysses attention backward (cuda/kernels/ulysses_attn_bwd.cuh) after the composed forward:
+// d_o [b, s, h, d] and delta float32 [b, h, s], the head shards q [b, P s, h/P, d], k and v
+// [b, P s, hkv/P, d] and lse float32 [b, h/P, SP] (SP = P s rounded up to 128, +inf past P s)
+// -> dq [b, s, h, d], dk and dv [b, s, hkv, d]. P >= 2 divides h and hkv.
+using UlyssesAttnBwdArgs = AttnBwdArgs;
+
 Status LaunchUlyssesAttnBwd(const Where& at, const UlyssesAttnBwdArgs& a, const CommView& v);
 
 // Ring attention backward (cuda/kernels/ring_attn_bwd.cuh): q, d_o [b, s, h, d], k and v
 // [b, s, hkv, d], lse and delta float32 [b, h, SP] (SP = s rounded up to 128; lse = +inf and
-// delta = 0 past s) -> dq, dk, dv like q, k, v. P >= 2.
-struct RingAttnBwdArgs {
-  DType dtype;
-  const void *q, *k, *v, *d_o;
-  const float *lse, *delta;
-  void *dq, *dk, *dv;
-  const int32_t* rank;
-  int64_t b, s, h, hkv, d;
-  float scale;
-  bool causal, zigzag;
-  int64_t num_comm_sms;
+// delta = 0 past s) -> dq, dk, dv like q, k, v. P >= 2. zigzag: the causal zigzag layout.
+struct RingAttnBwdArgs : AttnBwdArgs {
+  bool zigzag;
 };
 
 // Bytes of symmetric workspace one backward call uses at world P.

@@ -101,8 +101,7 @@ T* Ptr(const nb::dict& d, const char* key) {
 }
 
 // The fields the attention launchers' arguments share (AttnArgs, RingAttnArgs,
-// UlyssesAttnArgs, RingAttnBwdArgs, UlyssesAttnBwdArgs): q, k, v, the shape, the scale and the
-// causal flag.
+// UlyssesAttnArgs, AttnBwdArgs): q, k, v, the shape, the scale and the causal flag.
 template <class A>
 void AttentionFields(const nb::dict& d, A* a) {
   a->q = Ptr<const void>(d, "q");
@@ -117,11 +116,9 @@ void AttentionFields(const nb::dict& d, A* a) {
   a->causal = Get(d, "causal") != 0;
 }
 
-// The fields the fused attention backwards' arguments share (RingAttnBwdArgs,
-// UlyssesAttnBwdArgs): AttentionFields', dO, lse, delta, the gradients, the rank operand and
-// the communication blocks.
-template <class A>
-void BackwardFields(const nb::dict& d, A* a) {
+// The fields of the fused attention backwards' arguments (AttnBwdArgs): AttentionFields', dO,
+// lse, delta, the gradients, the rank operand and the communication blocks.
+void BackwardFields(const nb::dict& d, pk_ffi::AttnBwdArgs* a) {
   AttentionFields(d, a);
   a->d_o = Ptr<const void>(d, "do");
   a->lse = Ptr<const float>(d, "lse");

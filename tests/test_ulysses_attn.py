@@ -434,6 +434,25 @@ def test_fused_kernel_takes_what_it_compiles(monkeypatch):
     assert not [c for c in calls if c["target"] == "pk_ulysses_attn"]
 
 
+def _vjp_against_reference(p, causal, h, hkv, dtype, d, sl):
+    """pk.ulysses_attention's output and gradients, and the reference's (K/V heads repeated),
+    at world p, S/P = sl, B = 2, with random q, k, v and dy: (ours, want, (q, k, v, dy))."""
+    from pk_jax.ops import ulysses_attn
+
+    mesh = cpu_mesh((p,), ("sp",))
+    q = normal((2, sl * p, h, d), dtype, 0)
+    k, v = (normal((2, sl * p, hkv, d), dtype, i) for i in (1, 2))
+    dy = normal(q.shape, dtype, 3)
+
+    def ref(q, k, v):
+        kr, vr = _attention.repeat_kv(q, k, v)
+        return ulysses_attn.reference(q, kr, vr, "sp", causal=causal, scale=d ** -0.5)
+
+    ours, want = vjp_both(lambda *x: pk.ulysses_attention(*x, "sp", causal=causal), ref, mesh,
+                          (SEQ,) * 3, SEQ, (q, k, v), dy)
+    return ours, want, (q, k, v, dy)
+
+
 # The default on GPUs: the composed kernels.
 
 @pytest.mark.parametrize("p,causal,h,hkv,dtype,d", [
@@ -446,20 +465,9 @@ def test_composed_wiring_forward_and_backward(monkeypatch, p, causal, h, hkv, dt
     divides them, else repeated up to lcm(Hkv, P): Hkv 1, 2, 6 at P = 2, 4, 4), all_to_all
     back, and no pk_ulysses_attn; the output matches the reference's and the gradients (the
     pk_attention backward on the saved head shards) the float32 ones."""
-    from pk_jax.ops import ulysses_attn
 
     calls = _stand_in_ulysses(monkeypatch, fused=False)
-    mesh = cpu_mesh((p,), ("sp",))
-    q = normal((2, 3 * p, h, d), dtype, 0)
-    k, v = (normal((2, 3 * p, hkv, d), dtype, i) for i in (1, 2))
-    dy = normal(q.shape, dtype, 3)
-
-    def ref(q, k, v):
-        kr, vr = _attention.repeat_kv(q, k, v)
-        return ulysses_attn.reference(q, kr, vr, "sp", causal=causal, scale=d ** -0.5)
-
-    ours, want = vjp_both(lambda *x: pk.ulysses_attention(*x, "sp", causal=causal), ref, mesh,
-                          (SEQ,) * 3, SEQ, (q, k, v), dy)
+    ours, want, (q, k, v, dy) = _vjp_against_reference(p, causal, h, hkv, dtype, d, 3)
     assert ours[0].shape == q.shape and ours[0].dtype == dtype
     assert_close(ours[0], want[0], dtype)
     for g, w, x in zip(ours[1:], _dense_gqa_grads(q, k, v, dy, causal), (q, k, v)):
@@ -562,17 +570,7 @@ def test_fused_bwd_wiring_forward_and_backward(monkeypatch, p, causal, h, hkv, d
     from pk_jax.ops import ulysses_attn
 
     calls = _stand_in_ulysses(monkeypatch, fused="bwd")
-    mesh = cpu_mesh((p,), ("sp",))
-    q = normal((2, sl * p, h, d), dtype, 0)
-    k, v = (normal((2, sl * p, hkv, d), dtype, i) for i in (1, 2))
-    dy = normal(q.shape, dtype, 3)
-
-    def ref(q, k, v):
-        kr, vr = _attention.repeat_kv(q, k, v)
-        return ulysses_attn.reference(q, kr, vr, "sp", causal=causal, scale=d ** -0.5)
-
-    ours, want = vjp_both(lambda *x: pk.ulysses_attention(*x, "sp", causal=causal), ref, mesh,
-                          (SEQ,) * 3, SEQ, (q, k, v), dy)
+    ours, want, (q, k, v, dy) = _vjp_against_reference(p, causal, h, hkv, dtype, d, sl)
     assert_close(ours[0], want[0], dtype)
     for g, w in zip(ours[1:], _dense_gqa_grads(q, k, v, dy, causal)):
         big = max(1.0, float(np.abs(w).max()))
