@@ -33,8 +33,9 @@ Status LaunchUlyssesAttnBwd(const Where& at, const UlyssesAttnBwdArgs& a, const 
   if (P < 2) return Invalid("the fused backward needs at least 2 ranks.");
   const int64_t S = a.s * P;
   if (a.b < 0 || a.s < 0 || a.h < 0 || a.b > 65535 || a.h > 65535 ||
-      S * (a.h / P) * a.d > INT32_MAX || S > INT32_MAX / 2) {
-    return Invalid("sizes too large (batch and heads below 65536, S * H/P * D below 2^31).");
+      a.b * S * (a.h / P) * a.d > INT32_MAX || S > INT32_MAX / 2) {
+    // The tail kernel indexes the head group's B S H/P D elements in 32 bits.
+    return Invalid("sizes too large (batch and heads below 65536, B * S * H/P * D below 2^31).");
   }
   const ub::layout ws = ub::make_layout(P, a.b, a.s, a.h, a.hkv, a.d);
   if (ws.total > v.workspace_bytes) {

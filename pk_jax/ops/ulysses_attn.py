@@ -174,10 +174,12 @@ def backward_path(q: jax.Array, p: int, axis_name: str) -> str:
     """How the backward of the composed forward runs, decided with the forward at trace time
     (the forward keeps the residuals that backward needs): "fused" (pk_ulysses_attn_bwd, only
     with PK_JAX_ULYSSES_FUSED=bwd and where the fused kernels take the operands:
-    `kernel_supports`) or "composed" (pk.all_to_all of dO, the pk.attention backward kernel on
-    the head group, all_to_all of dq, dk, dv back)."""
+    `kernel_supports`, and q has fewer than 2^31 elements) or "composed" (pk.all_to_all of
+    dO, the pk.attention backward kernel on the head group, all_to_all of dq, dk, dv back)."""
+    # The kernel indexes B S H/P D elements (= q.size) of its head group in 32 bits.
+    supported = kernel_supports(q, p) and q.size < 2**31
     if (fused_mode() == "bwd" and _backend.route(
-            STEM, axis_name, supported=kernel_supports(q, p)).path == "kernel"):
+            STEM, axis_name, supported=supported).path == "kernel"):
         return "fused"
     return "composed"
 
