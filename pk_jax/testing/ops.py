@@ -435,7 +435,8 @@ class Call:
         c = self.case
         fields = {"dtype": DTYPES[c.dtype], **c.params}
         fields.update({k: b for k, b in bufs.items()})
-        if c.op in MOE + ATTENTION + FUSED_MOE:  # sizes in the params, buffers by their names
+        # sizes in the params, buffers by their names
+        if c.op in MOE + ATTENTION + FUSED_MOE + ("ulysses_attn_bwd",):
             return fields
         x = c.inputs[r]["x"]
         if c.op in COLLECTIVES:

@@ -24,8 +24,11 @@ delta inside the kernel, and pulls dq, dk, dv back to sequence shards in its tai
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 
+from pk_jax.ops import ulysses_attn
 from pk_jax.testing import ops
 from pk_jax.testing.emulator import DTYPES, DeviceBuffer, World, np_dtype
 
@@ -47,17 +50,11 @@ def _check_heads(who: str, p: int, h: int, hkv: int) -> None:
                          "divide H.")
 
 
-def _up(x: int) -> int:
-    return -(-x // 1024) * 1024
-
-
 def fused_workspace_bytes(p: int, b: int, sl: int, h: int, hkv: int, d: int) -> int:
-    """The symmetric workspace one ulysses_attn_bwd call needs (kernels/ulysses_attn_bwd.cuh
-    make_layout): dO and float32 delta of the head group, its float32 dq accumulator, dk, dv;
-    sections 1024-aligned."""
-    qb, kb = b * sl * h * d * 2, b * sl * hkv * d * 2
-    sp = -(-(p * sl) // TILE) * TILE
-    return _up(_up(_up(_up(_up(qb) + b * (h // p) * sp * 4) + 2 * qb) + kb) + kb)
+    """The symmetric workspace one ulysses_attn_bwd call needs at these per-rank shapes
+    (pk_jax.ops.ulysses_attn.fused_bwd_workspace_need)."""
+    return ulysses_attn.fused_bwd_workspace_need(SimpleNamespace(shape=(b, sl, h, d)),
+                                                 SimpleNamespace(shape=(b, sl, hkv, d)), p)
 
 
 def _all_to_all(xs, dtype: str, split_axis: int, concat_axis: int) -> ops.Case:
@@ -245,13 +242,8 @@ def fused_reference(ref: ops.Case, *, num_comm_sms: int = 2) -> ops.Case:
 
 
 class FusedCall(ops.Call):
-    """ops.Call of a ulysses_attn_bwd case (`fused_case`, `fused_reference`): launch, check
-    against the case's gradients, free. Its launcher takes every buffer by its name and the
-    sizes from the params, as ops.ATTENTION's do (ops.Call passes that op through its
-    general fields otherwise)."""
-
-    def _fields(self, r: int, bufs: dict[str, DeviceBuffer]) -> dict:
-        return {"dtype": DTYPES[self.case.dtype], **self.case.params, **bufs}
+    """ops.Call of a ulysses_attn_bwd case (`fused_case`, `fused_reference`), with the
+    gradients' poisoning and reading by name."""
 
     def fill(self, byte: int) -> None:
         """Poisons every rank's dq, dk, dv with one byte value (0xFF: NaNs)."""

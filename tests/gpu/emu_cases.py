@@ -12,7 +12,7 @@ import sys
 import numpy as np
 
 from pk_jax.testing import ops
-from pk_jax.testing.ulysses_bwd import FusedCall, fused_reference
+from pk_jax.testing.ulysses_bwd import fused_reference
 
 # Ops and the world sizes they run at (3 wherever the op allows a world of 3).
 WORLDS = (2, 3, 4, 8)
@@ -273,14 +273,6 @@ def ulysses_bwd_case(p: int, rng: np.random.Generator, *, dtype: str | None = No
     return fused_reference(ref, num_comm_sms=num_comm_sms or int(rng.integers(1, 5)))
 
 
-def call(world, c: ops.Case, *, poison: int = 0xFF) -> ops.Call:
-    """ops.Call of case c on world, or, for the fused Ulysses backward, its FusedCall (ops.Call
-    does not know that op's fields)."""
-    if c.op == "ulysses_attn_bwd":
-        return FusedCall(world, c, poison=poison)
-    return ops.Call(world, c, poison=poison)
-
-
 def world_cache(**world_kw):
     """A generator for a module-scoped pytest fixture: yields get(p, **kw), one World per (P,
     options) reused by the module's tests (creating one takes ~100 ms), closed at the end."""
@@ -302,7 +294,7 @@ def world_cache(**world_kw):
 def run_calls(world, cases, rng, *, skew_ns: int, poison: int = 0xFF) -> list[str]:
     """Queues every case on poisoned outputs (each rank after a random delay up to skew_ns),
     synchronizes once, and returns every output's problems."""
-    calls = [call(world, c, poison=poison) for c in cases]
+    calls = [ops.Call(world, c, poison=poison) for c in cases]
     try:
         for c in calls:
             delays = ([int(d) for d in rng.integers(0, skew_ns + 1, world.world)]

@@ -28,7 +28,7 @@ import emu_cases
 
 from pk_jax import _ffi
 from pk_jax.runtime import errors
-from pk_jax.testing import EmulatorError, World
+from pk_jax.testing import EmulatorError, World, ops
 
 TIMEOUT_S = 2.0
 OP_IDS = {v: k for k, v in errors.OP_NAMES.items()}
@@ -46,7 +46,7 @@ def dead(op: str, p: int) -> dict:
     w = World(p, timeout_s=TIMEOUT_S)
     dead_rank = int(rng.integers(0, p))
     result["dead"] = dead_rank
-    call = emu_cases.call(w, emu_cases.case(op, p, rng))
+    call = ops.Call(w, emu_cases.case(op, p, rng))
     try:
         call.launch(skip=(dead_rank,))
         w.synchronize(timeout_s=TIMEOUT_S + 5.0)
@@ -60,7 +60,7 @@ def fresh(op: str, p: int) -> dict:
     """A new world (a new process, after a failed one) runs the op exactly."""
     rng = np.random.default_rng(p + 1)
     with World(p, timeout_s=TIMEOUT_S) as w:
-        good = emu_cases.call(w, emu_cases.case(op, p, rng))
+        good = ops.Call(w, emu_cases.case(op, p, rng))
         good.launch()
         w.synchronize()
         ok = good.check() == []

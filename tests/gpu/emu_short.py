@@ -29,7 +29,7 @@ if __name__ == "__main__":
     for p in worlds:
         with World(p, timeout_s=float(os.environ.get("PK_JAX_TIMEOUT_S", "60"))) as w:
             for op in only:
-                c = emu_cases.call(w, emu_cases.case(op, p, rng))
+                c = ops.Call(w, emu_cases.case(op, p, rng))
                 c.launch()
                 w.synchronize(timeout_s=120.0)
                 bad += c.check()

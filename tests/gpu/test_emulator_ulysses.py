@@ -321,7 +321,7 @@ def test_fused_backward_refuses_bad_calls(worlds, p):
     w = worlds(p)
     case = emu_cases.ulysses_bwd_case(p, rng, s_local=130, h=2 * p, hkv=p, d=64, b=2,
                                       num_comm_sms=2)
-    c = emu_cases.call(w, case)
+    c = ops.Call(w, case)
 
     def pads() -> list[bytes]:
         w.synchronize()
