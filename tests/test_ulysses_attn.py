@@ -502,6 +502,23 @@ def test_composed_exchanges(monkeypatch):
     assert targets.count("pk_all_to_all") == 8, targets
 
 
+def _vjp_by_setting(monkeypatch, p, h, hkv, dtype, d, causal, modes):
+    """pk.ulysses_attention's output and gradients at S/P = 130, B = 1 (random q, k, v, dy,
+    scale 0.1) with the stand-in kernels under each PK_JAX_ULYSSES_FUSED mode (`fused` of
+    _stand_in_ulysses): ({mode: (results, calls)}, (q, k, v))."""
+    mesh = cpu_mesh((p,), ("sp",))
+    q = normal((1, 130 * p, h, d), dtype, 0)
+    k, v = (normal((1, 130 * p, hkv, d), dtype, i) for i in (1, 2))
+    dy = normal(q.shape, dtype, 3)
+    f = lambda *x: pk.ulysses_attention(*x, "sp", causal=causal, scale=0.1)
+    runs = {}
+    for mode in modes:
+        pk.shutdown()
+        calls = _stand_in_ulysses(monkeypatch, fused=mode)
+        runs[mode] = (vjp_both(f, f, mesh, (SEQ,) * 3, SEQ, (q, k, v), dy)[0], calls)
+    return runs, (q, k, v)
+
+
 @pytest.mark.parametrize("p,h,hkv,dtype,d,causal", [
     (2, 4, 2, jnp.float16, 128, True), (4, 8, 1, jnp.bfloat16, 64, False),
     (2, 6, 3, jnp.bfloat16, 128, True)])
@@ -512,16 +529,9 @@ def test_composed_equals_fused_forward_and_backward(monkeypatch, p, h, hkv, dtyp
     exchanging q, dO, k, v, lse and delta), S/P = 130 (past one 128-row tile)."""
     from pk_jax.ops import ulysses_attn
 
-    mesh = cpu_mesh((p,), ("sp",))
-    q = normal((1, 130 * p, h, d), dtype, 0)
-    k, v = (normal((1, 130 * p, hkv, d), dtype, i) for i in (1, 2))
-    dy = normal(q.shape, dtype, 3)
-    f = lambda *x: pk.ulysses_attention(*x, "sp", causal=causal, scale=0.1)
+    runs, (q, k, v) = _vjp_by_setting(monkeypatch, p, h, hkv, dtype, d, causal, (False, True))
     results = {}
-    for fused in (False, True):
-        pk.shutdown()
-        calls = _stand_in_ulysses(monkeypatch, fused=fused)
-        results[fused] = vjp_both(f, f, mesh, (SEQ,) * 3, SEQ, (q, k, v), dy)[0]
+    for fused, (results[fused], calls) in runs.items():
         targets = {c["target"] for c in calls}
         assert ("pk_ulysses_attn" in targets) == fused, targets
         kinds = [c["backward"] for c in calls if c["target"] == "pk_attention"]
@@ -606,16 +616,9 @@ def test_fused_bwd_equals_composed(monkeypatch, p, h, hkv, dtype, d, causal):
     """PK_JAX_ULYSSES_FUSED=bwd and the default give the same output (the same forward) and
     gradients (the same attention backward on the same head shards; delta from the
     sequence-sharded output instead of the head-sharded one), S/P = 130."""
-    mesh = cpu_mesh((p,), ("sp",))
-    q = normal((1, 130 * p, h, d), dtype, 0)
-    k, v = (normal((1, 130 * p, hkv, d), dtype, i) for i in (1, 2))
-    dy = normal(q.shape, dtype, 3)
-    f = lambda *x: pk.ulysses_attention(*x, "sp", causal=causal, scale=0.1)
+    runs, _ = _vjp_by_setting(monkeypatch, p, h, hkv, dtype, d, causal, (False, "bwd"))
     results = {}
-    for mode in (False, "bwd"):
-        pk.shutdown()
-        calls = _stand_in_ulysses(monkeypatch, fused=mode)
-        results[mode] = vjp_both(f, f, mesh, (SEQ,) * 3, SEQ, (q, k, v), dy)[0]
+    for mode, (results[mode], calls) in runs.items():
         assert ("pk_ulysses_attn_bwd" in {c["target"] for c in calls}) == (mode == "bwd")
     np.testing.assert_array_equal(np.asarray(results[False][0], np.float32),
                                   np.asarray(results["bwd"][0], np.float32))
