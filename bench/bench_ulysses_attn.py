@@ -11,7 +11,8 @@ D = 128, bf16; causal and not):
   (inputs already laid out head-group-major, so each is one contiguous all-to-all), the
   pk.attention forward over the whole sequence for the rank's head group, and the pk
   all_to_all of the output back. The layout transposes around the all-to-alls are not
-  counted, which favours the baseline.
+  counted, which favours the baseline. `attention_only_us` is the baseline's attention alone
+  (its compute floor: unfused minus attention alone is what its exchanges cost).
 
 What the numbers mean: each emulated rank has 1/P of the SMs, and all ranks share one HBM, so
 "links" run at the shared-HBM rate, not NVLink's; every row says `"emulated": true`.
@@ -39,6 +40,7 @@ gradients with the composed one's at every head of those ranks, and the ring bac
 gradients must come out finite. 2.5 x the forward's FLOPs; median of 3 batches of 5.
 
     CUDA_MODULE_LOADING=EAGER python bench/bench_ulysses_attn.py [--quick] [--forward-only]
+        [--num-comm-sms C] [--worlds 2,4,8]
 
 --quick: S/P = 2048 only, the backward causal only (about 2 min on the H200, estimated).
 """
@@ -125,15 +127,18 @@ def run_shape(world: World, p: int, sl: int, causal: bool, rng, rows: list) -> N
         [np.zeros((p, sl, GROUP, D), dt) for _ in range(p)], BF16, 0, 0))
     lse_tmp = [DeviceBuffer(B * GROUP * sl * p * 4) for _ in range(p)]
 
-    def unfused():
-        for c in a2a:
-            c.launch()
+    def attention_only():
         for r in range(p):
             world.launch("attention", r, {
                 "dtype": DTYPES[BF16], "q": a2a[0].buffers[r]["y"], "k": a2a[1].buffers[r]["y"],
                 "v": a2a[2].buffers[r]["y"], "o": out_back.buffers[r]["x"], "lse": lse_tmp[r],
                 "b": B, "s": sl * p, "h": GROUP, "hkv": GROUP, "d": D, "scale": scale,
                 "causal": int(causal)})
+
+    def unfused():
+        for c in a2a:
+            c.launch()
+        attention_only()
         out_back.launch()
 
     unfused()
@@ -147,6 +152,7 @@ def run_shape(world: World, p: int, sl: int, causal: bool, rng, rows: list) -> N
 
     t_fused = common.emulated_us(world, fused.launch)
     t_base = common.emulated_us(world, unfused)
+    t_attn = common.emulated_us(world, attention_only)
     s_total = sl * p
     flops = 4 * B * h * D * s_total * s_total * (0.5 if causal else 1.0)  # all ranks
     shape = {"b": B, "s": s_total, "s_local": sl, "h": h, "hkv": h, "d": D,
@@ -156,10 +162,11 @@ def run_shape(world: World, p: int, sl: int, causal: bool, rng, rows: list) -> N
         median_us=t_fused, tflops=flops / t_fused / 1e6,
         baseline="unfused: all_to_all of q, k, v, pk.attention, all_to_all back (emulated)",
         baseline_median_us=t_base, emulated=True, machine=MACHINE, link=LINK,
-        sms_per_rank=world.sms[0], path=common.RESULTS / "ulysses_attention.jsonl"))
+        sms_per_rank=world.sms[0], attention_only_us=round(t_attn, 3),
+        path=common.RESULTS / "ulysses_attention.jsonl"))
     print(f"P={p} S/P={sl:5d} causal={causal!s:5s}: fused {t_fused:9.1f} us "
           f"({flops / t_fused / 1e6:6.1f} TFLOP/s over all ranks)  unfused {t_base:9.1f} us  "
-          f"{t_base / t_fused:5.2f}x", flush=True)
+          f"{t_base / t_fused:5.2f}x  (attention alone {t_attn:9.1f} us)", flush=True)
     for buf in lse_tmp:
         buf.free()
     for c in (fused, out_back, *a2a):
@@ -311,14 +318,19 @@ def _workspace_bytes(p: int, sl: int) -> int:
 
 
 def main() -> None:
+    global NUM_COMM_SMS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
                         help="S/P = 2048 only, the backward causal only")
     parser.add_argument("--forward-only", action="store_true", help="skip the backward")
+    parser.add_argument("--num-comm-sms", type=int, default=NUM_COMM_SMS,
+                        help="communication blocks of the fused kernels (default: the op's)")
+    parser.add_argument("--worlds", default="2,4,8", help="emulated world sizes, e.g. 2,4")
     args = parser.parse_args()
+    NUM_COMM_SMS = args.num_comm_sms
     rng = np.random.default_rng(0)
     rows: list = []
-    for p in (2, 4, 8):
+    for p in (int(w) for w in args.worlds.split(",")):
         sls = (2048,) if args.quick else (2048, 4096)
         # Ulysses: 2 q-sized + 2 k-sized sections (+ lse); the all_to_alls' staging the rest;
         # the ring backward (the backward's baseline) more.

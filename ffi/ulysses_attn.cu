@@ -101,6 +101,10 @@ Status LaunchUlyssesAttn(const Where& at, const UlyssesAttnArgs& a, const CommVi
   if (Status s = Map(mine + ws.qw, pb, a.s, gh, a.d, type, &g.qw); !s.ok()) return s;
   if (Status s = Map(mine + ws.kw, pb, a.s, gk, a.d, type, &g.kw); !s.ok()) return s;
   if (Status s = Map(mine + ws.vw, pb, a.s, gk, a.d, type, &g.vw); !s.ok()) return s;
+  // My own head group is read in place: maps over the local operands, all heads.
+  if (Status s = Map(a.q, a.b, a.s, a.h, a.d, type, &g.ql); !s.ok()) return s;
+  if (Status s = Map(a.k, a.b, a.s, a.hkv, a.d, type, &g.kl); !s.ok()) return s;
+  if (Status s = Map(a.v, a.b, a.s, a.hkv, a.d, type, &g.vl); !s.ok()) return s;
   if (Status s = tp::StartEpoch(at.stream, c); !s.ok()) return s;
   cudaError_t err;
   if (type == 0) {

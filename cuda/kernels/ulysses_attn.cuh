@@ -10,33 +10,40 @@
  * [g Gk, (g+1) Gk) (Gk = Hkv / P); rank r computes head group r over all S positions.
  *
  * Workspace of rank r (sections 1024-aligned; "source s" = the rank whose rows they are):
- *   QW [P, B, Sl, G, D]   head group r of q, pushed by every source s into index s
+ *   QW [P, B, Sl, G, D]   head group r of q, pushed by every source s != r into index s
  *   KW, VW [P, B, Sl, Gk, D]
  *   OW [P, B, Sl, G, D]   this rank's output of head group r, rows of source s at index s
  *   LW float32 [P, B, G, Sl]
  * Each section indexed by s * B + b is one 4-D TMA map {D, heads, Sl, P B}: a tile never reads
- * rows of the next source (rows past Sl arrive as zeros, as in the attention forward).
+ * rows of the next source (rows past Sl arrive as zeros, as in the attention forward). Index r
+ * stays unused: my own rows of head group r are read in place, through maps over the local
+ * q, k, v ({D, H, Sl, B}, head r G + h), and their output goes straight to o and lse.
  *
  * Schedule (one call = epoch kernel, main kernel, tail kernel, on the caller's stream):
  *
  *   main kernel, comm block cb of rank r (C blocks first in the grid, so they are resident
  *   before any compute block spins on them): barrier ENTER with block cb of every peer; then
- *   for destinations g = r, r+1, ..., r+P-1 (mod P): all 256 threads copy their 1/C share of
- *   q[:, :, head group g], k[...], v[...] into rank g's QW/KW/VW at index r (16-byte units;
- *   peer stores), then FULL[r][cb] on rank g (release at system scope); finally wait
- *   FULL[s][cb] for every source s (after this kernel nobody writes my QW/KW/VW).
+ *   for destinations g = r+1, ..., r+P-1 (mod P): thread 0 copies the block's 1/C share of
+ *   the rows of q[:, :, head group g], k[...], v[...] into rank g's QW/KW/VW at index r (bulk
+ *   copies through shared memory, pk/comm_ops.cuh row_pieces: a register copy from 2 SMs
+ *   moved ~50 GB/s, and made the kernel 2.8x slower than the composed path at P = 2), then
+ *   FULL[r][cb] on rank g (release at system scope); FULL[r][cb] on itself (no copy); finally
+ *   wait FULL[s][cb] for every source s (after this kernel nobody writes my QW/KW/VW).
  *
- *   main kernel, compute block (query tile of 128 rows of source s, local head h, batch b):
- *   the attention forward's block (kernels/attention.cuh) with the ring kernel's item stream:
- *   waits FULL[s][*] before loading its Q tile, then folds the K/V tiles of the sources
- *   j = r, r-1, ..., r-P+1 (mod P: the order in which they arrive), waiting FULL[j][*] before
- *   the first tile of source j; causally hidden (source, tile) pairs are never loaded nor
- *   waited for. Stores O and lse of its rows into OW/LW (local).
+ *   main kernel, compute block (query tile of 128 rows of source s, local head h, batch b;
+ *   not causal, the sources in the order r, r-1, ..., the order their rows arrive; causal,
+ *   the longest rows first): the attention forward's block (kernels/attention.cuh) with the
+ *   ring kernel's item stream: waits FULL[s][*] before loading its Q tile (s != r), then
+ *   folds the K/V tiles of the sources j = r, r-1, ..., r-P+1 (mod P: the order in which
+ *   they arrive), waiting FULL[j][*] before the first tile of source j != r; causally hidden
+ *   (source, tile) pairs are never loaded nor waited for. Stores O and lse of its rows into
+ *   OW/LW (local), or of my own rows into o and lse.
  *
  *   tail kernel (TAIL blocks, the same count on every rank): block i barriers READY with block
  *   i of every peer (every peer's main kernel is over: its OW/LW are final), then copies its
- *   share of o[:, :, head group g] = OW of rank g at index r, and lse likewise, for every g
- *   (peer loads), then barriers DONE with block i of every peer: when my tail kernel is over,
+ *   share of o[:, :, head group g] = OW of rank g at index r (thread 0, bulk copies), and lse
+ *   likewise (warps 1..), for every g != r, then barriers DONE with block i of every peer:
+ *   when my tail kernel is over,
  *   no peer reads my OW/LW any more (the next op may restage my workspace before any barrier
  *   of its own, as the collectives do).
  *
@@ -45,9 +52,10 @@
  * group), READY[i][s], DONE[i][s]. Every wait is bounded and names the peer; compute blocks
  * wait 1/8 longer than the comm blocks, whose ENTER barrier names a dead rank first.
  *
- * Pitfalls: the comm blocks write with generic stores and the compute blocks read with TMA
- * (async proxy): writers fence (fence.proxy.async.global) before their release, the compute
- * block's issuer after its FULL acquire. C (num_comm_sms) must be the same on every rank.
+ * Pitfalls: the signals are generic-proxy releases and acquires, the copies and the compute
+ * blocks' TMA loads the async proxy: the copying thread fences (fence.proxy.async.global)
+ * after its barrier and before its release, the compute block's issuer after its FULL
+ * acquire. C (num_comm_sms) must be the same on every rank.
  * The output exchange is not overlapped with the compute (the tail kernel pulls once the main
  * kernel is over).
  */
@@ -110,6 +118,7 @@ __host__ __device__ inline layout make_layout(int64_t p, int64_t b, int64_t sl, 
 /** @brief Kernel arguments. Maps: {D, heads, Sl, P B} with boxes {64, 1, 128, 1}. */
 struct globals {
   CUtensorMap qw, kw, vw;  // my workspace's sections, index s B + b
+  CUtensorMap ql, kl, vl;  // the local q, k, v: {D, H (Hkv), Sl, B}, boxes as above
   const void* q;           // local operands
   const void* k;
   const void* v;
@@ -125,25 +134,6 @@ struct globals {
 };
 
 enum tile_kind : int { HIDDEN = 0, FULL_TILE = 1, PARTIAL = 2 };
-
-/** @brief Copies 16-byte units [lo, hi) of a row-chunked gather: unit u of row u / upr goes
- * from src + row * src_row + col to dst + row * dst_row + col (bytes), by all threads. */
-__device__ inline void copy_rows(char* dst, const char* src, uint64_t upr, uint64_t src_row,
-                                 uint64_t dst_row, uint64_t lo, uint64_t hi) {
-  constexpr int U = 4;
-  const uint64_t step = blockDim.x;
-  auto s_at = [&](uint64_t u) { return src + (u / upr) * src_row + (u % upr) * 16; };
-  auto d_at = [&](uint64_t u) { return dst + (u / upr) * dst_row + (u % upr) * 16; };
-  uint64_t u = lo + threadIdx.x;
-  for (; u + (U - 1) * step < hi; u += U * step) {
-    uint4 x[U];
-#pragma unroll
-    for (int i = 0; i < U; ++i) x[i] = p2p::ld16(s_at(u + i * step));
-#pragma unroll
-    for (int i = 0; i < U; ++i) p2p::st16(d_at(u + i * step), x[i]);
-  }
-  for (; u < hi; u += step) p2p::st16(d_at(u), p2p::ld16(s_at(u)));
-}
 
 /** @brief After comm block cb's stores into rank dst's workspace: FULL[my rank][cb] there
  * (every thread fences its stores for the peer's TMA reads, then thread 0 releases them at
@@ -166,33 +156,52 @@ __device__ inline void wait_all_full(const tp::comm& c, int cb, uint64_t e) {
   }
 }
 
-/** @brief One communication block (see the schedule). Call from all threads. */
-__device__ inline void communicate(const globals& g, int cb) {
+/** @brief One communication block (see the schedule): thread 0 moves the block's share of
+ * the rows with bulk copies through the block's shared memory. Call from all threads. */
+template <class C>
+__device__ void communicate(const globals& g, int cb, void* smem) {
+  static_assert(sizeof(bulk_ring) + 1024 <= C::SMEM,
+                "ulysses_attn: the bulk-copy ring must fit in the block's shared memory");
+  bulk_ring& ring = *static_cast<bulk_ring*>(smem);
   const tp::comm& c = g.c;
   const int P = c.world, r = c.rank;
   const int nc = g.comm_blocks;
   const uint64_t e = c.epoch();
+  const bool lead = threadIdx.x == 0;
+  if (lead) ring.init();
   barrier<MAX_PEERS>(c.sig, P, r, ENTER + uint64_t(cb) * MAX_PEERS, e, c.timeout_ns, c.fail());
   const uint64_t rows = uint64_t(g.d.b) * g.d.s;  // (b, i) rows of the local operands
+  const uint64_t lo = rows * cb / nc, n = rows * (cb + 1) / nc - lo;
   const uint64_t D2 = uint64_t(g.head_dim) * 2;
   const uint64_t gq = uint64_t(g.d.h) * D2, gk = uint64_t(g.d.hkv) * D2;  // bytes per row
-  for (int i = 0; i < P; ++i) {
+  if (lead) fence_proxy_async_global();  // the barrier's acquires before the bulk writes
+  // My own head group is read in place by my compute blocks: destinations r+1, ..., r+P-1.
+  for (int i = 1; i < P; ++i) {
     const int dst = (r + i) % P;
-    char* const ws = static_cast<char*>(c.ws[dst]);
-    // Q: units of this block over rows * gq / 16, then K and V likewise.
-    const uint64_t uq = gq / 16, uk = gk / 16;
-    const uint64_t nq = rows * uq, nk = rows * uk;
-    copy_rows(ws + g.ws.qw + uint64_t(r) * rows * gq,
-              static_cast<const char*>(g.q) + uint64_t(dst) * gq, uq, uint64_t(g.heads) * D2,
-              gq, nq * cb / nc, nq * (cb + 1) / nc);
-    copy_rows(ws + g.ws.kw + uint64_t(r) * rows * gk,
-              static_cast<const char*>(g.k) + uint64_t(dst) * gk, uk,
-              uint64_t(g.kv_heads) * D2, gk, nk * cb / nc, nk * (cb + 1) / nc);
-    copy_rows(ws + g.ws.vw + uint64_t(r) * rows * gk,
-              static_cast<const char*>(g.v) + uint64_t(dst) * gk, uk,
-              uint64_t(g.kv_heads) * D2, gk, nk * cb / nc, nk * (cb + 1) / nc);
+    if (lead) {
+      char* const ws = static_cast<char*>(c.ws[dst]);
+      // Rows [lo, lo + n) of head group dst of q (t = 0), then of k and v, into index r there.
+      auto rows_of = [&](int t) {
+        const uint64_t heads = t == 0 ? g.heads : g.kv_heads, gb = t == 0 ? gq : gk;
+        const void* src = t == 0 ? g.q : t == 1 ? g.k : g.v;
+        const uint64_t sec = t == 0 ? g.ws.qw : t == 1 ? g.ws.kw : g.ws.vw;
+        return row_pieces{static_cast<const char*>(src) + lo * heads * D2 + dst * gb,
+                          ws + sec + (uint64_t(r) * rows + lo) * gb, heads * D2, gb, gb, n};
+      };
+      int t = 0;
+      row_pieces part = rows_of(0);
+      ring.link = c.link.peer(dst, r);  // the emulator's link throttle paces the pushes
+      bulk_move<true>(ring, [&](bulk_piece* pc) {
+        while (!part.next(pc, true)) {
+          if (++t == 3) return false;
+          part = rows_of(t);
+        }
+        return true;
+      }, ring.link);
+    }
     publish_full(c, dst, cb, e);
   }
+  publish_full(c, r, cb, e);  // nothing to copy: my own rows are read in place
   wait_all_full(c, cb, e);
 }
 
@@ -209,7 +218,7 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ glo
   }
   if (static_cast<int>(blockIdx.x) < g.comm_blocks) {
     __syncthreads();
-    communicate(g, blockIdx.x);
+    communicate<C>(g, blockIdx.x, &s);
     return;
   }
   const attention::dims& dm = g.d;
@@ -220,9 +229,11 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ glo
   const int rest = idx / dm.h;
   const int qt_all = rest % (g.q_tiles * P);  // over (source, tile)
   const int b = rest / (g.q_tiles * P);
-  // Causal: the longest rows (late sources, late tiles) first.
+  // Causal: the longest rows (late sources, late tiles) first. Otherwise the sources in the
+  // order their rows arrive: mine (read in place), then r-1, r-2, ... (their comm blocks push
+  // to r+1 first).
   const int qt = dm.causal ? g.q_tiles * P - 1 - qt_all : qt_all;
-  const int src = qt / g.q_tiles;
+  const int src = dm.causal ? qt / g.q_tiles : (rank - qt / g.q_tiles + P) % P;
   const int q0 = (qt % g.q_tiles) * BM;
   const int hk = h / (dm.h / dm.hkv);
   const int n_kv = ceil_div(dm.s, BN);
@@ -252,7 +263,7 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ glo
     } while (it.t < P && kind(it.t, it.n) == HIDDEN);
     return it;
   };
-  auto wait_source = [&](int j) {
+  auto wait_source = [&](int j) {  // j != rank: my own rows are read in place
     for (int cb = 0; cb < g.comm_blocks; ++cb) {
       wait(cm.sig[rank] + FULL + uint64_t(j) * MAX_COMM + cb, e, long_wait, cm.fail(), j);
     }
@@ -265,16 +276,19 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ glo
   auto issue = [&](int j) {
     const int st = j % STAGES;
     const item it = pit;
+    const int own = owner_of(it.t);
     if (it.t > waited) {
-      const int own = owner_of(it.t);
-      if (own != src) wait_source(own);  // the Q source was waited for before the Q load
+      // The Q source was waited for before the Q load; my own rows are read in place.
+      if (own != src && own != rank) wait_source(own);
       waited = it.t;
     }
-    const int bz = owner_of(it.t) * dm.b + b;
+    // K/V head hk of source own: my local k, v (head rank Gk + hk) or my workspace's copy.
+    const bool local = own == rank;
+    const int bz = local ? b : own * dm.b + b, hz = local ? rank * dm.hkv + hk : hk;
     mbar_arrive_expect_tx(&s.k_full[st], C::kv_tile::BYTES);
-    attention::load_rows(s.k[st], &g.kw, &s.k_full[st], bz, it.n * BN, hk);
+    attention::load_rows(s.k[st], local ? &g.kl : &g.kw, &s.k_full[st], bz, it.n * BN, hz);
     mbar_arrive_expect_tx(&s.v_full[st], C::kv_tile::BYTES);
-    attention::load_rows(s.v[st], &g.vw, &s.v_full[st], bz, it.n * BN, hk);
+    attention::load_rows(s.v[st], local ? &g.vl : &g.vw, &s.v_full[st], bz, it.n * BN, hz);
     pit = advance(pit);
   };
   if (issuer) {
@@ -286,9 +300,13 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ glo
       mbar_init(&s.empty[i], CONSUMERS);
     }
     fence_mbar_init();
-    wait_source(src);
     mbar_arrive_expect_tx(&s.q_full, C::q_tile::BYTES);
-    attention::load_rows(s.q, &g.qw, &s.q_full, src * dm.b + b, q0, h);
+    if (src == rank) {
+      attention::load_rows(s.q, &g.ql, &s.q_full, b, q0, rank * dm.h + h);
+    } else {
+      wait_source(src);
+      attention::load_rows(s.q, &g.qw, &s.q_full, src * dm.b + b, q0, h);
+    }
     for (int j = 0; j < STAGES && pit.t < P; ++j) issue(j);
   }
   __syncthreads();
@@ -326,6 +344,12 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ glo
   r.template fold<true>(s, c, advance(item{0, -1}), advance,
                         [&](item it) { return it.t < P; }, softmax, release);
 
+  if (src == rank) {  // my own rows: straight into o and lse (head rank G + h)
+    const int hh = rank * dm.h + h;
+    r.store(g.o, g.lse + (int64_t(b) * g.heads + hh) * sl, b, q0 + c * 64, hh, g.heads, sl,
+            dm.scale);
+    return;
+  }
   // O and lse of rows of source `src` into my OW / LW at index src B + b.
   const int bz = src * dm.b + b;
   char* const ws = static_cast<char*>(cm.ws[rank]);
@@ -334,49 +358,47 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ glo
           dm.scale);
 }
 
-/** @brief The tail kernel (see the schedule): o and lse of my rows from every head group. */
+/** @brief The tail kernel (see the schedule): o and lse of my rows from every other head
+ * group's owner (my own group's were stored in place). Thread 0 pulls the block's share of
+ * each group's o rows with bulk copies; the other warps copy lse. */
 static __global__ void __launch_bounds__(TAIL_THREADS) tail_kernel(
     const __grid_constant__ globals g) {
+  bulk_ring& ring = dynamic_smem<bulk_ring>();
   const tp::comm& c = g.c;
   const int P = c.world, r = c.rank;
   const uint64_t e = c.epoch();
+  const bool lead = threadIdx.x == 0;
+  if (lead) ring.init();
   barrier<MAX_PEERS>(c.sig, P, r, READY + uint64_t(blockIdx.x) * MAX_PEERS, e, c.timeout_ns,
                      c.fail());
   const uint64_t rows = uint64_t(g.d.b) * g.d.s;
   const uint64_t gq = uint64_t(g.d.h) * g.head_dim * 2;  // bytes of a row of a head group
-  const uint64_t upr = gq / 16;
-  const uint64_t per_group = rows * upr, total = per_group * P;
-  const uint64_t step = uint64_t(gridDim.x) * blockDim.x;
-  char* const o = static_cast<char*>(g.o);
+  const uint64_t lo = rows * blockIdx.x / gridDim.x, n = rows * (blockIdx.x + 1) / gridDim.x - lo;
   const uint64_t o_row = uint64_t(g.heads) * g.head_dim * 2;
-  auto src = [&](uint64_t u) {
-    const uint64_t grp = u / per_group, w = u % per_group;
-    return static_cast<const char*>(c.ws[grp]) + g.ws.ow + (uint64_t(r) * rows + w / upr) * gq +
-           (w % upr) * 16;
-  };
-  auto dst = [&](uint64_t u) {
-    const uint64_t grp = u / per_group, w = u % per_group;
-    return o + (w / upr) * o_row + grp * gq + (w % upr) * 16;
-  };
-  constexpr int U = 4;  // peer loads in flight per thread
-  uint64_t u = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  for (; u + (U - 1) * step < total; u += U * step) {
-    uint4 x[U];
-#pragma unroll
-    for (int i = 0; i < U; ++i) x[i] = p2p::ld16(src(u + i * step));
-#pragma unroll
-    for (int i = 0; i < U; ++i) p2p::st16(dst(u + i * step), x[i]);
-  }
-  for (; u < total; u += step) p2p::st16(dst(u), p2p::ld16(src(u)));
-  // lse [B, H, Sl]: head grp G + hh of batch b = LW of rank grp at [r, b, hh, :].
-  const uint64_t n = uint64_t(g.d.b) * g.heads * g.d.s;
-  const int G = g.d.h, sl = g.d.s;
-  for (uint64_t i = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
-    const uint64_t row = i % sl, bh = i / sl, hh = bh % g.heads, bb = bh / g.heads;
-    const uint64_t grp = hh / G, hl = hh % G;
-    const float* lw =
-        reinterpret_cast<const float*>(static_cast<const char*>(c.ws[grp]) + g.ws.lw);
-    g.lse[i] = __ldcg(lw + ((uint64_t(r) * g.d.b + bb) * G + hl) * sl + row);
+  if (lead) {
+    fence_proxy_async_global();  // READY's acquires before the bulk reads of the peers' OW
+    // Rows [lo, lo + n) of o[:, :, head group grp] = OW of rank grp at index r; the blocks
+    // start at different peers.
+    for (int i = 1; i < P; ++i) {
+      const int grp = (r + 1 + (i - 1 + blockIdx.x) % (P - 1)) % P;
+      row_pieces part{static_cast<const char*>(c.ws[grp]) + g.ws.ow + (uint64_t(r) * rows + lo) * gq,
+                      static_cast<char*>(g.o) + lo * o_row + grp * gq, gq, o_row, gq, n};
+      ring.link = c.link.peer(grp, r);  // the emulator's link throttle paces the pulls
+      bulk_move<true>(ring, [&](bulk_piece* pc) { return part.next(pc, true); }, ring.link);
+    }
+    fence_proxy_async_global();  // my bulk reads of the peers' OW before DONE's release
+  } else if (threadIdx.x >= 32) {
+    // lse [B, H, Sl]: head grp G + hl of batch bb = LW of rank grp at [r, bb, hl, :].
+    const int G = g.d.h, sl = g.d.s;
+    for (int row = blockIdx.x; row < g.d.b * g.heads; row += gridDim.x) {
+      const int bb = row / g.heads, hh = row % g.heads, grp = hh / G;
+      if (grp == r) continue;
+      const float* lw = reinterpret_cast<const float*>(static_cast<const char*>(c.ws[grp]) +
+                                                       g.ws.lw) +
+                        ((int64_t(r) * g.d.b + bb) * G + hh % G) * sl;
+      float* const out = g.lse + int64_t(row) * sl;
+      for (int i = threadIdx.x - 32; i < sl; i += TAIL_THREADS - 32) out[i] = __ldcg(lw + i);
+    }
   }
   barrier<MAX_PEERS>(c.sig, P, r, DONE + uint64_t(blockIdx.x) * MAX_PEERS, e, c.timeout_ns,
                      c.fail());
@@ -397,7 +419,10 @@ inline cudaError_t launch(const globals& g, cudaStream_t stream, int device) {
       int64_t(g.comm_blocks) + int64_t(g.q_tiles) * g.c.world * g.d.h * g.d.b;
   kernel<C><<<static_cast<unsigned>(blocks), THREADS, C::SMEM, stream>>>(g);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-  tail_kernel<<<TAIL, TAIL_THREADS, 0, stream>>>(g);
+  constexpr int TAIL_SMEM = sizeof(bulk_ring) + 1024;
+  const void* tail = reinterpret_cast<const void*>(&tail_kernel);
+  if (cudaError_t err = opt_in_smem(tail, device, TAIL_SMEM); err != cudaSuccess) return err;
+  tail_kernel<<<TAIL, TAIL_THREADS, TAIL_SMEM, stream>>>(g);
   return cudaGetLastError();
 }
 

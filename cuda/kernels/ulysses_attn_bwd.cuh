@@ -21,8 +21,9 @@
  *
  *   main kernel, comm block cb of rank r (the C blocks first in the grid): barrier ENTER with
  *   block cb of every peer (every peer's call has started: its last call's tail no longer
- *   reads it); then for destinations g = r, r-1, ..., r-P+1 (mod P): its 1/C share of
- *   d_o[:, :, head group g] and delta[:, head group g, :] into rank g's DOW/DLW at rows r Sl..,
+ *   reads it); then for destinations g = r, r-1, ..., r-P+1 (mod P): its 1/C share of the
+ *   rows of d_o[:, :, head group g] (thread 0, bulk copies, as the forward's) and of
+ *   delta[:, head group g, :] (warps 1..) into rank g's DOW/DLW at rows r Sl..,
  *   then FULL[r][cb] on rank g (release at system scope); finally it waits FULL[s][cb] for
  *   every source s. So rank g receives the sources g, g+1, ... in that order.
  *
@@ -43,9 +44,9 @@
  * every forward's, as consecutive forward calls' do). Every wait is bounded and names the peer;
  * compute blocks wait 1/8 longer than the comm blocks (a dead rank is named by ENTER).
  *
- * Pitfalls: the comm blocks write with generic stores and the compute blocks read with TMA:
- * writers fence the async proxy before their release, the issuer after its acquire (as the
- * forward, ulysses_attn.cuh). C must be the same on every rank.
+ * Pitfalls: dO moves by bulk copies, delta by generic stores, and the compute blocks read both
+ * with TMA: writers fence the async proxy before their release, the issuer after its acquire
+ * (as the forward, ulysses_attn.cuh). C must be the same on every rank.
  */
 #pragma once
 
@@ -105,33 +106,57 @@ struct globals {
   layout ws;
 };
 
-/** @brief One communication block (see the schedule). Call from all threads. */
-__device__ inline void communicate(const globals& g, int cb) {
+/** @brief One communication block (see the schedule): thread 0 moves the block's share of
+ * the dO rows with bulk copies through the block's shared memory, warps 1.. the delta values.
+ * Call from all threads. */
+template <class C>
+__device__ void communicate(const globals& g, int cb, void* smem) {
+  static_assert(sizeof(bulk_ring) + 1024 <= C::SMEM,
+                "ulysses_attn_bwd: the bulk-copy ring must fit in the block's shared memory");
+  bulk_ring& ring = *static_cast<bulk_ring*>(smem);
   const tp::comm& c = g.c;
   const int P = c.world, r = c.rank;
   const int nc = g.comm_blocks;
   const uint64_t e = c.epoch();
+  const bool lead = threadIdx.x == 0;
+  if (lead) ring.init();
   barrier<MAX_PEERS>(c.sig, P, r, ENTER + uint64_t(cb) * MAX_PEERS, e, c.timeout_ns, c.fail());
   const int B = g.a.d.b, G = g.a.d.h, S = g.a.d.s, sl = g.sl, sp = g.a.sp;
   const uint64_t D2 = uint64_t(g.head_dim) * 2;
   const uint64_t gq = uint64_t(G) * D2;  // bytes of a row of a head group
-  const uint64_t uq = gq / 16, n = uint64_t(sl) * uq;
+  const uint64_t lo = uint64_t(sl) * cb / nc, n = uint64_t(sl) * (cb + 1) / nc - lo;
   const uint64_t nd = uint64_t(B) * G * sl;  // delta values per destination
+  if (lead) fence_proxy_async_global();  // the barrier's acquires before the bulk writes
   for (int i = 0; i < P; ++i) {
     const int dst = (r - i + P) % P;
     char* const ws = static_cast<char*>(c.ws[dst]);
-    for (int b = 0; b < B; ++b) {
-      ulysses_attn::copy_rows(
-          ws + g.ws.dow + (uint64_t(b) * S + uint64_t(r) * sl) * gq,
-          static_cast<const char*>(g.d_o) + (uint64_t(b) * sl * g.heads) * D2 + dst * gq, uq,
-          uint64_t(g.heads) * D2, gq, n * cb / nc, n * (cb + 1) / nc);
-    }
-    float* const dlw = reinterpret_cast<float*>(ws + g.ws.dlw);
-    for (uint64_t x = nd * cb / nc + threadIdx.x; x < nd * (cb + 1) / nc; x += blockDim.x) {
-      const uint64_t row = x % sl, bh = x / sl;  // bh = b G + hl
-      const uint64_t b = bh / G, hl = bh % G;
-      dlw[bh * sp + uint64_t(r) * sl + row] =
-          __ldg(g.delta + (b * g.heads + uint64_t(dst) * G + hl) * sl + row);
+    if (lead) {
+      // Rows [lo, lo + n) of every batch of d_o[:, :, head group dst] to rows r Sl + lo.. there.
+      int b = 0;
+      auto rows_of = [&](int bb) {
+        return row_pieces{
+            static_cast<const char*>(g.d_o) + (uint64_t(bb) * sl + lo) * g.heads * D2 + dst * gq,
+            ws + g.ws.dow + (uint64_t(bb) * S + uint64_t(r) * sl + lo) * gq,
+            uint64_t(g.heads) * D2, gq, gq, n};
+      };
+      row_pieces part = rows_of(0);
+      ring.link = c.link.peer(dst, r);  // the emulator's link throttle paces the pushes
+      bulk_move<true>(ring, [&](bulk_piece* pc) {
+        while (!part.next(pc, true)) {
+          if (++b >= B) return false;
+          part = rows_of(b);
+        }
+        return true;
+      }, ring.link);
+    } else if (threadIdx.x >= 32) {
+      float* const dlw = reinterpret_cast<float*>(ws + g.ws.dlw);
+      for (uint64_t x = nd * cb / nc + threadIdx.x - 32; x < nd * (cb + 1) / nc;
+           x += blockDim.x - 32) {
+        const uint64_t row = x % sl, bh = x / sl;  // bh = b G + hl
+        const uint64_t bb = bh / G, hl = bh % G;
+        dlw[bh * sp + uint64_t(r) * sl + row] =
+            __ldg(g.delta + (bb * g.heads + uint64_t(dst) * G + hl) * sl + row);
+      }
     }
     ulysses_attn::publish_full(c, dst, cb, e);
   }
@@ -177,7 +202,7 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ glo
   if (static_cast<int>(blockIdx.x) < g.comm_blocks) {
     if (threadIdx.x == 0) block_wait_bound() = g.c.bound();
     __syncthreads();
-    communicate(g, blockIdx.x);
+    communicate<C>(g, blockIdx.x, &dynamic_smem<typename C::storage_t>());
     return;
   }
   const int idx = blockIdx.x - g.comm_blocks;

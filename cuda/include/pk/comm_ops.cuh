@@ -8,7 +8,8 @@
  * - `load_async`: the bulk copy in the other direction, completing on an mbarrier.
  * - `bulk_ring` / `bulk_move` / `bulk_copy`: one thread moving contiguous pieces global ->
  *   shared -> global through a ring of shared-memory stages, loads running ahead of stores
- *   (the collectives' data path and ag_gemm's communication blocks).
+ *   (the collectives' data path and ag_gemm's communication blocks); `row_pieces`: strided
+ *   rows the same way (the Ulysses kernels' head-group exchanges).
  * - `p2p::reduce` / `p2p::all_reduce`: 16-byte vector loads of the same offset from every peer, summed in
  *   fp32 registers; all_reduce also stores the sum back to every peer.
  *
@@ -113,6 +114,8 @@ struct bulk_ring {
   link_throttle link;    ///< bulk_copy's pacing (pk/link.cuh): off after init; set it to the
                          ///< throttle for copies that cross ranks
   alignas(128) char buf[STAGES][STAGE_BYTES];
+  uint32_t rows[STAGES];        ///< bulk_move<true>: stage s's rows and their
+  uint64_t dst_stride[STAGES];  ///< destination stride
 
   /** @brief One thread, before any use. */
   __device__ void init() {
@@ -123,12 +126,16 @@ struct bulk_ring {
   }
 };
 
-/** @brief A contiguous copy of `bytes` (a multiple of 16, at most one stage). */
+/** @brief A contiguous copy of `bytes` (a multiple of 16, at most one stage); with
+ * bulk_move<true>, `rows` rows of bytes / rows each, at src + i src_stride and
+ * dst + i dst_stride (one stage holds them back to back). */
 struct bulk_piece {
   const char* src;
   char* dst;
   uint32_t bytes;
   bool paced = false;  ///< crosses ranks: paced by bulk_move's link throttle (when on)
+  uint32_t rows = 1;
+  uint64_t src_stride = 0, dst_stride = 0;
 };
 
 /** @brief Parity bits of the stages after `n` more completions starting at stage 0. */
@@ -146,8 +153,9 @@ __device__ inline uint32_t advance_phase(uint32_t phase, int n) {
  * STAGES - 1 loads ahead of the stores. Returns with every store complete (not yet fenced
  * for generic-proxy readers: see fence_proxy_async_global). Pieces marked `paced` wait for
  * their turn on `link` before their load and the last one's link time has passed on return.
+ * ROWS: pieces of strided rows (bulk_piece::rows), one bulk copy per row each way.
  */
-template <class Next>
+template <bool ROWS = false, class Next>
 __device__ inline void bulk_move(bulk_ring& ring, Next next, const link_throttle& link = {}) {
   uint32_t phase = ring.phase;
   int issued = 0;
@@ -161,7 +169,16 @@ __device__ inline void bulk_move(bulk_ring& ring, Next next, const link_throttle
     ring.dst[s] = pc.dst;
     ring.bytes[s] = pc.bytes;
     mbar_arrive_expect_tx(&ring.bar[s], pc.bytes);
-    load_async(ring.buf[s], pc.src, pc.bytes, &ring.bar[s]);
+    if constexpr (ROWS) {
+      ring.rows[s] = pc.rows;
+      ring.dst_stride[s] = pc.dst_stride;
+      const uint32_t rb = pc.bytes / pc.rows;
+      for (uint32_t k = 0; k < pc.rows; ++k) {
+        load_async(ring.buf[s] + k * rb, pc.src + k * pc.src_stride, rb, &ring.bar[s]);
+      }
+    } else {
+      load_async(ring.buf[s], pc.src, pc.bytes, &ring.bar[s]);
+    }
     ++issued;
     return true;
   };
@@ -170,7 +187,14 @@ __device__ inline void bulk_move(bulk_ring& ring, Next next, const link_throttle
     const int s = i % bulk_ring::STAGES;
     mbar_wait(&ring.bar[s], (phase >> s) & 1);
     phase ^= 1u << s;
-    store_async(ring.dst[s], ring.buf[s], ring.bytes[s]);
+    if constexpr (ROWS) {
+      const uint32_t rb = ring.bytes[s] / ring.rows[s];
+      for (uint32_t k = 0; k < ring.rows[s]; ++k) {
+        store_async(ring.dst[s] + k * ring.dst_stride[s], ring.buf[s] + k * rb, rb);
+      }
+    } else {
+      store_async(ring.dst[s], ring.buf[s], ring.bytes[s]);
+    }
     bulk_commit();
     if (more) {
       bulk_wait_read_all();  // stage s is free once its store has read it
@@ -200,6 +224,46 @@ __device__ inline void bulk_copy(bulk_ring& ring, void* dst, const void* src, ui
     return true;
   }, ring.link);
 }
+
+/**
+ * @brief The pieces of a copy of `n` rows of `row_bytes` (a multiple of 16) each, from
+ * src + i src_stride to dst + i dst_stride, for bulk_move<true>: as many whole rows as fit in
+ * a stage, or parts of one row when a row does not fit.
+ */
+struct row_pieces {
+  const char* src;
+  char* dst;
+  uint64_t src_stride, dst_stride, row_bytes, n;
+  uint64_t row = 0, col = 0;  // the next piece's first row and, for parts of rows, byte
+
+  /** @brief The next piece into *pc (marked `paced`); false when none is left. */
+  __device__ bool next(bulk_piece* pc, bool paced) {
+    if (row >= n) return false;
+    pc->src = src + row * src_stride + col;
+    pc->dst = dst + row * dst_stride + col;
+    pc->src_stride = src_stride;
+    pc->dst_stride = dst_stride;
+    pc->paced = paced;
+    if (row_bytes <= bulk_ring::STAGE_BYTES) {
+      const uint64_t fit = bulk_ring::STAGE_BYTES / row_bytes;
+      const uint64_t k = n - row < fit ? n - row : fit;
+      pc->rows = static_cast<uint32_t>(k);
+      pc->bytes = static_cast<uint32_t>(k * row_bytes);
+      row += k;
+    } else {
+      const uint64_t part = row_bytes - col < bulk_ring::STAGE_BYTES ? row_bytes - col
+                                                                      : bulk_ring::STAGE_BYTES;
+      pc->rows = 1;
+      pc->bytes = static_cast<uint32_t>(part);
+      col += part;
+      if (col == row_bytes) {
+        col = 0;
+        ++row;
+      }
+    }
+    return true;
+  }
+};
 
 /**
  * @brief Copies the bytes of [src, src + bytes) past the last 16-byte multiple with plain
