@@ -4,9 +4,10 @@ all-to-all / attention / all-to-all in the same run.
 
 Per shape (per rank: B = 1, S/P local positions, H = 8 P heads (8 per head group), Hkv = H,
 D = 128, bf16; causal and not):
-- fused: one pk_ulysses_attn call on every rank (communication blocks push the head-group
-  slices of q, k, v to their owners while the attention blocks start on the rows that have
-  landed; a tail kernel pulls the output rows back);
+- fused: one pk_ulysses_attn call on every rank (communication blocks, the op's
+  FWD_COMM_SMS unless --num-comm-sms, push the head-group slices of q, k, v to their owners
+  while the attention blocks start on the rows that have landed; a tail kernel pulls the
+  output rows back);
 - baseline (unfused, serial on each rank's stream): the pk all_to_all kernel for q, k and v
   (inputs already laid out head-group-major, so each is one contiguous all-to-all), the
   pk.attention forward over the whole sequence for the rank's head group, and the pk
@@ -60,6 +61,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common
 import numpy as np
 
+from pk_jax.ops import ulysses_attn
 from pk_jax.testing import DeviceBuffer, World, ops
 from pk_jax.testing.emulator import DTYPES, np_dtype
 from pk_jax.testing.ulysses_bwd import (
@@ -72,7 +74,8 @@ MACHINE = "h200-emulated"
 LINK = "shared HBM (unthrottled)"
 BF16 = "bfloat16"
 B, GROUP, D = 1, 8, 128  # GROUP: query (and K/V) heads per rank
-NUM_COMM_SMS = 2
+NUM_COMM_SMS = ulysses_attn.NUM_COMM_SMS  # the fused backward's (the op's default)
+FWD_COMM_SMS = ulysses_attn.FWD_COMM_SMS  # the fused forward's (the op's default; --num-comm-sms)
 
 
 def _reference_head(q, k_all, v_all, hh: int, q_pos, causal: bool, scale: float):
@@ -97,7 +100,7 @@ def run_shape(world: World, p: int, sl: int, causal: bool, rng, rows: list) -> N
                    for _ in range(p)] for _ in range(3))
     scale = float(1.0 / np.sqrt(D))
     params = {"b": B, "s": sl, "h": h, "hkv": h, "d": D, "scale": scale,
-              "causal": int(causal), "num_comm_sms": NUM_COMM_SMS}
+              "causal": int(causal), "num_comm_sms": FWD_COMM_SMS}
     # Expected outputs are placeholders (shapes for the poisoned buffers); the check below
     # computes the reference for the rows it compares.
     case = ops.Case("ulysses_attn", BF16,
@@ -156,7 +159,7 @@ def run_shape(world: World, p: int, sl: int, causal: bool, rng, rows: list) -> N
     s_total = sl * p
     flops = 4 * B * h * D * s_total * s_total * (0.5 if causal else 1.0)  # all ranks
     shape = {"b": B, "s": s_total, "s_local": sl, "h": h, "hkv": h, "d": D,
-             "causal": causal, "num_comm_sms": NUM_COMM_SMS}
+             "causal": causal, "num_comm_sms": FWD_COMM_SMS}
     rows.append(common.record(
         op="ulysses_attention", shape=shape, dtype=BF16, world=p, processes=1,
         median_us=t_fused, tflops=flops / t_fused / 1e6,
@@ -318,16 +321,16 @@ def _workspace_bytes(p: int, sl: int) -> int:
 
 
 def main() -> None:
-    global NUM_COMM_SMS
+    global FWD_COMM_SMS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
                         help="S/P = 2048 only, the backward causal only")
     parser.add_argument("--forward-only", action="store_true", help="skip the backward")
-    parser.add_argument("--num-comm-sms", type=int, default=NUM_COMM_SMS,
-                        help="communication blocks of the fused kernels (default: the op's)")
+    parser.add_argument("--num-comm-sms", type=int, default=FWD_COMM_SMS,
+                        help="communication blocks of the fused forward (default: the op's)")
     parser.add_argument("--worlds", default="2,4,8", help="emulated world sizes, e.g. 2,4")
     args = parser.parse_args()
-    NUM_COMM_SMS = args.num_comm_sms
+    FWD_COMM_SMS = args.num_comm_sms
     rng = np.random.default_rng(0)
     rows: list = []
     for p in (int(w) for w in args.worlds.split(",")):

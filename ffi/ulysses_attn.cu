@@ -19,11 +19,11 @@ Status Invalid(const std::string& what) {
   return Status::Invalid("pk.ulysses_attention: " + what);
 }
 
-// The 4-D map of a workspace section (tensor_map.h Map4d), panels of 128 positions; batch =
-// P B for the sections.
-Status Map(const void* ptr, int64_t batch, int64_t s, int64_t heads, int64_t d, int dtype,
-           CUtensorMap* out) {
-  return Map4d("ulysses_attention", ptr, batch, s, heads, d, 128, dtype, out);
+// The 4-D map of a workspace section or a local operand (tensor_map.h Map4d), boxes of `rows`
+// positions; batch = P B for the sections.
+Status Map(const void* ptr, int64_t batch, int64_t s, int64_t heads, int64_t d, int rows,
+           int dtype, CUtensorMap* out) {
+  return Map4d("ulysses_attention", ptr, batch, s, heads, d, rows, dtype, out);
 }
 
 }  // namespace
@@ -65,7 +65,7 @@ Status LaunchUlyssesAttn(const Where& at, const UlyssesAttnArgs& a, const CommVi
   const int P = v.world;
   if (a.b < 0 || a.s < 0 || a.h < 0 || a.b * P > 65535 || a.h > 65535 ||
       a.s * a.h * a.d > INT32_MAX || a.s * int64_t(P) > INT32_MAX / 2 ||
-      (a.s + 127) / 128 * P * (a.h / P) * a.b > INT32_MAX / 2) {
+      (a.s + 63) / 64 * P * (a.h / P) * a.b > INT32_MAX / 2) {
     return Invalid("sizes too large (P * batch and heads below 65536, S * H * D below 2^31).");
   }
   const ua::layout ws = ua::make_layout(P, a.b, a.s, a.h, a.hkv, a.d);
@@ -89,7 +89,11 @@ Status LaunchUlyssesAttn(const Where& at, const UlyssesAttnArgs& a, const CommVi
   g.kv_heads = static_cast<int>(a.hkv);
   g.head_dim = static_cast<int>(a.d);
   g.comm_blocks = static_cast<int>(a.num_comm_sms);
-  g.q_tiles = static_cast<int>((a.s + 127) / 128);
+  // The compute blocks' forward configuration (ulysses_attn.cuh): its query rows per block and
+  // keys per tile are the maps' boxes.
+  const int q_rows = ua::block_rows(int(a.d));
+  const int kv_rows = ua::block_keys(int(a.d), a.causal);
+  g.q_tiles = static_cast<int>((a.s + q_rows - 1) / q_rows);
   g.ws = ws;
   g.q = a.q;
   g.k = a.k;
@@ -98,13 +102,13 @@ Status LaunchUlyssesAttn(const Where& at, const UlyssesAttnArgs& a, const CommVi
   g.lse = a.lse;
   char* const mine = static_cast<char*>(v.workspace[v.rank]);
   const int64_t pb = int64_t(P) * a.b;
-  if (Status s = Map(mine + ws.qw, pb, a.s, gh, a.d, type, &g.qw); !s.ok()) return s;
-  if (Status s = Map(mine + ws.kw, pb, a.s, gk, a.d, type, &g.kw); !s.ok()) return s;
-  if (Status s = Map(mine + ws.vw, pb, a.s, gk, a.d, type, &g.vw); !s.ok()) return s;
+  if (Status s = Map(mine + ws.qw, pb, a.s, gh, a.d, q_rows, type, &g.qw); !s.ok()) return s;
+  if (Status s = Map(mine + ws.kw, pb, a.s, gk, a.d, kv_rows, type, &g.kw); !s.ok()) return s;
+  if (Status s = Map(mine + ws.vw, pb, a.s, gk, a.d, kv_rows, type, &g.vw); !s.ok()) return s;
   // My own head group is read in place: maps over the local operands, all heads.
-  if (Status s = Map(a.q, a.b, a.s, a.h, a.d, type, &g.ql); !s.ok()) return s;
-  if (Status s = Map(a.k, a.b, a.s, a.hkv, a.d, type, &g.kl); !s.ok()) return s;
-  if (Status s = Map(a.v, a.b, a.s, a.hkv, a.d, type, &g.vl); !s.ok()) return s;
+  if (Status s = Map(a.q, a.b, a.s, a.h, a.d, q_rows, type, &g.ql); !s.ok()) return s;
+  if (Status s = Map(a.k, a.b, a.s, a.hkv, a.d, kv_rows, type, &g.kl); !s.ok()) return s;
+  if (Status s = Map(a.v, a.b, a.s, a.hkv, a.d, kv_rows, type, &g.vl); !s.ok()) return s;
   if (Status s = tp::StartEpoch(at.stream, c); !s.ok()) return s;
   cudaError_t err;
   if (type == 0) {

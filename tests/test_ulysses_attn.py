@@ -321,7 +321,7 @@ def test_fused_kernel_wiring_forward_and_backward(monkeypatch, p, causal, hkv, b
     lcm = hkv * p // np.gcd(hkv, p)
     assert fused and all(c["hkv"] == lcm for c in fused), fused
     assert all(c["causal"] == int(causal) and c["scale"] == 0.125 and
-               c["num_comm_sms"] == ulysses_attn.NUM_COMM_SMS for c in fused), fused
+               c["num_comm_sms"] == ulysses_attn.FWD_COMM_SMS for c in fused), fused
     assert not [c for c in calls if c["target"] == "pk_attention" and not c["backward"]]
     bwd = [c for c in calls if c["target"] == "pk_attention"]
     if not backward:

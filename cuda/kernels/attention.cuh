@@ -38,6 +38,10 @@
  * builds its dQ and dK/dV lanes from this file's per-step pieces (dq_rows on dq_config's
  * storage: 128 query rows, 64-key tiles; dkdv_step on dkdv_config's).
  *
+ * The forward's block is fwd_block<C, Src> and the backward's bwd_block<C, Src>: the source
+ * says where the streamed tiles come from (local_keys, local_rows here; the fused Ulysses
+ * kernels' wait for other ranks' rows).
+ *
  * Grid: fwd (H, ceil(S / BM), B), BM = fwd_block_rows(D); bwd (Hkv, ceil(S / 128), B).
  * Causal blocks run the longest rows first (fwd: block y counts down; bwd: key block y meets
  * the query rows from 128 y on) and skip the tiles wholly above the diagonal.
@@ -411,37 +415,93 @@ struct fwd_config {
   static constexpr size_t SMEM = sizeof(storage_t) + 1024;
 };
 
+/**
+ * @brief Where fwd_block's Q tile and K/V stream come from, and where its rows go:
+ * pk.attention's operands, all present from the start, key tile j at keys j BN (the tiles
+ * wholly above the diagonal left out). ulysses_attn.cuh's source (pushed_keys) also waits for
+ * the rows other ranks push and streams their tiles in the order they arrive. fwd_block
+ * builds one per thread from the kernel's arguments; load_* are called by the issuing thread
+ * (tiles in increasing order), softmax by every consumer thread for tiles 0, 1, .. in order,
+ * store by every consumer thread.
+ */
 template <class C>
-__global__ void __launch_bounds__(C::THREADS, 1)
-    fwd_kernel(const __grid_constant__ fwd_globals g) {
+struct local_keys {
+  int h, b, q0, hk, n;  // n: the stream's tiles
+  __device__ explicit local_keys(const fwd_globals& g) {
+    const dims& dm = g.d;
+    h = blockIdx.x;
+    b = blockIdx.z;
+    const int qb = dm.causal ? static_cast<int>(gridDim.y - 1 - blockIdx.y) : blockIdx.y;
+    q0 = qb * C::BM;
+    hk = h / (dm.h / dm.hkv);
+    const int kv_end = dm.causal ? min(dm.s, q0 + C::BM) : dm.s;
+    n = ceil_div(kv_end, C::BN);
+  }
+  __device__ wait_bound bound(const fwd_globals& /*g*/) const { return wait_bound{}; }
+  __device__ int n_tiles() const { return n; }
+  __device__ int row0() const { return q0; }
+  __device__ void load_q(const fwd_globals& g, typename C::q_tile& t, mbarrier* bar) const {
+    load_rows(t, &g.q, bar, b, q0, h);
+  }
+  __device__ void load_k(const fwd_globals& g, typename C::kv_tile& t, mbarrier* bar,
+                         int j) const {
+    load_rows(t, &g.k, bar, b, j * C::BN, hk);
+  }
+  __device__ void load_v(const fwd_globals& g, typename C::kv_tile& t, mbarrier* bar,
+                         int j) const {
+    load_rows(t, &g.v, bar, b, j * C::BN, hk);
+  }
+  /** @brief Masks tile j's scores (keys past S; when causal, keys after the row) for the
+   * warpgroup's 64 rows from wg_row0 (the thread's: `rows`), then the online-softmax update. */
+  __device__ void softmax(const fwd_globals& g, fwd_rows<C>& r, int j, int wg_row0,
+                          const int (&rows)[2], float sl2) const {
+    const dims& dm = g.d;
+    const int k0 = j * C::BN;
+    const bool tail = k0 + C::BN > dm.s;
+    const bool diag = dm.causal && k0 + C::BN - 1 > wg_row0;
+    if (tail || diag) r.mask(k0, dm.s, dm.causal, [](int key) { return key; }, rows);
+    r.softmax(sl2);
+  }
+  /** @brief O and lse of the warpgroup's 64 rows from wg_row0. */
+  __device__ void store(const fwd_globals& g, fwd_rows<C>& r, int wg_row0) const {
+    const dims& dm = g.d;
+    r.store(g.o, g.lse + (int64_t(b) * dm.h + h) * dm.s, b, wg_row0, h, dm.h, dm.s, dm.scale);
+  }
+};
+
+/**
+ * @brief The forward's block: BM query rows (src.row0()..) against src's stream of key tiles,
+ * O and lse out through src. Thread 0 issues the Q tile and the first STAGES tiles; each
+ * later one is issued by the leader of whichever warpgroup releases its stage last
+ * (release_stage; with SPLIT_RELEASE K and V apart). The warpgroups take turns issuing their
+ * GEMMs (ping-pong), and each step's softmax overlaps the previous step's P V.
+ */
+template <class C, class Src, class G>
+__device__ __forceinline__ void fwd_block(const G& g) {
   using T = typename C::dtype;
-  constexpr int BM = C::BM, BN = C::BN, STAGES = C::STAGES, WGS = C::WARPGROUPS;
+  constexpr int STAGES = C::STAGES, WGS = C::WARPGROUPS;
   auto& s = dynamic_smem<typename C::storage_t>();
-  const dims& dm = g.d;
-  const int h = blockIdx.x, b = blockIdx.z;
-  const int qb = dm.causal ? static_cast<int>(gridDim.y - 1 - blockIdx.y) : blockIdx.y;
-  const int q0 = qb * BM;
-  const int hk = h / (dm.h / dm.hkv);
-  const int kv_end = dm.causal ? min(dm.s, q0 + BM) : dm.s;
-  const int n_tiles = ceil_div(kv_end, BN);
+  const Src src(g);
+  const int q0 = src.row0();
+  const int n_tiles = src.n_tiles();
   const bool issuer = threadIdx.x == 0;
   // Streamed tile j's K or V into stage j % STAGES (free); issue: both.
   auto issue_k = [&](int j) {
     const int st = j % STAGES;
     mbar_arrive_expect_tx(&s.k_full[st], C::kv_tile::BYTES);
-    load_rows(s.k[st], &g.k, &s.k_full[st], b, j * BN, hk);
+    src.load_k(g, s.k[st], &s.k_full[st], j);
   };
   auto issue_v = [&](int j) {
     const int st = j % STAGES;
     mbar_arrive_expect_tx(&s.v_full[st], C::kv_tile::BYTES);
-    load_rows(s.v[st], &g.v, &s.v_full[st], b, j * BN, hk);
+    src.load_v(g, s.v[st], &s.v_full[st], j);
   };
   auto issue = [&](int j) {
     issue_k(j);
     issue_v(j);
   };
   if (issuer) {
-    block_wait_bound() = wait_bound{};
+    block_wait_bound() = src.bound(g);
     mbar_init(&s.q_full, 1);
     for (int i = 0; i < STAGES; ++i) {
       mbar_init(&s.k_full[i], 1);
@@ -451,7 +511,7 @@ __global__ void __launch_bounds__(C::THREADS, 1)
     }
     fence_mbar_init();
     mbar_arrive_expect_tx(&s.q_full, C::q_tile::BYTES);
-    load_rows(s.q, &g.q, &s.q_full, b, q0, h);
+    src.load_q(g, s.q, &s.q_full);
     for (int j = 0; j < min(STAGES, n_tiles); ++j) issue(j);
   }
   __syncthreads();
@@ -480,16 +540,9 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   };
   const int row_lo = q0 + c * 64 + 16 * (t / 32) + lane / 4;
   const int rows[2] = {row_lo, row_lo + 8};
-  const float sl2 = dm.scale * LOG2E;
+  const float sl2 = g.d.scale * LOG2E;
   fwd_rows<C> r;
-  // Masks keys past S and, when causal, keys after the row; then the online-softmax update.
-  auto softmax = [&](int j) {
-    const int k0 = j * BN;
-    const bool tail = k0 + BN > dm.s;
-    const bool diag = dm.causal && k0 + BN - 1 > q0 + c * 64;
-    if (tail || diag) r.mask(k0, dm.s, dm.causal, [](int key) { return key; }, rows);
-    r.softmax(sl2);
-  };
+  auto softmax = [&](int j) { src.softmax(g, r, j, q0 + c * 64, rows, sl2); };
 
   mbar_wait(&s.q_full, 0);
   mbar_wait(&s.k_full[0], 0);
@@ -531,8 +584,13 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   wgmma::fence_regs(r.o);
   frag::fence_regs(r.p);
   release_v(n_tiles - 1);
-  r.store(g.o, g.lse + (int64_t(b) * dm.h + h) * dm.s, b, q0 + c * 64, h, dm.h, dm.s,
-          dm.scale);
+  src.store(g, r, q0 + c * 64);
+}
+
+template <class C>
+__global__ void __launch_bounds__(C::THREADS, 1)
+    fwd_kernel(const __grid_constant__ fwd_globals g) {
+  fwd_block<C, local_keys<C>>(g);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -172,9 +172,10 @@ __device__ void communicate(const globals& g, int cb, void* smem) {
         pc->src = ((part % 2) ? src_v : src_k) + off;
         pc->dst = dst + ((part % 2) ? v_off : 0) + off;
         pc->bytes = static_cast<uint32_t>(n);
+        pc->paced = true;
         done += n;
         return true;
-      });
+      }, ring.link);
       fence_proxy_async_global();  // the bulk writes before the release
       __threadfence_system();
       signal(c.sig[next] + FULL + uint64_t(t + 1) * MAX_CHUNKS + ch, e);

@@ -25,27 +25,28 @@
  *   before any compute block spins on them): barrier ENTER with block cb of every peer; then
  *   for destinations g = r+1, ..., r+P-1 (mod P): thread 0 copies the block's 1/C share of
  *   the rows of q[:, :, head group g], k[...], v[...] into rank g's QW/KW/VW at index r (bulk
- *   copies through shared memory, pk/comm_ops.cuh row_pieces: a register copy from 2 SMs
- *   moved ~50 GB/s, and made the kernel 2.8x slower than the composed path at P = 2), then
- *   FULL[r][cb] on rank g (release at system scope); FULL[r][cb] on itself (no copy); finally
- *   wait FULL[s][cb] for every source s (after this kernel nobody writes my QW/KW/VW).
+ *   copies through shared memory, pk/comm_ops.cuh row_pieces), then FULL[r][cb] on rank g
+ *   (release at system scope); FULL[r][cb] on itself (no copy); finally wait FULL[s][cb] for
+ *   every source s (after this kernel nobody writes my QW/KW/VW). One block moves about 25
+ *   GB/s (H200, emulated, 2026-12-03), so the exchange wants several (num_comm_sms).
  *
  *   main kernel, compute block (query tile of 128 rows of source s, local head h, batch b;
  *   not causal, the sources in the order r, r-1, ..., the order their rows arrive; causal,
- *   the longest rows first): the attention forward's block (kernels/attention.cuh) with the
- *   ring kernel's item stream: waits FULL[s][*] before loading its Q tile (s != r), then
- *   folds the K/V tiles of the sources j = r, r-1, ..., r-P+1 (mod P: the order in which
- *   they arrive), waiting FULL[j][*] before the first tile of source j != r; causally hidden
- *   (source, tile) pairs are never loaded nor waited for. Stores O and lse of its rows into
- *   OW/LW (local), or of my own rows into o and lse.
+ *   the longest rows first): pk.attention's forward block (attention::fwd_block: the same
+ *   machine code around its source's hooks; two warpgroups at both head dims, 176-key tiles
+ *   at D = 128 without a causal mask) over the source `pushed_keys`: its issuing thread
+ *   waits FULL[s][*] before loading its Q tile (s != r), then streams the K/V tiles of the
+ *   sources j = r, r-1, ..., r-P+1 (mod P: the order in which they arrive), waiting
+ *   FULL[j][*] before its first tile of source j != r (each issuing thread once per source);
+ *   causally hidden (source, tile) pairs are never loaded nor waited for. Stores O and lse of
+ *   its rows into OW/LW (local), or of my own rows into o and lse.
  *
  *   tail kernel (TAIL blocks, the same count on every rank): block i barriers READY with block
  *   i of every peer (every peer's main kernel is over: its OW/LW are final), then copies its
  *   share of o[:, :, head group g] = OW of rank g at index r (thread 0, bulk copies), and lse
  *   likewise (warps 1..), for every g != r, then barriers DONE with block i of every peer:
- *   when my tail kernel is over,
- *   no peer reads my OW/LW any more (the next op may restage my workspace before any barrier
- *   of its own, as the collectives do).
+ *   when my tail kernel is over, no peer reads my OW/LW any more (the next op may restage my
+ *   workspace before any barrier of its own, as the collectives do).
  *
  * Signal protocol (slots SLOT_BASE.. of the pad; e = this call's epoch, pk/tp.cuh epoch_kernel):
  * ENTER[cb][s], FULL[s][cb] (written by source s's comm block cb on the rank that owns the head
@@ -67,10 +68,6 @@
 #include "pk/tp.cuh"
 
 namespace pk::ulysses_attn {
-
-using attention::CONSUMERS;
-using attention::LOG2E;
-using attention::THREADS;
 
 constexpr int MAX_PEERS = tp::MAX_PEERS;
 constexpr int MAX_COMM = 16;   // communication blocks at most
@@ -115,7 +112,9 @@ __host__ __device__ inline layout make_layout(int64_t p, int64_t b, int64_t sl, 
   return l;
 }
 
-/** @brief Kernel arguments. Maps: {D, heads, Sl, P B} with boxes {64, 1, 128, 1}. */
+/** @brief Kernel arguments. Maps: {D, heads, Sl, P B} (ql, kl, vl: {D, H or Hkv, Sl, B}) with
+ * boxes {64, 1, rows, 1}: rows = attention::fwd_block_rows(D) for q, fwd_block_keys(D, causal)
+ * for k and v (the forward configuration launch_as picks). */
 struct globals {
   CUtensorMap qw, kw, vw;  // my workspace's sections, index s B + b
   CUtensorMap ql, kl, vl;  // the local q, k, v: {D, H (Hkv), Sl, B}, boxes as above
@@ -129,11 +128,9 @@ struct globals {
   int heads, kv_heads;     // H, Hkv
   int head_dim;            // D
   int comm_blocks;         // C
-  int q_tiles;             // ceil(Sl / 128)
+  int q_tiles;             // ceil(Sl / BM), BM = attention::fwd_block_rows(D)
   layout ws;
 };
-
-enum tile_kind : int { HIDDEN = 0, FULL_TILE = 1, PARTIAL = 2 };
 
 /** @brief After comm block cb's stores into rank dst's workspace: FULL[my rank][cb] there
  * (every thread fences its stores for the peer's TMA reads, then thread 0 releases them at
@@ -205,157 +202,161 @@ __device__ void communicate(const globals& g, int cb, void* smem) {
   wait_all_full(c, cb, e);
 }
 
-template <class C>
-__global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ globals g) {
-  using T = typename C::dtype;
-  constexpr int BM = C::BM, BN = C::BN, STAGES = C::STAGES;
-  auto& s = dynamic_smem<typename C::storage_t>();
-  if (threadIdx.x == 0) {
-    // NOTES: mbarrier waits get a quarter more than the signal waits, so a missing peer is
-    // named by the signal wait (peer known) before an mbarrier wait gives up (peer -1).
-    block_wait_bound() =
-        wait_bound{g.c.error, g.c.op, g.c.rank, g.c.timeout_ns + g.c.timeout_ns / 4};
-  }
-  if (static_cast<int>(blockIdx.x) < g.comm_blocks) {
-    __syncthreads();
-    communicate<C>(g, blockIdx.x, &s);
-    return;
-  }
-  const attention::dims& dm = g.d;
-  const tp::comm& cm = g.c;
-  const int P = cm.world, rank = cm.rank;
-  const int idx = blockIdx.x - g.comm_blocks;
-  const int h = idx % dm.h;
-  const int rest = idx / dm.h;
-  const int qt_all = rest % (g.q_tiles * P);  // over (source, tile)
-  const int b = rest / (g.q_tiles * P);
-  // Causal: the longest rows (late sources, late tiles) first. Otherwise the sources in the
-  // order their rows arrive: mine (read in place), then r-1, r-2, ... (their comm blocks push
-  // to r+1 first).
-  const int qt = dm.causal ? g.q_tiles * P - 1 - qt_all : qt_all;
-  const int src = dm.causal ? qt / g.q_tiles : (rank - qt / g.q_tiles + P) % P;
-  const int q0 = (qt % g.q_tiles) * BM;
-  const int hk = h / (dm.h / dm.hkv);
-  const int n_kv = ceil_div(dm.s, BN);
-  const int sl = dm.s;
-  const int q_first = src * sl + q0, q_last = src * sl + min(q0 + BM, sl) - 1;
-  const uint64_t e = cm.epoch();
-  const uint64_t long_wait = cm.timeout_ns + cm.timeout_ns / 8;
+/**
+ * @brief attention::fwd_block's source in a compute block (see the schedule): the block's
+ * query tile (q_tiles tiles of BM rows per source, for every source, local head and batch),
+ * its K/V stream over the sources in the order their rows arrive (mine, read in place, then
+ * r-1, r-2, ...; causally hidden tiles left out), and where its O and lse go. Each thread has
+ * its own copy: `seen`, the sources whose FULL signals this thread has acquired.
+ */
+template <class C, bool CAUSAL>
+struct pushed_keys {
+  int h, hk, b, src, q0, n_kv, own, n;  // own: causal, the visible key tiles of source src
+  mutable uint32_t seen = 0;
+  // softmax's place in the stream, which every consumer thread walks in order: key tile at_kt
+  // of the at_t-th source, at_o, with at_n tiles (no division per step: with one, the kernel
+  // ran 25% slower than pk.attention's forward at P = 1 on the H200).
+  mutable int at_t = 0, at_kt = 0, at_o, at_n;
 
-  // Item (t, n): key tile n of source (rank - t) mod P.
-  auto owner_of = [&](int t) { return (rank - t + P) % P; };
-  auto kind = [&](int t, int n) -> int {
-    if (!dm.causal) return FULL_TILE;
-    const int k_first = owner_of(t) * sl + n * BN;
-    const int k_last = owner_of(t) * sl + min(n * BN + BN, sl) - 1;
-    if (k_first > q_last) return HIDDEN;
-    return k_last <= q_first ? FULL_TILE : PARTIAL;
-  };
-  struct item {
-    int t, n;
-  };
-  auto advance = [&](item it) {
-    do {
-      if (++it.n == n_kv) {
-        it.n = 0;
-        ++it.t;
-      }
-    } while (it.t < P && kind(it.t, it.n) == HIDDEN);
-    return it;
-  };
-  auto wait_source = [&](int j) {  // j != rank: my own rows are read in place
+  __device__ explicit pushed_keys(const globals& g) {
+    const attention::dims& dm = g.d;
+    const int P = g.c.world, rank = g.c.rank;
+    const int idx = blockIdx.x - g.comm_blocks;
+    h = idx % dm.h;
+    const int rest = idx / dm.h;
+    const int qt_all = rest % (g.q_tiles * P);  // over (source, tile)
+    b = rest / (g.q_tiles * P);
+    // Causal: the longest rows (late sources, late tiles) first. Otherwise the sources in the
+    // order their rows arrive: mine (read in place), then r-1, r-2, ... (their comm blocks push
+    // to r+1 first).
+    const int qt = CAUSAL ? g.q_tiles * P - 1 - qt_all : qt_all;
+    src = CAUSAL ? qt / g.q_tiles : (rank - qt / g.q_tiles + P) % P;
+    q0 = (qt % g.q_tiles) * C::BM;
+    hk = h / (dm.h / dm.hkv);
+    n_kv = ceil_div(dm.s, C::BN);
+    own = ceil_div(min(q0 + C::BM, dm.s), C::BN);
+    n = 0;
+    for (int t = 0; t < P; ++t) n += count(g, t);
+    at_n = count(g, 0);
+    while (at_n == 0) at_n = count(g, ++at_t);
+    at_o = owner(g, at_t);
+  }
+  /** @brief Source (r - t) mod P: the t-th in the stream (0 <= t < P). */
+  __device__ static int owner(const globals& g, int t) {
+    return g.c.rank >= t ? g.c.rank - t : g.c.rank - t + g.c.world;
+  }
+  /** @brief The key tiles of the t-th source that the block's rows see: all of an earlier
+   * source's, a prefix of its own, none of a later one's. */
+  __device__ int count(const globals& g, int t) const {
+    if (!CAUSAL) return n_kv;
+    const int o = owner(g, t);
+    return o < src ? n_kv : o == src ? own : 0;
+  }
+  /** @brief Stream tile j: key tile *kt of the t-th source (returned). */
+  __device__ int item(const globals& g, int j, int* kt) const {
+    if (!CAUSAL) {
+      const int t = j / n_kv;
+      *kt = j - t * n_kv;
+      return t;
+    }
+    int t = 0;
+    for (int c = count(g, 0); j >= c; c = count(g, ++t)) j -= c;
+    *kt = j;
+    return t;
+  }
+  /** @brief Before a TMA read of source o's rows in my workspace: FULL[o][*] acquired (once
+   * per source and thread). My own rows are read in place. */
+  __device__ void acquire(const globals& g, int o) const {
+    if (o == g.c.rank || (seen >> o & 1)) return;
+    const tp::comm& cm = g.c;
+    const uint64_t e = cm.epoch(), long_wait = cm.timeout_ns + cm.timeout_ns / 8;
     for (int cb = 0; cb < g.comm_blocks; ++cb) {
-      wait(cm.sig[rank] + FULL + uint64_t(j) * MAX_COMM + cb, e, long_wait, cm.fail(), j);
+      wait(cm.sig[cm.rank] + FULL + uint64_t(o) * MAX_COMM + cb, e, long_wait, cm.fail(), o);
     }
     fence_proxy_async_global();  // the acquires before the TMA reads of the section
-  };
-
-  const bool issuer = threadIdx.x == attention::LAST_LEADER;
-  item pit{0, -1};  // the issuer's next item to load
-  int waited = -1;  // the issuer has seen FULL for the sources of items t <= waited
-  auto issue = [&](int j) {
-    const int st = j % STAGES;
-    const item it = pit;
-    const int own = owner_of(it.t);
-    if (it.t > waited) {
-      // The Q source was waited for before the Q load; my own rows are read in place.
-      if (own != src && own != rank) wait_source(own);
-      waited = it.t;
-    }
-    // K/V head hk of source own: my local k, v (head rank Gk + hk) or my workspace's copy.
-    const bool local = own == rank;
-    const int bz = local ? b : own * dm.b + b, hz = local ? rank * dm.hkv + hk : hk;
-    mbar_arrive_expect_tx(&s.k_full[st], C::kv_tile::BYTES);
-    attention::load_rows(s.k[st], local ? &g.kl : &g.kw, &s.k_full[st], bz, it.n * BN, hz);
-    mbar_arrive_expect_tx(&s.v_full[st], C::kv_tile::BYTES);
-    attention::load_rows(s.v[st], local ? &g.vl : &g.vw, &s.v_full[st], bz, it.n * BN, hz);
-    pit = advance(pit);
-  };
-  if (issuer) {
-    pit = advance(pit);
-    mbar_init(&s.q_full, 1);
-    for (int i = 0; i < STAGES; ++i) {
-      mbar_init(&s.k_full[i], 1);
-      mbar_init(&s.v_full[i], 1);
-      mbar_init(&s.empty[i], CONSUMERS);
-    }
-    fence_mbar_init();
-    mbar_arrive_expect_tx(&s.q_full, C::q_tile::BYTES);
-    if (src == rank) {
-      attention::load_rows(s.q, &g.ql, &s.q_full, b, q0, rank * dm.h + h);
-    } else {
-      wait_source(src);
-      attention::load_rows(s.q, &g.qw, &s.q_full, src * dm.b + b, q0, h);
-    }
-    for (int j = 0; j < STAGES && pit.t < P; ++j) issue(j);
+    seen |= 1u << o;
   }
-  __syncthreads();
-
-  const int c = warpgroup::index();
-  const int t = warpgroup::thread();
-  const int lane = t % 32;
-  auto release = [&](int r) {
-    const int st = r % STAGES;
-    if (t == 0) mbar_arrive(&s.empty[st]);
-    if (issuer && pit.t < P) {
-      mbar_wait(&s.empty[st], (r / STAGES) & 1);
-      issue(r + STAGES);
+  // NOTES: mbarrier waits get a quarter more than the signal waits, so a missing peer is named
+  // by the signal wait (peer known) before an mbarrier wait gives up (peer -1).
+  __device__ wait_bound bound(const globals& g) const {
+    return wait_bound{g.c.error, g.c.op, g.c.rank, g.c.timeout_ns + g.c.timeout_ns / 4};
+  }
+  __device__ int n_tiles() const { return n; }
+  __device__ int row0() const { return q0; }
+  __device__ void load_q(const globals& g, typename C::q_tile& t, mbarrier* bar) const {
+    const int rank = g.c.rank;
+    if (src == rank) {
+      attention::load_rows(t, &g.ql, bar, b, q0, rank * g.d.h + h);
+    } else {
+      acquire(g, src);
+      attention::load_rows(t, &g.qw, bar, src * g.d.b + b, q0, h);
     }
-    __syncwarp();
-  };
-  const int row_lo = q0 + c * 64 + 16 * (t / 32) + lane / 4;  // rows row_lo, row_lo + 8
-  const int qg[2] = {src * sl + row_lo, src * sl + row_lo + 8};
-  const float sl2 = dm.scale * LOG2E;
-  attention::fwd_rows<C> r;
-  // Masks keys past Sl and, on partial tiles, keys at later global positions than the row;
-  // then the online-softmax update (as the attention forward).
-  auto softmax = [&](item it) {
-    const int k0 = it.n * BN;
-    const bool tail = k0 + BN > sl;
-    const bool part = kind(it.t, it.n) == PARTIAL;
-    const int kbase = owner_of(it.t) * sl;
-    if (tail || part) {
-      r.mask(k0, sl, part, [&](int key) { return kbase + key; }, qg);
-    }
+  }
+  /** @brief K (v = false) or V of stream tile j: my local k, v (head r Gk + hk) or my
+   * workspace's copy. */
+  __device__ void load_kv(const globals& g, typename C::kv_tile& t, mbarrier* bar, int j,
+                          bool v) const {
+    int kt;
+    const int o = owner(g, item(g, j, &kt)), rank = g.c.rank;
+    acquire(g, o);
+    const bool local = o == rank;
+    const CUtensorMap* map = local ? (v ? &g.vl : &g.kl) : (v ? &g.vw : &g.kw);
+    attention::load_rows(t, map, bar, local ? b : o * g.d.b + b, kt * C::BN,
+                         local ? rank * g.d.hkv + hk : hk);
+  }
+  __device__ void load_k(const globals& g, typename C::kv_tile& t, mbarrier* bar, int j) const {
+    load_kv(g, t, bar, j, false);
+  }
+  __device__ void load_v(const globals& g, typename C::kv_tile& t, mbarrier* bar, int j) const {
+    load_kv(g, t, bar, j, true);
+  }
+  /** @brief Masks keys past Sl and, in the block's own source, keys after the row (local
+   * positions of one source compare as global ones); then the online-softmax update. Called
+   * for stream tiles 0, 1, .. in order (j is at_t's tile at_kt). */
+  __device__ void softmax(const globals& g, attention::fwd_rows<C>& r, int /*j*/, int wg_row0,
+                          const int (&rows)[2], float sl2) const {
+    const int k0 = at_kt * C::BN;
+    const bool tail = k0 + C::BN > g.d.s;
+    const bool diag = CAUSAL && at_o == src && k0 + C::BN - 1 > wg_row0;
+    if (tail || diag) r.mask(k0, g.d.s, diag, [](int key) { return key; }, rows);
     r.softmax(sl2);
-  };
-
-  // The warpgroups take turns issuing their GEMMs (ping-pong), as in the attention forward.
-  r.template fold<true>(s, c, advance(item{0, -1}), advance,
-                        [&](item it) { return it.t < P; }, softmax, release);
-
-  if (src == rank) {  // my own rows: straight into o and lse (head rank G + h)
-    const int hh = rank * dm.h + h;
-    r.store(g.o, g.lse + (int64_t(b) * g.heads + hh) * sl, b, q0 + c * 64, hh, g.heads, sl,
+    if (++at_kt == at_n) {
+      at_kt = 0;
+      do {
+        ++at_t;
+      } while (at_t < g.c.world && (at_n = count(g, at_t)) == 0);
+      if (at_t < g.c.world) at_o = owner(g, at_t);
+    }
+  }
+  /** @brief O and lse of the warpgroup's rows: mine straight into o and lse (head r G + h),
+   * a peer's into my OW / LW at index src B + b. */
+  __device__ void store(const globals& g, attention::fwd_rows<C>& r, int wg_row0) const {
+    const attention::dims& dm = g.d;
+    const int rank = g.c.rank, sl = dm.s;
+    if (src == rank) {
+      const int hh = rank * dm.h + h;
+      r.store(g.o, g.lse + (int64_t(b) * g.heads + hh) * sl, b, wg_row0, hh, g.heads, sl,
+              dm.scale);
+      return;
+    }
+    const int bz = src * dm.b + b;
+    char* const ws = static_cast<char*>(g.c.ws[rank]);
+    float* const lw = reinterpret_cast<float*>(ws + g.ws.lw);
+    r.store(ws + g.ws.ow, lw + (int64_t(bz) * dm.h + h) * sl, bz, wg_row0, h, dm.h, sl,
             dm.scale);
+  }
+};
+
+/** @brief The main kernel (see the schedule); CAUSAL = g.d.causal. */
+template <class C, bool CAUSAL>
+__global__ void __launch_bounds__(C::THREADS, 1) kernel(const __grid_constant__ globals g) {
+  if (static_cast<int>(blockIdx.x) < g.comm_blocks) {
+    if (threadIdx.x == 0) block_wait_bound() = g.c.bound();
+    __syncthreads();
+    communicate<C>(g, blockIdx.x, &dynamic_smem<typename C::storage_t>());
     return;
   }
-  // O and lse of rows of source `src` into my OW / LW at index src B + b.
-  const int bz = src * dm.b + b;
-  char* const ws = static_cast<char*>(cm.ws[rank]);
-  float* const lw = reinterpret_cast<float*>(ws + g.ws.lw);
-  r.store(ws + g.ws.ow, lw + (int64_t(bz) * dm.h + h) * sl, bz, q0 + c * 64, h, dm.h, sl,
-          dm.scale);
+  attention::fwd_block<C, pushed_keys<C, CAUSAL>>(g);
 }
 
 /** @brief The tail kernel (see the schedule): o and lse of my rows from every other head
@@ -404,26 +405,41 @@ static __global__ void __launch_bounds__(TAIL_THREADS) tail_kernel(
                      c.fail());
 }
 
-/** @brief Launches the main grid (C comm blocks, then ceil(Sl/128) P G B compute blocks) and
- * the tail kernel of one call (after the caller's epoch kernel). */
-template <typename T, int D>
-inline cudaError_t launch(const globals& g, cudaStream_t stream, int device) {
-  using C = attention::fwd_config<T, D>;
+/** @brief The compute blocks' forward configuration: pk.attention's keys per tile
+ * (attention::fwd_block_keys), two warpgroups at both head dims (the third that pk.attention
+ * runs at D = 64 caps registers at 168, and this kernel's source spilled there). Its rows per
+ * block and keys per tile are the maps' boxes. */
+constexpr int block_rows(int /*d*/) { return 128; }
+constexpr int block_keys(int d, bool causal) { return attention::fwd_block_keys(d, causal); }
+
+/** @brief Launches the main grid (C comm blocks, then q_tiles P G B compute blocks, q_tiles
+ * of block_rows(D)) and the tail kernel of one call (after the caller's epoch kernel). */
+template <typename T, int D, int KEYS, bool CAUSAL>
+inline cudaError_t launch_as(const globals& g, cudaStream_t stream, int device) {
+  using C = attention::fwd_config<T, D, 2, KEYS>;
+  static_assert(C::BM == block_rows(D), "ulysses_attn: rows per block");
   static_assert(C::SMEM + sizeof(wait_bound) <= 232448,
                 "ulysses_attn: shared memory over the sm_90 limit of 227 KiB");
-  const void* fn = reinterpret_cast<const void*>(&kernel<C>);
+  const void* fn = reinterpret_cast<const void*>(&kernel<C, CAUSAL>);
   if (cudaError_t err = opt_in_smem(fn, device, static_cast<int>(C::SMEM)); err != cudaSuccess) {
     return err;
   }
   const int64_t blocks =
       int64_t(g.comm_blocks) + int64_t(g.q_tiles) * g.c.world * g.d.h * g.d.b;
-  kernel<C><<<static_cast<unsigned>(blocks), THREADS, C::SMEM, stream>>>(g);
+  kernel<C, CAUSAL><<<static_cast<unsigned>(blocks), C::THREADS, C::SMEM, stream>>>(g);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   constexpr int TAIL_SMEM = sizeof(bulk_ring) + 1024;
   const void* tail = reinterpret_cast<const void*>(&tail_kernel);
   if (cudaError_t err = opt_in_smem(tail, device, TAIL_SMEM); err != cudaSuccess) return err;
   tail_kernel<<<TAIL, TAIL_THREADS, TAIL_SMEM, stream>>>(g);
   return cudaGetLastError();
+}
+
+/** @brief The call for head dim D (maps' boxes: block_rows(D), block_keys(D, g.d.causal)). */
+template <typename T, int D>
+inline cudaError_t launch(const globals& g, cudaStream_t stream, int device) {
+  if (g.d.causal) return launch_as<T, D, block_keys(D, true), true>(g, stream, device);
+  return launch_as<T, D, block_keys(D, false), false>(g, stream, device);
 }
 
 }  // namespace pk::ulysses_attn

@@ -267,7 +267,11 @@ def _head_group_bwd(scale, causal, qh, kh, vh, doh, lse, delta):
 # kernels. The fused backward's workspace (pk_ulysses_attn_bwd, PK_JAX_ULYSSES_FUSED=bwd) too.
 
 HEAD_DIMS = (64, 128)
-NUM_COMM_SMS = 2  # communication blocks (the same on every rank; each moves 1/C of the data)
+NUM_COMM_SMS = 2  # the fused backward's communication blocks (the same on every rank)
+# The fused forward's: each moves about 25 GB/s of the q, k, v exchange (H200, emulated,
+# 2026-12-03); with 8 instead of 2 the forward took 0.56-0.65x the time at P = 2 and 4
+# (bench/results/ulysses_attention_notes.md).
+FWD_COMM_SMS = 8
 # Whether the custom VJP of the fused path runs the kernel-backed backward (all_to_all, the
 # pk_attention backward, all_to_all back) where pk_attention runs, else the reference's.
 KERNEL_BACKWARD = True
@@ -331,7 +335,7 @@ def _kernel_call(q, k, v, axis_name, causal, scale):
         "pk_ulysses_attn", [jax.ShapeDtypeStruct(q.shape, q.dtype),
                             jax.ShapeDtypeStruct((b, h, s), jnp.float32)],
         q, k, v, _backend.rank_operand(axis_name), comm_id=np.int64(state.comm_id(axis_name)),
-        scale=np.float32(scale), causal=np.int64(causal), num_comm_sms=np.int64(NUM_COMM_SMS))
+        scale=np.float32(scale), causal=np.int64(causal), num_comm_sms=np.int64(FWD_COMM_SMS))
     return o, lse  # lse [B, H, S/P]
 
 
