@@ -65,7 +65,7 @@ Status LaunchUlyssesAttn(const Where& at, const UlyssesAttnArgs& a, const CommVi
   const int P = v.world;
   if (a.b < 0 || a.s < 0 || a.h < 0 || a.b * P > 65535 || a.h > 65535 ||
       a.s * a.h * a.d > INT32_MAX || a.s * int64_t(P) > INT32_MAX / 2 ||
-      (a.s + 63) / 64 * P * (a.h / P) * a.b > INT32_MAX / 2) {
+      (a.s + 127) / 128 * P * (a.h / P) * a.b > INT32_MAX / 2) {
     return Invalid("sizes too large (P * batch and heads below 65536, S * H * D below 2^31).");
   }
   const ua::layout ws = ua::make_layout(P, a.b, a.s, a.h, a.hkv, a.d);

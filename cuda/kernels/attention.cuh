@@ -79,7 +79,7 @@ constexpr int CONSUMERS = 2;
 // the dK/dV kernel's two accumulators spilled there. With 256 threads they get up to 255.
 // The forward at D = 64 fits the cap (158 registers): it runs 3 warpgroups (fwd_warpgroups).
 constexpr int THREADS = CONSUMERS * WARPGROUP_THREADS;
-// The ring and Ulysses forwards refill a stage from one thread, which waits on the stage's
+// The ring forward refills a stage from one thread, which waits on the stage's
 // empty mbarrier for every warpgroup's release: the last warpgroup's leader, which under the
 // ping-pong (turns) releases each stage last, so it rarely waits.
 constexpr int LAST_LEADER = THREADS - WARPGROUP_THREADS;
@@ -195,8 +195,8 @@ struct turns {
 /**
  * @brief One forward consumer warpgroup's 64 query rows over a stream of BN-key tiles: its
  * registers (O, the scores S, P packed for the next P V, the row max m and sum l) and the steps
- * every forward kernel takes with them (this one, ring_attn.cuh's and ulysses_attn.cuh's, all
- * on fwd_config's storage). Each thread holds rows row_lo and row_lo + 8 of the warpgroup.
+ * every forward kernel takes with them (fwd_block, and ring_attn.cuh's through fold, all on
+ * fwd_config's storage). Each thread holds rows row_lo and row_lo + 8 of the warpgroup.
  */
 template <class C>
 struct fwd_rows {
