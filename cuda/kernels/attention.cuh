@@ -79,10 +79,6 @@ constexpr int CONSUMERS = 2;
 // the dK/dV kernel's two accumulators spilled there. With 256 threads they get up to 255.
 // The forward at D = 64 fits the cap (158 registers): it runs 3 warpgroups (fwd_warpgroups).
 constexpr int THREADS = CONSUMERS * WARPGROUP_THREADS;
-// The ring forward refills a stage from one thread, which waits on the stage's
-// empty mbarrier for every warpgroup's release: the last warpgroup's leader, which under the
-// ping-pong (turns) releases each stage last, so it rarely waits.
-constexpr int LAST_LEADER = THREADS - WARPGROUP_THREADS;
 
 /** @brief Sizes shared by the kernels. */
 struct dims {
@@ -171,7 +167,8 @@ constexpr int FWD_TURN = 1;
  * their GEMMs, in order 0, 1, .., WGS - 1, 0, .., so one's softmax runs under the others'
  * GEMMs instead of all at once. Each turn's named barrier joins two warpgroups: the last
  * warpgroup opens warpgroup 0's first turn (constructor), and every turn but the last
- * warpgroup's final one hands the next warpgroup its turn. Disabled: no-ops.
+ * warpgroup's final one hands the next warpgroup its turn (fwd_block's end_turn). Disabled:
+ * no-ops.
  */
 template <int WGS, bool ENABLED>
 struct turns {
@@ -182,21 +179,12 @@ struct turns {
   __device__ void take() const {
     if constexpr (ENABLED) warpgroup::sync(FWD_TURN + c, 2 * WARPGROUP_THREADS);
   }
-  /** @brief Ends the warpgroup's turn; `final`: its last turn of the stream. */
-  __device__ void end(bool final) const {
-    if constexpr (ENABLED) {
-      if (!final || c != WGS - 1) {
-        warpgroup::arrive(FWD_TURN + (c + 1) % WGS, 2 * WARPGROUP_THREADS);
-      }
-    }
-  }
 };
 
 /**
  * @brief One forward consumer warpgroup's 64 query rows over a stream of BN-key tiles: its
  * registers (O, the scores S, P packed for the next P V, the row max m and sum l) and the steps
- * every forward kernel takes with them (fwd_block, and ring_attn.cuh's through fold, all on
- * fwd_config's storage). Each thread holds rows row_lo and row_lo + 8 of the warpgroup.
+ * every forward kernel takes with them (fwd_block's, on fwd_config's storage). Each thread holds rows row_lo and row_lo + 8 of the warpgroup.
  */
 template <class C>
 struct fwd_rows {
@@ -291,64 +279,6 @@ struct fwd_rows {
     }
   }
 
-  /**
-   * @brief Folds a stream of key tiles into the rows, in the stream's order: tile j is item
-   * number j (the first is `cur`, then next(item) while more(item)) and sits in stage
-   * j % STAGES behind the k_full / v_full mbarriers; softmax(item) masks its scores and
-   * updates, release(j) frees tile j's stage. The softmax of tile j overlaps P V of tile
-   * j - 1. With TURNS the block's warpgroups also take turns issuing their GEMMs (ping-pong,
-   * see `turns`), so one's softmax runs under the others' GEMMs; every warpgroup of the block
-   * must then fold a stream of the same length.
-   */
-  template <bool TURNS = false, class Item, class Next, class More, class Softmax,
-            class Release>
-  __device__ void fold(typename C::storage_t& s, int c, Item cur, const Next& next,
-                       const More& more, const Softmax& softmax, const Release& release) {
-    constexpr int STAGES = C::STAGES;
-    turns<C::WARPGROUPS, TURNS> turn(c);
-    mbar_wait(&s.q_full, 0);
-    mbar_wait(&s.k_full[0], 0);
-    turn.take();
-    qk(s, c, 0);
-    turn.end(false);
-    wgmma::wait<0>();
-    wgmma::fence_regs(sc);
-    softmax(cur);
-    frag::to_a<T>(p, sc);
-    int j = 1;
-    for (cur = next(cur); more(cur); cur = next(cur), ++j) {
-      const int st = j % STAGES, prev = (j - 1) % STAGES;
-      mbar_wait(&s.k_full[st], (j / STAGES) & 1);
-      // With turns, both waits come first: a warpgroup holding the turn must not wait for data.
-      if constexpr (TURNS) mbar_wait(&s.v_full[prev], ((j - 1) / STAGES) & 1);
-      turn.take();
-      qk(s, c, st);
-      if constexpr (!TURNS) mbar_wait(&s.v_full[prev], ((j - 1) / STAGES) & 1);
-      wgmma::fence_regs(o);
-      pv(s, prev);
-      turn.end(false);
-      wgmma::wait<1>();
-      wgmma::fence_regs(sc);
-      softmax(cur);
-      wgmma::wait<0>();
-      wgmma::fence_regs(o);
-      frag::fence_regs(p);
-      release(j - 1);
-      rescale();
-      frag::to_a<T>(p, sc);
-    }
-    const int last = (j - 1) % STAGES;
-    mbar_wait(&s.v_full[last], ((j - 1) / STAGES) & 1);
-    turn.take();
-    wgmma::fence_regs(o);
-    pv(s, last);
-    turn.end(true);
-    wgmma::wait<0>();
-    wgmma::fence_regs(o);
-    frag::fence_regs(p);
-    release(j - 1);
-  }
-
   /** @brief Writes O / l to rows row0.. of out ([.., s, heads, D] at batch b, head h) and
    * lse = scale max + log(l) (+inf for a row without keys) to lse_rows[row], rows past s
    * dropped. */
@@ -408,7 +338,8 @@ struct fwd_config {
     kv_tile k[STAGES];
     kv_tile v[STAGES];
     mbarrier q_full, k_full[STAGES], v_full[STAGES];
-    mbarrier empty[STAGES];  // ring_attn.cuh's kernel (same storage) frees stages with these
+    mbarrier empty[STAGES];  // unused (fwd_block frees stages by release_stage); kept, so that
+                             // fwd_kernel's machine code stays the one measured
     int released[STAGES];    // see release_stage
     int released_v[STAGES];  // fwd_kernel with SPLIT_RELEASE: V's (released: K's)
   };
@@ -527,9 +458,9 @@ __device__ __forceinline__ void fwd_block(const G& g) {
     if constexpr (C::SPLIT_RELEASE) release_stage<WGS>(s.released_v, r, n_tiles, issue_v);
     else release_stage<WGS>(s.released, r, n_tiles, issue);
   };
-  // Ping-pong: the steps of fold<true>, written out. Through fold, nvcc 13.0 compiled the D = 64
-  // kernel to one more register and a 2-3% slower forward (H200, 2026-12-02); turns::end (the
-  // final turn marked at its call site, or from the counter) also changes its code. This is the
+  // Ping-pong, written out here: through a shared fold (fwd_rows::fold, since removed), nvcc
+  // 13.0 compiled the D = 64 kernel to one more register and a 2-3% slower forward (H200,
+  // 2026-12-02), and marking the final turn at its call site changes the code too. This is the
   // code that was measured: the last warpgroup's last turn (n_tiles + 1 each) hands none over.
   const turns<WGS, true> turn(c);
   int turns_left = n_tiles + 1;

@@ -19,8 +19,8 @@
  *               push chunk ch of k, v into slot 1 of
  *               rank r+1; FULL[1][ch] there
  *     1..P-2    wait FULL[t][ch] here; forward chunk    wait FULL[t][ch] for the chunk of
- *               ch of slot t to slot t+1 of r+1;        the next tile it loads (the issuer,
- *               FULL[t+1][ch] there                     LAST_LEADER); K/V tiles of slot t
+ *               ch of slot t to slot t+1 of r+1;        the next tile it loads (the issuing
+ *               FULL[t+1][ch] there                     thread); K/V tiles of slot t
  *      P-1      wait FULL[P-1][ch] here (the last       as above; then O / l and lse out
  *               block landed: after this kernel
  *               nobody writes my workspace)
@@ -62,10 +62,6 @@
 #include "pk/tp.cuh"
 
 namespace pk::ring_attn {
-
-using attention::CONSUMERS;
-using attention::LOG2E;
-using attention::THREADS;
 
 constexpr int MAX_PEERS = tp::MAX_PEERS;
 constexpr int MAX_COMM = 16;    // communication blocks at most
@@ -188,147 +184,164 @@ __device__ void communicate(const globals& g, int cb, void* smem) {
   }
 }
 
-template <class C>
-__global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ globals g) {
-  using T = typename C::dtype;
-  constexpr int BM = C::BM, BN = C::BN, STAGES = C::STAGES;
-  auto& s = dynamic_smem<typename C::storage_t>();
-  if (threadIdx.x == 0) {
-    // NOTES: mbarrier waits get a quarter more than the signal waits, so a missing peer is
-    // named by the signal wait (peer known) before an mbarrier wait gives up (peer -1).
-    block_wait_bound() =
-        wait_bound{g.c.error, g.c.op, g.c.rank, g.c.timeout_ns + g.c.timeout_ns / 4};
-  }
-  if (static_cast<int>(blockIdx.x) < g.comm_blocks) {
-    __syncthreads();
-    communicate<C>(g, blockIdx.x, &s);
-    return;
-  }
-  const attention::dims& dm = g.d;
-  const tp::comm& cm = g.c;
-  const int P = cm.world, rank = cm.rank;
-  const int idx = blockIdx.x - g.comm_blocks;
-  const int h = idx % dm.h;
-  const int qb_raw = (idx / dm.h) % g.q_tiles;
-  const int b = idx / (dm.h * g.q_tiles);
-  // Contiguous causal: the longest rows first (as the attention forward).
-  const int qb = dm.causal && !g.zigzag ? g.q_tiles - 1 - qb_raw : qb_raw;
-  const int q0 = qb * BM;
-  const int hk = h / (dm.h / dm.hkv);
-  const int n_kv = ceil_div(dm.s, BN);
-  const int2 qspan = span(g, rank, q0, min(q0 + BM, dm.s));
-  const uint64_t e = cm.epoch();
+/**
+ * @brief attention::fwd_block's source in a compute block (see the schedule): the local query
+ * tile (q tile, head, batch from the block index), its K/V stream over the steps t = 0..P-1
+ * (the block of rank (r - t) mod P: the local k, v at t = 0, workspace slot t after), causally
+ * hidden tiles left out (a step's visible tiles are a prefix: key positions grow with the
+ * local index in both layouts). Each thread has its own copy: the (step, chunk) whose FULL it
+ * acquired last, and softmax's place in the stream (walked in order, no division per step).
+ */
+template <class C, bool CAUSAL>
+struct ring_keys {
+  int h, hk, b, q0, n_kv, n;
+  int2 qspan;                        // smallest and largest global position of the block's rows
+  mutable int w_t = 0, w_ch = -1;    // the last FULL[t][ch] this thread acquired
+  mutable int at_t = 0, at_kt = 0, at_o, at_n;  // softmax's place (see pushed_keys)
 
-  // The (step, key tile) pairs this block folds in, in order; hidden ones are skipped.
-  auto kind = [&](int t, int n) -> int {
-    if (!dm.causal) return FULL_TILE;
-    const int owner = (rank - t + P) % P;
-    const int2 ks = span(g, owner, n * BN, min(n * BN + BN, dm.s));
-    if (ks.x > qspan.y) return HIDDEN;
-    return ks.y <= qspan.x ? FULL_TILE : PARTIAL;
-  };
-  struct item {
-    int t, n;
-  };
-  auto advance = [&](item it) {
-    do {
-      if (++it.n == n_kv) {
-        it.n = 0;
-        ++it.t;
+  __device__ explicit ring_keys(const globals& g) {
+    const attention::dims& dm = g.d;
+    const int idx = blockIdx.x - g.comm_blocks;
+    h = idx % dm.h;
+    const int qb_raw = (idx / dm.h) % g.q_tiles;
+    b = idx / (dm.h * g.q_tiles);
+    // Contiguous causal: the longest rows first (as the attention forward).
+    const int qb = CAUSAL && !g.zigzag ? g.q_tiles - 1 - qb_raw : qb_raw;
+    q0 = qb * C::BM;
+    hk = h / (dm.h / dm.hkv);
+    n_kv = ceil_div(dm.s, C::BN);
+    qspan = span(g, g.c.rank, q0, min(q0 + C::BM, dm.s));
+    n = 0;
+    for (int t = 0; t < g.c.world; ++t) n += count(g, t);
+    at_n = count(g, 0);
+    while (at_n == 0) at_n = count(g, ++at_t);
+    at_o = owner(g, at_t);
+  }
+  /** @brief The rank whose K/V block is step t's (0 <= t < P). */
+  __device__ static int owner(const globals& g, int t) {
+    return g.c.rank >= t ? g.c.rank - t : g.c.rank - t + g.c.world;
+  }
+  /** @brief Step t's visible key tiles: those whose first key is at or before the block's last
+   * row (a prefix; binary search). */
+  __device__ int count(const globals& g, int t) const {
+    if (!CAUSAL) return n_kv;
+    const int o = owner(g, t);
+    int lo = 0, hi = n_kv;  // tiles [0, lo) visible, [hi, n_kv) hidden
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (global_pos(g, o, mid * C::BN) <= qspan.y) lo = mid + 1;
+      else hi = mid;
+    }
+    return lo;
+  }
+  /** @brief Stream tile j: key tile *kt of step t (returned). */
+  __device__ int item(const globals& g, int j, int* kt) const {
+    if (!CAUSAL) {
+      const int t = j / n_kv;
+      *kt = j - t * n_kv;
+      return t;
+    }
+    int t = 0;
+    for (int c = count(g, 0); j >= c; c = count(g, ++t)) j -= c;
+    *kt = j;
+    return t;
+  }
+  // NOTES: mbarrier waits get a quarter more than the signal waits, so a missing peer is named
+  // by the signal wait (peer known) before an mbarrier wait gives up (peer -1).
+  __device__ wait_bound bound(const globals& g) const {
+    return wait_bound{g.c.error, g.c.op, g.c.rank, g.c.timeout_ns + g.c.timeout_ns / 4};
+  }
+  __device__ int n_tiles() const { return n; }
+  __device__ int row0() const { return q0; }
+  __device__ void load_q(const globals& g, typename C::q_tile& t, mbarrier* bar) const {
+    attention::load_rows(t, &g.q, bar, b, q0, h);
+  }
+  /** @brief K (v = false) or V of stream tile j: the local k, v at step 0, else slot t once
+   * its chunk's FULL is acquired. */
+  __device__ void load_kv(const globals& g, typename C::kv_tile& t, mbarrier* bar, int j,
+                          bool v) const {
+    int kt;
+    const int step = item(g, j, &kt);
+    if (step > 0) {
+      const int ch = kt / g.chunk_tiles;
+      if (step != w_t || ch != w_ch) {
+        const tp::comm& cm = g.c;
+        wait(cm.sig[cm.rank] + FULL + uint64_t(step) * MAX_CHUNKS + ch, cm.epoch(),
+             cm.timeout_ns + cm.timeout_ns / 8, cm.fail(), owner(g, 1));
+        fence_proxy_async_global();  // the acquire before the TMA reads of the slot
+        w_t = step;
+        w_ch = ch;
       }
-    } while (it.t < P && kind(it.t, it.n) == HIDDEN);
-    return it;
-  };
-
-  const bool issuer = threadIdx.x == attention::LAST_LEADER;
-  item pit{0, -1};         // the issuer's next item to load
-  item waited{0, 0};       // the last (step, chunk) whose FULL the issuer has seen
-  auto issue = [&](int j) {
-    const int st = j % STAGES;
-    const item it = pit;
-    const int ch = it.n / g.chunk_tiles;
-    if (it.t > 0 && (it.t != waited.t || ch != waited.n)) {
-      wait(cm.sig[rank] + FULL + uint64_t(it.t) * MAX_CHUNKS + ch, e,
-           cm.timeout_ns + cm.timeout_ns / 8, cm.fail(), (rank + P - 1) % P);
-      fence_proxy_async_global();  // the acquire before the TMA reads of the slot
-      waited = item{it.t, ch};
     }
-    const CUtensorMap* km = it.t == 0 ? &g.k : &g.ks;
-    const CUtensorMap* vm = it.t == 0 ? &g.v : &g.vs;
-    const int bz = it.t == 0 ? b : (it.t - 1) * dm.b + b;
-    mbar_arrive_expect_tx(&s.k_full[st], C::kv_tile::BYTES);
-    attention::load_rows(s.k[st], km, &s.k_full[st], bz, it.n * BN, hk);
-    mbar_arrive_expect_tx(&s.v_full[st], C::kv_tile::BYTES);
-    attention::load_rows(s.v[st], vm, &s.v_full[st], bz, it.n * BN, hk);
-    pit = advance(pit);
-  };
-  if (issuer) {
-    pit = advance(pit);
-    mbar_init(&s.q_full, 1);
-    for (int i = 0; i < STAGES; ++i) {
-      mbar_init(&s.k_full[i], 1);
-      mbar_init(&s.v_full[i], 1);
-      mbar_init(&s.empty[i], CONSUMERS);
-    }
-    fence_mbar_init();
-    mbar_arrive_expect_tx(&s.q_full, C::q_tile::BYTES);
-    attention::load_rows(s.q, &g.q, &s.q_full, b, q0, h);
-    for (int j = 0; j < STAGES && pit.t < P; ++j) issue(j);
+    const CUtensorMap* map = step == 0 ? (v ? &g.v : &g.k) : (v ? &g.vs : &g.ks);
+    attention::load_rows(t, map, bar, step == 0 ? b : (step - 1) * g.d.b + b, kt * C::BN, hk);
   }
-  __syncthreads();
-
-  const int c = warpgroup::index();
-  const int t = warpgroup::thread();
-  const int lane = t % 32;
-  const bool leader = t == 0;
-  auto release = [&](int r) {
-    const int st = r % STAGES;
-    if (leader) mbar_arrive(&s.empty[st]);
-    if (issuer && pit.t < P) {
-      mbar_wait(&s.empty[st], (r / STAGES) & 1);
-      issue(r + STAGES);
-    }
-    __syncwarp();
-  };
-  const int row_lo = q0 + c * 64 + 16 * (t / 32) + lane / 4;  // rows row_lo, row_lo + 8
-  const int qg[2] = {global_pos(g, rank, row_lo), global_pos(g, rank, row_lo + 8)};
-  const float sl2 = dm.scale * LOG2E;
-  attention::fwd_rows<C> r;
-  // Masks keys past Sl and, on partial tiles, keys at later global positions than the row;
-  // then the online-softmax update (as the attention forward).
-  auto softmax = [&](item it) {
-    const int k0 = it.n * BN;
-    const bool tail = k0 + BN > dm.s;
-    const bool part = kind(it.t, it.n) == PARTIAL;
-    const int owner = (rank - it.t + P) % P;
+  __device__ void load_k(const globals& g, typename C::kv_tile& t, mbarrier* bar, int j) const {
+    load_kv(g, t, bar, j, false);
+  }
+  __device__ void load_v(const globals& g, typename C::kv_tile& t, mbarrier* bar, int j) const {
+    load_kv(g, t, bar, j, true);
+  }
+  /** @brief Masks keys past Sl and, on tiles whose last key comes after the block's first row,
+   * keys at later global positions than the row; then the online-softmax update. Called for
+   * stream tiles 0, 1, .. in order. */
+  __device__ void softmax(const globals& g, attention::fwd_rows<C>& r, int /*j*/,
+                          int /*wg_row0*/, const int (&rows)[2], float sl2) const {
+    const int k0 = at_kt * C::BN;
+    const bool tail = k0 + C::BN > g.d.s;
+    const int o = at_o;
+    const bool part = CAUSAL && global_pos(g, o, min(k0 + C::BN, g.d.s) - 1) > qspan.x;
     if (tail || part) {
-      r.mask(k0, dm.s, part, [&](int key) { return global_pos(g, owner, key); }, qg);
+      const int qg[2] = {global_pos(g, g.c.rank, rows[0]), global_pos(g, g.c.rank, rows[1])};
+      r.mask(k0, g.d.s, part, [&](int key) { return global_pos(g, o, key); }, qg);
     }
     r.softmax(sl2);
-  };
+    if (++at_kt == at_n) {
+      at_kt = 0;
+      do {
+        ++at_t;
+      } while (at_t < g.c.world && (at_n = count(g, at_t)) == 0);
+      if (at_t < g.c.world) at_o = owner(g, at_t);
+    }
+  }
+  __device__ void store(const globals& g, attention::fwd_rows<C>& r, int wg_row0) const {
+    const attention::dims& dm = g.d;
+    r.store(g.o, g.lse + (int64_t(b) * dm.h + h) * dm.s, b, wg_row0, h, dm.h, dm.s, dm.scale);
+  }
+};
 
-  // The stream of items: the same order as the issuer's (softmax of item j overlaps P V of
-  // item j - 1, and the warpgroups take turns, as in the attention forward).
-  r.template fold<true>(s, c, advance(item{0, -1}), advance,
-                        [&](item it) { return it.t < P; }, softmax, release);
-  r.store(g.o, g.lse + (int64_t(b) * dm.h + h) * dm.s, b, q0 + c * 64, h, dm.h, dm.s,
-          dm.scale);
+/** @brief The kernel (see the schedule); CAUSAL = g.d.causal. */
+template <class C, bool CAUSAL>
+__global__ void __launch_bounds__(C::THREADS, 1) kernel(const __grid_constant__ globals g) {
+  if (static_cast<int>(blockIdx.x) < g.comm_blocks) {
+    if (threadIdx.x == 0) block_wait_bound() = g.c.bound();
+    __syncthreads();
+    communicate<C>(g, blockIdx.x, &dynamic_smem<typename C::storage_t>());
+    return;
+  }
+  attention::fwd_block<C, ring_keys<C, CAUSAL>>(g);
 }
 
 /** @brief Launches the grid of one call (after the caller's epoch kernel): C comm blocks,
  * then ceil(Sl / 128) H B compute blocks. */
-template <typename T, int D>
-inline cudaError_t launch(const globals& g, cudaStream_t stream, int device) {
+template <typename T, int D, bool CAUSAL>
+inline cudaError_t launch_as(const globals& g, cudaStream_t stream, int device) {
   using C = attention::fwd_config<T, D>;
   static_assert(C::SMEM + sizeof(wait_bound) <= 232448,
                 "ring_attn: shared memory over the sm_90 limit of 227 KiB");
-  const void* fn = reinterpret_cast<const void*>(&kernel<C>);
+  const void* fn = reinterpret_cast<const void*>(&kernel<C, CAUSAL>);
   if (cudaError_t err = opt_in_smem(fn, device, static_cast<int>(C::SMEM)); err != cudaSuccess) {
     return err;
   }
   const int64_t blocks = int64_t(g.comm_blocks) + int64_t(g.q_tiles) * g.d.h * g.d.b;
-  kernel<C><<<static_cast<unsigned>(blocks), THREADS, C::SMEM, stream>>>(g);
+  kernel<C, CAUSAL><<<static_cast<unsigned>(blocks), C::THREADS, C::SMEM, stream>>>(g);
   return cudaGetLastError();
+}
+
+template <typename T, int D>
+inline cudaError_t launch(const globals& g, cudaStream_t stream, int device) {
+  return g.d.causal ? launch_as<T, D, true>(g, stream, device)
+                    : launch_as<T, D, false>(g, stream, device);
 }
 
 }  // namespace pk::ring_attn
