@@ -69,6 +69,9 @@ constexpr int MAX_COMM = 16;    // communication blocks at most
 // kernels/ring_attn_bwd.cuh) within 640 slots, the ring's range once Ulysses attention's slots
 // follow it (kernels/ulysses_attn.cuh, branch uly).
 constexpr int MAX_CHUNKS = 16;
+// Chunks are whole tiles of TILE_ROWS rows, which are also the compute blocks' query rows; a
+// compute block's key tiles need not be (block_keys).
+constexpr int TILE_ROWS = 128;
 
 // Signal pad: slots SLOT_BASE + these offsets (the host passes pads already offset). The range
 // lies between the collectives' slots and the fused GEMMs' (pk/tp.cuh); Ulysses attention's
@@ -97,7 +100,7 @@ struct globals {
   int zigzag;            // causal with the zigzag layout
   int comm_blocks;       // C
   int q_tiles;           // ceil(Sl / 128)
-  int chunk_tiles;       // CT: 128-row key tiles per chunk
+  int chunk_tiles;       // CT: TILE_ROWS-row tiles per chunk
   int n_chunks;          // ceil(q_tiles / CT)
   uint64_t block_bytes;  // of one K (or V) block: B Sl Hkv D sizeof(T)
 };
@@ -137,7 +140,7 @@ __device__ void communicate(const globals& g, int cb, void* smem) {
   if (!lead) return;
   const uint64_t bb = g.block_bytes;
   const uint64_t row_bytes = uint64_t(g.d.hkv) * C::HEAD_DIM * sizeof(typename C::dtype);
-  const int s = g.d.s, batch = g.d.b, chunk_rows = g.chunk_tiles * C::BN;
+  const int s = g.d.s, batch = g.d.b, chunk_rows = g.chunk_tiles * TILE_ROWS;
   char* const mine = static_cast<char*>(c.ws[r]);
   char* const theirs = static_cast<char*>(c.ws[next]);
   const uint64_t v_off = uint64_t(P - 1) * bb;
@@ -196,8 +199,11 @@ template <class C, bool CAUSAL>
 struct ring_keys {
   int h, hk, b, q0, n_kv, n;
   int2 qspan;                        // smallest and largest global position of the block's rows
-  mutable int w_t = 0, w_ch = -1;    // the last FULL[t][ch] this thread acquired
+  // The FULL[t][ch] this thread acquired: chunks 0..w_ch[i] of step w_t[i]; i = 1 for V with
+  // K and V freed apart (split release: a thread's V loads may trail its K loads), else 0.
+  mutable int w_t[2] = {0, 0}, w_ch[2] = {-1, -1};
   mutable int at_t = 0, at_kt = 0, at_o, at_n;  // softmax's place (see pushed_keys)
+  mutable int it_t = 0, it_j = 0;    // causal: item's cursor (step it_t starts at tile it_j)
 
   __device__ explicit ring_keys(const globals& g) {
     const attention::dims& dm = g.d;
@@ -222,29 +228,34 @@ struct ring_keys {
     return g.c.rank >= t ? g.c.rank - t : g.c.rank - t + g.c.world;
   }
   /** @brief Step t's visible key tiles: those whose first key is at or before the block's last
-   * row (a prefix; binary search). */
+   * row, a prefix (key positions grow with the local index), from the number of the owner's
+   * keys at or before it (closed form: in zigzag, the owner's first half, then its second). */
   __device__ int count(const globals& g, int t) const {
     if (!CAUSAL) return n_kv;
-    const int o = owner(g, t);
-    int lo = 0, hi = n_kv;  // tiles [0, lo) visible, [hi, n_kv) hidden
-    while (lo < hi) {
-      const int mid = (lo + hi) / 2;
-      if (global_pos(g, o, mid * C::BN) <= qspan.y) lo = mid + 1;
-      else hi = mid;
+    const int o = owner(g, t), s = g.d.s, y = qspan.y;
+    int keys;
+    if (!g.zigzag) {
+      keys = min(max(y - o * s + 1, 0), s);
+    } else {
+      const int c = s / 2;
+      keys = min(max(y - o * c + 1, 0), c) +
+             min(max(y - (2 * g.c.world - 1 - o) * c + 1, 0), s - c);
     }
-    return lo;
+    return ceil_div(keys, C::BN);
   }
-  /** @brief Stream tile j: key tile *kt of step t (returned). */
+  /** @brief Stream tile j: key tile *kt of step t (returned). Causal: from this thread's cursor
+   * (the first tile of step it_t is stream tile it_j), which only moves forward, as the tiles a
+   * thread loads do; so a step's count is computed once per thread, not once per load. */
   __device__ int item(const globals& g, int j, int* kt) const {
     if (!CAUSAL) {
       const int t = j / n_kv;
       *kt = j - t * n_kv;
       return t;
     }
-    int t = 0;
-    for (int c = count(g, 0); j >= c; c = count(g, ++t)) j -= c;
-    *kt = j;
-    return t;
+    if (j < it_j) it_t = it_j = 0;  // not reached (causal: K and V freed together, in order)
+    for (int c = count(g, it_t); j - it_j >= c; c = count(g, ++it_t)) it_j += c;
+    *kt = j - it_j;
+    return it_t;
   }
   // NOTES: mbarrier waits get a quarter more than the signal waits, so a missing peer is named
   // by the signal wait (peer known) before an mbarrier wait gives up (peer -1).
@@ -257,20 +268,28 @@ struct ring_keys {
     attention::load_rows(t, &g.q, bar, b, q0, h);
   }
   /** @brief K (v = false) or V of stream tile j: the local k, v at step 0, else slot t once
-   * its chunk's FULL is acquired. */
+   * this thread has acquired FULL of the step's chunks up to the last one the tile's keys
+   * reach (a prefix: a step's tiles are loaded in order, and a 176-key tile may span several
+   * TILE_ROWS chunks). */
   __device__ void load_kv(const globals& g, typename C::kv_tile& t, mbarrier* bar, int j,
                           bool v) const {
     int kt;
     const int step = item(g, j, &kt);
     if (step > 0) {
-      const int ch = kt / g.chunk_tiles;
-      if (step != w_t || ch != w_ch) {
+      const int i = C::SPLIT_RELEASE && v ? 1 : 0;
+      const int last = (min((kt + 1) * C::BN, g.d.s) - 1) / (g.chunk_tiles * TILE_ROWS);
+      if (step != w_t[i]) {
+        w_t[i] = step;
+        w_ch[i] = -1;
+      }
+      if (w_ch[i] < last) {
         const tp::comm& cm = g.c;
-        wait(cm.sig[cm.rank] + FULL + uint64_t(step) * MAX_CHUNKS + ch, cm.epoch(),
-             cm.timeout_ns + cm.timeout_ns / 8, cm.fail(), owner(g, 1));
-        fence_proxy_async_global();  // the acquire before the TMA reads of the slot
-        w_t = step;
-        w_ch = ch;
+        for (int ch = w_ch[i] + 1; ch <= last; ++ch) {
+          wait(cm.sig[cm.rank] + FULL + uint64_t(step) * MAX_CHUNKS + ch, cm.epoch(),
+               cm.timeout_ns + cm.timeout_ns / 8, cm.fail(), owner(g, 1));
+        }
+        fence_proxy_async_global();  // the acquires before the TMA reads of the slot
+        w_ch[i] = last;
       }
     }
     const CUtensorMap* map = step == 0 ? (v ? &g.v : &g.k) : (v ? &g.vs : &g.ks);
@@ -322,11 +341,16 @@ __global__ void __launch_bounds__(C::THREADS, 1) kernel(const __grid_constant__ 
   attention::fwd_block<C, ring_keys<C, CAUSAL>>(g);
 }
 
+/** @brief The compute blocks' keys per tile: pk.attention's (attention::fwd_block_keys; 176
+ * at D = 128 without a causal mask). The k, v and slot maps' boxes. */
+constexpr int block_keys(int d, bool causal) { return attention::fwd_block_keys(d, causal); }
+
 /** @brief Launches the grid of one call (after the caller's epoch kernel): C comm blocks,
  * then ceil(Sl / 128) H B compute blocks. */
-template <typename T, int D, bool CAUSAL>
+template <typename T, int D, int KEYS, bool CAUSAL>
 inline cudaError_t launch_as(const globals& g, cudaStream_t stream, int device) {
-  using C = attention::fwd_config<T, D>;
+  using C = attention::fwd_config<T, D, 2, KEYS>;
+  static_assert(C::BM == TILE_ROWS, "ring_attn: rows per compute block");
   static_assert(C::SMEM + sizeof(wait_bound) <= 232448,
                 "ring_attn: shared memory over the sm_90 limit of 227 KiB");
   const void* fn = reinterpret_cast<const void*>(&kernel<C, CAUSAL>);
@@ -340,8 +364,8 @@ inline cudaError_t launch_as(const globals& g, cudaStream_t stream, int device) 
 
 template <typename T, int D>
 inline cudaError_t launch(const globals& g, cudaStream_t stream, int device) {
-  return g.d.causal ? launch_as<T, D, true>(g, stream, device)
-                    : launch_as<T, D, false>(g, stream, device);
+  if (g.d.causal) return launch_as<T, D, block_keys(D, true), true>(g, stream, device);
+  return launch_as<T, D, block_keys(D, false), false>(g, stream, device);
 }
 
 }  // namespace pk::ring_attn
