@@ -18,17 +18,18 @@
  *       0       barrier with every peer's block cb;     K/V tiles of the local k, v (TMA)
  *               push chunk ch of k, v into slot 1 of
  *               rank r+1; FULL[1][ch] there
- *     1..P-2    wait FULL[t][ch] here; forward chunk    wait FULL[t][ch] for the chunk of
- *               ch of slot t to slot t+1 of r+1;        the next tile it loads (the issuing
- *               FULL[t+1][ch] there                     thread); K/V tiles of slot t
+ *     1..P-2    wait FULL[t][ch] here; forward chunk    wait FULL[t][..ch] up to the last
+ *               ch of slot t to slot t+1 of r+1;        chunk of the next tile it loads (the
+ *               FULL[t+1][ch] there                     issuing thread); K/V tiles of slot t
  *      P-1      wait FULL[P-1][ch] here (the last       as above; then O / l and lse out
  *               block landed: after this kernel
  *               nobody writes my workspace)
  *
- * A chunk is CT consecutive 128-row key tiles of a K/V block (all heads, every batch), CT the
- * smallest that gives at most MAX_CHUNKS chunks: a chunk is forwarded as soon as it has landed,
- * so a hop costs one chunk's copy, not a block's, and a compute block waits only for the
- * chunks of the tiles it loads.
+ * A chunk is CT consecutive TILE_ROWS (128) row tiles of a K/V block (all heads, every batch),
+ * CT the smallest that gives at most MAX_CHUNKS chunks: a chunk is forwarded as soon as it has
+ * landed, so a hop costs one chunk's copy, not a block's, and a compute block waits only for
+ * the chunks up to the tiles it loads. Key tiles are pk.attention's (block_keys: 176 keys at
+ * D = 128 without a causal mask, else 128), so a key tile may straddle chunks.
  *
  * The compute block keeps Q, the running max and sum and the O accumulator in registers over
  * all P steps: the K/V tiles of all steps form one stream through its mbarrier ring, and the
@@ -46,12 +47,12 @@
  * ENTER[cb][s] (barrier of comm block cb with every peer: every peer's earlier kernels are over,
  * so none still reads a workspace I am about to write); FULL[t][ch], written by rank r-1's comm
  * block ch % C after chunk ch of slot t landed in my workspace (release at system scope), read
- * by my comm block ch % C and by the compute blocks that load a tile of chunk ch (acquire). Every wait is bounded and names the
- * peer; compute blocks wait 1/8 longer than the comm blocks, whose timeouts name a dead rank.
+ * by my comm block ch % C and by the compute blocks that load a tile of chunk ch (acquire).
+ * Every wait is bounded and names the peer; compute blocks wait 1/8 longer than the comm blocks, whose timeouts name a dead rank.
  *
  * Pitfalls: bulk copies and TMA loads are the async proxy, the signals the generic proxy: the
  * copying thread fences (fence.proxy.async.global) before and after its copies, the compute
- * block's issuer after its FULL wait. C (num_comm_sms) must be the same on every rank (comm
+ * block's issuing thread after its FULL waits. C (num_comm_sms) must be the same on every rank (comm
  * blocks pair across ranks): it is an attribute of the call. The TMA maps zero-fill rows past
  * Sl; the kernel masks those keys and stores no row past Sl.
  */
