@@ -5,7 +5,8 @@ the same run.
 Per shape (per rank: B = 1, S/P local positions, H = 8 heads, D = 128, bf16; causal contiguous
 and not):
 - fused: one pk_ring_attn call on every rank (K/V pushed around the ring by communication
-  blocks while the compute blocks fold each arriving block into their online softmax);
+  blocks, the op's FWD_COMM_SMS unless --num-comm-sms, while the compute blocks fold each
+  arriving block into their online softmax);
 - baseline (unfused, no overlap): the pk all_gather kernel of every rank's [k | v] (the same
   P - 1 blocks each rank receives in the ring), then, serially on each rank's stream, one
   pk.attention forward per K/V block that causal masking does not hide (the diagonal block
@@ -14,7 +15,8 @@ and not):
 What the numbers mean: each emulated rank has 1/P of the SMs, and all ranks share one HBM, so
 "links" run at the shared-HBM rate, not NVLink's; every row says `"emulated": true`.
 
-Backward (run_shape_bwd): the fused pk_ring_attn_bwd call against all_gather of [k | v] plus
+Backward (run_shape_bwd): the fused pk_ring_attn_bwd call (the op's NUM_COMM_SMS communication
+blocks unless --bwd-comm-sms) against all_gather of [k | v] plus
 one pk.attention backward per visible block (dq and dk/dv sums not counted); 2.5 x the
 forward's FLOPs.
 
@@ -41,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common
 import numpy as np
 
+from pk_jax.ops import ring_attn
 from pk_jax.testing import DeviceBuffer, World, ops
 from pk_jax.testing.emulator import DTYPES, np_dtype
 
@@ -48,7 +51,8 @@ MACHINE = "h200-emulated"
 LINK = "shared HBM (unthrottled)"
 BF16 = "bfloat16"
 B, H, HKV, D = 1, 8, 8, 128
-NUM_COMM_SMS = 2
+FWD_COMM_SMS = ring_attn.FWD_COMM_SMS  # the op's (--num-comm-sms)
+NUM_COMM_SMS = ring_attn.NUM_COMM_SMS  # the fused backward's (--bwd-comm-sms)
 
 
 def _reference_head0(q, k_all, v_all, q_pos, k_pos, causal: bool, scale: float):
@@ -67,7 +71,7 @@ def run_shape(world: World, p: int, sl: int, causal: bool, rng, rows: list) -> N
     vs = [rng.standard_normal((B, sl, HKV, D)).astype(np.float32).astype(dt) for _ in range(p)]
     scale = float(1.0 / np.sqrt(D))
     params = {"b": B, "s": sl, "h": H, "hkv": HKV, "d": D, "scale": scale,
-              "causal": int(causal), "zigzag": 0, "num_comm_sms": NUM_COMM_SMS}
+              "causal": int(causal), "zigzag": 0, "num_comm_sms": FWD_COMM_SMS}
     # Expected outputs are placeholders (shapes for the poisoned buffers); the check below
     # computes the reference for the rows it compares.
     case = ops.Case("ring_attn", BF16, [{"q": qs[r], "k": ks[r], "v": vs[r]} for r in range(p)],
@@ -118,7 +122,7 @@ def run_shape(world: World, p: int, sl: int, causal: bool, rng, rows: list) -> N
     s_total = sl * p
     flops = 4 * B * H * D * s_total * s_total * (0.5 if causal else 1.0)  # all ranks
     shape = {"b": B, "s": s_total, "s_local": sl, "h": H, "hkv": HKV, "d": D,
-             "causal": causal, "layout": "contiguous", "num_comm_sms": NUM_COMM_SMS}
+             "causal": causal, "layout": "contiguous", "num_comm_sms": FWD_COMM_SMS}
     rows.append(common.record(
         op="ring_attention", shape=shape, dtype=BF16, world=p, processes=1,
         median_us=t_fused, tflops=flops / t_fused / 1e6,
@@ -217,14 +221,16 @@ def run_shape_bwd(world: World, p: int, sl: int, causal: bool, rng, rows: list) 
 
 
 def main() -> None:
-    global NUM_COMM_SMS
+    global FWD_COMM_SMS, NUM_COMM_SMS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="S/P = 2048 only")
     parser.add_argument("--forward-only", action="store_true", help="skip the backward")
-    parser.add_argument("--num-comm-sms", type=int, default=2,
-                        help="communication blocks of the fused kernels (default: the op's)")
+    parser.add_argument("--num-comm-sms", type=int, default=FWD_COMM_SMS,
+                        help="communication blocks of the fused forward (default: the op's)")
+    parser.add_argument("--bwd-comm-sms", type=int, default=NUM_COMM_SMS,
+                        help="communication blocks of the fused backward (default: the op's)")
     args = parser.parse_args()
-    NUM_COMM_SMS = args.num_comm_sms
+    FWD_COMM_SMS, NUM_COMM_SMS = args.num_comm_sms, args.bwd_comm_sms
     rng = np.random.default_rng(0)
     rows: list = []
     for p in (2, 4, 8):

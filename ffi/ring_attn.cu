@@ -19,10 +19,10 @@ Status Invalid(const std::string& what) {
   return Status::Invalid("pk.ring_attention: " + what);
 }
 
-// The 4-D map of an operand or slot section (tensor_map.h Map4d), boxes of `rows` positions.
-Status Map(const void* ptr, int64_t batch, int64_t s, int64_t heads, int64_t d, int rows,
-           int dtype, CUtensorMap* out) {
-  return Map4d("ring_attention", ptr, batch, s, heads, d, rows, dtype, out);
+// The 4-D map of an operand or slot section (tensor_map.h Map4d), panels of 128 positions.
+Status Map(const void* ptr, int64_t batch, int64_t s, int64_t heads, int64_t d, int dtype,
+           CUtensorMap* out) {
+  return Map4d("ring_attention", ptr, batch, s, heads, d, 128, dtype, out);
 }
 
 }  // namespace
@@ -69,7 +69,7 @@ Status LaunchRingAttn(const Where& at, const RingAttnArgs& a, const CommView& v)
   g.d = pk::attention::dims{int(a.b), int(a.s), int(a.h), int(a.hkv), a.scale, a.causal ? 1 : 0};
   g.zigzag = a.causal && a.zigzag ? 1 : 0;
   g.comm_blocks = static_cast<int>(a.num_comm_sms);
-  g.q_tiles = static_cast<int>((a.s + ra::TILE_ROWS - 1) / ra::TILE_ROWS);
+  g.q_tiles = static_cast<int>((a.s + 127) / 128);
   g.chunk_tiles = (g.q_tiles + ra::MAX_CHUNKS - 1) / ra::MAX_CHUNKS;
   g.n_chunks = (g.q_tiles + g.chunk_tiles - 1) / g.chunk_tiles;
   g.block_bytes = block_bytes;
@@ -79,18 +79,13 @@ Status LaunchRingAttn(const Where& at, const RingAttnArgs& a, const CommView& v)
   g.v_local = a.v;
   char* ws = static_cast<char*>(v.workspace[v.rank]);
   const int64_t slots = P > 1 ? int64_t(P - 1) * a.b : a.b;
-  // Query rows per compute block (ra::TILE_ROWS) and keys per tile (ra::block_keys) are the
-  // maps' boxes.
-  const int kv_rows = ra::block_keys(int(a.d), a.causal);
-  if (Status s = Map(a.q, a.b, a.s, a.h, a.d, ra::TILE_ROWS, type, &g.q); !s.ok()) return s;
-  if (Status s = Map(a.k, a.b, a.s, a.hkv, a.d, kv_rows, type, &g.k); !s.ok()) return s;
-  if (Status s = Map(a.v, a.b, a.s, a.hkv, a.d, kv_rows, type, &g.v); !s.ok()) return s;
+  if (Status s = Map(a.q, a.b, a.s, a.h, a.d, type, &g.q); !s.ok()) return s;
+  if (Status s = Map(a.k, a.b, a.s, a.hkv, a.d, type, &g.k); !s.ok()) return s;
+  if (Status s = Map(a.v, a.b, a.s, a.hkv, a.d, type, &g.v); !s.ok()) return s;
   // P = 1: no slots (the maps are never used; any valid map will do).
-  if (Status s = Map(P > 1 ? ws : a.k, slots, a.s, a.hkv, a.d, kv_rows, type, &g.ks); !s.ok()) {
-    return s;
-  }
+  if (Status s = Map(P > 1 ? ws : a.k, slots, a.s, a.hkv, a.d, type, &g.ks); !s.ok()) return s;
   if (Status s = Map(P > 1 ? ws + uint64_t(P - 1) * block_bytes : a.v, slots, a.s, a.hkv,
-                       a.d, kv_rows, type, &g.vs);
+                       a.d, type, &g.vs);
       !s.ok()) {
     return s;
   }

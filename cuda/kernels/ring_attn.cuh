@@ -18,18 +18,17 @@
  *       0       barrier with every peer's block cb;     K/V tiles of the local k, v (TMA)
  *               push chunk ch of k, v into slot 1 of
  *               rank r+1; FULL[1][ch] there
- *     1..P-2    wait FULL[t][ch] here; forward chunk    wait FULL[t][..ch] up to the last
- *               ch of slot t to slot t+1 of r+1;        chunk of the next tile it loads (the
- *               FULL[t+1][ch] there                     issuing thread); K/V tiles of slot t
+ *     1..P-2    wait FULL[t][ch] here; forward chunk    wait FULL[t][ch] for the chunk of
+ *               ch of slot t to slot t+1 of r+1;        the next tile it loads (the issuing
+ *               FULL[t+1][ch] there                     thread); K/V tiles of slot t
  *      P-1      wait FULL[P-1][ch] here (the last       as above; then O / l and lse out
  *               block landed: after this kernel
  *               nobody writes my workspace)
  *
- * A chunk is CT consecutive TILE_ROWS (128) row tiles of a K/V block (all heads, every batch),
- * CT the smallest that gives at most MAX_CHUNKS chunks: a chunk is forwarded as soon as it has
- * landed, so a hop costs one chunk's copy, not a block's, and a compute block waits only for
- * the chunks up to the tiles it loads. Key tiles are pk.attention's (block_keys: 176 keys at
- * D = 128 without a causal mask, else 128), so a key tile may straddle chunks.
+ * A chunk is CT consecutive 128-row key tiles of a K/V block (all heads, every batch), CT the
+ * smallest that gives at most MAX_CHUNKS chunks: a chunk is forwarded as soon as it has landed,
+ * so a hop costs one chunk's copy, not a block's, and a compute block waits only for the
+ * chunks of the tiles it loads.
  *
  * The compute block keeps Q, the running max and sum and the O accumulator in registers over
  * all P steps: the K/V tiles of all steps form one stream through its mbarrier ring, and the
@@ -52,7 +51,7 @@
  *
  * Pitfalls: bulk copies and TMA loads are the async proxy, the signals the generic proxy: the
  * copying thread fences (fence.proxy.async.global) before and after its copies, the compute
- * block's issuing thread after its FULL waits. C (num_comm_sms) must be the same on every rank (comm
+ * block's issuing thread after its FULL wait. C (num_comm_sms) must be the same on every rank (comm
  * blocks pair across ranks): it is an attribute of the call. The TMA maps zero-fill rows past
  * Sl; the kernel masks those keys and stores no row past Sl.
  */
@@ -70,9 +69,6 @@ constexpr int MAX_COMM = 16;    // communication blocks at most
 // kernels/ring_attn_bwd.cuh) within 640 slots, the ring's range once Ulysses attention's slots
 // follow it (kernels/ulysses_attn.cuh, branch uly).
 constexpr int MAX_CHUNKS = 16;
-// Chunks are whole tiles of TILE_ROWS rows, which are also the compute blocks' query rows; a
-// compute block's key tiles need not be (block_keys).
-constexpr int TILE_ROWS = 128;
 
 // Signal pad: slots SLOT_BASE + these offsets (the host passes pads already offset). The range
 // lies between the collectives' slots and the fused GEMMs' (pk/tp.cuh); Ulysses attention's
@@ -101,7 +97,7 @@ struct globals {
   int zigzag;            // causal with the zigzag layout
   int comm_blocks;       // C
   int q_tiles;           // ceil(Sl / 128)
-  int chunk_tiles;       // CT: TILE_ROWS-row tiles per chunk
+  int chunk_tiles;       // CT: 128-row key tiles per chunk
   int n_chunks;          // ceil(q_tiles / CT)
   uint64_t block_bytes;  // of one K (or V) block: B Sl Hkv D sizeof(T)
 };
@@ -141,7 +137,7 @@ __device__ void communicate(const globals& g, int cb, void* smem) {
   if (!lead) return;
   const uint64_t bb = g.block_bytes;
   const uint64_t row_bytes = uint64_t(g.d.hkv) * C::HEAD_DIM * sizeof(typename C::dtype);
-  const int s = g.d.s, batch = g.d.b, chunk_rows = g.chunk_tiles * TILE_ROWS;
+  const int s = g.d.s, batch = g.d.b, chunk_rows = g.chunk_tiles * C::BN;
   char* const mine = static_cast<char*>(c.ws[r]);
   char* const theirs = static_cast<char*>(c.ws[next]);
   const uint64_t v_off = uint64_t(P - 1) * bb;
@@ -200,9 +196,7 @@ template <class C, bool CAUSAL>
 struct ring_keys {
   int h, hk, b, q0, n_kv, n;
   int2 qspan;                        // smallest and largest global position of the block's rows
-  // The FULL[t][ch] this thread acquired: chunks 0..w_ch[i] of step w_t[i]; i = 1 for V with
-  // K and V freed apart (split release: a thread's V loads may trail its K loads), else 0.
-  mutable int w_t[2] = {0, 0}, w_ch[2] = {-1, -1};
+  mutable int w_t = 0, w_ch = -1;    // the last FULL[t][ch] this thread acquired
   mutable int at_t = 0, at_kt = 0, at_o, at_n;  // softmax's place (see pushed_keys)
   mutable int it_t = 0, it_j = 0;    // causal: item's cursor (step it_t starts at tile it_j)
 
@@ -253,7 +247,7 @@ struct ring_keys {
       *kt = j - t * n_kv;
       return t;
     }
-    if (j < it_j) it_t = it_j = 0;  // not reached (causal: K and V freed together, in order)
+    if (j < it_j) it_t = it_j = 0;  // not reached (loads are in stream order); kept exact
     for (int c = count(g, it_t); j - it_j >= c; c = count(g, ++it_t)) it_j += c;
     *kt = j - it_j;
     return it_t;
@@ -269,28 +263,20 @@ struct ring_keys {
     attention::load_rows(t, &g.q, bar, b, q0, h);
   }
   /** @brief K (v = false) or V of stream tile j: the local k, v at step 0, else slot t once
-   * this thread has acquired FULL of the step's chunks up to the last one the tile's keys
-   * reach (a prefix: a step's tiles are loaded in order, and a 176-key tile may span several
-   * TILE_ROWS chunks). */
+   * its chunk's FULL is acquired. */
   __device__ void load_kv(const globals& g, typename C::kv_tile& t, mbarrier* bar, int j,
                           bool v) const {
     int kt;
     const int step = item(g, j, &kt);
     if (step > 0) {
-      const int i = C::SPLIT_RELEASE && v ? 1 : 0;
-      const int last = (min((kt + 1) * C::BN, g.d.s) - 1) / (g.chunk_tiles * TILE_ROWS);
-      if (step != w_t[i]) {
-        w_t[i] = step;
-        w_ch[i] = -1;
-      }
-      if (w_ch[i] < last) {
+      const int ch = kt / g.chunk_tiles;
+      if (step != w_t || ch != w_ch) {
         const tp::comm& cm = g.c;
-        for (int ch = w_ch[i] + 1; ch <= last; ++ch) {
-          wait(cm.sig[cm.rank] + FULL + uint64_t(step) * MAX_CHUNKS + ch, cm.epoch(),
-               cm.timeout_ns + cm.timeout_ns / 8, cm.fail(), owner(g, 1));
-        }
-        fence_proxy_async_global();  // the acquires before the TMA reads of the slot
-        w_ch[i] = last;
+        wait(cm.sig[cm.rank] + FULL + uint64_t(step) * MAX_CHUNKS + ch, cm.epoch(),
+             cm.timeout_ns + cm.timeout_ns / 8, cm.fail(), owner(g, 1));
+        fence_proxy_async_global();  // the acquire before the TMA reads of the slot
+        w_t = step;
+        w_ch = ch;
       }
     }
     const CUtensorMap* map = step == 0 ? (v ? &g.v : &g.k) : (v ? &g.vs : &g.ks);
@@ -342,16 +328,13 @@ __global__ void __launch_bounds__(C::THREADS, 1) kernel(const __grid_constant__ 
   attention::fwd_block<C, ring_keys<C, CAUSAL>>(g);
 }
 
-/** @brief The compute blocks' keys per tile: pk.attention's (attention::fwd_block_keys; 176
- * at D = 128 without a causal mask). The k, v and slot maps' boxes. */
-constexpr int block_keys(int d, bool causal) { return attention::fwd_block_keys(d, causal); }
-
 /** @brief Launches the grid of one call (after the caller's epoch kernel): C comm blocks,
- * then ceil(Sl / 128) H B compute blocks. */
-template <typename T, int D, int KEYS, bool CAUSAL>
+ * then ceil(Sl / 128) H B compute blocks. Key tiles of 128 at both head dims: pk.attention's
+ * 176-key tiles (D = 128, no causal mask; K and V freed apart) made this kernel 6-10% slower
+ * at P = 4 and 8 in the emulator (H200, 2026-12-03; bench/results/ring_attention_notes.md). */
+template <typename T, int D, bool CAUSAL>
 inline cudaError_t launch_as(const globals& g, cudaStream_t stream, int device) {
-  using C = attention::fwd_config<T, D, 2, KEYS>;
-  static_assert(C::BM == TILE_ROWS, "ring_attn: rows per compute block");
+  using C = attention::fwd_config<T, D>;
   static_assert(C::SMEM + sizeof(wait_bound) <= 232448,
                 "ring_attn: shared memory over the sm_90 limit of 227 KiB");
   const void* fn = reinterpret_cast<const void*>(&kernel<C, CAUSAL>);
@@ -365,8 +348,8 @@ inline cudaError_t launch_as(const globals& g, cudaStream_t stream, int device) 
 
 template <typename T, int D>
 inline cudaError_t launch(const globals& g, cudaStream_t stream, int device) {
-  if (g.d.causal) return launch_as<T, D, block_keys(D, true), true>(g, stream, device);
-  return launch_as<T, D, block_keys(D, false), false>(g, stream, device);
+  return g.d.causal ? launch_as<T, D, true>(g, stream, device)
+                    : launch_as<T, D, false>(g, stream, device);
 }
 
 }  // namespace pk::ring_attn

@@ -156,7 +156,12 @@ def forward_path(q: jax.Array, k: jax.Array, v: jax.Array, p: int, axis_name: st
 # per call, and the backward (pk_ring_attn_bwd, cuda/kernels/ring_attn_bwd.cuh) likewise.
 
 HEAD_DIMS = (64, 128)
-NUM_COMM_SMS = 2  # communication blocks (the same on every rank; each moves 1/C of a block)
+# Communication blocks (the same on every rank; each moves 1/C of a K/V block), forward and
+# backward. Emulated P = 2, 4, 8 (bench/results/ring_attention_notes.md, 2026-12-03): the
+# forward's geomean against the unfused path was 0.59x at 2 blocks and 0.86-0.90x at 8; the
+# backward was not faster with 8 (0.64x), so it keeps 2.
+FWD_COMM_SMS = 8
+NUM_COMM_SMS = 2
 
 
 def kernel_supports(q: jax.Array, k: jax.Array, p: int) -> bool:
@@ -191,7 +196,7 @@ def _kernel_call(q, k, v, axis_name, causal, scale, zigzag):
                          jax.ShapeDtypeStruct((b, h, s), jnp.float32)],
         q, k, v, _backend.rank_operand(axis_name), comm_id=np.int64(state.comm_id(axis_name)),
         scale=np.float32(scale), causal=np.int64(causal), zigzag=np.int64(zigzag),
-        num_comm_sms=np.int64(NUM_COMM_SMS))
+        num_comm_sms=np.int64(FWD_COMM_SMS))
     return o, lse  # lse [B, H, S/P]
 
 

@@ -82,10 +82,9 @@ def test_tiny_and_comm_block_counts(worlds, p):
 
 
 def test_chunks_of_several_tiles(worlds):
-    """S/P = 8500 (67 128-row tiles): chunks of 5 tiles (at most 16 chunks per K/V block), the
-    last one of 2 tiles, the last tile partial; causal zigzag and not, GQA. At D = 128 without a
-    causal mask the key tiles are 176 keys, which straddle chunks: S/P = 8500 and 2048 (16
-    chunks of one tile, so a key tile spans two or three)."""
+    """S/P = 8500 (67 key tiles): chunks of 5 tiles (at most 16 chunks per K/V block), the last
+    one of 2 tiles, the last tile partial; causal zigzag and not, GQA, D = 64 and 128; and
+    S/P = 2048 (16 chunks of one tile) at D = 128."""
     rng = np.random.default_rng(17)
     w = worlds(2)
     cases = [emu_cases.ring_case(2, rng, s_local=8500, h=2, hkv=1, d=64, b=1, causal=True,
