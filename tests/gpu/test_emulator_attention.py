@@ -179,13 +179,14 @@ def test_backward_against_the_float32_reference(worlds, p, layout):
 
 @pytest.mark.parametrize("p", PS)
 def test_backward_grouped_query_attention(worlds, p):
-    """GQA 4:1 and MQA (Hkv = 1), batch 2, causal zigzag and contiguous, odd S/P tails, and
-    S/P = 2 with one communication block."""
+    """GQA 4:1 and MQA (Hkv = 1), batch 2, causal zigzag and contiguous, odd S/P tails (two of
+    them with 8 communication blocks, the op's count), and S/P = 2 with one."""
     rng = np.random.default_rng(70 + p)
     w = worlds(p)
-    cases = [_bwd_case(p, rng, h=8, hkv=2, b=2, s_local=192, causal=True, zigzag=True),
+    cases = [_bwd_case(p, rng, h=8, hkv=2, b=2, s_local=192, causal=True, zigzag=True,
+                       num_comm_sms=8),
              _bwd_case(p, rng, h=4, hkv=1, b=1, s_local=66, causal=True, zigzag=False),
-             _bwd_case(p, rng, h=8, hkv=2, b=2, s_local=300, causal=False),
+             _bwd_case(p, rng, h=8, hkv=2, b=2, s_local=300, causal=False, num_comm_sms=8),
              _bwd_case(p, rng, h=2, hkv=1, b=1, s_local=2, causal=True, zigzag=True,
                        num_comm_sms=1)]
     assert _run(w, cases, rng) == []
