@@ -185,6 +185,46 @@ __device__ void communicate(const globals& g, int cb, void* smem) {
 }
 
 /**
+ * @brief What the fused forwards' attention::fwd_block sources share (ring_keys here, and
+ * ulysses_attn's pushed_keys): a K/V stream of P steps, step t holding the keys of rank
+ * owner(t) = (r - t) mod P (the ring's K/V block, Ulysses' source), Self::count(g, t) tiles
+ * of them; its total n; and softmax's place in it, which every consumer thread walks in order
+ * (key tile at_kt of step at_t, whose owner is at_o and which has at_n tiles). Self's
+ * constructor sets n and the place at the first tile (written out in each: shared, the loop
+ * compiled differently for one of them). No division per step: with one, a Ulysses call at
+ * P = 1, S = 16384 took 2397 us against pk.attention's 1914; without, 2114 (H200, 2026-12-03).
+ */
+template <class Self>
+struct step_stream {
+  int n;
+  mutable int at_t = 0, at_kt = 0, at_o, at_n;
+
+  /** @brief The rank whose keys step t holds (0 <= t < P). */
+  template <class G>
+  __device__ static int owner(const G& g, int t) {
+    return g.c.rank >= t ? g.c.rank - t : g.c.rank - t + g.c.world;
+  }
+  /** @brief Softmax's place moves past a tile. */
+  template <class G>
+  __device__ void next(const G& g) const {
+    if (++at_kt == at_n) {
+      at_kt = 0;
+      do {
+        ++at_t;
+      } while (at_t < g.c.world && (at_n = static_cast<const Self&>(*this).count(g, at_t)) == 0);
+      if (at_t < g.c.world) at_o = owner(g, at_t);
+    }
+  }
+  // NOTES: mbarrier waits get a quarter more than the signal waits, so a missing peer is named
+  // by the signal wait (peer known) before an mbarrier wait gives up (peer -1).
+  template <class G>
+  __device__ wait_bound bound(const G& g) const {
+    return wait_bound{g.c.error, g.c.op, g.c.rank, g.c.timeout_ns + g.c.timeout_ns / 4};
+  }
+  __device__ int n_tiles() const { return n; }
+};
+
+/**
  * @brief attention::fwd_block's source in a compute block (see the schedule): the local query
  * tile (q tile, head, batch from the block index), its K/V stream over the steps t = 0..P-1
  * (the block of rank (r - t) mod P: the local k, v at t = 0, workspace slot t after), causally
@@ -193,11 +233,11 @@ __device__ void communicate(const globals& g, int cb, void* smem) {
  * acquired last, and softmax's place in the stream (walked in order, no division per step).
  */
 template <class C, bool CAUSAL>
-struct ring_keys {
-  int h, hk, b, q0, n_kv, n;
+struct ring_keys : step_stream<ring_keys<C, CAUSAL>> {
+  using step_stream<ring_keys>::owner;
+  int h, hk, b, q0, n_kv;
   int2 qspan;                        // smallest and largest global position of the block's rows
   mutable int w_t = 0, w_ch = -1;    // the last FULL[t][ch] this thread acquired
-  mutable int at_t = 0, at_kt = 0, at_o, at_n;  // softmax's place (see pushed_keys)
   mutable int it_t = 0, it_j = 0;    // causal: item's cursor (step it_t starts at tile it_j)
 
   __device__ explicit ring_keys(const globals& g) {
@@ -212,15 +252,11 @@ struct ring_keys {
     hk = h / (dm.h / dm.hkv);
     n_kv = ceil_div(dm.s, C::BN);
     qspan = span(g, g.c.rank, q0, min(q0 + C::BM, dm.s));
-    n = 0;
-    for (int t = 0; t < g.c.world; ++t) n += count(g, t);
-    at_n = count(g, 0);
-    while (at_n == 0) at_n = count(g, ++at_t);
-    at_o = owner(g, at_t);
-  }
-  /** @brief The rank whose K/V block is step t's (0 <= t < P). */
-  __device__ static int owner(const globals& g, int t) {
-    return g.c.rank >= t ? g.c.rank - t : g.c.rank - t + g.c.world;
+    this->n = 0;
+    for (int t = 0; t < g.c.world; ++t) this->n += count(g, t);
+    this->at_n = count(g, 0);
+    while (this->at_n == 0) this->at_n = count(g, ++this->at_t);
+    this->at_o = owner(g, this->at_t);
   }
   /** @brief Step t's visible key tiles: those whose first key is at or before the block's last
    * row, a prefix (key positions grow with the local index), from the number of the owner's
@@ -252,12 +288,6 @@ struct ring_keys {
     *kt = j - it_j;
     return it_t;
   }
-  // NOTES: mbarrier waits get a quarter more than the signal waits, so a missing peer is named
-  // by the signal wait (peer known) before an mbarrier wait gives up (peer -1).
-  __device__ wait_bound bound(const globals& g) const {
-    return wait_bound{g.c.error, g.c.op, g.c.rank, g.c.timeout_ns + g.c.timeout_ns / 4};
-  }
-  __device__ int n_tiles() const { return n; }
   __device__ int row0() const { return q0; }
   __device__ void load_q(const globals& g, typename C::q_tile& t, mbarrier* bar) const {
     attention::load_rows(t, &g.q, bar, b, q0, h);
@@ -293,22 +323,16 @@ struct ring_keys {
    * stream tiles 0, 1, .. in order. */
   __device__ void softmax(const globals& g, attention::fwd_rows<C>& r, int /*j*/,
                           int /*wg_row0*/, const int (&rows)[2], float sl2) const {
-    const int k0 = at_kt * C::BN;
+    const int k0 = this->at_kt * C::BN;
     const bool tail = k0 + C::BN > g.d.s;
-    const int o = at_o;
+    const int o = this->at_o;
     const bool part = CAUSAL && global_pos(g, o, min(k0 + C::BN, g.d.s) - 1) > qspan.x;
     if (tail || part) {
       const int qg[2] = {global_pos(g, g.c.rank, rows[0]), global_pos(g, g.c.rank, rows[1])};
       r.mask(k0, g.d.s, part, [&](int key) { return global_pos(g, o, key); }, qg);
     }
     r.softmax(sl2);
-    if (++at_kt == at_n) {
-      at_kt = 0;
-      do {
-        ++at_t;
-      } while (at_t < g.c.world && (at_n = count(g, at_t)) == 0);
-      if (at_t < g.c.world) at_o = owner(g, at_t);
-    }
+    this->next(g);
   }
   __device__ void store(const globals& g, attention::fwd_rows<C>& r, int wg_row0) const {
     const attention::dims& dm = g.d;

@@ -210,13 +210,10 @@ __device__ void communicate(const globals& g, int cb, void* smem) {
  * its own copy: `seen`, the sources whose FULL signals this thread has acquired.
  */
 template <class C, bool CAUSAL>
-struct pushed_keys {
-  int h, hk, b, src, q0, n_kv, own, n;  // own: causal, the visible key tiles of source src
+struct pushed_keys : ring_attn::step_stream<pushed_keys<C, CAUSAL>> {
+  using ring_attn::step_stream<pushed_keys>::owner;
+  int h, hk, b, src, q0, n_kv, own;  // own: causal, the visible key tiles of source src
   mutable uint32_t seen = 0;
-  // softmax's place in the stream, which every consumer thread walks in order: key tile at_kt
-  // of the at_t-th source, at_o, with at_n tiles. No division per step: with one, a call at
-  // P = 1, S = 16384 took 2397 us against pk.attention's 1914; without, 2114 (H200, 2026-12-03).
-  mutable int at_t = 0, at_kt = 0, at_o, at_n;
 
   __device__ explicit pushed_keys(const globals& g) {
     const attention::dims& dm = g.d;
@@ -235,15 +232,11 @@ struct pushed_keys {
     hk = h / (dm.h / dm.hkv);
     n_kv = ceil_div(dm.s, C::BN);
     own = ceil_div(min(q0 + C::BM, dm.s), C::BN);
-    n = 0;
-    for (int t = 0; t < P; ++t) n += count(g, t);
-    at_n = count(g, 0);
-    while (at_n == 0) at_n = count(g, ++at_t);
-    at_o = owner(g, at_t);
-  }
-  /** @brief Source (r - t) mod P: the t-th in the stream (0 <= t < P). */
-  __device__ static int owner(const globals& g, int t) {
-    return g.c.rank >= t ? g.c.rank - t : g.c.rank - t + g.c.world;
+    this->n = 0;
+    for (int t = 0; t < P; ++t) this->n += count(g, t);
+    this->at_n = count(g, 0);
+    while (this->at_n == 0) this->at_n = count(g, ++this->at_t);
+    this->at_o = owner(g, this->at_t);
   }
   /** @brief The key tiles of the t-th source that the block's rows see: all of an earlier
    * source's, a prefix of its own, none of a later one's. */
@@ -276,12 +269,6 @@ struct pushed_keys {
     fence_proxy_async_global();  // the acquires before the TMA reads of the section
     seen |= 1u << o;
   }
-  // NOTES: mbarrier waits get a quarter more than the signal waits, so a missing peer is named
-  // by the signal wait (peer known) before an mbarrier wait gives up (peer -1).
-  __device__ wait_bound bound(const globals& g) const {
-    return wait_bound{g.c.error, g.c.op, g.c.rank, g.c.timeout_ns + g.c.timeout_ns / 4};
-  }
-  __device__ int n_tiles() const { return n; }
   __device__ int row0() const { return q0; }
   __device__ void load_q(const globals& g, typename C::q_tile& t, mbarrier* bar) const {
     const int rank = g.c.rank;
@@ -315,18 +302,12 @@ struct pushed_keys {
    * for stream tiles 0, 1, .. in order (j is at_t's tile at_kt). */
   __device__ void softmax(const globals& g, attention::fwd_rows<C>& r, int /*j*/, int wg_row0,
                           const int (&rows)[2], float sl2) const {
-    const int k0 = at_kt * C::BN;
+    const int k0 = this->at_kt * C::BN;
     const bool tail = k0 + C::BN > g.d.s;
-    const bool diag = CAUSAL && at_o == src && k0 + C::BN - 1 > wg_row0;
+    const bool diag = CAUSAL && this->at_o == src && k0 + C::BN - 1 > wg_row0;
     if (tail || diag) r.mask(k0, g.d.s, diag, [](int key) { return key; }, rows);
     r.softmax(sl2);
-    if (++at_kt == at_n) {
-      at_kt = 0;
-      do {
-        ++at_t;
-      } while (at_t < g.c.world && (at_n = count(g, at_t)) == 0);
-      if (at_t < g.c.world) at_o = owner(g, at_t);
-    }
+    this->next(g);
   }
   /** @brief O and lse of the warpgroup's rows: mine straight into o and lse (head r G + h),
    * a peer's into my OW / LW at index src B + b. */
