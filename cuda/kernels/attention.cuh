@@ -184,7 +184,8 @@ struct turns {
 /**
  * @brief One forward consumer warpgroup's 64 query rows over a stream of BN-key tiles: its
  * registers (O, the scores S, P packed for the next P V, the row max m and sum l) and the steps
- * every forward kernel takes with them (fwd_block's, on fwd_config's storage). Each thread holds rows row_lo and row_lo + 8 of the warpgroup.
+ * every forward kernel takes with them (fwd_block's, on fwd_config's storage). Each thread
+ * holds rows row_lo and row_lo + 8 of the warpgroup.
  */
 template <class C>
 struct fwd_rows {

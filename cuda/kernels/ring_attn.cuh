@@ -47,13 +47,14 @@
  * so none still reads a workspace I am about to write); FULL[t][ch], written by rank r-1's comm
  * block ch % C after chunk ch of slot t landed in my workspace (release at system scope), read
  * by my comm block ch % C and by the compute blocks that load a tile of chunk ch (acquire).
- * Every wait is bounded and names the peer; compute blocks wait 1/8 longer than the comm blocks, whose timeouts name a dead rank.
+ * Every wait is bounded and names the peer; compute blocks wait 1/8 longer than the comm
+ * blocks, whose timeouts name a dead rank.
  *
  * Pitfalls: bulk copies and TMA loads are the async proxy, the signals the generic proxy: the
  * copying thread fences (fence.proxy.async.global) before and after its copies, the compute
- * block's issuing thread after its FULL wait. C (num_comm_sms) must be the same on every rank (comm
- * blocks pair across ranks): it is an attribute of the call. The TMA maps zero-fill rows past
- * Sl; the kernel masks those keys and stores no row past Sl.
+ * block's issuing thread after its FULL wait. C (num_comm_sms) must be the same on every rank
+ * (comm blocks pair across ranks): it is an attribute of the call. The TMA maps zero-fill rows
+ * past Sl; the kernel masks those keys and stores no row past Sl.
  */
 #pragma once
 
