@@ -39,8 +39,8 @@
  * storage: 128 query rows, 64-key tiles; dkdv_step on dkdv_config's).
  *
  * The forward's block is fwd_block<C, Src> and the backward's bwd_block<C, Src>: the source
- * says where the streamed tiles come from (local_keys, local_rows here; the fused Ulysses
- * kernels' wait for other ranks' rows).
+ * says where the streamed tiles come from (local_keys, local_rows here; the fused ring and
+ * Ulysses kernels' wait for other ranks' rows).
  *
  * Grid: fwd (H, ceil(S / BM), B), BM = fwd_block_rows(D); bwd (Hkv, ceil(S / 128), B).
  * Causal blocks run the longest rows first (fwd: block y counts down; bwd: key block y meets
@@ -350,8 +350,8 @@ struct fwd_config {
 /**
  * @brief Where fwd_block's Q tile and K/V stream come from, and where its rows go:
  * pk.attention's operands, all present from the start, key tile j at keys j BN (the tiles
- * wholly above the diagonal left out). ulysses_attn.cuh's source (pushed_keys) also waits for
- * the rows other ranks push and streams their tiles in the order they arrive. fwd_block
+ * wholly above the diagonal left out). ring_attn.cuh's source (ring_keys) and
+ * ulysses_attn.cuh's (pushed_keys) also wait for the rows other ranks push. fwd_block
  * builds one per thread from the kernel's arguments; load_* are called by the issuing thread
  * (tiles in increasing order), softmax by every consumer thread for tiles 0, 1, .. in order,
  * store by every consumer thread.

@@ -341,16 +341,25 @@ struct ring_keys : step_stream<ring_keys<C, CAUSAL>> {
   }
 };
 
-/** @brief The kernel (see the schedule); CAUSAL = g.d.causal. */
-template <class C, bool CAUSAL>
-__global__ void __launch_bounds__(C::THREADS, 1) kernel(const __grid_constant__ globals g) {
+/** @brief A fused forward kernel's body (this file's and ulysses_attn.cuh's): blocks
+ * [0, comm_blocks) run comm(smem), the exchange, on the block's shared memory; the others are
+ * attention::fwd_block over Src. */
+template <class C, class Src, class G, class Comm>
+__device__ __forceinline__ void comm_or_compute(const G& g, const Comm& comm) {
   if (static_cast<int>(blockIdx.x) < g.comm_blocks) {
     if (threadIdx.x == 0) block_wait_bound() = g.c.bound();
     __syncthreads();
-    communicate<C>(g, blockIdx.x, &dynamic_smem<typename C::storage_t>());
+    comm(&dynamic_smem<typename C::storage_t>());
     return;
   }
-  attention::fwd_block<C, ring_keys<C, CAUSAL>>(g);
+  attention::fwd_block<C, Src>(g);
+}
+
+/** @brief The kernel (see the schedule); CAUSAL = g.d.causal. */
+template <class C, bool CAUSAL>
+__global__ void __launch_bounds__(C::THREADS, 1) kernel(const __grid_constant__ globals g) {
+  comm_or_compute<C, ring_keys<C, CAUSAL>>(
+      g, [&](void* smem) { communicate<C>(g, blockIdx.x, smem); });
 }
 
 /** @brief Launches the grid of one call (after the caller's epoch kernel): C comm blocks,

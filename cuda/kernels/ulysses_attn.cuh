@@ -331,13 +331,8 @@ struct pushed_keys : ring_attn::step_stream<pushed_keys<C, CAUSAL>> {
 /** @brief The main kernel (see the schedule); CAUSAL = g.d.causal. */
 template <class C, bool CAUSAL>
 __global__ void __launch_bounds__(C::THREADS, 1) kernel(const __grid_constant__ globals g) {
-  if (static_cast<int>(blockIdx.x) < g.comm_blocks) {
-    if (threadIdx.x == 0) block_wait_bound() = g.c.bound();
-    __syncthreads();
-    communicate<C>(g, blockIdx.x, &dynamic_smem<typename C::storage_t>());
-    return;
-  }
-  attention::fwd_block<C, pushed_keys<C, CAUSAL>>(g);
+  ring_attn::comm_or_compute<C, pushed_keys<C, CAUSAL>>(
+      g, [&](void* smem) { communicate<C>(g, blockIdx.x, smem); });
 }
 
 /** @brief The tail kernel (see the schedule): o and lse of my rows from every other head
