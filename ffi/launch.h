@@ -275,7 +275,8 @@ struct RingAttnBwdArgs : AttnBwdArgs {
 };
 
 // Bytes of symmetric workspace one backward call uses at world P.
-uint64_t RingAttnBwdWorkspace(int64_t b, int64_t s, int64_t hkv, int64_t d, int world);
+uint64_t RingAttnBwdWorkspace(int64_t b, int64_t s, int64_t h, int64_t hkv, int64_t d,
+                              int world);
 Status LaunchRingAttnBwd(const Where& at, const RingAttnBwdArgs& a, const CommView& v);
 
 // Refuses a launch once the communicator's error record holds an error (a peer timed out in

@@ -27,10 +27,12 @@ Status Map(const void* ptr, int64_t batch, int64_t s, int64_t heads, int64_t d, 
 
 }  // namespace
 
-uint64_t RingAttnBwdWorkspace(int64_t b, int64_t s, int64_t hkv, int64_t d, int world) {
+uint64_t RingAttnBwdWorkspace(int64_t b, int64_t s, int64_t h, int64_t hkv, int64_t d,
+                              int world) {
   const uint64_t block_bytes = uint64_t(b) * s * hkv * d * 2;
   const uint64_t items = uint64_t((s + 127) / 128) * hkv * b;
-  return 2 * uint64_t(world - 1) * block_bytes + uint64_t(world) * items * 2 * 128 * d * 4;
+  return 2 * uint64_t(world - 1) * block_bytes + uint64_t(world) * items * 2 * 128 * d * 4 +
+         uint64_t(b) * s * h * d * 4;
 }
 
 Status LaunchRingAttnBwd(const Where& at, const RingAttnBwdArgs& a, const CommView& v) {
@@ -64,12 +66,12 @@ Status LaunchRingAttnBwd(const Where& at, const RingAttnBwdArgs& a, const CommVi
     return Invalid("too many 128-key tiles (ceil(S/P / 128) Hkv B) for the dK/dV lanes.");
   }
   const uint64_t block_bytes = uint64_t(a.b) * a.s * a.hkv * a.d * 2;
-  const uint64_t need = RingAttnBwdWorkspace(a.b, a.s, a.hkv, a.d, P);
+  const uint64_t need = RingAttnBwdWorkspace(a.b, a.s, a.h, a.hkv, a.d, P);
   if (need > v.workspace_bytes) {
     return Invalid("the symmetric workspace has " + std::to_string(v.workspace_bytes) +
                    " bytes and this call needs " + std::to_string(need) +
-                   " (2 (P-1) K/V blocks and P fp32 dK/dV blocks); call pk.init(mesh, "
-                   "workspace_bytes=...) with at least that.");
+                   " (2 (P-1) K/V blocks, P fp32 dK/dV blocks and an fp32 dQ); call "
+                   "pk.init(mesh, workspace_bytes=...) with at least that.");
   }
   // Every check above depends on shapes, attributes and the world only: every rank refuses or
   // runs the call alike, so the epochs stay in step.
@@ -100,23 +102,23 @@ Status LaunchRingAttnBwd(const Where& at, const RingAttnBwdArgs& a, const CommVi
   g.acc_off = 2 * uint64_t(P - 1) * block_bytes;
   g.acc_slot_bytes = uint64_t(items) * 2 * 128 * a.d * 4;
   char* ws = static_cast<char*>(v.workspace[v.rank]);
+  g.dq_acc = reinterpret_cast<float*>(ws + g.acc_off + uint64_t(P) * g.acc_slot_bytes);
   const int64_t slots = int64_t(P - 1) * a.b;
   char* vs = ws + uint64_t(P - 1) * block_bytes;
   const struct {
     const void* ptr;
     int64_t batch, heads;
     uint32_t rows;
+    int dtype;
     CUtensorMap* map;
   } maps[] = {
-      {a.q, a.b, a.h, 128, &f.q},        {a.d_o, a.b, a.h, 128, &g.d_o},
-      {a.q, a.b, a.h, 64, &g.q64},       {a.d_o, a.b, a.h, 64, &g.do64},
-      {a.k, a.b, a.hkv, 128, &f.k},      {a.v, a.b, a.hkv, 128, &f.v},
-      {ws, slots, a.hkv, 128, &f.ks},    {vs, slots, a.hkv, 128, &f.vs},
-      {a.k, a.b, a.hkv, 64, &g.k64},     {a.v, a.b, a.hkv, 64, &g.v64},
-      {ws, slots, a.hkv, 64, &g.ks64},   {vs, slots, a.hkv, 64, &g.vs64},
+      {a.q, a.b, a.h, 64, type, &g.q64},      {a.d_o, a.b, a.h, 64, type, &g.do64},
+      {a.k, a.b, a.hkv, 128, type, &f.k},     {a.v, a.b, a.hkv, 128, type, &f.v},
+      {ws, slots, a.hkv, 128, type, &f.ks},   {vs, slots, a.hkv, 128, type, &f.vs},
+      {g.dq_acc, a.b, a.h, 64, 2, &g.dq32},  // float32: the dQ reductions' boxes
   };
   for (const auto& m : maps) {
-    if (Status s = Map(m.ptr, m.batch, a.s, m.heads, a.d, type, m.rows, m.map); !s.ok()) {
+    if (Status s = Map(m.ptr, m.batch, a.s, m.heads, a.d, m.dtype, m.rows, m.map); !s.ok()) {
       return s;
     }
   }

@@ -340,9 +340,10 @@ def test_fused_kernel_takes_what_it_compiles():
                                          kv, 4)
     assert ring_attn.workspace_need(kv, 4) == 2 * 3 * 130 * 2 * 128 * 2
     # The fused backward (pk_ring_attn_bwd): the forward's K/V ring plus P fp32 dK/dV blocks
-    # of whole 128-row tiles (130 rows: 2 tiles per K/V head).
-    assert ring_attn.workspace_need_bwd(kv, 4) == (2 * 3 * 130 * 2 * 128 * 2
-                                                   + 4 * (2 * 2 * 1) * 2 * 128 * 128 * 4)
+    # of whole 128-row tiles (130 rows: 2 tiles per K/V head) and an fp32 dQ.
+    assert ring_attn.workspace_need_bwd(bf, kv, 4) == (2 * 3 * 130 * 2 * 128 * 2
+                                                       + 4 * (2 * 2 * 1) * 2 * 128 * 128 * 4
+                                                       + 130 * 4 * 128 * 4)
     assert ring_attn.FUSED_BACKWARD
 
 

@@ -34,9 +34,9 @@
  * give P = 0). It runs in one pass, five GEMMs per step: dK and dV sum over the group's query heads
  * in registers, and dQ's parts are summed into a float32 scratch dq_acc (zeroed by the launcher,
  * converted to dq by a second small kernel) by TMA reductions (cp.reduce.async.bulk.tensor add)
- * from shared memory, so dq is not bitwise reproducible (dk and dv are). ring_attn_bwd.cuh
- * builds its dQ and dK/dV lanes from this file's per-step pieces (dq_rows on dq_config's
- * storage: 128 query rows, 64-key tiles; dkdv_step on dkdv_config's).
+ * from shared memory, so dq is not bitwise reproducible (dk and dv are). ring_attn_bwd.cuh's
+ * lanes run bwd_block's steps (dkdv_step, dq_part on bwd_config's storage) over K/V tiles that
+ * change with the ring's steps.
  *
  * The forward's block is fwd_block<C, Src> and the backward's bwd_block<C, Src>: the source
  * says where the streamed tiles come from (local_keys, local_rows here; the fused ring and
@@ -526,139 +526,24 @@ __global__ void __launch_bounds__(C::THREADS, 1)
 }
 
 // ---------------------------------------------------------------------------------------------
-// Backward: dQ.
-
-/**
- * @brief One dQ consumer warpgroup's 64 query rows over a stream of key tiles (ring_attn_bwd.cuh's
- * dQ lanes, on dq_config's storage): dQ, the scores S, dP and dS, and the rows' lse (times
- * log2 e) and delta = rowsum(dO O). Rows row_lo and row_lo + 8.
- */
-template <class C>
-struct dq_rows {
-  using T = typename C::dtype;
-  static constexpr int D = C::HEAD_DIM, BN = C::BN;
-  float dq[D / 2];
-  float sc[BN / 2], dp[BN / 2];
-  uint32_t ds[BN / 4];
-  float lse2[2], delta[2];
-
-  /** @brief Reads the rows' lse and delta: [.., SP] rows of (batch b, head h), padded. */
-  __device__ dq_rows(const float* lse, const float* dlt, int b, int h, int heads, int sp,
-                     int row_lo) {
-#pragma unroll
-    for (int i = 0; i < D / 2; ++i) dq[i] = 0.f;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int64_t at = (int64_t(b) * heads + h) * sp + row_lo + 8 * i;  // < SP: padded
-      lse2[i] = lse[at] * LOG2E;
-      delta[i] = dlt[at];
-    }
-  }
-
-  /** @brief S = Q K^T and dP = dO V^T for warpgroup c's rows and stage st (waited for). */
-  __device__ void scores(const typename C::storage_t& s, int c, int st) {
-    wgmma::fence();
-    mma_rows_bt<T, BN, D>(sc, s.q, c, s.k[st]);
-    mma_rows_bt<T, BN, D>(dp, s.d_o, c, s.v[st]);
-    wgmma::commit();
-    wgmma::wait<0>();
-    wgmma::fence_regs(sc);
-    wgmma::fence_regs(dp);
-  }
-
-  /** @brief dS = P (dP - delta) with P = exp2(S scale log2e - lse2) into sc; on a `masked`
-   * tile P = 0 for keys k0.. at or past `len` and, when `by_pos`, keys whose position pos(key)
-   * is past the row's limit lim[i] (as fwd_rows::mask). */
-  template <class Pos>
-  __device__ void grad_scores(float sl2, bool masked, int k0, int len, bool by_pos,
-                              const Pos& pos, const int (&lim)[2]) {
-    const int lane = threadIdx.x % 32;
-#pragma unroll
-    for (int jj = 0; jj < BN / 8; ++jj) {
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-#pragma unroll
-        for (int cc = 0; cc < 2; ++cc) {
-          const int el = 4 * jj + 2 * i + cc;
-          float pr = frag::exp2_approx(fmaf(sc[el], sl2, -lse2[i]));
-          if (masked) {
-            const int key = k0 + 8 * jj + 2 * (lane % 4) + cc;
-            if (key >= len || (by_pos && pos(key) > lim[i])) pr = 0.f;
-          }
-          sc[el] = pr * (dp[el] - delta[i]);
-        }
-      }
-    }
-  }
-
-  /** @brief dQ += dS K with stage st's keys (waited for). */
-  __device__ void accumulate(const typename C::storage_t& s, int st) {
-    frag::to_a<T>(ds, sc);
-    wgmma::fence_regs(dq);
-    wgmma::fence();
-    frag::static_for<BN / 16>([&](auto kk) {
-      const uint64_t db = wgmma::desc_mn_major(s.k[st].data, kk * 16, C::kv_tile::PANEL_BYTES);
-      frag::mma_rs<T, D, 1, kk>(dq, ds, db, 1);
-    });
-    wgmma::commit();
-    wgmma::wait<0>();
-    wgmma::fence_regs(dq);
-    frag::fence_regs(ds);
-  }
-};
-
-
-template <typename T, int D>
-struct dq_config {
-  using dtype = T;
-  static constexpr int HEAD_DIM = D;
-  static constexpr int BM = 128, BN = 64;
-  static constexpr int STAGES = D == 128 ? 4 : 6;
-  using q_tile = st_panels<T, BM, D>;
-  using kv_tile = st_panels<T, BN, D>;
-  struct storage_t {
-    q_tile q, d_o;
-    kv_tile k[STAGES];
-    kv_tile v[STAGES];
-    mbarrier q_full, full[STAGES];
-    mbarrier empty[STAGES];  // ring_attn_bwd.cuh's kernel (same storage) frees stages with these
-    int released[STAGES];    // see release_stage
-  };
-  static constexpr size_t SMEM = sizeof(storage_t) + 1024;
-};
-
-// ---------------------------------------------------------------------------------------------
 // Backward: dK and dV.
 
+/** @brief The backward's tile shapes: 128 keys of K/V stationary, 64 query rows per stage (q,
+ * dO, and their lse and delta). */
 template <typename T, int D>
 struct dkdv_config {
   using dtype = T;
   static constexpr int HEAD_DIM = D;
   static constexpr int BN = 128, BQ = 64;
-  static constexpr int STAGES = D == 128 ? 4 : 6;
   using kv_tile = st_panels<T, BN, D>;
   using q_tile = st_panels<T, BQ, D>;
-  struct stage_t {
-    q_tile q, d_o;
-    float lse[BQ];
-    float delta[BQ];
-  };
-  struct storage_t {
-    kv_tile k, v;
-    stage_t st[STAGES];
-    mbarrier kv_full, full[STAGES];
-    mbarrier empty[STAGES];  // ring_attn_bwd.cuh's kernel (same storage) frees stages with these
-    int released[STAGES];    // see release_stage
-  };
   static constexpr uint32_t STAGE_BYTES = 2 * q_tile::BYTES + 2 * BQ * sizeof(float);
-  static constexpr size_t SMEM = sizeof(storage_t) + 1024;
 };
 
 /**
- * @brief One dK/dV consumer warpgroup's step over a stage of 64 query rows (the attention
- * backward kernel's, on bwd_config's storage, and ring_attn_bwd.cuh's lanes', on dkdv_config's):
- * S^T, dP^T, P^T and dS^T for its 64 keys (keys key_lo and key_lo + 8 per thread); dK and dV
- * stay the caller's.
+ * @brief One dK/dV consumer warpgroup's step over a stage of 64 query rows (bwd_block's, on
+ * bwd_config's storage): S^T, dP^T, P^T and dS^T for its 64 keys (keys key_lo and key_lo + 8
+ * per thread); dK and dV stay the caller's.
  */
 template <class C>
 struct dkdv_step {
@@ -691,16 +576,9 @@ struct dkdv_step {
   }
 
   /** @brief P^T = exp2(S^T scale log2e - lse2) into sc and dS^T = P^T (dP^T - delta) into dp,
-   * from the stage's lse and delta (+inf / 0 past S); on a `masked` stage P = 0 where the
-   * query's position qpos(col) is before the key's limit lim[i] (key key_lo + 8 i). */
-  template <class QPos>
-  __device__ void grad_scores(const stage_t& stage, float sl2, bool masked, const QPos& qpos,
-                              const int (&lim)[2]) {
-    grad_scores(stage.lse, stage.delta, sl2, masked, qpos, lim);
-  }
-
-  /** @brief `grad_scores` with the stage's 64 lse and delta values at `lse` and `delta` (the
-   * one-pass backward keeps them apart from its stages, bwd_config). */
+   * from the stage's 64 lse and delta values at `lse` and `delta` (+inf / 0 past S; bwd_config
+   * keeps them apart from its stages); on a `masked` stage P = 0 where the query's position
+   * qpos(col) is before the key's limit lim[i] (key key_lo + 8 i). */
   template <class QPos>
   __device__ void grad_scores(const float* lse, const float* delta, float sl2, bool masked,
                               const QPos& qpos, const int (&lim)[2]) {
@@ -774,7 +652,7 @@ struct dkdv_step {
 // ---------------------------------------------------------------------------------------------
 // Backward in one pass: dK, dV and dQ.
 
-/** @brief The one-pass backward's storage: dkdv_config's, with STAGES fitting two dS^T tiles. */
+/** @brief The one-pass backward's storage on dkdv_config's shapes (STAGES fit two dS^T tiles). */
 template <typename T, int D>
 struct bwd_config : dkdv_config<T, D> {
   using base = dkdv_config<T, D>;
@@ -894,7 +772,8 @@ struct dq_part {
    * 128B swizzle, so a warp's 8-byte stores hit every bank), then, once the warpgroup has
    * (named barrier BWD_DQ + c), its leader adds the boxes into dq_acc by TMA (one bulk group).
    * The float32 adds run in the L2 while the warpgroup goes on; `share` waits for their reads. */
-  __device__ void reduce(const bwd_globals& g, typename C::dq_box (&box)[C::DQ_BOXES], int b,
+  template <class G>  // bwd_globals, ring_attn_bwd::globals: their dq32
+  __device__ void reduce(const G& g, typename C::dq_box (&box)[C::DQ_BOXES], int b,
                          int h, int q0, int nbeg, int t, int c) const {
     const int lane = t % 32;
     const int r0 = 16 * (t / 32) + lane / 4;
@@ -1104,6 +983,17 @@ __global__ void dq_convert_kernel(const float4* __restrict__ acc, uint2* __restr
 // ---------------------------------------------------------------------------------------------
 // Launchers.
 
+/** @brief dq = T(scale dq_acc) over n elements (a multiple of 4): the backwards' last kernel. */
+template <typename T>
+inline cudaError_t launch_dq_convert(const float* dq_acc, void* dq, int64_t n, float scale,
+                                     cudaStream_t stream) {
+  const int64_t n4 = n / 4;
+  const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(n4, int64_t(256)), 132 * 8));
+  dq_convert_kernel<T><<<blocks, 256, 0, stream>>>(reinterpret_cast<const float4*>(dq_acc),
+                                                   reinterpret_cast<uint2*>(dq), n4, scale);
+  return cudaGetLastError();
+}
+
 template <class C, class G>
 inline cudaError_t launch_kernel(void (*kernel)(G), const G& g, dim3 grid, cudaStream_t stream,
                                  int device) {
@@ -1160,11 +1050,7 @@ inline cudaError_t launch_bwd(const bwd_globals& g, cudaStream_t stream, int dev
       err != cudaSuccess) {
     return err;
   }
-  const int64_t n4 = n / 4;
-  const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(n4, int64_t(256)), 132 * 8));
-  dq_convert_kernel<T><<<blocks, 256, 0, stream>>>(reinterpret_cast<const float4*>(g.dq_acc),
-                                                   reinterpret_cast<uint2*>(g.dq), n4, g.d.scale);
-  return cudaGetLastError();
+  return launch_dq_convert<T>(g.dq_acc, g.dq, n, g.d.scale, stream);
 }
 
 }  // namespace pk::attention

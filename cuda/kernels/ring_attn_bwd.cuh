@@ -8,26 +8,31 @@
  * positions (contiguous, or the zigzag chunks r and 2P-1-r); step t holds the K/V block of
  * rank (r - t) mod P.
  *
- * Schedule. One grid per call (after the epoch kernel), three kinds of block:
+ * Schedule. One grid per call (after the epoch kernel and the zeroing of dq_acc), two kinds of
+ * block, then dq = T(scale dq_acc) (attention::dq_convert_kernel):
  *
  *   blocks       what                                   waits for
  *   ----------   ------------------------------------   ------------------------------------
  *   C comm       the forward's communication blocks     (see ring_attn.cuh): K/V travel
  *                (ring_attn::communicate): push K/V      through P - 1 slots, FULL[t][ch]
  *                chunks around the ring
- *   L lanes      dK/dV: work items (128-key tile n,     FULL[t][ch] of the tile's chunk; the
- *                K/V head, batch) l, l + L, ...; per     partial dK/dV of the item from rank
- *                item and step t: K/V tile of slot t,    r-1 (DKV[l] >= code(e, i, t));
- *                64-row q/dO tiles of every head of      FULL[1][ch] before the first write
- *                the group (as attention's dkdv pass),   to rank r+1 (rank r-1 signals it
- *                dK/dV in registers; + the incoming      after its entry barrier with every
- *                partial; the sum to slot t+1 of rank    rank, so r+1's earlier kernels are
- *                r+1, DKV[l] there. Slot P is home:      over)
- *                after the last step the lane waits for
- *                its item's sum, scales, stores dk, dv
- *   dq blocks    (128 query rows, head, batch): the      FULL[t][ch] of the chunks of the
- *                attention dq pass over every step's     tiles they load
- *                64-key tiles; dQ in registers
+ *   L lanes      work items (128-key tile n, K/V head,  FULL[t][ch] of the tile's chunk; the
+ *                batch) l, l + L, ...; per item and      partial dK/dV of the item from rank
+ *                step t: the K/V tile of slot t          r-1 (DKV[l] >= code(e, i, t));
+ *                against the 64-row q/dO tiles of every  FULL[1][ch] before the first write
+ *                head of the group it meets, as          to rank r+1 (rank r-1 signals it
+ *                attention's one-pass backward           after its entry barrier with every
+ *                (bwd_block: dK/dV in registers, dQ      rank, so r+1's earlier kernels are
+ *                parts added to the local dq_acc by TMA  over)
+ *                reductions); + the incoming partial;
+ *                the sum to slot t+1 of rank r+1, DKV[l]
+ *                there. Slot P is home: after the last
+ *                step the lane waits for its item's sum,
+ *                scales, stores dk, dv
+ *
+ * Five GEMMs per (query tile, key tile) pair: the lanes compute dQ's parts themselves, from the
+ * dS^T they already hold. Until 2026-12-03 separate dq blocks recomputed S and dP for dQ, seven
+ * GEMMs per pair, as the two-pass attention backward did (bench/results/ring_attention_notes.md).
  *
  * "dK and dV travel with their K/V block": the partial sum of block j is at rank j + t after
  * step t and goes home to j after step P - 1 (one more hop). Tile classes as the forward:
@@ -38,14 +43,15 @@
  * Workspace (bytes): [K slots 1..P-1][V slots 1..P-1] (the forward's K/V ring) then P
  * accumulator slots (slot s = 1..P at acc_off + (s - 1) acc_slot_bytes), each n_items regions
  * of 2 x 128 x D fp32 (dK then dV), in the lanes' register order: float4 i4 of thread tid at
- * (i4 * 256 + tid) * 16 (coalesced; sender and receiver are the same lane of the same shape).
+ * (i4 * 256 + tid) * 16 (coalesced; sender and receiver are the same lane of the same shape);
+ * then dq_acc, float32 [B, Sl, H, D] (local: no peer writes it).
  *
  * Signals: the forward's slot range and EPOCH (a backward call is one more call of the family:
  * its epoch differs from every forward's), ENTER and FULL as there, plus DKV[lane] (one
  * sender: lane l of rank r-1), raised to code(e, i, s) = e << 24 | i << 5 | s for work item
  * iteration i and slot s: monotonic within a call (a lane sends its items in order and, per
  * item, slots 1..P in order) and across calls. Every wait is bounded and names the peer;
- * lane and dq waits get 1/8 longer than the comm blocks' (a dead rank is named by the entry
+ * lane waits get 1/8 longer than the comm blocks' (a dead rank is named by the entry
  * barrier), mbarrier waits 1/4 longer.
  *
  * The rank emulator's link throttle (pk/link.cuh) paces the comm blocks' bulk copies and, per
@@ -72,6 +78,8 @@ using ring_attn::MAX_CHUNKS;
 using ring_attn::MAX_PEERS;
 using ring_attn::PARTIAL;
 
+// Lanes at most: one DKV slot each, in what the ring's 640 slots leave (a lane per work item,
+// where there are at most this many; more go round-robin).
 constexpr int MAX_LANES = 112;
 constexpr uint64_t DKV = ring_attn::END;  // [lane]
 constexpr uint64_t END = DKV + MAX_LANES;
@@ -88,152 +96,55 @@ template <typename T, int D>
 struct config {
   using dtype = T;
   static constexpr int HEAD_DIM = D;
-  static constexpr int BN = 128;  // key tile of the K/V ring chunks and of the dK/dV lanes
-  using CQ = attention::dq_config<T, D>;
-  using CK = attention::dkdv_config<T, D>;
-  static constexpr size_t SMEM = CQ::SMEM > CK::SMEM ? CQ::SMEM : CK::SMEM;
+  using CB = attention::bwd_config<T, D>;  // the lanes' storage and steps: bwd_block's
+  static constexpr int BN = CB::BN;        // key tile of the K/V ring chunks and of the lanes
+  static constexpr size_t SMEM = CB::SMEM;
 };
 
-/** @brief Kernel arguments. f: the K/V ring (f.q: 128-row q; f.k, f.v, f.ks, f.vs: 128-row
- * K/V maps); 64-row maps for the dq blocks' K/V and the lanes' q/dO. */
+/** @brief Kernel arguments. f: the K/V ring (f.k, f.v, f.ks, f.vs: the lanes' 128-row K/V
+ * tiles); q64 and do64: their 64-row q/dO tiles; dq32 maps dq_acc as attention::bwd_globals'. */
 struct globals {
   ring_attn::globals f;
-  CUtensorMap d_o;                    // 128 rows
-  CUtensorMap q64, do64;              // 64 rows
-  CUtensorMap k64, v64, ks64, vs64;   // 64 rows
+  CUtensorMap q64, do64;  // 64 rows
+  CUtensorMap dq32;       // float32, boxes {32, 1, 64, 1}
   const float* lse;    // [B, H, sp]
   const float* delta;  // [B, H, sp]
   int sp;
-  void* dq;  // [B, Sl, H, D]
-  void* dk;  // [B, Sl, Hkv, D]
+  float* dq_acc;  // [B, Sl, H, D] float32 in my workspace (zeroed by the launcher)
+  void* dq;       // [B, Sl, H, D]
+  void* dk;       // [B, Sl, Hkv, D]
   void* dv;
   int lanes;
   int n_items;  // ceil(Sl / 128) Hkv B
   uint64_t acc_off, acc_slot_bytes;
 };
 
-/** @brief The dQ block `idx`: the forward's compute block with the attention dq pass. */
-template <class C>
-__device__ void dq_block(const globals& g, int idx) {
-  using CQ = typename C::CQ;
-  using T = typename C::dtype;
-  constexpr int D = C::HEAD_DIM, BM = CQ::BM, BN = CQ::BN, STAGES = CQ::STAGES;
-  auto& s = dynamic_smem<typename CQ::storage_t>();
-  const ring_attn::globals& f = g.f;
-  const attention::dims& dm = f.d;
-  const tp::comm& cm = f.c;
-  const int P = cm.world, rank = cm.rank;
-  const int h = idx % dm.h;
-  const int qb_raw = (idx / dm.h) % f.q_tiles;
-  const int b = idx / (dm.h * f.q_tiles);
-  const int qb = dm.causal && !f.zigzag ? f.q_tiles - 1 - qb_raw : qb_raw;
-  const int q0 = qb * BM;
-  const int hk = h / (dm.h / dm.hkv);
-  const int n_kv = ceil_div(dm.s, BN);
-  const int2 qspan = ring_attn::span(f, rank, q0, min(q0 + BM, dm.s));
-  const uint64_t e = cm.epoch();
-
-  auto kind = [&](int t, int n) -> int {
-    if (!dm.causal) return FULL_TILE;
-    const int owner = (rank - t + P) % P;
-    const int2 ks = ring_attn::span(f, owner, n * BN, min(n * BN + BN, dm.s));
-    if (ks.x > qspan.y) return HIDDEN;
-    return ks.y <= qspan.x ? FULL_TILE : PARTIAL;
-  };
-  struct item {
-    int t, n;
-  };
-  auto advance = [&](item it) {
-    do {
-      if (++it.n == n_kv) {
-        it.n = 0;
-        ++it.t;
-      }
-    } while (it.t < P && kind(it.t, it.n) == HIDDEN);
-    return it;
-  };
-
-  const bool issuer = threadIdx.x == 0;
-  item pit{0, -1};
-  item waited{0, -1};
-  auto issue = [&](int j) {
-    const int st = j % STAGES;
-    const item it = pit;
-    const int ch = it.n * BN / (f.chunk_tiles * C::BN);
-    if (it.t > 0 && (it.t != waited.t || ch != waited.n)) {
-      wait(cm.sig[rank] + FULL + uint64_t(it.t) * MAX_CHUNKS + ch, e,
-           cm.timeout_ns + cm.timeout_ns / 8, cm.fail(), (rank + P - 1) % P);
-      fence_proxy_async_global();  // the acquire before the TMA reads of the slot
-      waited = item{it.t, ch};
-    }
-    const CUtensorMap* km = it.t == 0 ? &g.k64 : &g.ks64;
-    const CUtensorMap* vm = it.t == 0 ? &g.v64 : &g.vs64;
-    const int bz = it.t == 0 ? b : (it.t - 1) * dm.b + b;
-    mbar_arrive_expect_tx(&s.full[st], 2 * CQ::kv_tile::BYTES);
-    attention::load_rows(s.k[st], km, &s.full[st], bz, it.n * BN, hk);
-    attention::load_rows(s.v[st], vm, &s.full[st], bz, it.n * BN, hk);
-    pit = advance(pit);
-  };
-  if (issuer) {
-    pit = advance(pit);
-    mbar_init(&s.q_full, 1);
-    for (int i = 0; i < STAGES; ++i) {
-      mbar_init(&s.full[i], 1);
-      mbar_init(&s.empty[i], CONSUMERS);
-    }
-    fence_mbar_init();
-    mbar_arrive_expect_tx(&s.q_full, 2 * CQ::q_tile::BYTES);
-    attention::load_rows(s.q, &f.q, &s.q_full, b, q0, h);
-    attention::load_rows(s.d_o, &g.d_o, &s.q_full, b, q0, h);
-    for (int j = 0; j < STAGES && pit.t < P; ++j) issue(j);
-  }
-  __syncthreads();
-
-  const int c = warpgroup::index();
-  const int t = warpgroup::thread();
-  const int lane = t % 32;
-  const bool leader = t == 0;
-  auto release = [&](int r) {
-    const int st = r % STAGES;
-    if (leader) mbar_arrive(&s.empty[st]);
-    if (issuer && pit.t < P) {
-      mbar_wait(&s.empty[st], (r / STAGES) & 1);
-      issue(r + STAGES);
-    }
-    __syncwarp();
-  };
-  const int row_lo = q0 + c * 64 + 16 * (t / 32) + lane / 4;
-  const int qg[2] = {ring_attn::global_pos(f, rank, row_lo),
-                     ring_attn::global_pos(f, rank, row_lo + 8)};
-  const float sl2 = dm.scale * LOG2E;
-  attention::dq_rows<CQ> r(g.lse, g.delta, b, h, dm.h, g.sp, row_lo);
-
-  mbar_wait(&s.q_full, 0);
-  int j = 0;
-  for (item cur = advance(item{0, -1}); cur.t < P; cur = advance(cur), ++j) {
-    const int st = j % STAGES;
-    mbar_wait(&s.full[st], (j / STAGES) & 1);
-    r.scores(s, c, st);
-    const int k0 = cur.n * BN;
-    const bool part = kind(cur.t, cur.n) == PARTIAL;
-    const bool mask = part || k0 + BN > dm.s;
-    const int owner = (rank - cur.t + P) % P;
-    r.grad_scores(sl2, mask, k0, dm.s, part,
-                  [&](int key) { return ring_attn::global_pos(f, owner, key); }, qg);
-    r.accumulate(s, st);
-    release(j);
-  }
-  attention::store_rows<T, D>(g.dq, r.dq, dm.scale, dm.scale, b, q0 + c * 64, h, dm.h, dm.s);
+/** @brief p, hidden from the optimizer (an empty asm): what is computed from it is computed
+ * where it is used, not hoisted out of the caller's loop. */
+template <class T>
+__device__ __forceinline__ T* opaque(T* p) {
+  asm volatile("" : "+l"(p));
+  return p;
 }
 
-/** @brief Lane `ln`: the dK/dV of its work items over the P steps (see the schedule). */
+/** @brief A q/dO tile of a lane's stream: work item id, step t, head h of the group, 64-row
+ * tile qb (the stream: its visible tiles in order, then id >= n_items). */
+struct stream_tile {
+  int id, t, h, qb;
+};
+
+/** @brief Lane `ln`: its work items over the P steps (see the schedule). A step's tiles run as
+ * attention::bwd_block's D = 128 loop does: S^T and dP^T, dS^T, dV and dK, dS^T shared through
+ * the ds tile, dQ's part (dq_part) added to dq_acc. The q/dO stream runs on across steps and
+ * items; both warpgroup leaders walk it (their cursors `pit` advance together, one tile per
+ * release), so whichever releases a stage last refills it (as attention::release_stage). */
 template <class C>
-__device__ void dkdv_lane(const globals& g, int ln) {
-  using CK = typename C::CK;
+__device__ void lane(const globals& g, int ln) {
+  using CB = typename C::CB;
   using T = typename C::dtype;
-  constexpr int D = C::HEAD_DIM, BN = CK::BN, BQ = CK::BQ, STAGES = CK::STAGES;
+  constexpr int D = C::HEAD_DIM, BN = CB::BN, BQ = CB::BQ, STAGES = CB::STAGES;
   static_assert(BN == C::BN, "ring_attn_bwd: the lanes' key tile is the ring's chunk tile");
-  auto& s = dynamic_smem<typename CK::storage_t>();
+  auto& s = dynamic_smem<typename CB::storage_t>();
   const ring_attn::globals& f = g.f;
   const attention::dims& dm = f.d;
   const tp::comm& cm = f.c;
@@ -249,10 +160,14 @@ __device__ void dkdv_lane(const globals& g, int ln) {
   const int lane = t_ % 32;
   const bool leader = t_ == 0;
   const float sl2 = dm.scale * LOG2E;
+  const int nbeg = D / 2 * c;  // the warpgroup's first dQ column
   constexpr uint64_t REGION = 2ull * BN * D * sizeof(float);  // one item: dK then dV
 
-  int n = 0, hk = 0, b = 0, k0 = 0;
-  auto kind = [&](int t, int q0) -> int {
+  // Work item `id`: key tile id % q_tiles (keys 128 n..), K/V head, batch.
+  auto key_tile = [&](int id) { return id % f.q_tiles; };
+  auto kv_head = [&](int id) { return (id / f.q_tiles) % dm.hkv; };
+  auto batch = [&](int id) { return id / (f.q_tiles * dm.hkv); };
+  auto kind = [&](int t, int k0, int q0) -> int {
     if (!dm.causal) return FULL_TILE;
     const int owner = (rank - t + P) % P;
     const int2 ks = ring_attn::span(f, owner, k0, min(k0 + BN, dm.s));
@@ -260,53 +175,72 @@ __device__ void dkdv_lane(const globals& g, int ln) {
     if (ks.x > qs.y) return HIDDEN;
     return ks.y <= qs.x ? FULL_TILE : PARTIAL;
   };
-  struct item {
-    int t, h, qb;  // step, head within the group, 64-row q tile
-  };
-  auto advance = [&](item it) {
+  using tile = stream_tile;
+  auto advance = [&](tile x) {
     do {
-      if (++it.qb == nq) {
-        it.qb = 0;
-        if (++it.h == group) {
-          it.h = 0;
-          ++it.t;
+      if (++x.qb == nq) {
+        x.qb = 0;
+        if (++x.h == group) {
+          x.h = 0;
+          if (++x.t == P) {
+            x.t = 0;
+            x.id += g.lanes;
+          }
         }
       }
-    } while (it.t < P && kind(it.t, it.qb * BQ) == HIDDEN);
-    return it;
+    } while (x.id < g.n_items && kind(x.t, key_tile(x.id) * BN, x.qb * BQ) == HIDDEN);
+    return x;
   };
-
-  item pit{0, 0, -1};
-  int issued = 0;  // the issuer's: q/dO tiles issued so far (all work items)
-  auto issue = [&]() {
-    const int st = issued % STAGES;
-    if (issued >= STAGES) mbar_wait(&s.empty[st], ((issued - STAGES) / STAGES) & 1);
-    const int h = hk * group + pit.h;
-    const int q0 = pit.qb * BQ;
+  // Stream tile x (number j) into stage j % STAGES (free).
+  auto issue = [&](const tile& x, int j) {
+    const int st = j % STAGES;
+    const int b = batch(x.id), h = kv_head(x.id) * group + x.h, q0 = x.qb * BQ;
     auto& stage = s.st[st];
-    mbar_arrive_expect_tx(&s.full[st], CK::STAGE_BYTES);
+    mbar_arrive_expect_tx(&s.full[st], CB::STAGE_BYTES);
     attention::load_rows(stage.q, &g.q64, &s.full[st], b, q0, h);
     attention::load_rows(stage.d_o, &g.do64, &s.full[st], b, q0, h);
     const int64_t at = (int64_t(b) * dm.h + h) * g.sp + q0;  // q0 + 64 <= sp: padded
-    tma::load_1d(stage.lse, g.lse + at, BQ * sizeof(float), &s.full[st]);
-    tma::load_1d(stage.delta, g.delta + at, BQ * sizeof(float), &s.full[st]);
-    ++issued;
-    pit = advance(pit);
+    tma::load_1d(s.lse[st], g.lse + at, BQ * sizeof(float), &s.full[st]);
+    tma::load_1d(s.delta[st], g.delta + at, BQ * sizeof(float), &s.full[st]);
   };
-  auto release = [&](int r) {
-    if (leader) mbar_arrive(&s.empty[r % STAGES]);
-    if (issuer && pit.t < P) issue();
-    __syncwarp();
-  };
+  // Warpgroup c's leader's cursor: the next tile to issue (in shared memory: in registers, the
+  // D = 128 kernel spilled).
+  __shared__ tile next_tile[CONSUMERS];
+  __shared__ int next_j[CONSUMERS];
+  const tile first = advance(tile{ln, 0, 0, -1});
   if (issuer) {
     mbar_init(&s.kv_full, 1);
     for (int i = 0; i < STAGES; ++i) {
       mbar_init(&s.full[i], 1);
-      mbar_init(&s.empty[i], CONSUMERS);
+      s.released[i] = 0;
     }
     fence_mbar_init();
   }
+  if (leader) {
+    tile x = first;
+    int k = 0;
+    for (; k < STAGES && x.id < g.n_items; ++k, x = advance(x)) {
+      if (issuer) issue(x, k);
+    }
+    next_tile[c] = x;
+    next_j[c] = k;
+  }
   __syncthreads();
+  // The calling warpgroup is done with stream tile r (attention::release_stage, with the
+  // leader's cursor in place of the tile number).
+  auto release = [&](int r) {
+    if (leader) {
+      __threadfence_block();
+      const int before = atomicAdd(&s.released[r % STAGES], 1);
+      const tile x = next_tile[c];
+      if (x.id < g.n_items) {
+        if (before % CONSUMERS == CONSUMERS - 1) issue(x, next_j[c]);
+        ++next_j[c];
+        next_tile[c] = advance(x);
+      }
+    }
+    __syncwarp();
+  };
 
   auto region = [&](int peer, int slot, int item_id) {
     return reinterpret_cast<float4*>(static_cast<char*>(cm.ws[peer]) + g.acc_off +
@@ -315,25 +249,19 @@ __device__ void dkdv_lane(const globals& g, int ln) {
   };
 
   float dk[D / 2], dv[D / 2];
-  attention::dkdv_step<CK> step;
-  int j = 0;  // q/dO tiles consumed (all work items)
+  attention::dkdv_step<CB> step;
+  int j = 0;  // stream tiles consumed
   uint32_t kv_phase = 0;
+  tile cur = first;
   for (int wi = 0, it_id = ln; it_id < g.n_items; ++wi, it_id += g.lanes) {
-    n = it_id % f.q_tiles;
-    hk = (it_id / f.q_tiles) % dm.hkv;
-    b = it_id / (f.q_tiles * dm.hkv);
-    k0 = n * BN;
-    const int ch = n / f.chunk_tiles;
+    const int hk = kv_head(it_id), b = batch(it_id);
+    const int k0 = key_tile(it_id) * BN;
+    const int ch = key_tile(it_id) / f.chunk_tiles;
     const int key_lo = k0 + c * 64 + 16 * (t_ / 32) + lane / 4;  // keys key_lo, key_lo + 8
-    if (issuer) {
-      pit = advance(item{0, 0, -1});
-      while (issued < j + STAGES && pit.t < P) issue();
-    }
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
-    item cur = advance(item{0, 0, -1});
     for (int t = 0; t < P; ++t) {
-      if (cur.t == t) {  // a visible tile in this step: load the K/V tile of the step
+      if (cur.id == it_id && cur.t == t) {  // a visible tile in this step: load its K/V tile
         __syncthreads();  // every consumer is done with the previous step's tile
         if (issuer) {
           if (t > 0) {
@@ -343,26 +271,36 @@ __device__ void dkdv_lane(const globals& g, int ln) {
           const CUtensorMap* km = t == 0 ? &f.k : &f.ks;
           const CUtensorMap* vm = t == 0 ? &f.v : &f.vs;
           const int bz = t == 0 ? b : (t - 1) * dm.b + b;
-          mbar_arrive_expect_tx(&s.kv_full, 2 * CK::kv_tile::BYTES);
+          mbar_arrive_expect_tx(&s.kv_full, 2 * CB::kv_tile::BYTES);
           attention::load_rows(s.k, km, &s.kv_full, bz, k0, hk);
           attention::load_rows(s.v, vm, &s.kv_full, bz, k0, hk);
         }
         mbar_wait(&s.kv_full, kv_phase);
         kv_phase ^= 1;
         const int owner = (rank - t + P) % P;
-        const int kg[2] = {ring_attn::global_pos(f, owner, key_lo),
-                           ring_attn::global_pos(f, owner, key_lo + 8)};
-        for (; cur.t == t; cur = advance(cur), ++j) {
+        for (; cur.id == it_id && cur.t == t; cur = advance(cur), ++j) {
           const int st = j % STAGES;
-          const int q0 = cur.qb * BQ;
-          auto& stage = s.st[st];
-          mbar_wait(&s.full[st], (j / STAGES) & 1);
-          step.scores(s, stage, c);
-          const bool part = kind(t, q0) == PARTIAL;
-          step.grad_scores(stage, sl2, part,
-                           [&](int col) { return ring_attn::global_pos(f, rank, q0 + col); }, kg);
-          step.accumulate(stage, dk, dv);
+          const int h = hk * group + cur.h, q0 = cur.qb * BQ;
+          // The storage through an opaque pointer: else nvcc hoists the step's tile-invariant
+          // shared-memory addresses (dS^T and dQ staging, lse and delta) out of the loop into
+          // registers, and the D = 128 kernel spilled.
+          auto& sm = *opaque(&s);
+          mbar_wait(&sm.full[st], (j / STAGES) & 1);
+          step.scores(sm, sm.st[st], c);
+          const int kg[2] = {ring_attn::global_pos(f, owner, key_lo),
+                             ring_attn::global_pos(f, owner, key_lo + 8)};
+          step.grad_scores(sm.lse[st], sm.delta[st], sl2, kind(t, k0, q0) == PARTIAL,
+                           [&](int col) { return ring_attn::global_pos(f, rank, q0 + col); },
+                           kg);
+          step.issue(sm.st[st], dk, dv);
+          attention::dq_part<CB> part;
+          part.share(sm.ds[j & 1], step.dsa, key_lo - k0, lane);
+          part.issue(sm.ds[j & 1], sm.k, nbeg);
+          wgmma::wait<0>();
+          wgmma::fence_regs(part.dq);
+          step.finish(dk, dv);
           release(j);
+          part.reduce(g, sm.dqs[c], b, h, q0, nbeg, t_, c);
         }
       }
       // The partial of this item: + the incoming one (slot t, from rank r-1), on to slot t+1
@@ -377,29 +315,26 @@ __device__ void dkdv_lane(const globals& g, int ln) {
         }
       }
       __syncthreads();
-      if (t > 0) {
+      {
+        // Each float4 loaded, added and stored in turn: the stores keep the loads from being
+        // hoisted, which spilled at D = 128 with dK/dV live.
         const float4* in = region(rank, t, it_id);
+        float4* out = region(next, t + 1, it_id);
+        auto pass = [&](float* acc, int at) {
+          if (t > 0) {
+            const float4 x = __ldcg(in + at);
+            acc[0] += x.x;
+            acc[1] += x.y;
+            acc[2] += x.z;
+            acc[3] += x.w;
+          }
+          __stcg(out + at, make_float4(acc[0], acc[1], acc[2], acc[3]));
+        };
 #pragma unroll
         for (int i4 = 0; i4 < D / 8; ++i4) {
-          const float4 x = __ldcg(in + i4 * THREADS + tid);
-          const float4 y = __ldcg(in + (D / 8 + i4) * THREADS + tid);
-          dk[4 * i4] += x.x;
-          dk[4 * i4 + 1] += x.y;
-          dk[4 * i4 + 2] += x.z;
-          dk[4 * i4 + 3] += x.w;
-          dv[4 * i4] += y.x;
-          dv[4 * i4 + 1] += y.y;
-          dv[4 * i4 + 2] += y.z;
-          dv[4 * i4 + 3] += y.w;
+          pass(dk + 4 * i4, i4 * THREADS + tid);
+          pass(dv + 4 * i4, (D / 8 + i4) * THREADS + tid);
         }
-      }
-      float4* out = region(next, t + 1, it_id);
-#pragma unroll
-      for (int i4 = 0; i4 < D / 8; ++i4) {
-        __stcg(out + i4 * THREADS + tid,
-               make_float4(dk[4 * i4], dk[4 * i4 + 1], dk[4 * i4 + 2], dk[4 * i4 + 3]));
-        __stcg(out + (D / 8 + i4) * THREADS + tid,
-               make_float4(dv[4 * i4], dv[4 * i4 + 1], dv[4 * i4 + 2], dv[4 * i4 + 3]));
       }
       __threadfence_system();
       cm.link.peer(next, rank).pace_block(REGION);  // the emulator's link throttle (else off)
@@ -429,6 +364,7 @@ __device__ void dkdv_lane(const globals& g, int ln) {
                                 dm.s);
     attention::store_rows<T, D>(g.dv, dv, 1.f, 1.f, b, k0 + c * 64, hk, dm.hkv, dm.s);
   }
+  if (leader) tma::store_wait<0>();  // the staging stays valid until the last reduction is done
 }
 
 template <class C>
@@ -436,37 +372,37 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ glo
   const tp::comm& cm = g.f.c;
   if (threadIdx.x == 0) {
     // NOTES: mbarrier waits get a quarter more than the comm blocks' signal waits (and the
-    // lanes' and dq blocks' an eighth), so a missing peer is named by a signal wait.
+    // lanes' an eighth), so a missing peer is named by a signal wait.
     block_wait_bound() = wait_bound{cm.error, cm.op, cm.rank, cm.timeout_ns + cm.timeout_ns / 4};
   }
   const int idx = static_cast<int>(blockIdx.x);
   if (idx < g.f.comm_blocks) {
     __syncthreads();
-    ring_attn::communicate<C>(g.f, idx, &dynamic_smem<typename C::CK::storage_t>());
+    ring_attn::communicate<C>(g.f, idx, &dynamic_smem<typename C::CB::storage_t>());
     return;
   }
-  if (idx - g.f.comm_blocks < g.lanes) {
-    dkdv_lane<C>(g, idx - g.f.comm_blocks);
-  } else {
-    dq_block<C>(g, idx - g.f.comm_blocks - g.lanes);
-  }
+  lane<C>(g, idx - g.f.comm_blocks);
 }
 
-/** @brief Launches one call's grid (after the caller's epoch kernel): C comm blocks, L lanes,
- * then ceil(Sl / 128) H B dq blocks. */
+/** @brief Launches one call (after the caller's epoch kernel): dq_acc zeroed, the grid of C
+ * comm blocks and L lanes, then dq = T(scale dq_acc). */
 template <typename T, int D>
 inline cudaError_t launch(const globals& g, cudaStream_t stream, int device) {
   using C = config<T, D>;
-  static_assert(C::SMEM + sizeof(wait_bound) <= 232448,
+  static_assert(C::SMEM + sizeof(wait_bound) + CONSUMERS * (sizeof(stream_tile) + 4) <= 232448,
                 "ring_attn_bwd: shared memory over the sm_90 limit of 227 KiB");
+  const int64_t n = int64_t(g.f.d.b) * g.f.d.s * g.f.d.h * D;
+  if (cudaError_t err = cudaMemsetAsync(g.dq_acc, 0, n * sizeof(float), stream);
+      err != cudaSuccess) {
+    return err;
+  }
   const void* fn = reinterpret_cast<const void*>(&kernel<C>);
   if (cudaError_t err = opt_in_smem(fn, device, static_cast<int>(C::SMEM)); err != cudaSuccess) {
     return err;
   }
-  const int64_t blocks =
-      int64_t(g.f.comm_blocks) + g.lanes + int64_t(g.f.q_tiles) * g.f.d.h * g.f.d.b;
-  kernel<C><<<static_cast<unsigned>(blocks), THREADS, C::SMEM, stream>>>(g);
-  return cudaGetLastError();
+  kernel<C><<<static_cast<unsigned>(g.f.comm_blocks + g.lanes), THREADS, C::SMEM, stream>>>(g);
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  return attention::launch_dq_convert<T>(g.dq_acc, g.dq, n, g.f.d.scale, stream);
 }
 
 }  // namespace pk::ring_attn_bwd

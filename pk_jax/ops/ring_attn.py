@@ -29,7 +29,8 @@ On GPUs at P > 1 (bf16/fp16, head dim 64 or 128) the forward is one fused kernel
 of the symmetric workspace, pushed by communication blocks of the same grid), and so is the
 backward (target pk_ring_attn_bwd, cuda/kernels/ring_attn_bwd.cuh: K/V travel as in the
 forward, and each K/V block's fp32 dK/dV partial sums travel one hop behind it, home after
-P steps; dQ stays in registers), on the kernel's out and lse. At P = 1 (a 1-device axis) the
+P steps; dQ is summed on its rank in an fp32 scratch of the workspace by TMA reductions), on
+the kernel's out and lse. At P = 1 (a 1-device axis) the
 rank holds the whole sequence (and zigzag is the identity permutation), so where the
 pk.attention kernels take the operands (bf16/fp16, head dim 64 or 128) the call is exactly
 pk.attention: its forward kernel and its kernel backward, no ring. `forward_path` is the one
@@ -176,13 +177,13 @@ def workspace_need(k: jax.Array, p: int) -> int:
     return 2 * (p - 1) * int(np.prod(k.shape)) * k.dtype.itemsize
 
 
-def workspace_need_bwd(k: jax.Array, p: int) -> int:
+def workspace_need_bwd(q: jax.Array, k: jax.Array, p: int) -> int:
     """Bytes of symmetric workspace the fused backward uses: the forward's P - 1 K and V
-    blocks, then P fp32 dK/dV blocks of ceil(S/P / 128) 128-row tiles per K/V head and batch
-    (ffi/ring_attn_bwd.cu RingAttnBwdWorkspace)."""
+    blocks, then P fp32 dK/dV blocks of ceil(S/P / 128) 128-row tiles per K/V head and batch,
+    then an fp32 dQ of q's shape (ffi/ring_attn_bwd.cu RingAttnBwdWorkspace)."""
     b, s, hkv, d = k.shape
     tiles = -(-s // 128) * hkv * b
-    return workspace_need(k, p) + p * tiles * 2 * 128 * d * 4
+    return workspace_need(k, p) + p * tiles * 2 * 128 * d * 4 + int(np.prod(q.shape)) * 4
 
 
 # Whether the custom VJP of the fused path runs the fused backward (else the reference ring).
@@ -230,9 +231,9 @@ def _fused_bwd(axis_name, causal, scale, p, zigzag, res, do):
     # One pk_ring_attn_bwd call: delta = rowsum(dO * O) and the lse padded to whole 128-row
     # tiles (lse = +inf, delta = 0 past S/P: those rows get P = 0).
     q, k, v, o, lse = res
-    _tp.check_workspace(NAME, workspace_need_bwd(k, p),
+    _tp.check_workspace(NAME, workspace_need_bwd(q, k, p),
                         f"the backward's {p - 1} K/V blocks and {p} float32 dK/dV blocks of "
-                        f"{k.shape}")
+                        f"{k.shape}, and a float32 dQ of {q.shape}")
     s = q.shape[1]
     pad = ((0, 0), (0, 0), (0, -(-s // 128) * 128 - s))
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)

@@ -55,6 +55,7 @@ def main() -> None:
 
         t.check_forward(forward(causal), reference, seed, b, sl, h, hkv, d, dtype,
                         f"causal={causal}", **kw)
+        progress("forward", seed)
 
     def grad_case(seed, b, sl, h, hkv, d, dtype, causal, **kw):
         def op(q, k, v):
@@ -65,6 +66,11 @@ def main() -> None:
 
         t.check_backward(op, reference, seed, b, sl, h, hkv, d, dtype, f"causal={causal}",
                          **kw)
+        progress("gradient", seed)
+
+    def progress(what, seed):  # at P = 4 sharing one GPU a case can take tens of seconds
+        if t.me == 0:
+            print(f"{what} case {seed} passed at {time.time() - t0:.1f} s", flush=True)
 
     mode = os.environ.get("PK_JAX_ULYSSES_FUSED", "0").strip().lower() or "0"
     gpu = pk.backend_name("attention") == "cuda"
