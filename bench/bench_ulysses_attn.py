@@ -61,7 +61,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common
 import numpy as np
 
-from pk_jax.ops import ulysses_attn
+from pk_jax.ops import ring_attn, ulysses_attn
 from pk_jax.testing import DeviceBuffer, World, ops
 from pk_jax.testing.emulator import DTYPES, np_dtype
 from pk_jax.testing.ulysses_bwd import (
@@ -262,7 +262,7 @@ def run_shape_bwd(world: World, p: int, sl: int, causal: bool, rng, rows: list) 
                                  f"rank {r}): max error {np.abs(g - w).max()}")
 
     params = {"b": B, "s": sl, "h": h, "hkv": h, "d": D, "scale": scale,
-              "causal": int(causal), "zigzag": 0, "num_comm_sms": NUM_COMM_SMS}
+              "causal": int(causal), "zigzag": 0, "num_comm_sms": ring_attn.NUM_COMM_SMS}
     ring = ops.Call(world, ops.Case(
         "ring_attn_bwd", BF16,
         [{"q": qs[r], "k": ks[r], "v": vs[r], "do": dos[r], "lse": lses[r], "delta": deltas[r]}
@@ -284,7 +284,8 @@ def run_shape_bwd(world: World, p: int, sl: int, causal: bool, rng, rows: list) 
     t_fused = common.emulated_us(world, fused.launch, iters=5, reps=3)
     flops = 10 * B * h * D * s_total * s_total * (0.5 if causal else 1.0)  # all ranks
     shape = {"b": B, "s": s_total, "s_local": sl, "h": h, "hkv": h, "d": D,
-             "causal": causal, "num_comm_sms": NUM_COMM_SMS, "pass": "backward",
+             "causal": causal, "num_comm_sms": NUM_COMM_SMS,
+             "ring_comm_sms": ring_attn.NUM_COMM_SMS, "pass": "backward",
              "path": "composed"}
     rows.append(common.record(
         op="ulysses_attention", shape=shape, dtype=BF16, world=p, processes=1,
@@ -311,26 +312,31 @@ def run_shape_bwd(world: World, p: int, sl: int, causal: bool, rng, rows: list) 
 
 
 def _workspace_bytes(p: int, sl: int) -> int:
-    """The largest need of one world: the fused ring backward's P - 1 K/V blocks and P fp32
-    dK/dV blocks (ring_attn.workspace_need_bwd) at H = GROUP P, or the fused Ulysses
-    backward's sections, else 512 MiB (the forward's sections and the all_to_alls' staging)."""
+    """The largest need of one world: the fused ring backward's P - 1 K/V blocks, P fp32
+    dK/dV blocks and fp32 dQ (ring_attn.workspace_need_bwd) at H = GROUP P, or the fused
+    Ulysses backward's sections, else 512 MiB (the forward's sections and the all_to_alls'
+    staging)."""
     kv = B * sl * GROUP * p * D * 2
-    ring = 2 * (p - 1) * kv + p * (-(-sl // 128) * GROUP * p * B) * 2 * 128 * D * 4
+    ring = (2 * (p - 1) * kv + p * (-(-sl // 128) * GROUP * p * B) * 2 * 128 * D * 4
+            + 2 * kv)
     need = max(ring, fused_workspace_bytes(p, B, sl, GROUP * p, GROUP * p, D))
     return max(512 << 20, -(-(need + (64 << 20)) // (64 << 20)) * (64 << 20))
 
 
 def main() -> None:
-    global FWD_COMM_SMS
+    global FWD_COMM_SMS, NUM_COMM_SMS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
                         help="S/P = 2048 only, the backward causal only")
     parser.add_argument("--forward-only", action="store_true", help="skip the backward")
     parser.add_argument("--num-comm-sms", type=int, default=FWD_COMM_SMS,
                         help="communication blocks of the fused forward (default: the op's)")
+    parser.add_argument("--bwd-comm-sms", type=int, default=NUM_COMM_SMS,
+                        help="communication blocks of the fused backward (default: the op's)")
     parser.add_argument("--worlds", default="2,4,8", help="emulated world sizes, e.g. 2,4")
     args = parser.parse_args()
     FWD_COMM_SMS = args.num_comm_sms
+    NUM_COMM_SMS = args.bwd_comm_sms
     rng = np.random.default_rng(0)
     rows: list = []
     for p in (int(w) for w in args.worlds.split(",")):

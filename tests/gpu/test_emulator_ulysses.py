@@ -247,8 +247,8 @@ def test_a_rank_that_never_arrives(p):
 def _fused_shapes(p: int):
     """(B, S/P, H, Hkv, D, dtype, num_comm_sms) at world p: GQA with Hkv = P and 2P, H = P..4P,
     S/P a multiple of the 128-row tile and not (down to 1), B = 2, D 64 and 128, bf16 and fp16,
-    1-3 communication blocks."""
-    return ((1, 128, p, p, 128, "bfloat16", 2),
+    1-3 and 8 communication blocks."""
+    return ((1, 128, p, p, 128, "bfloat16", 8),
             (2, 130, 2 * p, p, 64, "float16", 1),
             (1, 200, 4 * p, 2 * p, 128, "bfloat16", 3),
             (2, 64, 2 * p, 2 * p, 64, "float16", 2),
