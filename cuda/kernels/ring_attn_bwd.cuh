@@ -136,8 +136,8 @@ struct stream_tile {
 /** @brief Lane `ln`: its work items over the P steps (see the schedule). A step's tiles run as
  * attention::bwd_block's D = 128 loop does: S^T and dP^T, dS^T, dV and dK, dS^T shared through
  * the ds tile, dQ's part (dq_part) added to dq_acc. The q/dO stream runs on across steps and
- * items; both warpgroup leaders walk it (their cursors `pit` advance together, one tile per
- * release), so whichever releases a stage last refills it (as attention::release_stage). */
+ * items; both warpgroup leaders walk it (their cursors next_tile[c] advance together, one tile
+ * per release), so whichever releases a stage last refills it (as attention::release_stage). */
 template <class C>
 __device__ void lane(const globals& g, int ln) {
   using CB = typename C::CB;
@@ -203,8 +203,9 @@ __device__ void lane(const globals& g, int ln) {
     tma::load_1d(s.lse[st], g.lse + at, BQ * sizeof(float), &s.full[st]);
     tma::load_1d(s.delta[st], g.delta + at, BQ * sizeof(float), &s.full[st]);
   };
-  // Warpgroup c's leader's cursor: the next tile to issue (in shared memory: in registers, the
-  // D = 128 kernel spilled).
+  // Warpgroup c's leader's cursor: the next tile to issue, and its number. In shared memory:
+  // in registers the D = 128 kernel spilled until the tile loop's `opaque` below. With it both
+  // forms compile without spills; this one ran on the H200.
   __shared__ tile next_tile[CONSUMERS];
   __shared__ int next_j[CONSUMERS];
   const tile first = advance(tile{ln, 0, 0, -1});
@@ -316,8 +317,8 @@ __device__ void lane(const globals& g, int ln) {
       }
       __syncthreads();
       {
-        // Each float4 loaded, added and stored in turn: the stores keep the loads from being
-        // hoisted, which spilled at D = 128 with dK/dV live.
+        // Each float4 loaded, added and stored in turn: written as all the loads, then all the
+        // stores (as before the one-pass lanes), the D = 128 kernel spilled.
         const float4* in = region(rank, t, it_id);
         float4* out = region(next, t + 1, it_id);
         auto pass = [&](float* acc, int at) {
