@@ -257,8 +257,12 @@ section_ulysses() {
   done
   # the fused forward (opt-in): its forward cases and one gradient case
   PK_JAX_ULYSSES_FUSED=1 PK_JAX_TIMEOUT_S=30 step launch 2 --timeout 250 tests/gpu/ulysses_mp.py
-  # the fused backward (opt-in): the forward cases and every gradient case
-  PK_JAX_ULYSSES_FUSED=bwd PK_JAX_TIMEOUT_S=30 step launch 2 --timeout 250 tests/gpu/ulysses_mp.py
+  # the fused backward (opt-in): the forward cases and every gradient case (P = 4: 155 s on
+  # 2026-12-03, four processes time-slicing the GPU)
+  for n in 2 4; do
+    PK_JAX_ULYSSES_FUSED=bwd PK_JAX_TIMEOUT_S=30 step launch "$n" --timeout 250 \
+      tests/gpu/ulysses_mp.py
+  done
   step "$PY" bench/bench_ulysses_attn.py --quick
 }
 
@@ -290,6 +294,15 @@ section_sanitize() {
   for tool in memcheck synccheck; do
     step bash -c "$(emu_sanitized $tool $SANITIZE_OPS 2,4,8 "$log/$tool.log")"
   done
+  # racecheck (shared-memory hazards) over the fused backwards, whose steps share dS^T and
+  # stage dQ in shared memory: the ring's at P = 2 and 4, the fused Ulysses backward's test at
+  # P = 2 (both clean on 2026-12-03).
+  step bash -c "$(emu_sanitized racecheck ring_attn_bwd 2,4 "$log/racecheck.log")"
+  step bash -c "compute-sanitizer --tool racecheck --print-limit 50 $PY -m pytest -q \
+    -p no:cacheprovider -m gpu tests/gpu/test_emulator_ulysses.py \
+    -k 'test_fused_backward_against_the_float32_reference and 2-' > $log/racecheck_uly.log 2>&1;
+    rc=\$?; tail -3 $log/racecheck_uly.log; ! grep -E '$SANITIZER_ERRORS' $log/racecheck_uly.log &&
+    grep -q '0 hazards displayed' $log/racecheck_uly.log && [ \$rc = 0 ]"
   # The one-pass attention backward (in the emulated composed Ulysses backward) under memcheck
   # (the fused backward is among SANITIZE_OPS above).
   PK_JAX_EMU_ULYSSES_CALLS=1 step bash -c "compute-sanitizer --tool memcheck --print-limit 50 \
