@@ -258,9 +258,9 @@ section_ulysses() {
   # the fused forward (opt-in): its forward cases and one gradient case
   PK_JAX_ULYSSES_FUSED=1 PK_JAX_TIMEOUT_S=30 step launch 2 --timeout 250 tests/gpu/ulysses_mp.py
   # the fused backward (opt-in): the forward cases and every gradient case (P = 4: 155 s on
-  # 2026-12-03, four processes time-slicing the GPU)
+  # 2026-12-03 with PK_JAX_TIMEOUT_S=60, four processes time-slicing the GPU)
   for n in 2 4; do
-    PK_JAX_ULYSSES_FUSED=bwd PK_JAX_TIMEOUT_S=30 step launch "$n" --timeout 250 \
+    PK_JAX_ULYSSES_FUSED=bwd PK_JAX_TIMEOUT_S=60 step launch "$n" --timeout 250 \
       tests/gpu/ulysses_mp.py
   done
   step "$PY" bench/bench_ulysses_attn.py --quick
