@@ -216,11 +216,11 @@ struct step_stream {
       if (at_t < g.c.world) at_o = owner(g, at_t);
     }
   }
-  // NOTES: mbarrier waits get a quarter more than the signal waits, so a missing peer is named
-  // by the signal wait (peer known) before an mbarrier wait gives up (peer -1).
+  /** @brief The compute blocks' mbarrier bound: the communicator's (peer_wait_bound, a quarter
+   * longer than the signal waits, so a missing peer is named by a signal wait). */
   template <class G>
   __device__ wait_bound bound(const G& g) const {
-    return wait_bound{g.c.error, g.c.op, g.c.rank, g.c.timeout_ns + g.c.timeout_ns / 4};
+    return g.c.bound();
   }
   __device__ int n_tiles() const { return n; }
 };

@@ -373,8 +373,8 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ glo
   const tp::comm& cm = g.f.c;
   if (threadIdx.x == 0) {
     // NOTES: mbarrier waits get a quarter more than the comm blocks' signal waits (and the
-    // lanes' an eighth), so a missing peer is named by a signal wait.
-    block_wait_bound() = wait_bound{cm.error, cm.op, cm.rank, cm.timeout_ns + cm.timeout_ns / 4};
+    // lanes' an eighth), so a missing peer is named by a signal wait (peer_wait_bound).
+    block_wait_bound() = cm.bound();
   }
   const int idx = static_cast<int>(blockIdx.x);
   if (idx < g.f.comm_blocks) {
