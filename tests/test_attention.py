@@ -105,6 +105,10 @@ _GPU_FWD = [  # (B, S, H, Hkv, D, causal)
     (2, 256, 4, 4, 64, False), (1, 1000, 8, 2, 128, True), (2, 333, 4, 1, 64, True),
     (1, 2048, 16, 2, 128, False), (1, 129, 2, 2, 128, False), (1, 4096, 8, 1, 64, True),
     (3, 77, 6, 3, 128, True),
+    # Non-causal, more query blocks than SMs (576, batch 4, GQA 4:1) with two key tiles each,
+    # and 160 blocks of one tile each (the shapes of the persistent forward tried on branch
+    # attn-persist-2, bench/results/attention_notes.md).
+    (4, 300, 48, 12, 128, False), (2, 100, 80, 16, 64, False),
 ]
 _GPU_GRAD = [
     (1, 512, 4, 4, 128, False), (2, 300, 8, 2, 64, True), (1, 1100, 8, 1, 128, True),

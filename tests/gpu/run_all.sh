@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark, on the H200 machine: tests/gpu/run_all.sh [section ...]
 # Sections: install sass unit runtime collectives collectives_mp tp tp_mp grouped attention
-# emulator moe moe_fused moe_mp ring ulysses ulysses_bwd sanitize examples users bench link state
-# hazards (default: all but moe_fused, moe_mp, ulysses_bwd, bench, link and hazards). The P = 1
-# sections (install unit collectives tp examples) may run side by side in separate invocations;
-# the multi-process ones and bench want the GPU alone.
+# emulator moe moe_fused moe_mp ring ulysses ulysses_bwd sanitize racecheck examples users bench
+# link state hazards (default: all but moe_fused, moe_mp, ulysses_bwd, racecheck (part of
+# sanitize), bench, link and hazards). The P = 1 sections (install unit collectives tp examples)
+# may run side by side in separate invocations; the multi-process ones and bench want the GPU
+# alone.
 # Prints one PASSED/FAILED line per step and a summary; exits non-zero if any step failed.
 # Each pytest step is its own process: a kernel that times out traps, and a trapped CUDA
 # context is unusable for the rest of that process.
@@ -294,15 +295,7 @@ section_sanitize() {
   for tool in memcheck synccheck; do
     step bash -c "$(emu_sanitized $tool $SANITIZE_OPS 2,4,8 "$log/$tool.log")"
   done
-  # racecheck (shared-memory hazards) over the fused backwards, whose steps share dS^T and
-  # stage dQ in shared memory: the ring's at P = 2 and 4, the fused Ulysses backward's test at
-  # P = 2 (both clean on 2026-12-03).
-  step bash -c "$(emu_sanitized racecheck ring_attn_bwd 2,4 "$log/racecheck.log")"
-  step bash -c "compute-sanitizer --tool racecheck --print-limit 50 $PY -m pytest -q \
-    -p no:cacheprovider -m gpu tests/gpu/test_emulator_ulysses.py \
-    -k 'test_fused_backward_against_the_float32_reference and 2-' > $log/racecheck_uly.log 2>&1;
-    rc=\$?; tail -3 $log/racecheck_uly.log; ! grep -E '$SANITIZER_ERRORS' $log/racecheck_uly.log &&
-    grep -q '0 hazards displayed' $log/racecheck_uly.log && [ \$rc = 0 ]"
+  section_racecheck
   # The one-pass attention backward (in the emulated composed Ulysses backward) under memcheck
   # (the fused backward is among SANITIZE_OPS above).
   PK_JAX_EMU_ULYSSES_CALLS=1 step bash -c "compute-sanitizer --tool memcheck --print-limit 50 \
@@ -311,6 +304,21 @@ section_sanitize() {
     tail -5 $log/attention.log;
     ! grep -E 'Invalid (__global__|__shared__|__local__)|Out of bounds|Misaligned' \
     $log/attention.log && [ \$rc = 0 ]"
+}
+
+# racecheck (shared-memory hazards) over the fused backwards, whose steps share dS^T and stage
+# dQ in shared memory: the ring's at P = 2 and 4, the fused Ulysses backward's test at P = 2
+# (both clean on 2026-12-03). Part of section sanitize; a section of its own for a short run.
+section_racecheck() {
+  export CUDA_MODULE_LOADING=EAGER
+  local log=${PK_JAX_LOG_DIR:-/tmp}/pk_jax_sanitize
+  mkdir -p "$log"
+  step bash -c "$(emu_sanitized racecheck ring_attn_bwd 2,4 "$log/racecheck.log")"
+  step bash -c "compute-sanitizer --tool racecheck --print-limit 50 $PY -m pytest -q \
+    -p no:cacheprovider -m gpu tests/gpu/test_emulator_ulysses.py \
+    -k 'test_fused_backward_against_the_float32_reference and 2-' > $log/racecheck_uly.log 2>&1;
+    rc=\$?; tail -3 $log/racecheck_uly.log; ! grep -E '$SANITIZER_ERRORS' $log/racecheck_uly.log &&
+    grep -q '0 hazards displayed' $log/racecheck_uly.log && [ \$rc = 0 ]"
 }
 
 # Each hazard test of issue 10 fails on the extension built with its fix reverted
