@@ -55,6 +55,7 @@ os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 
 import argparse
 import sys
+from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -312,14 +313,13 @@ def run_shape_bwd(world: World, p: int, sl: int, causal: bool, rng, rows: list) 
 
 
 def _workspace_bytes(p: int, sl: int) -> int:
-    """The largest need of one world: the fused ring backward's P - 1 K/V blocks, P fp32
-    dK/dV blocks and fp32 dQ (ring_attn.workspace_need_bwd) at H = GROUP P, or the fused
-    Ulysses backward's sections, else 512 MiB (the forward's sections and the all_to_alls'
-    staging)."""
-    kv = B * sl * GROUP * p * D * 2
-    ring = (2 * (p - 1) * kv + p * (-(-sl // 128) * GROUP * p * B) * 2 * 128 * D * 4
-            + 2 * kv)
-    need = max(ring, fused_workspace_bytes(p, B, sl, GROUP * p, GROUP * p, D))
+    """The largest need of one world: the fused ring backward's (ring_attn.workspace_need_bwd:
+    P - 1 K/V blocks, P fp32 dK/dV blocks and an fp32 dQ) at H = GROUP P, or the fused Ulysses
+    backward's sections, else 512 MiB (the forward's sections and the all_to_alls' staging)."""
+    h = GROUP * p
+    qk = SimpleNamespace(shape=(B, sl, h, D), dtype=np.dtype(np.float16))  # 2 bytes, as bf16
+    ring = ring_attn.workspace_need_bwd(qk, qk, p)
+    need = max(ring, fused_workspace_bytes(p, B, sl, h, h, D))
     return max(512 << 20, -(-(need + (64 << 20)) // (64 << 20)) * (64 << 20))
 
 
