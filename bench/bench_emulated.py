@@ -207,8 +207,10 @@ def tp_buffers(world: World, op: str, m: int, n: int, k: int, rng) -> dict:
     return {"case": case, "fused": fused, "serial": serial, "tmp": tmp}
 
 
-def serial_launch(world: World, op: str, b: dict) -> None:
-    """matmul + collective (gemm_rs, gemm_ar) or all_gather + matmul (ag_gemm) on every rank."""
+def serial_launch(world: World, op: str, b: dict,
+                  parts: tuple[str, ...] = ("compute", "comm")) -> None:
+    """matmul + collective (gemm_rs, gemm_ar) or all_gather + matmul (ag_gemm) on every rank;
+    `parts` picks the matmul ("compute") and/or the collective ("comm") alone."""
     case, call, tmp = b["case"], b["serial"], b["tmp"]
     dt = ops.DTYPES[BF16]
     for r in range(world.world):
@@ -216,19 +218,24 @@ def serial_launch(world: World, op: str, b: dict) -> None:
         bufs = call.buffers[r]
         cfg = {"config": 0, "group_m": 8}
         if op == "ag_gemm":  # the gather lands in x_full, which the op also returns
-            world.launch("all_gather", r, {"dtype": dt, "x": bufs["x"], "y": bufs["x_full"],
-                                           "n": x.size, "n_out": x.size * world.world,
-                                           "p0": x.size})
-            world.launch("matmul", r, {"dtype": dt, "x": bufs["x_full"], "w": bufs["w"],
-                                       "y": bufs["y"], "m": x.shape[0] * world.world,
-                                       "k": x.shape[1], "n": w.shape[1],
-                                       "y_rows": x.shape[0] * world.world,
-                                       "y_cols": w.shape[1], **cfg})
+            if "comm" in parts:
+                world.launch("all_gather", r, {"dtype": dt, "x": bufs["x"],
+                                               "y": bufs["x_full"], "n": x.size,
+                                               "n_out": x.size * world.world, "p0": x.size})
+            if "compute" in parts:
+                world.launch("matmul", r, {"dtype": dt, "x": bufs["x_full"], "w": bufs["w"],
+                                           "y": bufs["y"], "m": x.shape[0] * world.world,
+                                           "k": x.shape[1], "n": w.shape[1],
+                                           "y_rows": x.shape[0] * world.world,
+                                           "y_cols": w.shape[1], **cfg})
             continue
         mm = x.shape[0] * w.shape[1]
-        world.launch("matmul", r, {"dtype": dt, "x": bufs["x"], "w": bufs["w"], "y": tmp[r],
-                                   "m": x.shape[0], "k": x.shape[1], "n": w.shape[1],
-                                   "y_rows": x.shape[0], "y_cols": w.shape[1], **cfg})
+        if "compute" in parts:
+            world.launch("matmul", r, {"dtype": dt, "x": bufs["x"], "w": bufs["w"], "y": tmp[r],
+                                       "m": x.shape[0], "k": x.shape[1], "n": w.shape[1],
+                                       "y_rows": x.shape[0], "y_cols": w.shape[1], **cfg})
+        if "comm" not in parts:
+            continue
         if op == "gemm_rs":
             world.launch("reduce_scatter", r, {"dtype": dt, "x": tmp[r], "y": bufs["y"],
                                                "n": mm, "n_out": mm // world.world,

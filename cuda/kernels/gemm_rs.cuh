@@ -120,8 +120,8 @@ struct kernel_def : matmul::kernel_def<C> {
       return;
     }
     base::epilogue(g, acc, out, t.n * BN, sync, [&](const T* panel, int col) {
-      if (g.link.on() && o != g.rank) g.link.pace(64 * 64 * sizeof(T));  // a peer's panel
       tma::store_add_2d(&g.acc[o], panel, col, row0);
+      if (g.link.on() && o != g.rank) sync.linked(g.link.issue(64 * 64 * sizeof(T)));
     });
   }
 };

@@ -110,6 +110,7 @@ __device__ inline void push_experts(const fused_args& f, int* done) {
     // the rows of 32 of the warp's slots at once (one round trip, not two per row); then every
     // load of a chunk is issued before its stores (a plain copy loop kept one 16-byte load in
     // flight per lane, as the stores may alias the source: about 6 KB per SM).
+    int64_t pushed = 0;  // rows this warp stored into a peer's workspace (the link throttle)
     for (int q0 = lo + warp; q0 < hi; q0 += NW * WARP_THREADS) {
       const int q = q0 + lane * NW;
       int32_t src_row = -1, dst_row = -1;
@@ -123,6 +124,7 @@ __device__ inline void push_experts(const fused_args& f, int* done) {
         const int32_t sr = __shfl_sync(0xffffffffu, src_row, j);
         const int32_t dr = __shfl_sync(0xffffffffu, dst_row, j);
         if (dr < 0) continue;  // uniform over the warp
+        pushed += d != c.rank;
         const uint4* src =
             reinterpret_cast<const uint4*>(static_cast<const char*>(f.x) + sr * f.row_bytes);
         uint4* dst = reinterpret_cast<uint4*>(dst_ws + int64_t(dr) * f.row_bytes);
@@ -144,6 +146,9 @@ __device__ inline void push_experts(const fused_args& f, int* done) {
     // fence per expert held every warp until the slowest warp's rows had landed.)
     __syncwarp();
     if (lane == 0) {
+      // The emulator's link throttle (pk/link.cuh; off in production): the rows cross the
+      // link before the count that releases them.
+      if (c.link.on() && pushed > 0) c.link.drain(c.link.issue(uint64_t(pushed) * f.row_bytes));
       __threadfence_system();  // this warp's rows, then its count: a release
       if (atomicAdd(&done[it], 1) == NW - 1) {
         __threadfence_system();  // the count read, then this fence: the other warps' rows

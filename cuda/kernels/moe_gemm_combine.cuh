@@ -183,6 +183,7 @@ __global__ void __launch_bounds__(K::THREADS, 1)
   const int2* inv = reinterpret_cast<const int2*>(static_cast<const char*>(c.ws[c.rank]) +
                                                   f.inv_off);
   bool ready = false;  // this consumer has seen every rank's inverse map
+  uint64_t link_due = 0;  // leader: when its last piece's peer rows have crossed (emulator)
   if (t < MAX_PEERS) s_count[cw][t] = 0;  // rows sent to each owner, over the whole kernel
   int stage = 0;
   uint32_t phase = 0;
@@ -218,6 +219,9 @@ __global__ void __launch_bounds__(K::THREADS, 1)
       }
       ready = true;
     }
+    // The emulator's link throttle (pk/link.cuh; off in production): one piece in flight, as
+    // the stores of a real link back up into the SM.
+    if (leader) link_throttle::drain(link_due);
     warpgroup::sync(bar);  // the previous piece's reads of staging and owners are done
     K::stage_out(acc, s.out[cw]);
     // NOTES: the piece's owners are read once, into shared memory, before the stores. Read per
@@ -227,6 +231,12 @@ __global__ void __launch_bounds__(K::THREADS, 1)
     warpgroup::sync(bar);
     if (t < valid) atomicAdd(&s_count[cw][s_owner[cw][t].x], 1);
     const int col0 = w.nt * K::BN;
+    if (leader && c.link.on()) {
+      int peer_rows = 0;
+      for (int r = 0; r < valid; ++r) peer_rows += s_owner[cw][r].x != c.rank;
+      const int cols = min(K::BN, g.n - col0);
+      link_due = c.link.issue(uint64_t(peer_rows) * cols * sizeof(T));
+    }
     constexpr int CHUNKS = K::BN / 8;
     for (int i = t; i < valid * CHUNKS; i += WARPGROUP_THREADS) {
       const int r = i / CHUNKS, col = (i % CHUNKS) * 8;
@@ -243,6 +253,7 @@ __global__ void __launch_bounds__(K::THREADS, 1)
   // after every piece stalled the leader's warp, so the warpgroup's next wgmma.
   warpgroup::sync(bar);
   if (leader) {
+    link_throttle::drain(link_due);  // the peer rows have crossed before the counts release them
     __threadfence_system();
     for (int p = 0; p < c.world; ++p) {
       const int n = s_count[cw][p];

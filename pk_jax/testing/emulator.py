@@ -23,6 +23,16 @@ trap): `World.close` releases what it can, and a new process starts clean.
 
 What it cannot show: NVLink speed. Each rank has 1/P of the SMs and all ranks share one HBM.
 
+The scale model (`World(P, scale_model=True)`): rank r is a 1/P model of one GPU of an 8-GPU
+NVLink node in every dimension that decides overlap. Compute, HBM and L2 scale with its SM
+partition; the link is throttled so that the partition's measured matmul rate over the link
+rate is a real node's FLOP per byte (1750); communication resources scale too: an op asking
+for c communication SMs (the `num_comm_sms` launch field, read as the count on a 132-SM GPU)
+gets `node_comm_sms(c, sms_per_rank)` = max(1, round(c * sms_per_rank / 132)) on the partition.
+The link is asynchronous, as on a real GPU (cuda/include/pk/link.cuh): an issued store
+reserves link time and its thread goes on; the source's reuse, the signal and the kernel's end
+wait for the bytes. Only rows measured this way decide anything (DESIGN.md, section 4).
+
 The link throttle (`link_gbps`, `set_link`; cuda/include/pk/link.cuh): caps the rate at which
 each rank's kernels move bytes to or from other ranks' workspaces, a per-rank device-side
 token bucket on a link clock in device memory. Unthrottled, an emulated rank computes about
@@ -52,6 +62,16 @@ _EMU_COMM_BASE = 1 << 40
 # FLOP per byte of a real NVLink H100/H200 node: 790 TFLOP/s (bf16 dense) against 450 GB/s
 # per GPU per direction.
 REAL_NODE_FLOP_PER_BYTE = 1750.0
+# SMs of the GPU the scale model scales from (H100/H200 SXM).
+NODE_SMS = 132
+
+
+def node_comm_sms(c_on_node: int, sms_per_rank: int, node_sms: int = NODE_SMS) -> int:
+    """Communication SMs on a partition of `sms_per_rank` SMs for an op that would use
+    `c_on_node` of a whole GPU's `node_sms`: max(1, round(c * sms_per_rank / node_sms))."""
+    if c_on_node <= 0:
+        return int(c_on_node)  # 0: the launcher's own choice, already relative to the SMs
+    return max(1, round(c_on_node * sms_per_rank / node_sms))
 
 
 def real_node_link_gbps(tflops_per_rank: float,
@@ -245,11 +265,16 @@ class World:
         device: the GPU ordinal.
         link_gbps: the link throttle, GB/s (1e9 bytes/s) per rank of cross-rank traffic;
             None or 0: unthrottled (the shared HBM's rate). See `set_link`.
+        scale_model: make each rank a 1/P scale model of one GPU of a real node (the module
+            docstring): measures the partitions' matmul rate, throttles the link to
+            `flop_per_byte` and scales `num_comm_sms`. Excludes `link_gbps`.
+        flop_per_byte: the real node's FLOP per byte the scale model reproduces.
     """
 
     def __init__(self, world: int, *, sms_per_rank: int | list[int] | None = None,
                  workspace_bytes: int = 16 << 20, timeout_s: float = 5.0, device: int = 0,
-                 link_gbps: float | None = None):
+                 link_gbps: float | None = None, scale_model: bool = False,
+                 flop_per_byte: float = REAL_NODE_FLOP_PER_BYTE):
         from pk_jax import _ffi
 
         if not _ffi.HAS_CUDA or not hasattr(_ffi._pk_ffi, "emu_launch"):
@@ -273,6 +298,7 @@ class World:
         self.registered: list[int] = []
         self.link_clocks: list[DeviceBuffer] = []
         self.link_gbps = 0.0
+        self.scale: dict | None = None  # the scale model's constants, when on
         self.closed = False
         try:
             if sms_per_rank is None:
@@ -285,8 +311,12 @@ class World:
                                  f"{len(sms_per_rank)}.")
             self.parts = split_sms(self.device, list(sms_per_rank))
             self._build_memory()
+            if scale_model and link_gbps:
+                raise ValueError("World: scale_model sets the link itself; drop link_gbps.")
             if link_gbps:
                 self.set_link(link_gbps)
+            if scale_model:
+                self._scale_model(float(flop_per_byte))
         except BaseException:
             self.close()
             raise
@@ -350,6 +380,52 @@ class World:
                                     self.link_clocks[r].ptr if gbps else 0)
         self.link_gbps = gbps
 
+    def _scale_model(self, flop_per_byte: float) -> None:
+        if len(set(self.sms)) != 1:
+            raise ValueError(f"World: the scale model needs equal partitions, got {self.sms}.")
+        tflops = self.matmul_tflops()
+        gbps = real_node_link_gbps(tflops, flop_per_byte)
+        self.set_link(gbps)
+        self.scale = {"scale_model": True, "sms_per_rank": self.sms[0],
+                      "partition_tflops": round(tflops, 1), "link_gbps": round(gbps, 2),
+                      "flop_per_byte": flop_per_byte}
+
+    def comm_sms(self, c_on_node: int) -> int:
+        """The communication SMs an op asking for `c_on_node` (on a 132-SM GPU) gets on a rank:
+        scaled in the scale model (`node_comm_sms`), as asked otherwise."""
+        return node_comm_sms(c_on_node, self.sms[0]) if self.scale else int(c_on_node)
+
+    def matmul_tflops(self, m: int = 8192, n: int = 8192, k: int = 2048) -> float:
+        """TFLOP/s of one rank's bf16 matmul (pk.matmul's launcher) while every rank runs one at
+        once: the emulated rank's compute rate, measured (median of 5 batches of 10)."""
+        bufs = [(DeviceBuffer(m * k * 2), DeviceBuffer(k * n * 2), DeviceBuffer(m * n * 2))
+                for _ in range(self.world)]
+        try:
+            for x, w, _ in bufs:
+                x.fill(0x3C)  # bf16 0x3C3C: a small finite value
+                w.fill(0x3C)
+
+            def all_ranks():
+                for r, (x, w, y) in enumerate(bufs):
+                    self.launch("matmul", r, {"dtype": DTYPES["bfloat16"], "x": x, "w": w,
+                                              "y": y, "m": m, "k": k, "n": n, "y_rows": m,
+                                              "y_cols": n, "config": 0, "group_m": 8})
+
+            all_ranks()
+            self.synchronize()
+            samples = []
+            for _ in range(5):
+                start = time.perf_counter()
+                for _ in range(10):
+                    all_ranks()
+                self.synchronize()
+                samples.append((time.perf_counter() - start) / 10)
+        finally:
+            for trio in bufs:
+                for b in trio:
+                    b.free()
+        return 2.0 * m * n * k / float(np.median(samples)) / 1e12
+
     # -------------------------------------------------------------------------------------
     @property
     def sms(self) -> list[int]:
@@ -375,6 +451,8 @@ class World:
         fields = {k: (v.ptr if isinstance(v, DeviceBuffer)
                       else float(v) if isinstance(v, (float, np.floating)) else int(v))
                   for k, v in args.items()}
+        if self.scale and "num_comm_sms" in fields:  # the node's count, scaled to the partition
+            fields["num_comm_sms"] = self.comm_sms(fields["num_comm_sms"])
         fields["rank"] = self.ranks[rank].ptr
         try:
             self._ffi.emu_launch(op, self.comm_base + rank, self.device, part.stream,

@@ -157,6 +157,12 @@ class UlyssesBackward:
         for r in range(self.world.world):
             self.world.launch("attention", r, self.args[r])
 
+    def launch_comm(self) -> None:
+        """Steps 1 and 3 alone (the all_to_alls there and back): the communication part of the
+        composed backward (padding the statistics, where S needs it, is left out)."""
+        for c in (*self.ins, self.stats, *self.outs):
+            c.launch()
+
     def fill(self, byte: int) -> None:
         """Poisons every rank's dq, dk, dv with one byte value (0xFF: NaNs)."""
         for c in self.outs:

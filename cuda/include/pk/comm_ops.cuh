@@ -111,6 +111,7 @@ struct bulk_ring {
   char* dst[STAGES];     ///< bulk_move: where stage s's piece goes
   uint32_t bytes[STAGES];
   uint32_t phase;        ///< bit s: parity of stage s's next completion (one thread writes)
+  uint64_t due[STAGES];  ///< paced pieces: when stage s's piece has crossed the link (0: not)
   link_throttle link;    ///< bulk_copy's pacing (pk/link.cuh): off after init; set it to the
                          ///< throttle for copies that cross ranks
   alignas(128) char buf[STAGES][STAGE_BYTES];
@@ -119,7 +120,10 @@ struct bulk_ring {
 
   /** @brief One thread, before any use. */
   __device__ void init() {
-    for (int s = 0; s < STAGES; ++s) mbar_init(&bar[s], 1);
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(&bar[s], 1);
+      due[s] = 0;
+    }
     phase = 0;
     link = link_throttle{};
     fence_mbar_init();
@@ -151,8 +155,9 @@ __device__ inline uint32_t advance_phase(uint32_t phase, int n) {
 /**
  * @brief One thread: copies every piece `next(&piece)` yields, global -> shared -> global,
  * STAGES - 1 loads ahead of the stores. Returns with every store complete (not yet fenced
- * for generic-proxy readers: see fence_proxy_async_global). Pieces marked `paced` wait for
- * their turn on `link` before their load and the last one's link time has passed on return.
+ * for generic-proxy readers: see fence_proxy_async_global). Pieces marked `paced` cross the
+ * link asynchronously (pk/link.cuh): each reserves its link time as it is issued, a stage is
+ * reused only once its piece has crossed, and on return every paced piece has crossed.
  * ROWS: pieces of strided rows (bulk_piece::rows), one bulk copy per row each way.
  */
 template <bool ROWS = false, class Next>
@@ -160,12 +165,16 @@ __device__ inline void bulk_move(bulk_ring& ring, Next next, const link_throttle
   uint32_t phase = ring.phase;
   int issued = 0;
   bool more = true;
-  uint64_t due = 0;  // end of the last paced piece's link time
+  uint64_t due = 0;  // the latest end of a paced piece's link time
   auto issue = [&]() {
     bulk_piece pc;
     if (!next(&pc)) return false;
-    if (link.on() && pc.paced) due = link.pace(pc.bytes);
     const int s = issued % bulk_ring::STAGES;
+    if (link.on()) {
+      link_throttle::drain(ring.due[s]);  // the stage's last piece has crossed
+      ring.due[s] = pc.paced ? link.issue(pc.bytes) : 0;
+      if (ring.due[s] > due) due = ring.due[s];
+    }
     ring.dst[s] = pc.dst;
     ring.bytes[s] = pc.bytes;
     mbar_arrive_expect_tx(&ring.bar[s], pc.bytes);
@@ -202,7 +211,7 @@ __device__ inline void bulk_move(bulk_ring& ring, Next next, const link_throttle
     }
   }
   bulk_wait_all();
-  link.drain(due);
+  link_throttle::drain(due);
   ring.phase = phase;
 }
 

@@ -42,8 +42,8 @@
  */
 #pragma once
 
-
 #include "pk/common.cuh"
+#include "pk/link.cuh"
 #include "pk/mbarrier.cuh"
 #include "pk/scheduler.cuh"
 #include "pk/tma.cuh"
@@ -72,14 +72,25 @@ struct shared_storage {
  * @brief Hand-off of a consumer's staging buffer to TMA stores. The storer brackets every
  * write of the buffer with acquire() (the previous stores from it have finished reading) and
  * publish() (writes visible to TMA; true on the one thread that then issues the stores).
+ * A storer whose stores cross ranks records their link time with linked() (the rank
+ * emulator's throttle, pk/link.cuh): the buffer is free, and the kernel done, only once those
+ * bytes have crossed, as on a real link; never set in production (one predicated branch).
  */
 struct storer_sync {
   int barrier_id;
   bool leader;
+  mutable uint64_t link_due = 0;  ///< leader: end of its last store's link time (0: none)
 
   __device__ void acquire() const {
-    if (leader) tma::store_wait_read<0>();
+    if (leader) {
+      tma::store_wait_read<0>();
+      link_throttle::drain(link_due);
+    }
     warpgroup::sync(barrier_id);
+  }
+  /** @brief Leader: a store just issued crosses the link until `end` (link_throttle::issue). */
+  __device__ void linked(uint64_t end) const {
+    if (end > link_due) link_due = end;
   }
   __device__ bool publish() const {
     tma::fence_smem_to_async();
@@ -173,7 +184,10 @@ __global__ void __launch_bounds__((K::CONSUMERS + 1) * WARPGROUP_THREADS, 1)
     }
     K::storer(g, acc, s.out[c], c, t, sync);
   }
-  if (leader) tma::store_wait<0>();
+  if (leader) {
+    tma::store_wait<0>();
+    link_throttle::drain(sync.link_due);
+  }
   K::finish(g, c);
 }
 

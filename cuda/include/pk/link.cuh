@@ -10,14 +10,21 @@
  * machine has a real node's FLOP/byte ratio.
  *
  * How: each rank owns a link clock (one uint64 of device memory, nanoseconds of %globaltimer)
- * shared by all of its blocks and kernels: the time until which its link is busy. Before a
- * thread moves n bytes across ranks it reserves [start, start + n / rate) on the clock and
- * waits until start (`pace`), so the reservations of all threads of the rank follow each other
- * and the rank's aggregate rate never exceeds the cap, however many blocks move data. A thread
- * that must not signal before its bytes have "arrived" waits for the end of its last
- * reservation (`drain`). The clock banks at most SLACK_NS of idle time (a link that was idle
- * does not save up bandwidth), which also absorbs the timer's granularity. Durations round up
- * to whole nanoseconds (never faster than the cap).
+ * shared by all of its blocks and kernels: the time until which its link is busy. A transfer
+ * of n bytes reserves [start, start + n / rate) on the clock, so the reservations of all
+ * threads of the rank follow each other and the rank's aggregate rate never exceeds the cap,
+ * however many blocks move data. The clock banks at most SLACK_NS of idle time (a link that
+ * was idle does not save up bandwidth), which also absorbs the timer's granularity. Durations
+ * round up to whole nanoseconds (never faster than the cap).
+ *
+ * The link is asynchronous, as on a real GPU: a store, TMA store or reduce-add to a peer is
+ * issued and its thread goes on computing (`issue`: reserve and return the reservation's end,
+ * no wait). What waits for the bytes is what waits on a real GPU: reusing the shared memory
+ * the transfer reads from (the bulk group's read wait: `wait_until(end)` there), the signal
+ * that tells the peer the bytes landed, and the kernel's end (`drain(end)`). A pull is paced
+ * (`pace`: wait for the reservation's start before the load) because the puller needs the
+ * data it loads; vector paths that moved their bytes first reserve them after the fact and
+ * wait for their end before signalling (`pace_block`).
  *
  * What counts as link traffic: bytes a rank's threads load from or store into another rank's
  * workspace (bulk copies, TMA reduce-adds, vector loads and stores), in the direction they are
@@ -67,8 +74,21 @@ struct link_throttle {
   }
 
   /**
-   * @brief One thread, before it starts moving `bytes` across ranks: waits for its turn on the
-   * link; returns the reservation's end (for `drain`), 0 when off.
+   * @brief One thread, as it issues an asynchronous transfer of `bytes` to a peer (a TMA store
+   * or bulk copy out of shared memory): reserves them and returns the reservation's end, when
+   * the bytes have crossed, without waiting (0 when off). Whoever next needs the transfer done
+   * (the source's reuse, the peer's signal, the kernel's end) waits for it with `drain`.
+   */
+  __device__ uint64_t issue(uint64_t bytes) const {
+    if (!on()) return 0;
+    uint64_t start, end;
+    reserve(bytes, &start, &end);
+    return end;
+  }
+
+  /**
+   * @brief One thread, before it starts pulling `bytes` from a peer (it needs them): waits for
+   * its turn on the link; returns the reservation's end (for `drain`), 0 when off.
    */
   __device__ uint64_t pace(uint64_t bytes) const {
     if (!on()) return 0;
@@ -78,8 +98,8 @@ struct link_throttle {
     return end;
   }
 
-  /** @brief Waits until `end` (a `pace` result): those bytes have crossed the link. */
-  __device__ void drain(uint64_t end) const {
+  /** @brief Waits until `end` (an `issue` or `pace` result): those bytes have crossed. */
+  __device__ static void drain(uint64_t end) {
     if (end != 0) wait_until(end);
   }
 

@@ -1,0 +1,738 @@
+"""Overlap at the scale model: every fused op against its serial form, emulated at P = 2, 4, 8.
+
+Each emulated rank is a 1/P scale model of one GPU of an 8-GPU NVLink node
+(`pk_jax.testing.World(P, scale_model=True)`: its SM partition for compute, HBM and L2; the
+link throttled to the node's 1750 FLOP per byte of the partition's measured matmul rate, and
+asynchronous as a real link; communication SMs scaled from the node's count). Per-rank shapes
+are per-GPU shapes of the node.
+
+Nine op/pass pairs, each against the serial form pk_jax would otherwise run, with everything
+that form needs:
+- gemm_rs: pk.matmul, then the pk reduce_scatter;     ag_gemm: all_gather, then pk.matmul;
+- gemm_ar: pk.matmul, then the pk all_reduce;
+- ring forward: all_gather of K/V, pk.attention per visible block, and the merge of the
+  partial results (a device copy of the partials' bytes, standing in for the merge's memory
+  traffic: pk_jax has no merge kernel of its own to launch here);
+- ring backward: all_gather of K/V, the pk.attention backward per visible block, and the
+  reduce-scatter of the blocks' dK/dV (the pk reduce_scatter of P blocks of dK/dV);
+- Ulysses forward / backward: all_to_all, pk.attention (forward / backward), all_to_all;
+- moe_dispatch_gemm: moe_dispatch, then grouped_matmul; moe_gemm_combine: grouped_matmul,
+  then moe_combine.
+Both forms are checked against a float32 or exact numpy reference on sampled rows before
+anything is timed. Then fused and serial are timed interleaved (5 alternating repeats of a
+batch each, medians), and the serial form's compute and communication parts alone at the same
+scale. Each row (bench/results/overlap.jsonl) carries the scale model's constants and
+fused_us, serial_us, ratio = serial / fused, t_compute_us, t_comm_us, comm_fraction =
+t_comm / serial, overlap_efficiency = (serial - fused) / (serial - max(t_compute, t_comm)),
+exposed_comm = (fused - t_compute) / t_comm, and projected_tflops (the rank's rate x 132 /
+sms_per_rank: a projection to one GPU of the node, labelled so).
+
+    CUDA_MODULE_LOADING=EAGER python bench/bench_overlap.py [--worlds 2,4,8] [--ops ...]
+        [--quick] [--cases FILE] [--tag TAG]
+
+--cases reads a JSON list of {"op", "pass", "world", "shape"} (bench/results/decider_cases.json)
+and runs exactly those, rows tagged with --tag.
+"""
+
+from __future__ import annotations
+
+import os
+
+# The emulator needs eager module loading, set before anything starts CUDA.
+os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench_emulated
+import bench_moe
+import common
+import numpy as np
+
+from pk_jax import cost_model
+from pk_jax.ops import ring_attn, ulysses_attn
+from pk_jax.runtime import vmm
+from pk_jax.testing import DeviceBuffer, World, ops
+from pk_jax.testing.emulator import DTYPES, NODE_SMS, np_dtype
+from pk_jax.testing.ulysses_bwd import FusedUlyssesBackward, UlyssesBackward
+
+BF16 = "bfloat16"
+MACHINE = "h200-emulated"
+RESULTS = common.RESULTS / "overlap.jsonl"
+PASSES = {"gemm_rs": "forward", "ag_gemm": "forward", "gemm_ar": "forward",
+          "ring_attn": "forward", "ring_attn_bwd": "backward", "ulysses_attn": "forward",
+          "ulysses_attn_bwd": "backward", "moe_dispatch_gemm": "forward",
+          "moe_gemm_combine": "forward"}
+
+
+@dataclasses.dataclass
+class Bench:
+    """One op at one shape on a world: launchers that queue one call on every rank."""
+
+    fused: Callable[[], None]
+    serial: Callable[[], None]
+    compute: Callable[[], None]
+    comm: Callable[[], None]
+    check: Callable[[], None]      # runs both forms once and raises on a wrong result
+    flops: float                   # one rank's FLOPs per call
+    comm_sms_on_node: int
+    baseline: str
+    free: Callable[[], None]
+
+
+class WrongResult(RuntimeError):
+    pass
+
+
+def normal(rng, shape):
+    return rng.standard_normal(shape, np.float32).astype(np_dtype(BF16))
+
+
+def sync_all(world: World, *fns) -> None:
+    for f in fns:
+        f()
+    world.synchronize()
+
+
+def copy_on_ranks(world: World, dst: list, src: list, nbytes: int) -> None:
+    cu = vmm.driver()
+    for r in range(world.world):
+        vmm.call("cuMemcpyDtoDAsync", dst[r].ptr, src[r].ptr, nbytes,
+                 cu.CUstream(world.parts[r].stream))
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor parallelism: M = N = 8192 per rank, K per rank from the shape
+
+def tp_bench(world: World, op: str, shape: dict, rng) -> Bench:
+    p = world.world
+    m, n, kr = shape["m"], shape["n"], shape["k_per_rank"]
+    dt = np_dtype(BF16)
+    ints = lambda s: rng.integers(-1, 2, s).astype(np.float32).astype(dt)
+    if op == "ag_gemm":  # x [M/P, K], w [K, N]: each rank's GEMM is [M, K] x [K, N]
+        xs = [ints((m // p, kr)) for _ in range(p)]
+        ws = [ints((kr, n)) for _ in range(p)]
+        outs = [{"y": np.zeros((m, n), dt), "x_full": np.zeros((m, kr), dt)} for _ in range(p)]
+    else:  # x [M, K/P], w [K/P, N]
+        xs = [ints((m, kr)) for _ in range(p)]
+        ws = [ints((kr, n)) for _ in range(p)]
+        rows = m // p if op == "gemm_rs" else m
+        outs = [{"y": np.zeros((rows, n), dt)} for _ in range(p)]
+    params = {"config": ops.TILE_128x256, "group_m": 8}
+    comm_node = 0
+    if op == "ag_gemm":  # the comm SMs the model picks for the whole node
+        comm_node = cost_model.plan(op, m, n, kr, p).num_comm_sms or 8
+        params["num_comm_sms"] = comm_node
+    case = ops.Case(op, BF16, [{"x": x, "w": w} for x, w in zip(xs, ws)], outs, params,
+                    exact=False)
+    fused = ops.Call(world, case)
+    serial = ops.Call(world, case)
+    b = {"case": case, "fused": fused, "serial": serial,
+         "tmp": [DeviceBuffer(m * n * 2) for _ in range(p)] if op != "ag_gemm" else []}
+
+    def check() -> None:
+        for c in (fused, serial):
+            for bufs in c.buffers:
+                for name in c.case.expected[0]:
+                    bufs[name].fill(0xFF)
+        sync_all(world, fused.launch, lambda: bench_emulated.serial_launch(world, op, b))
+        pick = np.unique(np.concatenate([[0, outs[0]["y"].shape[0] - 1],
+                                         rng.integers(0, outs[0]["y"].shape[0], 30)]))
+        for r in (0, p - 1):
+            if op == "ag_gemm":
+                full = np.concatenate(xs).astype(np.float64)
+                want = full[pick] @ ws[r].astype(np.float64)
+            else:
+                lo = r * (m // p) if op == "gemm_rs" else 0
+                want = sum(x[lo + pick].astype(np.float64) @ w.astype(np.float64)
+                           for x, w in zip(xs, ws))
+            for name, c in (("fused", fused), ("serial", serial)):
+                got = c.outputs(r)["y"][pick].astype(np.float64)
+                # bf16 partial sums past 256 round: a tolerance, not exactness (issue 36)
+                if not (np.all(np.isfinite(got)) and np.allclose(got, want, rtol=2e-2, atol=1)):
+                    raise WrongResult(f"{op} {name} rank {r}: max error "
+                                      f"{np.abs(got - want).max()}")
+
+    def free() -> None:
+        for c in (fused, serial):
+            c.free()
+        for t in b["tmp"]:
+            t.free()
+
+    flops = 2.0 * m * n * kr  # one rank's GEMM
+    what = {"gemm_rs": "pk.matmul, then pk reduce_scatter",
+            "ag_gemm": "pk all_gather, then pk.matmul",
+            "gemm_ar": "pk.matmul, then pk all_reduce"}[op]
+    return Bench(fused.launch, lambda: bench_emulated.serial_launch(world, op, b),
+                 lambda: bench_emulated.serial_launch(world, op, b, parts=("compute",)),
+                 lambda: bench_emulated.serial_launch(world, op, b, parts=("comm",)),
+                 check, flops, comm_node, f"serial: {what} (scale model)", free)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ring attention: per rank q [B, S/P, H, D], k/v [B, S/P, Hkv, D]
+
+def _attn_ref_rows(q, k_all, v_all, rows, hh: int, hkv_of: int, q0: int, causal: bool,
+                   scale: float):
+    """o[rows] of head hh (batch 0) in float32 against the whole sequence's K/V."""
+    qq = q[0, rows, hh].astype(np.float32)
+    kk = k_all[0, :, hkv_of].astype(np.float32)
+    sc = (qq @ kk.T) * scale
+    if causal:
+        sc = np.where(np.arange(kk.shape[0])[None, :] > (q0 + rows)[:, None], -np.inf, sc)
+    e = np.exp(sc - sc.max(axis=-1, keepdims=True))
+    return (e / e.sum(axis=-1, keepdims=True)) @ v_all[0, :, hkv_of].astype(np.float32)
+
+
+def ring_bench(world: World, shape: dict, rng, backward: bool) -> Bench:
+    p = world.world
+    b, sl, h, hkv, d = 1, shape["s"] // p, shape["h"], shape["hkv"], shape["d"]
+    causal = shape["causal"]
+    dt = np_dtype(BF16)
+    qs = [normal(rng, (b, sl, h, d)) for _ in range(p)]
+    ks = [normal(rng, (b, sl, hkv, d)) for _ in range(p)]
+    vs = [normal(rng, (b, sl, hkv, d)) for _ in range(p)]
+    scale = float(1.0 / np.sqrt(d))
+    comm_node = ring_attn.NUM_COMM_SMS if backward else ring_attn.FWD_COMM_SMS
+    params = {"b": b, "s": sl, "h": h, "hkv": hkv, "d": d, "scale": scale,
+              "causal": int(causal), "zigzag": 0, "num_comm_sms": comm_node}
+    sp = -(-sl // 128) * 128
+    if backward:
+        dos = [normal(rng, (b, sl, h, d)) for _ in range(p)]
+        lse = [(np.log(sl * p) + rng.standard_normal((b, h, sp))).astype(np.float32)
+               for _ in range(p)]
+        delta = [rng.standard_normal((b, h, sp)).astype(np.float32) for _ in range(p)]
+        case = ops.Case("ring_attn_bwd", BF16,
+                        [{"q": qs[r], "k": ks[r], "v": vs[r], "do": dos[r], "lse": lse[r],
+                          "delta": delta[r]} for r in range(p)],
+                        [{"dq": np.zeros((b, sl, h, d), dt), "dk": np.zeros((b, sl, hkv, d), dt),
+                          "dv": np.zeros((b, sl, hkv, d), dt)} for _ in range(p)], params,
+                        exact=False)
+    else:
+        case = ops.Case("ring_attn", BF16, [{"q": qs[r], "k": ks[r], "v": vs[r]}
+                                            for r in range(p)],
+                        [{"o": np.zeros((b, sl, h, d), dt),
+                          "lse": np.zeros((b, h, sl), np.float32)} for _ in range(p)], params,
+                        exact=False)
+    fused = ops.Call(world, case)
+    kv = [np.concatenate([k.reshape(-1), v.reshape(-1)]) for k, v in zip(ks, vs)]
+    gather = ops.Call(world, ops.all_gather(kv, BF16))
+    block = b * sl * hkv * d * 2
+    o_bytes = b * sl * h * d * 2
+    vis = [[(r - t) % p for t in range(p) if not (causal and (r - t) % p > r)] for r in range(p)]
+    o_tmp = [DeviceBuffer(o_bytes) for _ in range(p)]
+    lse_tmp = [DeviceBuffer(b * h * sl * 4) for _ in range(p)]
+    # merge stand-in: read every visible block's partial (o, lse), write o: a copy of half that
+    most = max(len(v) for v in vis)
+    merge_bytes = ((most + 1) * (o_bytes + b * h * sl * 4) // 2 + 15) // 16 * 16
+    m_src = [DeviceBuffer(merge_bytes) for _ in range(p)]
+    m_dst = [DeviceBuffer(merge_bytes) for _ in range(p)]
+    grads = []
+    rs = None
+    if backward:
+        grads = [[DeviceBuffer(n) for n in (o_bytes, block, block, b * sl * h * d * 4)]
+                 for _ in range(p)]
+        # the blocks' dK/dV go home: a reduce-scatter of P blocks of [dk | dv] per rank
+        rs = ops.Call(world, ops.reduce_scatter([np.zeros(2 * block // 2 * p)] * p, BF16))
+
+    def attention_all() -> None:
+        for r in range(p):
+            y = gather.buffers[r]["y"].ptr
+            for j in vis[r]:
+                a = {"dtype": DTYPES[BF16], "q": fused.buffers[r]["q"],
+                     "k": y + 2 * j * block, "v": y + (2 * j + 1) * block,
+                     "b": b, "s": sl, "h": h, "hkv": hkv, "d": d, "scale": scale,
+                     "causal": int(causal and j == r)}
+                if backward:
+                    bufs = fused.buffers[r]
+                    a.update(o=0, lse=0, backward=1, do=bufs["do"], lse_in=bufs["lse"],
+                             delta=bufs["delta"], dq=grads[r][0], dk=grads[r][1],
+                             dv=grads[r][2], dq_acc=grads[r][3], sp=sp)
+                else:
+                    a.update(o=o_tmp[r], lse=lse_tmp[r])
+                world.launch("attention", r, a)
+
+    def comm_all() -> None:
+        gather.launch()
+        if rs is not None:
+            rs.launch()
+
+    def compute_all() -> None:
+        attention_all()
+        if not backward:
+            copy_on_ranks(world, m_dst, m_src, merge_bytes)
+
+    def serial_all() -> None:
+        gather.launch()
+        compute_all()
+        if rs is not None:
+            rs.launch()
+
+    def check() -> None:
+        sync_all(world, fused.launch, serial_all)
+        if gather.check([0, p - 1]):
+            raise WrongResult("ring: the serial form's all_gather of K/V is wrong")
+        rows = np.unique(np.concatenate([[0, sl - 1], rng.integers(0, sl, 30)]))
+        k_all, v_all = np.concatenate(ks, axis=1), np.concatenate(vs, axis=1)
+        for r in (0, p - 1):
+            out = fused.outputs(r)
+            if backward:
+                for name, y in out.items():
+                    if not np.all(np.isfinite(y.astype(np.float32))):
+                        raise WrongResult(f"ring backward: non-finite {name} on rank {r}")
+                continue
+            for hh in (0, h - 1):
+                want = _attn_ref_rows(qs[r], k_all, v_all, rows, hh, hh * hkv // h, r * sl,
+                                      causal, scale)
+                got = out["o"][0, rows, hh].astype(np.float32)
+                if not np.allclose(got, want, atol=2e-2, rtol=2e-2):
+                    raise WrongResult(f"ring forward rank {r} head {hh}: max error "
+                                      f"{np.abs(got - want).max()}")
+        if not backward:  # the serial form's last block is a visible block's partial: finite
+            for r in (0, p - 1):
+                o = o_tmp[r].read(dt, (b, sl, h, d)).astype(np.float32)
+                if not np.all(np.isfinite(o)):
+                    raise WrongResult(f"ring serial: non-finite partial on rank {r}")
+
+    def free() -> None:
+        for c in (fused, gather) + ((rs,) if rs else ()):
+            c.free()
+        for buf in o_tmp + lse_tmp + m_src + m_dst + [g for gs in grads for g in gs]:
+            buf.free()
+
+    frac = 0.5 if causal else 1.0
+    flops = (10 if backward else 4) * b * h * d * sl * sl * p * frac  # one rank's share
+    what = ("all_gather of K/V, pk.attention backward per visible block, reduce_scatter of "
+            "dK/dV" if backward else
+            "all_gather of K/V, pk.attention per visible block, merge (copy of the partials' "
+            "bytes)")
+    return Bench(fused.launch, serial_all, compute_all, comm_all, check, flops, comm_node,
+                 f"serial: {what} (scale model)", free)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ulysses: per rank [B, S/P, H, D], H = heads
+
+def _group_major(x: np.ndarray, p: int) -> np.ndarray:
+    _, sl, h, d = x.shape
+    return np.ascontiguousarray(x[0].reshape(sl, p, h // p, d).transpose(1, 0, 2, 3))
+
+
+def ulysses_fwd_bench(world: World, shape: dict, rng) -> Bench:
+    p = world.world
+    b, sl, h, d = 1, shape["s"] // p, shape["h"], shape["d"]
+    g = h // p
+    causal = shape["causal"]
+    dt = np_dtype(BF16)
+    qs, ks, vs = ([normal(rng, (b, sl, h, d)) for _ in range(p)] for _ in range(3))
+    scale = float(1.0 / np.sqrt(d))
+    comm_node = ulysses_attn.FWD_COMM_SMS
+    params = {"b": b, "s": sl, "h": h, "hkv": h, "d": d, "scale": scale,
+              "causal": int(causal), "num_comm_sms": comm_node}
+    fused = ops.Call(world, ops.Case(
+        "ulysses_attn", BF16, [{"q": qs[r], "k": ks[r], "v": vs[r]} for r in range(p)],
+        [{"o": np.zeros((b, sl, h, d), dt), "lse": np.zeros((b, h, sl), np.float32)}
+         for _ in range(p)], params, exact=False))
+    a2a = [ops.Call(world, ops.all_to_all([_group_major(x, p) for x in xs], BF16, 0, 0))
+           for xs in (qs, ks, vs)]
+    back = ops.Call(world, ops.all_to_all([np.zeros((p, sl, g, d), dt) for _ in range(p)],
+                                          BF16, 0, 0))
+    lse_tmp = [DeviceBuffer(b * g * sl * p * 4) for _ in range(p)]
+
+    def compute_all() -> None:
+        for r in range(p):
+            world.launch("attention", r, {
+                "dtype": DTYPES[BF16], "q": a2a[0].buffers[r]["y"], "k": a2a[1].buffers[r]["y"],
+                "v": a2a[2].buffers[r]["y"], "o": back.buffers[r]["x"], "lse": lse_tmp[r],
+                "b": b, "s": sl * p, "h": g, "hkv": g, "d": d, "scale": scale,
+                "causal": int(causal)})
+
+    def comm_all() -> None:
+        for c in (*a2a, back):
+            c.launch()
+
+    def serial_all() -> None:
+        for c in a2a:
+            c.launch()
+        compute_all()
+        back.launch()
+
+    def check() -> None:
+        sync_all(world, fused.launch, serial_all)
+        rows = np.unique(np.concatenate([[0, sl - 1], rng.integers(0, sl, 30)]))
+        k_all, v_all = np.concatenate(ks, axis=1), np.concatenate(vs, axis=1)
+        for r in (0, p - 1):
+            got_s = back.buffers[r]["y"].read(dt, (p, sl, g, d)).astype(np.float32)
+            for hh in (0, h - 1):
+                want = _attn_ref_rows(qs[r], k_all, v_all, rows, hh, hh, r * sl, causal, scale)
+                got = fused.outputs(r)["o"][0, rows, hh].astype(np.float32)
+                serial = got_s[hh // g, rows, hh % g]
+                for name, y in (("fused", got), ("serial", serial)):
+                    if not np.allclose(y, want, atol=2e-2, rtol=2e-2):
+                        raise WrongResult(f"Ulysses forward {name} rank {r} head {hh}: max "
+                                          f"error {np.abs(y - want).max()}")
+
+    def free() -> None:
+        for c in (fused, back, *a2a):
+            c.free()
+        for buf in lse_tmp:
+            buf.free()
+
+    frac = 0.5 if causal else 1.0
+    flops = 4 * b * h * d * sl * sl * p * frac
+    return Bench(fused.launch, serial_all, compute_all, comm_all, check, flops, comm_node,
+                 "serial: all_to_all of q, k, v, pk.attention, all_to_all back (scale model)",
+                 free)
+
+
+def ulysses_bwd_bench(world: World, shape: dict, rng) -> Bench:
+    p = world.world
+    b, sl, h, d = 1, shape["s"] // p, shape["h"], shape["d"]
+    causal = shape["causal"]
+    scale = float(1.0 / np.sqrt(d))
+    qs, ks, vs, dos = ([normal(rng, (b, sl, h, d)) for _ in range(p)] for _ in range(4))
+    sp = -(-sl // 128) * 128
+    lses = [(np.log(sl * p) + rng.standard_normal((b, h, sp))).astype(np.float32)
+            for _ in range(p)]
+    deltas = [rng.standard_normal((b, h, sp)).astype(np.float32) for _ in range(p)]
+    # exact lse and delta for head 0 (the checked head), from the float32 forward
+    full = [np.concatenate([x[0, :, 0] for x in xs]).astype(np.float32)
+            for xs in (qs, ks, vs, dos)]
+    q, k, v, do = full
+    s = sl * p
+    lse0, dl0 = np.empty(s, np.float32), np.empty(s, np.float32)
+    for a in range(0, s, 2048):
+        sc = (q[a:a + 2048] @ k.T) * scale
+        if causal:
+            sc = np.where(np.arange(s)[None, :] > np.arange(a, a + sc.shape[0])[:, None],
+                          -np.inf, sc)
+        mx = sc.max(axis=-1, keepdims=True)
+        e = np.exp(sc - mx)
+        den = e.sum(axis=-1, keepdims=True)
+        lse0[a:a + 2048] = (mx + np.log(den))[:, 0]
+        dl0[a:a + 2048] = np.sum(do[a:a + 2048] * ((e / den) @ v), axis=-1)
+    for r in range(p):
+        lses[r][0, 0, :sl] = lse0[r * sl:(r + 1) * sl]
+        deltas[r][0, 0, :sl] = dl0[r * sl:(r + 1) * sl]
+    comm_node = ulysses_attn.NUM_COMM_SMS
+    composed = UlyssesBackward(world, BF16, qs, ks, vs, dos, lses, deltas, causal=causal,
+                               scale=scale)
+    fused = FusedUlyssesBackward(world, BF16, qs, ks, vs, dos, lses, deltas, causal=causal,
+                                 scale=scale, num_comm_sms=comm_node)
+
+    def check() -> None:
+        sync_all(world, fused.launch, composed.launch)
+        rows = np.unique(np.concatenate([[0, sl - 1], rng.integers(0, sl, 16)]))
+        for r in (0, p - 1):
+            qr = np.arange(r * sl, (r + 1) * sl)[rows]
+            sc = (q[qr] @ k.T) * scale
+            if causal:
+                sc = np.where(np.arange(s)[None, :] > qr[:, None], -np.inf, sc)
+            pr = np.exp(sc - lse0[qr][:, None])
+            ds = pr * ((do[qr] @ v.T) - dl0[qr][:, None])
+            want = scale * (ds @ k)  # dq of the sampled rows, head 0
+            big = max(1.0, float(np.abs(want).max()))
+            for name, c in (("fused", fused), ("composed", composed)):
+                got = c.grads(r)["dq"][0, rows, 0].astype(np.float32)
+                if not np.allclose(got, want, atol=2e-2 * big, rtol=2e-2):
+                    raise WrongResult(f"Ulysses backward {name} rank {r}: dq max error "
+                                      f"{np.abs(got - want).max()}")
+
+    def free() -> None:
+        composed.free()
+        fused.free()
+
+    frac = 0.5 if causal else 1.0
+    flops = 10 * b * h * d * sl * sl * p * frac
+    return Bench(fused.launch, composed.launch, composed.launch_attention, composed.launch_comm,
+                 check, flops, comm_node,
+                 "serial: all_to_all of q, dO, k, v, lse/delta, pk.attention backward, "
+                 "all_to_all of dq, dk, dv back (scale model)", free)
+
+
+# ---------------------------------------------------------------------------------------------
+# MoE: per rank T tokens of H, top-k of E experts (E / P per rank), expert hidden F
+
+def moe_bench(world: World, op: str, shape: dict, rng) -> Bench:
+    p = world.world
+    bench_moe.P = p  # bench_moe's helpers take the world size from this module constant
+    t, k, experts, h, hidden = (shape[x] for x in ("t", "k", "experts", "h", "hidden"))
+    el = experts // p
+    capacity = int(1.25 * t * k)
+    ids = bench_moe.routing(rng, t, k, experts, False)
+    xs = [ops.integers(rng, (t, h)) for _ in range(p)]
+    disp = ops.Call(world, ops.moe_dispatch(xs, ids, BF16, num_experts=experts,
+                                            capacity=capacity))
+    sync_all(world, disp.launch)
+    if disp.check():
+        raise WrongResult(f"moe_dispatch wrong: {disp.check()[:2]}")
+    kept = max(int(disp.case.expected[r]["group_sizes"].sum()) for r in range(p))
+    bufs: list = []
+    if op == "moe_dispatch_gemm":
+        w_host = bench_moe.sparse_w(rng, el, h, hidden)
+        ws = [DeviceBuffer.from_array(w_host) for _ in range(p)]
+        ys = [DeviceBuffer(capacity * hidden * 2) for _ in range(p)]
+        bufs += ws + ys
+        args = [{"dtype": 0, "x": disp.buffers[r]["tokens"], "w": ws[r],
+                 "group_sizes": disp.buffers[r]["group_sizes"], "y": ys[r], "m": capacity,
+                 "k": h, "n": hidden, "groups": el, "group_m": 8} for r in range(p)]
+        launch_fused, fbufs = bench_moe.fused_call(world, disp, ws, capacity, hidden, experts)
+        bufs += [x for dd in fbufs for x in dd.values()]
+
+        def compute_all() -> None:
+            for r in range(p):
+                world.launch("grouped_matmul", r, args[r])
+
+        comm_all = disp.launch
+
+        def check() -> None:
+            for y in ys:
+                y.fill(0xFF)
+            sync_all(world, disp.launch, compute_all, launch_fused)
+            bench_moe.check_gemm(disp.case.expected[0]["tokens"],
+                                 disp.case.expected[0]["group_sizes"], ys[0], w_host, capacity,
+                                 hidden, rng)
+            bad = [r for r in range(p)
+                   if not np.array_equal(ys[r].read(np.uint16, (capacity, hidden)),
+                                         fbufs[r]["y"].read(np.uint16, (capacity, hidden)))]
+            if bad:
+                raise WrongResult(f"moe_dispatch_gemm fused y differs from serial on {bad}")
+
+        flops = 2.0 * kept * h * hidden
+        what = "moe_dispatch, then grouped_matmul"
+    else:
+        w_host = bench_moe.sparse_w(rng, el, hidden, h)
+        hs_host = [rng.integers(-3, 4, (capacity, hidden), dtype=np.int8).astype(np_dtype(BF16))
+                   for _ in range(p)]
+        weights = rng.integers(0, 5, (p, t, k)).astype(np.float32) / 4
+        hs = [DeviceBuffer.from_array(a) for a in hs_host]
+        ws = [DeviceBuffer.from_array(w_host) for _ in range(p)]
+        wts = [DeviceBuffer.from_array(weights[r]) for r in range(p)]
+        ys = [DeviceBuffer(capacity * h * 2) for _ in range(p)]
+        outs = [DeviceBuffer(t * h * 2) for _ in range(p)]
+        fouts = [DeviceBuffer(t * h * 2) for _ in range(p)]
+        bufs += hs + ws + wts + ys + outs + fouts
+        hd = [disp.buffers[r] for r in range(p)]
+        gemm_args = [{"dtype": 0, "x": hs[r], "w": ws[r], "group_sizes": hd[r]["group_sizes"],
+                      "y": ys[r], "m": capacity, "k": hidden, "n": h, "groups": el,
+                      "group_m": 8} for r in range(p)]
+        comb_args = [{"dtype": 0, "y": ys[r], "weights": wts[r], "dest": hd[r]["dest"],
+                      "pos": hd[r]["pos"], "out": outs[r], "t": t, "k": k, "h": h,
+                      "capacity": capacity} for r in range(p)]
+        fused_args = [{"dtype": 0, "h": hs[r], "w": ws[r], "weights": wts[r],
+                       "dest": hd[r]["dest"], "pos": hd[r]["pos"],
+                       "group_sizes": hd[r]["group_sizes"], "out": fouts[r], "t": t, "k": k,
+                       "f": hidden, "n": h, "groups": el, "capacity": capacity}
+                      for r in range(p)]
+
+        def compute_all() -> None:
+            for r in range(p):
+                world.launch("grouped_matmul", r, gemm_args[r])
+
+        def comm_all() -> None:
+            world.call("moe_combine", comb_args)
+
+        def launch_fused() -> None:
+            world.call("moe_gemm_combine", fused_args)
+
+        def check() -> None:
+            for bb in ys + outs + fouts:
+                bb.fill(0xFF)
+            sync_all(world, compute_all, comm_all, launch_fused)
+            bench_moe.check_gemm(hs_host[0], disp.case.expected[0]["group_sizes"], ys[0],
+                                 w_host, capacity, h, rng)
+            bench_moe.check_combined(disp, ys, weights, outs[0], t, k, h, capacity, rng)
+            bad = [r for r in range(p) if not np.array_equal(outs[r].read(np.uint16, (t, h)),
+                                                             fouts[r].read(np.uint16, (t, h)))]
+            if bad:
+                raise WrongResult(f"moe_gemm_combine fused out differs from serial on {bad}")
+
+        flops = 2.0 * kept * hidden * h
+        what = "grouped_matmul, then moe_combine"
+
+    def serial_all() -> None:
+        if op == "moe_dispatch_gemm":
+            disp.launch()
+            compute_all()
+        else:
+            compute_all()
+            comm_all()
+
+    def free() -> None:
+        disp.free()
+        for bb in bufs:
+            bb.free()
+
+    # the fused dispatch's comm blocks: the launcher's choice (a quarter of the SMs)
+    return Bench(launch_fused, serial_all, compute_all, comm_all, check, flops, 0,
+                 f"serial: {what} (scale model)", free)
+
+
+# ---------------------------------------------------------------------------------------------
+
+def build(world: World, op: str, shape: dict, rng) -> Bench:
+    if op in ("gemm_rs", "ag_gemm", "gemm_ar"):
+        return tp_bench(world, op, shape, rng)
+    if op in ("ring_attn", "ring_attn_bwd"):
+        return ring_bench(world, shape, rng, op == "ring_attn_bwd")
+    if op == "ulysses_attn":
+        return ulysses_fwd_bench(world, shape, rng)
+    if op == "ulysses_attn_bwd":
+        return ulysses_bwd_bench(world, shape, rng)
+    return moe_bench(world, op, shape, rng)
+
+
+def timed(world: World, fns: dict[str, Callable[[], None]], reps: int) -> dict[str, float]:
+    """Median microseconds per call of each launcher, batches taken in turn (rep 1 of each,
+    then rep 2, ...); a batch lasts about 20 ms (2-10 calls)."""
+    iters = {}
+    for name, fn in fns.items():
+        start = time.perf_counter()
+        sync_all(world, fn)
+        one = time.perf_counter() - start
+        iters[name] = int(min(10, max(2, 0.02 / max(one, 1e-6))))
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            for _ in range(iters[name]):
+                fn()
+            world.synchronize()
+            samples[name].append((time.perf_counter() - start) / iters[name] * 1e6)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def measure(world: World, op: str, shape: dict, rng, tag: str, rows: list) -> dict | None:
+    p = world.world
+    bench = build(world, op, shape, rng)
+    try:
+        bench.check()
+        t = timed(world, {"fused": bench.fused, "serial": bench.serial}, reps=5)
+        parts = timed(world, {"compute": bench.compute, "comm": bench.comm}, reps=3)
+    finally:
+        bench.free()
+    fused, serial = t["fused"], t["serial"]
+    tc, tm = parts["compute"], parts["comm"]
+    bound = max(tc, tm)
+    eff = (serial - fused) / (serial - bound) if serial - bound > 1e-9 else None
+    sms = world.sms[0]
+    row = common.record(
+        op=op, shape=shape, dtype=BF16, world=p, processes=1, median_us=fused,
+        tflops=bench.flops / fused / 1e6, baseline=bench.baseline, baseline_median_us=serial,
+        path=RESULTS, emulated=True, machine=MACHINE, **world.scale,
+        link=f"throttled {world.scale['flop_per_byte']:g} FLOP/B, asynchronous",
+        comm_sms=world.comm_sms(bench.comm_sms_on_node) if bench.comm_sms_on_node else "auto",
+        comm_sms_on_node=bench.comm_sms_on_node or "auto",
+        fused_us=round(fused, 2), serial_us=round(serial, 2), t_compute_us=round(tc, 2),
+        t_comm_us=round(tm, 2), comm_fraction=round(tm / serial, 4),
+        overlap_efficiency=None if eff is None else round(eff, 4),
+        exposed_comm=round((fused - tc) / tm, 4) if tm > 0 else None,
+        projected_tflops=round(bench.flops / fused / 1e6 * NODE_SMS / sms, 1),
+        projection="rank rate x 132 / sms_per_rank (one GPU of the node; a projection)",
+        tag=tag, **{"pass": PASSES[op]})
+    rows.append(row)
+    print(f"P={p} {op:17s} {json.dumps(shape)}: fused {fused:9.1f} us serial {serial:9.1f} "
+          f"({serial / fused:5.2f}x)  compute {tc:9.1f} comm {tm:9.1f} "
+          f"(comm {tm / serial:4.0%} of serial)  eff {'-' if eff is None else f'{eff:5.2f}'}  "
+          f"proj {row['projected_tflops']:6.1f} TF/s", flush=True)
+    return row
+
+
+def default_cases(quick: bool) -> list[dict]:
+    """The issue's shapes: the paper's and real models', per rank (= per GPU of the node)."""
+    cases = []
+    ks = (512, 2048, 8192) if quick else (512, 1024, 2048, 4096, 8192)
+    for op in ("gemm_rs", "ag_gemm", "gemm_ar"):
+        for kr in ks:
+            cases.append({"op": op, "shape": {"m": 8192, "n": 8192, "k_per_rank": kr}})
+    # Llama-3-70B TP MLP: 8192 -> 28672 -> 8192 at 8 GPUs: up [4096 tokens, 8192] x
+    # [8192, 28672/8] (ag_gemm), down [4096, 28672/8] x [28672/8, 8192] (gemm_rs)
+    cases.append({"op": "ag_gemm", "shape": {"m": 4096, "n": 3584, "k_per_rank": 8192}})
+    cases.append({"op": "gemm_rs", "shape": {"m": 4096, "n": 8192, "k_per_rank": 3584}})
+    for op in ("ring_attn", "ring_attn_bwd"):
+        for s, causal in ((12288, False), (12288, True)) + (() if quick else ((49152, False),)):
+            cases.append({"op": op, "shape": {"s": s, "h": 8, "hkv": 8, "d": 128,
+                                              "causal": causal}})
+        cases.append({"op": op, "shape": {"s": 12288, "h": 64, "hkv": 8, "d": 128,
+                                          "causal": False}})
+    for op in ("ulysses_attn", "ulysses_attn_bwd"):
+        for causal in (False, True):
+            cases.append({"op": op, "shape": {"s": 8192, "h": 64, "d": 128, "causal": causal}})
+    for op in ("moe_dispatch_gemm", "moe_gemm_combine"):
+        cases.append({"op": op, "shape": {"model": "deepseek-v3-like", "t": 2048, "k": 8,
+                                          "experts": 256, "h": 7168, "hidden": 2048}})
+        cases.append({"op": op, "shape": {"model": "mixtral-like", "t": 2048, "k": 2,
+                                          "experts": 8, "h": 4096, "hidden": 14336}})
+    return cases
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--worlds", default="2,4,8")
+    ap.add_argument("--ops", default=",".join(PASSES), help="comma-separated op stems")
+    ap.add_argument("--quick", action="store_true", help="fewer K and sequence lengths")
+    ap.add_argument("--cases", default=None, help="a JSON list of cases to run instead")
+    ap.add_argument("--tag", default="overlap", help="the rows' tag")
+    ap.add_argument("--workspace-mib", type=int, default=1024)
+    args = ap.parse_args()
+    which = set(args.ops.split(","))
+    if args.cases:
+        with open(args.cases) as f:
+            listed = json.load(f)["cases"]
+    rows: list = []
+    failed: list[str] = []
+    t0 = time.monotonic()
+    for p in (int(s) for s in args.worlds.split(",")):
+        cases = ([c for c in listed if c["world"] == p] if args.cases
+                 else default_cases(args.quick))
+        cases = [c for c in cases if c["op"] in which]
+        if not cases:
+            continue
+        rng = np.random.default_rng(p)
+        with World(p, workspace_bytes=args.workspace_mib << 20, timeout_s=30.0,
+                   scale_model=True) as world:
+            print(f"=== P={p}: {world.sms[0]} SMs per rank, matmul "
+                  f"{world.scale['partition_tflops']} TFLOP/s per rank (all at once), link "
+                  f"{world.scale['link_gbps']} GB/s per rank (1750 FLOP/B)", flush=True)
+            for c in cases:
+                try:
+                    measure(world, c["op"], c["shape"], rng, args.tag, rows)
+                except WrongResult as e:
+                    failed.append(f"P={p} {c['op']} {c['shape']}: {e}")
+                    print(f"WRONG: {failed[-1]}", flush=True)
+                except Exception as e:  # noqa: BLE001 -- report and go on to the next case
+                    failed.append(f"P={p} {c['op']} {c['shape']}: {type(e).__name__}: {e}")
+                    print(f"ERROR: {failed[-1]}", flush=True)
+                    traceback.print_exc()
+                    if "EmulatorError" in type(e).__name__:
+                        break  # a trapped context: the rest of this world cannot run
+            print(f"=== P={p} done at {time.monotonic() - t0:.0f} s", flush=True)
+    summary(rows)
+    if failed:
+        raise SystemExit("bench_overlap: failed cases:\n  " + "\n  ".join(failed))
+
+
+def summary(rows: list) -> None:
+    for op in PASSES:
+        mine = [r for r in rows if r["op"] == op]
+        if not mine:
+            continue
+        big = [r for r in mine if r["comm_fraction"] >= 0.25]
+        effs = [r["overlap_efficiency"] for r in big if r["overlap_efficiency"] is not None]
+        print(f"=== {op:17s}: fused/serial geomean {common.geomean([r['ratio'] for r in mine]):.3f}"
+              f" over {len(mine)}; where comm >= 25% of serial ({len(big)}): "
+              f"{common.geomean([r['ratio'] for r in big]) if big else float('nan'):.3f}x, "
+              f"overlap efficiency median "
+              f"{statistics.median(effs) if effs else float('nan'):.2f}")
+
+
+if __name__ == "__main__":
+    main()
