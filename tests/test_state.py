@@ -170,6 +170,78 @@ def test_init_inside_jit_raises():
         jax.grad(lambda v: (g(v) ** 2).sum())(jnp.ones(2))
 
 
+# ---------------------------------------------------------------------------- options
+
+
+@pytest.mark.parametrize(("value", "error", "match"), [
+    (True, TypeError, "timeout_s must be a number of seconds.*bool"),
+    ("60", TypeError, "timeout_s must be a number of seconds.*str"),
+    (float("inf"), ValueError, r"timeout_s must be a finite number of seconds in \(0, 86400\]"),
+    (float("nan"), ValueError, "timeout_s must be a finite"),
+    (1e300, ValueError, "timeout_s must be a finite.*at most one day"),
+    (86400.5, ValueError, "timeout_s must be a finite"),
+    (0, ValueError, "timeout_s must be a finite"),
+    (-1.0, ValueError, "timeout_s must be a finite"),
+])
+def test_init_refuses_a_bad_timeout(value, error, match):
+    with pytest.raises(error, match=match):
+        pk.init(cpu_mesh((2,), ("tp",)), timeout_s=value)
+    assert state.meshes() == ()
+
+
+@pytest.mark.parametrize("value", (86400, 2.5, np.float32(0.25)))
+def test_init_takes_a_timeout_up_to_a_day(value):
+    pk.init(cpu_mesh((2,), ("tp",)), timeout_s=value)
+    assert state.options()["timeout_s"] == float(value)
+    assert type(state.options()["timeout_s"]) is float
+
+
+@pytest.mark.parametrize(("value", "error", "match"), [
+    (True, TypeError, "workspace_bytes must be an int.*bool"),
+    (1.5, TypeError, "workspace_bytes must be an int.*float"),
+    (float(1 << 20), TypeError, "workspace_bytes must be an int"),
+    ("1048576", TypeError, "workspace_bytes must be an int"),
+    (0, ValueError, r"workspace_bytes must be in \[1, 2\*\*40\], got 0"),
+    (-(1 << 20), ValueError, "workspace_bytes must be in"),
+    (2 ** 80, ValueError, "workspace_bytes must be in"),
+    ((1 << 40) + 1, ValueError, "workspace_bytes must be in"),
+])
+def test_init_refuses_a_bad_workspace_size(value, error, match):
+    with pytest.raises(error, match=match):
+        pk.init(cpu_mesh((2,), ("tp",)), workspace_bytes=value)
+    assert state.meshes() == ()
+
+
+@pytest.mark.parametrize("value", (1, 1 << 40, np.int64(1 << 20)))
+def test_init_takes_a_workspace_size_up_to_a_tebibyte(value):
+    pk.init(cpu_mesh((2,), ("tp",)), workspace_bytes=value)  # bookkeeping only on CPU
+    assert state.workspace_bytes() == int(value)
+    assert type(state.options()["workspace_bytes"]) is int
+
+
+@pytest.mark.parametrize(("text", "match"), [
+    ("abc", r"PK_JAX_TIMEOUT_S='abc' is not a number; give seconds"),
+    ("", r"PK_JAX_TIMEOUT_S='' is not a number"),
+    ("inf", r"PK_JAX_TIMEOUT_S must be a finite number of seconds"),
+    ("-5", r"PK_JAX_TIMEOUT_S must be a finite number of seconds"),
+])
+def test_a_bad_timeout_variable_is_named(monkeypatch, text, match):
+    monkeypatch.setenv("PK_JAX_TIMEOUT_S", text)
+    with pytest.raises(ValueError, match=match):
+        pk.init(cpu_mesh((2,), ("tp",)))
+    assert state.meshes() == ()
+
+
+def test_the_timeout_variable_applies_without_an_argument(monkeypatch):
+    monkeypatch.setenv("PK_JAX_TIMEOUT_S", " 2.5 ")
+    pk.init(cpu_mesh((2,), ("tp",)))
+    assert state.options()["timeout_s"] == 2.5
+    pk.shutdown()
+    monkeypatch.delenv("PK_JAX_TIMEOUT_S")
+    pk.init(cpu_mesh((2,), ("tp",)))
+    assert state.options()["timeout_s"] == state.DEFAULT_TIMEOUT_S == 60.0
+
+
 # --------------------------------------------------------------------------- settings
 
 

@@ -20,6 +20,7 @@ group): a group that an earlier mesh already has is shared, not allocated again.
 from __future__ import annotations
 
 import atexit
+import numbers
 import os
 import threading
 from dataclasses import dataclass
@@ -39,6 +40,12 @@ _comm_ids: dict[tuple, int] = {}
 _groups: dict[int, dict[int, tuple[int, ...]]] = {}
 
 DEFAULT_TIMEOUT_S = 60.0
+# A kernel that waits on a peer for longer than a day is hung. The bound also keeps the
+# kernels' deadline (their nanosecond clock + timeout_s * 1e9, in uint64) far from overflowing.
+MAX_TIMEOUT_S = 86400.0
+# Above any GPU's memory: a larger workspace is a mistake (bytes given as bits, a wrong
+# exponent), reported here instead of as a failed allocation on every device.
+MAX_WORKSPACE_BYTES = 1 << 40
 
 
 # ------------------------------------------------------------------------------------------
@@ -152,12 +159,52 @@ def options() -> dict:
 
 
 def resolve_timeout(value: float | None = None) -> float:
-    """The spin-wait timeout: the argument, else PK_JAX_TIMEOUT_S, else 60 s."""
+    """The spin-wait timeout: the argument, else PK_JAX_TIMEOUT_S, else 60 s.
+
+    Raises:
+        TypeError: `value` is not a real number (or is a bool).
+        ValueError: the timeout is not in (0, MAX_TIMEOUT_S], or PK_JAX_TIMEOUT_S is not a
+            number.
+    """
+    name = "timeout_s"
     if value is None:
-        value = float(os.environ.get("PK_JAX_TIMEOUT_S", DEFAULT_TIMEOUT_S))
-    if not value > 0:
-        raise ValueError(f"pk.init: timeout_s must be positive, got {value}.")
-    return float(value)
+        name = "PK_JAX_TIMEOUT_S"
+        text = os.environ.get(name)
+        if text is None:
+            return DEFAULT_TIMEOUT_S
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError(f"pk.init: the environment variable PK_JAX_TIMEOUT_S={text!r} is not "
+                             "a number; give seconds, e.g. PK_JAX_TIMEOUT_S=60 or 2.5.") from None
+    elif isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"pk.init: timeout_s must be a number of seconds (int or float), got "
+                        f"{value!r} of type {type(value).__name__}.")
+    value = float(value)
+    if not 0 < value <= MAX_TIMEOUT_S:  # also NaN
+        raise ValueError(f"pk.init: {name} must be a finite number of seconds in (0, "
+                         f"{MAX_TIMEOUT_S:g}] (at most one day), got {value!r}.")
+    return value
+
+
+def _check_workspace_bytes(value) -> int | None:
+    """pk.init's workspace_bytes as an int (None: the default).
+
+    Raises:
+        TypeError: not an integer (or a bool).
+        ValueError: not in [1, MAX_WORKSPACE_BYTES].
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"pk.init: workspace_bytes must be an int (bytes), got {value!r} of type "
+                        f"{type(value).__name__}.")
+    value = int(value)
+    if not 0 < value <= MAX_WORKSPACE_BYTES:
+        top = MAX_WORKSPACE_BYTES.bit_length() - 1
+        raise ValueError(f"pk.init: workspace_bytes must be in [1, 2**{top}], got {value}. The "
+                         "ops' errors say how many bytes they need.")
+    return value
 
 
 def _inside_a_trace() -> bool:
@@ -219,13 +266,13 @@ def init(mesh: jax.sharding.Mesh, *, workspace_bytes: int | None = None,
 
     Args:
         mesh: a mesh that the shard_maps calling pk ops use.
-        workspace_bytes: bytes of each symmetric workspace (one per device and mesh axis);
-            default 64 MiB. The ops' errors say how many they need.
-        timeout_s: how long a kernel waits for a peer before it fails (default 60 s, or the
-            environment variable PK_JAX_TIMEOUT_S).
+        workspace_bytes: bytes of each symmetric workspace (one per device and mesh axis), an
+            int in [1, 2**40]; default 64 MiB. The ops' errors say how many they need.
+        timeout_s: how long a kernel waits for a peer before it fails, in seconds: a finite
+            number in (0, 86400] (default 60 s, or the environment variable PK_JAX_TIMEOUT_S).
 
     Raises:
-        TypeError: `mesh` is not a jax.sharding.Mesh.
+        TypeError: `mesh` is not a jax.sharding.Mesh, or an option of the wrong type.
         RuntimeError: called inside jax.jit or another transformation.
         ValueError: other options than the first pk.init's, settings that changed since it, a
             mesh that cannot be told apart from an earlier one, or a bad option.
@@ -242,10 +289,7 @@ def init(mesh: jax.sharding.Mesh, *, workspace_bytes: int | None = None,
     if not isinstance(mesh, jax.sharding.Mesh):
         raise TypeError(f"pk.init: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}."
                         " Build one with jax.make_mesh(shape, axis_names).")
-    if workspace_bytes is not None and (not isinstance(workspace_bytes, int)
-                                        or workspace_bytes <= 0):
-        raise ValueError("pk.init: workspace_bytes must be a positive int, got "
-                         f"{workspace_bytes!r}.")
+    workspace_bytes = _check_workspace_bytes(workspace_bytes)
     opts = {"workspace_bytes": workspace_bytes, "timeout_s": resolve_timeout(timeout_s)}
     with _lock:
         if _meshes:
