@@ -156,8 +156,10 @@ def tp_bench(world: World, op: str, shape: dict, rng) -> Bench:
                            for x, w in zip(xs, ws))
             for name, c in (("fused", fused), ("serial", serial)):
                 got = c.outputs(r)["y"][pick].astype(np.float64)
-                # bf16 partial sums past 256 round: a tolerance, not exactness (issue 36)
-                if not (np.all(np.isfinite(got)) and np.allclose(got, want, rtol=2e-2, atol=1)):
+                # bf16 partial sums past 256 round, each rank's and each add's: a tolerance
+                # scaled by the row's magnitude, not exactness (issue 36)
+                tol = 2e-2 * np.abs(want).max() + 1
+                if not (np.all(np.isfinite(got)) and np.all(np.abs(got - want) <= tol)):
                     raise WrongResult(f"{op} {name} rank {r}: max error "
                                       f"{np.abs(got - want).max()}")
 

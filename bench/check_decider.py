@@ -3,8 +3,8 @@
 The validation cases (bench/results/decider_cases.json) were committed before any scale-model
 run of them and fit nothing. Their rows (bench/results/overlap.jsonl, tag
 "decider-validation") are scored against what each rule picks:
-- "pk_jax": what pk_jax runs today, `_backend.fused_choice(op, shape, P)` (the one decider:
-  the cost model's prediction at a real node's constants);
+- "pk_jax": the one decider, `cost_model.choose(op, shape, P)` (the cost model's prediction
+  at a real node's constants; what `_backend.route` runs);
 - "always_fused", "always_serial";
 - "constant_per_op": each op's faster mode in most of the training rows (tag "overlap", the
   first scale-model run), a trivial rule fitted in sample.
@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common
 
-from pk_jax import _backend
+from pk_jax import cost_model
 
 TIE = 0.03
 
@@ -88,7 +88,7 @@ def main() -> None:
         votes[op]["fused" if r["fused_us"] < r["serial_us"] else "serial"] += 1
     constant = {op: v.most_common(1)[0][0] for op, v in votes.items()}
     rules = {
-        "pk_jax": lambda c: _backend.fused_choice(c["op"], c["shape"], c["world"]),
+        "pk_jax": lambda c: cost_model.choose(c["op"], c["shape"], c["world"]),
         "always_fused": lambda c: "fused",
         "always_serial": lambda c: "serial",
         "constant_per_op": lambda c: constant.get(c["op"], "serial"),

@@ -358,3 +358,120 @@ def auto_pick(op: str, fused: Plan, serial: Plan) -> Plan:
     """What "auto" runs given op's best fused and serial plans: fused only where it is predicted
     faster by more than FUSED_MARGIN[op] of its own time, else serial."""
     return fused if fused.predicted_us * (1 + FUSED_MARGIN[op]) < serial.predicted_us else serial
+
+
+# ---------------------------------------------------------------------------------------------
+# Sequence and expert parallelism: ring attention (forward, backward), Ulysses (forward,
+# backward), the fused MoE GEMMs. The same question as the TP GEMMs' "auto": the fused kernel
+# or its serial form (ring: all_gather of K/V, pk.attention per block, the merge; Ulysses:
+# all_to_all, pk.attention, all_to_all; MoE: dispatch then grouped_matmul, grouped_matmul then
+# combine). The serial form's two parts are predicted from the shape at the GPU's measured
+# rates (`overlap_parts`); the fused kernel's time as
+#
+#     fused = max(t_compute, t_comm) + a t_compute + b t_comm       (FUSED_OVERHEAD[op] = (a, b))
+#
+# what it fails to hide of each part. "auto" picks fused where fused x (1 + OVERLAP_MARGIN) <
+# t_compute + t_comm. The shape dicts are bench/bench_overlap.py's (per device).
+
+OVERLAP_OPS = ("ring_attn", "ring_attn_bwd", "ulysses_attn", "ulysses_attn_bwd",
+               "moe_dispatch_gemm", "moe_gemm_combine")
+
+# The kernels' rates on one H200 (bf16, head dim 128, shared/GPU_MACHINE.md, 2026-12-03):
+# pk.attention's forward 488-579 TFLOP/s, forward + backward 420-507 counted as 3.5 forwards
+# (so the backward alone, 2.5 forwards, about 440); pk.grouped_matmul 307-737.
+ATTN_FWD_TFLOPS = 530.0
+ATTN_BWD_TFLOPS = 440.0
+GROUPED_TFLOPS = 600.0
+
+# Fitted on the first scale-model run's rows (bench/results/overlap.jsonl, tag "overlap") by
+# bench/fit_decider.py, least squares on fused / serial; judged on other cases
+# (bench/results/decider_cases.json, bench/check_decider.py; bench/results/overlap.md).
+FUSED_OVERHEAD = {"ring_attn": (0.227, 2.087), "ring_attn_bwd": (0.161, 1.5),
+                  "ulysses_attn": (0.021, 2.313), "ulysses_attn_bwd": (0.098, 0.0),
+                  "moe_dispatch_gemm": (0.059, 0.373), "moe_gemm_combine": (0.0, 0.247)}
+OVERLAP_MARGIN = 0.03
+
+
+def _all_to_all_us(nbytes: float, p: int, gpu: GPU) -> float:
+    """pk's all_to_all of `nbytes` per rank: staged (read, write), then 1/P pulled from each
+    peer (read, write), each phase at the slower of its HBM traffic and its peer bytes."""
+    hbm, nvl = gpu.copy_gbps * 1e3, gpu.nvlink_gbps * 1e3  # bytes per us
+    return 2 * nbytes / hbm + max(2 * nbytes / hbm, (p - 1) / p * nbytes / nvl)
+
+
+def overlap_parts(op: str, shape: dict, p: int, *, itemsize: int = 2,
+                  gpu: GPU = H200) -> tuple[float, float]:
+    """Microseconds of the serial form's compute and communication parts of one call of an
+    OVERLAP_OPS op on one device of a P-device axis.
+
+    shape: ring and Ulysses {"s": whole sequence, "h", "hkv" (default h), "d", "causal",
+    "b" (default 1)}; MoE {"t": tokens per device, "k", "experts", "h", "hidden"}.
+    """
+    if op not in OVERLAP_OPS:
+        raise ValueError(f"pk_jax.cost_model: op={op!r} is not one of {OVERLAP_OPS}.")
+    hbm, nvl = gpu.copy_gbps * 1e3, gpu.nvlink_gbps * 1e3
+    if op.startswith("moe"):
+        t, k, h, f = shape["t"], shape["k"], shape["h"], shape["hidden"]
+        rows = t * k  # slots sent (uniform routing keeps them all at 1.25x capacity)
+        tc = 2.0 * rows * h * f / (GROUPED_TFLOPS * 1e6)
+        moved = (p - 1) / p * rows * h * itemsize
+        if op == "moe_dispatch_gemm":  # read x, write the slots at their experts' ranks
+            local = (t + rows) * h * itemsize
+        else:  # read the slots, write out
+            local = (rows + t) * h * itemsize
+        return tc, max(local / hbm, moved / nvl) + 2 * gpu.launch_us + 2 * gpu.barrier_us
+    b, s, h, d = shape.get("b", 1), shape["s"], shape["h"], shape["d"]
+    hkv = shape.get("hkv", h)
+    causal = bool(shape.get("causal", False))
+    sl = s // p
+    bwd = op.endswith("_bwd")
+    rate = (ATTN_BWD_TFLOPS if bwd else ATTN_FWD_TFLOPS) * 1e6
+    flops = (10 if bwd else 4) * b * sl * s * h * d
+    q_bytes, kv_bytes = b * sl * h * d * itemsize, b * sl * hkv * d * itemsize
+    if op.startswith("ring"):
+        # contiguous layout: the last rank sees every block, the diagonal one half-masked
+        tc = flops * ((p - 0.5) / p if causal else 1.0) / rate
+        shard = 2 * kv_bytes
+        tm = collective_us("ag_gemm", 0.0, shard, p, gpu)
+        if bwd:  # the blocks' dK / dV partials home: a reduce-scatter of P blocks
+            tm += collective_us("gemm_rs", p * shard, 0.0, p, gpu)
+        else:  # the merge of P partial (o, lse): read them, write o
+            tc += (p + 1) * (q_bytes + b * h * sl * 4) / hbm
+        return tc, tm
+    tc = flops * (0.5 if causal else 1.0) / rate
+    tensors = [q_bytes, kv_bytes, kv_bytes, q_bytes]  # q, k, v there; o back
+    if bwd:  # q, dO, k, v, (lse, delta) there; dq, dk, dv back
+        tensors = [q_bytes, q_bytes, kv_bytes, kv_bytes, 2 * b * h * sl * 4, q_bytes,
+                   kv_bytes, kv_bytes]
+    tm = sum(_all_to_all_us(x, p, gpu) + gpu.launch_us + gpu.barrier_us for x in tensors)
+    return tc, tm
+
+
+def predict_overlap(op: str, shape: dict, p: int, *, itemsize: int = 2,
+                    gpu: GPU = H200) -> tuple[float, float]:
+    """(fused, serial) microseconds of one call of an OVERLAP_OPS op (see above)."""
+    tc, tm = overlap_parts(op, shape, p, itemsize=itemsize, gpu=gpu)
+    a, b = FUSED_OVERHEAD[op]
+    return max(tc, tm) + a * tc + b * tm, tc + tm
+
+
+def choose(op: str, shape: dict, p: int, *, itemsize: int = 2, gpu: GPU = H200) -> str:
+    """The one fused-or-serial decision for op at P > 1: "fused" or "serial".
+
+    Args:
+        op: a TP GEMM (OPS; shape {"m", "n", "k_per_rank"}: m rows of the whole product, n
+            output columns, k_per_rank the contraction each device multiplies) or one of
+            OVERLAP_OPS (shape as `overlap_parts`).
+        shape: the call's shape, per device.
+        p: the axis size (> 1).
+        itemsize: bytes per element.
+        gpu: the GPU's constants.
+
+    Returns:
+        "fused" or "serial" (the TP GEMMs: `plan`'s mode, overrides included).
+    """
+    if op in OPS:
+        return plan(op, shape["m"], shape["n"], shape["k_per_rank"], p, itemsize=itemsize,
+                    gpu=gpu).mode
+    fused, serial = predict_overlap(op, shape, p, itemsize=itemsize, gpu=gpu)
+    return "fused" if fused * (1 + OVERLAP_MARGIN) < serial else "serial"

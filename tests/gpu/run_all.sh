@@ -2,7 +2,7 @@
 # Every GPU test and benchmark, on the H200 machine: tests/gpu/run_all.sh [section ...]
 # Sections: install sass unit runtime collectives collectives_mp tp tp_mp grouped attention
 # emulator moe moe_fused moe_mp ring ulysses ulysses_bwd sanitize racecheck examples users bench
-# link state hazards (default: all but moe_fused, moe_mp, ulysses_bwd, racecheck (part of
+# link overlap state hazards (default: all but moe_fused, moe_mp, ulysses_bwd, overlap, racecheck (part of
 # sanitize), bench, link and hazards). The P = 1 sections (install unit collectives tp examples)
 # may run side by side in separate invocations; the multi-process ones and bench want the GPU
 # alone.
@@ -35,6 +35,11 @@ step() {
   if "${run[@]}" "$@"; then passed=$((passed + 1)); echo "PASSED: $*"
   else failed+=("$*"); echo "FAILED: $*"; fi
 }
+
+# Every cross-rank op of tests/gpu/emu_short.py (emu_cases builds each).
+EMU_ALL_OPS=all_reduce,all_gather,reduce_scatter,all_to_all,gemm_rs,ag_gemm,gemm_ar,\
+moe_dispatch,moe_scatter,moe_combine,moe_gather,ring_attn,ring_attn_bwd,ulysses_attn,\
+moe_dispatch_gemm,moe_gemm_combine
 
 # What compute-sanitizer prints for a device-side error (host-side cuGetProcAddress probes,
 # reported as CUDA_ERROR_INVALID_VALUE, are not among them), and the command of one step that
@@ -167,6 +172,18 @@ section_state() {
   step "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_reinit.py
   step "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_state.py -k "shutdown or meshes"
   step "$PY" -m pytest -q -p no:cacheprovider tests/test_runtime.py -k "comm_table or instantiate"
+}
+
+# The scale model (issue 36): one call of every cross-rank op at P = 2, 4, 8 checked, the link
+# throttle's tests (pacing, asynchrony, exactness of every op with the cap on), then every fused
+# op against its serial form at the scale model (bench/bench_overlap.py, rows into
+# bench/results/overlap.jsonl; PK_JAX_OVERLAP_ARGS, e.g. --quick). Not a default section:
+# `tests/gpu/run_all.sh overlap`.
+section_overlap() {
+  export CUDA_MODULE_LOADING=EAGER  # pk_jax.testing.require_eager_loading says why
+  step "$PY" tests/gpu/emu_short.py "$EMU_ALL_OPS" 2,4,8
+  step "$PY" -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_emulator_link.py
+  LIMIT=${PK_JAX_OVERLAP_LIMIT:-900} step "$PY" bench/bench_overlap.py ${PK_JAX_OVERLAP_ARGS:-}
 }
 
 # The emulator's link throttle (issue 10 item 7): pacing and exactness with the cap on
