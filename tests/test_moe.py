@@ -346,19 +346,32 @@ def _counting_gemm_combine(monkeypatch) -> list:
     return taken
 
 
-@pytest.mark.parametrize("mode,fused", [("auto", True), ("1", True), ("0", False)])
-def test_gemm_combine_default_is_the_fused_kernel(kernel_path, monkeypatch, mode, fused):
-    """PK_JAX_MOE_FUSED "auto" (the default) and "1" run the fused moe_gemm_combine where it
-    applies, "0" the composition; "auto" composes where the workspace cannot hold its rows,
-    while "1" raises the error that names workspace_bytes."""
+@pytest.mark.parametrize("mode,decided,fused", [("auto", "fused", True), ("auto", "serial", False),
+                                                ("1", "serial", True), ("0", "fused", False)])
+def test_gemm_combine_default_is_the_deciders(kernel_path, monkeypatch, mode, decided, fused):
+    """PK_JAX_MOE_FUSED "auto" (the default) runs the fused moe_gemm_combine where it applies
+    and the one decider (cost_model.choose) picks it, "1" wherever it applies, "0" never;
+    "auto" composes where the workspace cannot hold its rows, while "1" raises the error that
+    names workspace_bytes."""
+    from pk_jax import cost_model
     from pk_jax.runtime import state
 
     assert state.Settings().moe_fused == "auto"
     monkeypatch.setattr(state, "settings", lambda: state.Settings(moe_fused=mode))
+    asked = []
+
+    def choose(op, shape, p, **kw):
+        asked.append((op, shape, p))
+        return decided
+
+    monkeypatch.setattr(cost_model, "choose", choose)
     taken = _counting_gemm_combine(monkeypatch)
     f, args = _gemm_combine_loss_case()
     f(*args)
     assert bool(taken) == fused, (mode, len(taken))
+    if mode == "auto":  # the decider saw the call's shape: per device, E from the experts
+        assert asked and all(op == "moe_gemm_combine" and set(shape) == {
+            "t", "k", "experts", "h", "hidden"} for op, shape, _ in asked), asked
     del taken[:]
     monkeypatch.setattr(state, "workspace_bytes", lambda: 1024)
     f, args = _gemm_combine_loss_case()

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pk_jax import _backend, _checks, _ffi
+from pk_jax import _backend, _checks, _ffi, cost_model
 from pk_jax.ops import _tp, _vjp
 from pk_jax.ops.grouped_matmul import grouped_matmul as pk_grouped_matmul
 from pk_jax.runtime import state
@@ -201,10 +201,11 @@ def moe_dispatch_gemm(x: jax.Array, expert_ids: jax.Array, w1: jax.Array, axis_n
                       num_experts: int, capacity: int) -> tuple[jax.Array, jax.Array, MoeHandle]:
     """`moe_dispatch`, then every local expert's first GEMM on the rows it received.
 
-    With PK_JAX_MOE_FUSED=1 (fixed at pk.init) or inside `fused_kernels()` (off by default: it
-    measured 0.91-1.02x of the composition), and on the CUDA path, one fused kernel runs instead
-    (cuda/kernels/moe_dispatch_gemm.cuh): each expert's GEMM starts as soon as every rank's
-    rows of it have arrived (bf16/fp16, H and N multiples of 8, P x num_experts <= 2528).
+    On the CUDA path, where the one decider (`pk_jax.cost_model.choose`) picks it (or with
+    PK_JAX_MOE_FUSED=1, fixed at pk.init, or inside `fused_kernels()`; never with "0" or inside
+    `fused_kernels(False)`), one fused kernel runs instead (cuda/kernels/moe_dispatch_gemm.cuh):
+    each expert's GEMM starts as soon as every rank's rows of it have arrived (bf16/fp16, H and
+    N multiples of 8, P x num_experts <= 2528).
 
     Args:
         x, expert_ids, axis_name, num_experts, capacity: as for `moe_dispatch`.
@@ -219,8 +220,10 @@ def moe_dispatch_gemm(x: jax.Array, expert_ids: jax.Array, w1: jax.Array, axis_n
     """
     p = _checks.axis_size("moe_dispatch_gemm", axis_name)
     _check_dispatch(x, expert_ids, p, num_experts, capacity)
-    if _fused_applies(x, expert_ids, w1, p, num_experts, capacity, axis_name):
-        _tp.check_workspace("moe_dispatch_gemm", capacity * x.shape[1] * x.dtype.itemsize,
+    need = capacity * x.shape[1] * x.dtype.itemsize
+    if (_fused_applies(x, expert_ids, w1, p, num_experts, capacity, axis_name)
+            and not (_fused_by_default() and need > state.workspace_bytes())):
+        _tp.check_workspace("moe_dispatch_gemm", need,
                             f"its [{capacity}, {x.shape[1]}] rows received from every rank")
         h, sizes, dest, pos, dropped, received = _dispatch_gemm_k(
             x, expert_ids, w1, axis_name, num_experts, capacity)
@@ -234,9 +237,9 @@ def moe_gemm_combine(h: jax.Array, w2: jax.Array, weights: jax.Array, handle: Mo
                      axis_name: str) -> jax.Array:
     """Every local expert's second GEMM on its rows, then `moe_combine`.
 
-    By default (PK_JAX_MOE_FUSED unset or "auto", fixed at pk.init; "1" or a `fused_kernels()`
-    block too; not with "0" or inside `fused_kernels(False)`), on the CUDA path, fused kernels
-    run instead (1.02-1.06x of the composition's speed, emulated P = 8)
+    On the CUDA path, where the one decider (`pk_jax.cost_model.choose`) picks it (PK_JAX_MOE_FUSED
+    unset or "auto", fixed at pk.init; "1" or a `fused_kernels()` block force it; "0" or
+    `fused_kernels(False)` never), a fused kernel runs instead
     (cuda/kernels/moe_gemm_combine.cuh): the GEMM's epilogue stores each output row straight
     into its token's rank's symmetric workspace and the token's rank sums its k rows
     (bf16/fp16, F and H' multiples of 8); the same result as the composition, bit for bit (y
@@ -363,11 +366,11 @@ def _dispatch_k_bwd(axis_name, num_experts, capacity, res, cts):
 _dispatch_k.defvjp(_dispatch_k_fwd, _dispatch_k_bwd)
 
 
-# The fused kernels (moe_dispatch_gemm.cuh: dispatch + first expert GEMM, 0.91-1.02x of the
-# composition's speed; moe_gemm_combine.cuh: second GEMM + combine, 1.02-1.06x; emulated P = 8,
-# bench/results/moe_notes.md). PK_JAX_MOE_FUSED (a setting fixed at pk.init): unset or "auto",
-# the fused GEMM + combine where it applies and its workspace fits, the dispatch composed; "1",
-# both fused; "0", both composed. A `fused_kernels` block forces both either way.
+# The fused kernels (moe_dispatch_gemm.cuh: dispatch + first expert GEMM; moe_gemm_combine.cuh:
+# second GEMM + combine; measured at the scale model in bench/results/overlap.md).
+# PK_JAX_MOE_FUSED (a setting fixed at pk.init): unset or "auto", each fused kernel where the
+# one decider (cost_model.choose) picks it, it applies and its workspace fits; "1", both fused;
+# "0", both composed. A `fused_kernels` block forces both either way.
 FUSED_ENV = "PK_JAX_MOE_FUSED"  # state.Settings.moe_fused
 _local = threading.local()
 # The block's choice joins jit's cache key through a user context (as cost_model.override).
@@ -390,15 +393,19 @@ def fused_kernels(enabled: bool = True):
         _local.fused = prev
 
 
-def fused_enabled(op: str = "moe_dispatch_gemm") -> bool:
+def fused_enabled(op: str = "moe_dispatch_gemm", shape: dict | None = None, p: int = 2,
+                  itemsize: int = 2) -> bool:
     """Whether `op`'s fused kernel is asked for here: the innermost `fused_kernels` block, else
-    PK_JAX_MOE_FUSED (fixed at pk.init): "1" both ops, "auto" (the default) moe_gemm_combine
-    only, anything else neither."""
+    PK_JAX_MOE_FUSED (fixed at pk.init): "1" both ops, "0" neither, "auto" (the default) where
+    the one decider (`cost_model.choose`) picks it for the call's `shape` (its keys as
+    `cost_model.overlap_parts`) on a P-device axis."""
     forced = getattr(_local, "fused", None)
     if forced is not None:
         return forced
     mode = state.settings().moe_fused
-    return mode == "1" or (mode == "auto" and op == "moe_gemm_combine")
+    if mode != "auto":
+        return mode == "1"
+    return shape is not None and cost_model.choose(op, shape, p, itemsize=itemsize) == "fused"
 
 
 def _fused_by_default() -> bool:
@@ -412,9 +419,13 @@ KERNEL_MAX_FUSED_COUNTS = KERNEL_MAX_COUNTS // 2  # the count range's other half
 
 def _fused_applies(x, expert_ids, w1, p: int, num_experts: int, capacity: int,
                    axis_name: str) -> bool:
-    if not fused_enabled("moe_dispatch_gemm") or w1.ndim != 3:
+    if w1.ndim != 3:
         return False
     el, h, n = w1.shape
+    shape = {"t": x.shape[0], "k": expert_ids.shape[1], "experts": num_experts, "h": h,
+             "hidden": n}
+    if not fused_enabled("moe_dispatch_gemm", shape, p, x.dtype.itemsize):
+        return False
     fits = (x.dtype in (jnp.bfloat16, jnp.float16) and w1.dtype == x.dtype
             and h == x.shape[1] and h % 8 == 0 and n % 8 == 0 and el * p == num_experts
             and el <= 1024 and p * num_experts <= KERNEL_MAX_FUSED_COUNTS and n < 2**31)
@@ -501,11 +512,15 @@ _combine_k.defvjp(_combine_k_fwd, _combine_k_bwd)
 
 
 def _gemm_combine_applies(h, w2, weights, handle, p: int, axis_name: str) -> bool:
-    if not fused_enabled("moe_gemm_combine") or w2.ndim != 3 or h.ndim != 2:
+    if w2.ndim != 3 or h.ndim != 2:
         return False
     if weights.ndim != 2 or weights.shape != handle.position.shape:
         return False  # the composition raises the shape error
     el, f, n = w2.shape
+    shape = {"t": weights.shape[0], "k": weights.shape[1], "experts": el * p, "h": n,
+             "hidden": f}
+    if not fused_enabled("moe_gemm_combine", shape, p, h.dtype.itemsize):
+        return False
     fits = (h.dtype in (jnp.bfloat16, jnp.float16) and w2.dtype == h.dtype
             and f == h.shape[1] and f % 8 == 0 and n % 8 == 0 and f >= 8 and n >= 8
             and handle.group_sizes.shape == (el,) and el <= 1024 and n < 2**31)

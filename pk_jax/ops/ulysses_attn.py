@@ -26,22 +26,19 @@ back to sequence shards; repeated K/V heads' gradients are summed in float32.
 A fused forward (target pk_ulysses_attn, cuda/kernels/ulysses_attn.cuh: communication blocks of
 the attention grid push every rank's head-group slices of q, k, v into the owner's symmetric
 workspace, the attention blocks of a head group start on a source's rows as soon as those rows
-have landed, and a tail kernel pulls each rank's output rows back) runs only with
-PK_JAX_ULYSSES_FUSED=1 in the environment (fixed at the first `pk.init`, like the other
-settings): on the H200 (emulated ranks, B 1, S/P 2048, H 8P, D 128, bf16) it measured 0.28-0.88x
-the speed of the composed kernels (geomean 0.53x; bench/results/ulysses_attention_notes.md).
-Its backward is composed too, on the kernel's sequence-sharded out and lse: delta on the local
-rows, `pk.all_to_all` of q, dO, k, v and of (lse, delta) to head shards, the same pk.attention
-backward kernels, and the gradients back.
-
-A fused backward (target pk_ulysses_attn_bwd, cuda/kernels/ulysses_attn_bwd.cuh: communication
-blocks push every rank's head-group slices of dO and its delta rows into the owner's symmetric
-workspace, the one-pass attention backward of the head group starts on a source's rows as
-soon as they have landed, and a tail kernel pulls dq, dk, dv back to sequence shards) runs only
-with PK_JAX_ULYSSES_FUSED=bwd, after the composed forward, where the fused forward would take
-the operands too; it is opt-in, measured in bench/results/ulysses_attention_notes.md. The
-forward then keeps the sequence-sharded output instead of the head-sharded one, for delta on
-the local rows.
+have landed, and a tail kernel pulls each rank's output rows back) and a fused backward (target
+pk_ulysses_attn_bwd, cuda/kernels/ulysses_attn_bwd.cuh: communication blocks push every rank's
+head-group slices of dO and its delta rows into the owner's workspace, the one-pass attention
+backward of the head group starts on a source's rows as they land, and a tail kernel pulls dq,
+dk, dv back) run where the one decider (`cost_model.choose`, per pass and shape) picks them:
+at the scale model the fused forward lost to the composed kernels everywhere measured, and the
+fused backward won where the exchange is a large share (bench/results/overlap.md).
+PK_JAX_ULYSSES_FUSED overrides it (fixed at the first `pk.init`): 0 the composed kernels, 1 the
+fused forward, bwd the fused backward. The fused forward's backward is composed, on its
+sequence-sharded out and lse (`pk.all_to_all` of q, dO, k, v and of (lse, delta) to head
+shards, the pk.attention backward kernels, the gradients back). With the fused backward the
+composed forward keeps the sequence-sharded output instead of the head-sharded one, for delta
+on the local rows.
 
 At P = 1 (a 1-device axis) the rank holds the whole sequence and every head, so where the
 pk.attention kernels take the operands the call is exactly pk.attention (its forward kernel
@@ -58,7 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pk_jax import _backend, _checks, _ffi
+from pk_jax import _backend, _checks, _ffi, cost_model
 from pk_jax.ops import _attention, _tp, _vjp
 from pk_jax.ops import attention as _attention_op
 from pk_jax.ops.all_to_all import all_to_all
@@ -108,7 +105,7 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, 
     causal = _checks.is_bool(NAME, "causal", causal)
     scale = (_attention.default_scale(q.shape[-1]) if scale is None
              else _checks.positive_float(NAME, "scale", scale))
-    path = forward_path(q, k, v, p, axis_name)
+    path = forward_path(q, k, v, p, axis_name, causal=causal)
     if path == "local":
         # One rank holds the whole sequence and every head: plain attention, no exchange.
         return _attention_op._kernel_attention(q, k, v, float(scale), causal)
@@ -118,7 +115,7 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, 
     rep = kv_repeats(k.shape[2], p)
     kr = jax.ShapeDtypeStruct((*k.shape[:2], k.shape[2] * rep, k.shape[3]), k.dtype)
     if path == "composed":
-        fused_bwd = backward_path(q, p, axis_name) == "fused"
+        fused_bwd = backward_path(q, p, axis_name, k=k, causal=causal) == "fused"
         if fused_bwd:  # here, so that a too small workspace raises before anything runs
             _tp.check_workspace(NAME, fused_bwd_workspace_need(q, kr, p),
                                 f"the backward's head-group copies of dO {q.shape}, its delta, "
@@ -133,9 +130,11 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, 
 
 
 FUSED_ENV = "PK_JAX_ULYSSES_FUSED"  # state.Settings.ulysses_fused
-# Its values: "0" (the default) the composed kernels both ways, "1" the fused forward
-# (pk_ulysses_attn), "bwd" the fused backward (pk_ulysses_attn_bwd) after the composed forward.
-FUSED_MODES = ("0", "1", "bwd")
+# Its values, overrides of the decider: "auto" (the default) the decider's choice
+# (cost_model.choose, per pass and shape), "0" the composed kernels both ways, "1" the fused
+# forward (pk_ulysses_attn), "bwd" the fused backward (pk_ulysses_attn_bwd) after the composed
+# forward.
+FUSED_MODES = ("auto", "0", "1", "bwd")
 
 
 def fused_mode() -> str:
@@ -147,39 +146,56 @@ def fused_mode() -> str:
     mode = state.settings().ulysses_fused
     if mode not in FUSED_MODES:
         raise ValueError(f"pk.{NAME}: {FUSED_ENV}={mode!r} is not one of "
-                         f"{', '.join(FUSED_MODES)} (0 or unset: the composed kernels; 1: the "
-                         "fused forward; bwd: the fused backward). Set it to one of them, then "
-                         "call pk.shutdown() and pk.init(mesh).")
+                         f"{', '.join(FUSED_MODES)} (auto or unset: the decider's choice; 0: "
+                         "the composed kernels; 1: the fused forward; bwd: the fused backward). "
+                         "Set it to one of them, then call pk.shutdown() and pk.init(mesh).")
     return mode
 
 
-def forward_path(q: jax.Array, k: jax.Array, v: jax.Array, p: int, axis_name: str) -> str:
+def overlap_shape(q: jax.Array, k: jax.Array, p: int, causal: bool) -> dict:
+    """The decider's shape of one call (cost_model.overlap_parts) from per-device q, k."""
+    b, sl, h, d = q.shape
+    return {"b": b, "s": sl * p, "h": h, "hkv": k.shape[2], "d": d, "causal": bool(causal)}
+
+
+def _decided(op: str, q: jax.Array, k: jax.Array, p: int, causal: bool) -> bool:
+    return cost_model.choose(op, overlap_shape(q, k, p, causal), p,
+                             itemsize=q.dtype.itemsize) == "fused"
+
+
+def forward_path(q: jax.Array, k: jax.Array, v: jax.Array, p: int, axis_name: str, *,
+                 causal: bool = False) -> str:
     """How the forward runs, decided once at trace time for (already checked) operands:
     "local" (P = 1: the pk.attention kernels on q, k, v as given, forward and backward, with
-    no exchange), "composed" (pk.all_to_all, the pk.attention forward kernel on the head
-    group, all_to_all back; the default where that kernel runs at P > 1), "fused"
-    (pk_ulysses_attn, only with PK_JAX_ULYSSES_FUSED=1 and where it takes the operands; it
-    measured slower) or "reference"."""
+    no exchange), "fused" (pk_ulysses_attn, where it takes the operands and the decider,
+    cost_model.choose, picks it, or PK_JAX_ULYSSES_FUSED=1 forces it), "composed"
+    (pk.all_to_all, the pk.attention forward kernel on the head group, all_to_all back,
+    wherever that kernel runs at P > 1 otherwise) or "reference"."""
     mode = fused_mode()
     if p == 1:
         return _attention_op.p1_path(q, k, v, axis_name)
-    if (mode == "1" and _backend.route(
-            STEM, axis_name, supported=kernel_supports(q, p)).path == "kernel"):
+    if ((mode == "1" or mode == "auto" and _decided(STEM, q, k, p, causal))
+            and _backend.route(STEM, axis_name, supported=kernel_supports(q, p)).path
+            == "kernel"):
         return "fused"
     route = _backend.route(_attention_op.NAME, supported=composed_supports(q, p))
     return "composed" if route.path == "kernel" else "reference"
 
 
-def backward_path(q: jax.Array, p: int, axis_name: str) -> str:
+def backward_path(q: jax.Array, p: int, axis_name: str, *, k: jax.Array | None = None,
+                  causal: bool = False) -> str:
     """How the backward of the composed forward runs, decided with the forward at trace time
-    (the forward keeps the residuals that backward needs): "fused" (pk_ulysses_attn_bwd, only
-    with PK_JAX_ULYSSES_FUSED=bwd and where the fused kernels take the operands:
-    `kernel_supports`, and q has fewer than 2^31 elements) or "composed" (pk.all_to_all of
-    dO, the pk.attention backward kernel on the head group, all_to_all of dq, dk, dv back)."""
+    (the forward keeps the residuals that backward needs): "fused" (pk_ulysses_attn_bwd, where
+    the fused kernels take the operands: `kernel_supports`, and q has fewer than 2^31
+    elements, and the decider, cost_model.choose, picks it for q, k (default: k like q) or
+    PK_JAX_ULYSSES_FUSED=bwd forces it) or "composed" (pk.all_to_all of dO, the pk.attention
+    backward kernel on the head group, all_to_all of dq, dk, dv back)."""
     # The kernel indexes B S H/P D elements (= q.size) of its head group in 32 bits.
     supported = kernel_supports(q, p) and q.size < 2**31
-    if (fused_mode() == "bwd" and _backend.route(
-            STEM, axis_name, supported=supported).path == "kernel"):
+    mode = fused_mode()
+    wanted = mode == "bwd" or (mode == "auto" and _decided(
+        "ulysses_attn_bwd", q, q if k is None else k, p, causal))
+    if wanted and _backend.route(STEM, axis_name, supported=supported).path == "kernel":
         return "fused"
     return "composed"
 

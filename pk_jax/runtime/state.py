@@ -67,7 +67,7 @@ class Settings:
     tp_comm_sms: str = ""                  # PK_JAX_TP_COMM_SMS
     all_reduce_algorithm: str = "auto"     # PK_JAX_ALL_REDUCE_ALGORITHM
     single_device_kernels: str = "0"       # PK_JAX_SINGLE_DEVICE_KERNELS
-    ulysses_fused: str = "0"               # PK_JAX_ULYSSES_FUSED (ulysses_attn.FUSED_MODES)
+    ulysses_fused: str = "auto"            # PK_JAX_ULYSSES_FUSED (ulysses_attn.FUSED_MODES)
     moe_fused: str = "auto"                # PK_JAX_MOE_FUSED
 
     @classmethod
@@ -81,7 +81,7 @@ SETTINGS_ENV = {"backend": ("PK_JAX_BACKEND", "auto"), "tp_mode": ("PK_JAX_TP_MO
                 "tp_comm_sms": ("PK_JAX_TP_COMM_SMS", ""),
                 "all_reduce_algorithm": ("PK_JAX_ALL_REDUCE_ALGORITHM", "auto"),
                 "single_device_kernels": ("PK_JAX_SINGLE_DEVICE_KERNELS", "0"),
-                "ulysses_fused": ("PK_JAX_ULYSSES_FUSED", "0"),
+                "ulysses_fused": ("PK_JAX_ULYSSES_FUSED", "auto"),
                 "moe_fused": ("PK_JAX_MOE_FUSED", "auto")}
 
 
