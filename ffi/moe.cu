@@ -21,8 +21,7 @@ namespace pk_ffi {
 namespace {
 
 // The kernels' slot range and limits are the op table's (op_table.h).
-static_assert(pk::moe::SLOT_BASE == op_table::kMoeSlots.base &&
-                  pk::moe::OP_SLOTS == op_table::kMoeSlots.count,
+static_assert(op_table::kMoeSlots.Is(pk::moe::SLOT_BASE, pk::moe::OP_SLOTS),
               "kernels/moe.cuh's slot range must be op_table.h's");
 static_assert(pk::moe::MAX_PEERS == op_table::kMaxPeers &&
                   pk::moe::MAX_EXPERTS == op_table::kMaxExperts &&

@@ -90,6 +90,7 @@ struct Range {
   uint64_t base;
   uint64_t count;
   constexpr uint64_t end() const { return base + count; }
+  constexpr bool Is(uint64_t b, uint64_t c) const { return base == b && count == c; }
 };
 inline constexpr uint64_t kSignalCount = uint64_t(1) << 16;
 inline constexpr Range kNoSlots{0, 0};

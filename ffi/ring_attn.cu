@@ -13,12 +13,9 @@ namespace pk_ffi {
 namespace {
 
 // The kernel's slot range and limits are the op table's (op_table.h).
-static_assert(pk::ring_attn::SLOT_BASE == op_table::kRingSlots.base &&
-                  pk::ring_attn::OP_SLOTS == op_table::kRingSlots.count,
-              "kernels/ring_attn.cuh's slot range must be op_table.h's");
-static_assert(pk::ring_attn::MAX_PEERS == op_table::kMaxPeers &&
-                  pk::ring_attn::MAX_COMM == op_table::kAttnMaxCommSms,
-              "kernels/ring_attn.cuh's limits must be op_table.h's");
+static_assert(op_table::kRingSlots.Is(pk::ring_attn::SLOT_BASE, pk::ring_attn::OP_SLOTS) &&
+              pk::ring_attn::MAX_PEERS == op_table::kMaxPeers &&
+              pk::ring_attn::MAX_COMM == op_table::kAttnMaxCommSms);
 
 Status Invalid(const std::string& what) {
   return Status::Invalid("pk.ring_attention: " + what);

@@ -13,12 +13,9 @@ namespace pk_ffi {
 namespace {
 
 // The kernel's slot range and limits are the op table's (op_table.h).
-static_assert(pk::ulysses_attn::SLOT_BASE == op_table::kUlyssesSlots.base &&
-                  pk::ulysses_attn::OP_SLOTS == op_table::kUlyssesSlots.count,
-              "kernels/ulysses_attn.cuh's slot range must be op_table.h's");
-static_assert(pk::ulysses_attn::MAX_PEERS == op_table::kMaxPeers &&
-                  pk::ulysses_attn::MAX_COMM == op_table::kAttnMaxCommSms,
-              "kernels/ulysses_attn.cuh's limits must be op_table.h's");
+static_assert(op_table::kUlyssesSlots.Is(pk::ulysses_attn::SLOT_BASE, pk::ulysses_attn::OP_SLOTS) &&
+              pk::ulysses_attn::MAX_PEERS == op_table::kMaxPeers &&
+              pk::ulysses_attn::MAX_COMM == op_table::kAttnMaxCommSms);
 
 Status Invalid(const std::string& what) {
   return Status::Invalid("pk.ulysses_attention: " + what);
