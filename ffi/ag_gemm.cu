@@ -10,7 +10,7 @@ namespace pk_ffi {
 Status LaunchAgGemm(const Where& at, const GemmArgs& a, const CommView& v) {
   constexpr const char* op = "all_gather_gemm";
   pk::tp::comm c;
-  if (Status s = tp::Comm(op, tp::kOpAgGemm, tp::kIndexAgGemm, v, a.rank, &c); !s.ok()) return s;
+  if (Status s = tp::Comm(op, kOpAgGemm, v, a.rank, &c); !s.ok()) return s;
   if (Status s = tp::GemmOperands(op, a); !s.ok()) return s;
   const int64_t mp = a.m, k = a.k, n = a.n, m = mp * c.world;
   if (a.y_rows != m || a.y_cols != n || a.x_full == nullptr) {
@@ -84,7 +84,7 @@ Status LaunchAgGemm(const Where& at, const GemmArgs& a, const CommView& v) {
   g.tiles_m = static_cast<int>(tiles_m);
   g.row_shift = static_cast<int>(own_lo % tiles_m);
   if (Status s = tp::StartEpoch(at.stream, c); !s.ok()) return s;
-  return CudaStatus(tp::WithConfig(a.dtype, a.config == tp::kTile128x256, [&](auto cfg) {
+  return CudaStatus(tp::WithConfig(a.dtype, a.config == op_table::kTile128x256S3, [&](auto cfg) {
                       return pk::ag_gemm::launch<decltype(cfg)>(g, at.stream, at.device,
                                                                 at.num_sms, comm_blocks);
                     }),

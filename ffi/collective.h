@@ -13,11 +13,11 @@
 
 namespace pk_ffi {
 
-// Op ids of the error record (pk_jax/runtime/errors.py).
-constexpr int kOpAllReduce = 1;
-constexpr int kOpAllGather = 2;
-constexpr int kOpReduceScatter = 3;
-constexpr int kOpAllToAll = 4;
+// The collectives' slots and peers are the op table's (op_table.h).
+static_assert(pk::coll::SLOT_BASE == op_table::kCollSlots.base &&
+                  pk::coll::SLOTS <= op_table::kCollSlots.end(),
+              "the collectives' slots must lie in their op_table.h range");
+static_assert(pk::coll::MAX_PEERS == op_table::kMaxPeers, "op_table.h kMaxPeers");
 
 // The kernel arguments of a collective call from the view of its communicator and the args.
 inline Status CollectiveGlobals(const char* op, int op_id, const CollArgs& a, const CommView& v,

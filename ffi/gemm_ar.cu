@@ -6,7 +6,7 @@
 namespace pk_ffi {
 
 Status LaunchGemmAr(const Where& at, const GemmArgs& a, const CommView& v) {
-  return tp::RowSplitGemm<true>("gemm_all_reduce", tp::kOpGemmAr, tp::kIndexGemmAr, at, a, v);
+  return tp::RowSplitGemm<true>("gemm_all_reduce", kOpGemmAr, at, a, v);
 }
 
 namespace {

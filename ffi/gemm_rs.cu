@@ -5,7 +5,7 @@
 namespace pk_ffi {
 
 Status LaunchGemmRs(const Where& at, const GemmArgs& a, const CommView& v) {
-  return tp::RowSplitGemm<false>("gemm_reduce_scatter", tp::kOpGemmRs, tp::kIndexGemmRs, at, a, v);
+  return tp::RowSplitGemm<false>("gemm_reduce_scatter", kOpGemmRs, at, a, v);
 }
 
 namespace {

@@ -11,6 +11,7 @@ namespace pk_ffi {
 namespace {
 
 namespace gm = pk::grouped_matmul;
+static_assert(gm::MAX_GROUPS == op_table::kMaxGroups, "op_table.h kMaxGroups");
 
 // A 128B-swizzled map over a row-major [depth, rows, cols] array of 2-byte elements with a
 // box of depth 1 (see pk/tma_3d.cuh).

@@ -15,20 +15,6 @@ Status CudaStatus(cudaError_t err, const char* what) {
                           " in " + what);
 }
 
-namespace {
-
-const char* OpName(int op) {
-  static const char* const kNames[] = {"op 0",    "all_reduce", "all_gather", "reduce_scatter",
-                                       "all_to_all", "gemm_rs",  "ag_gemm",    "gemm_ar"};
-  if (op == 12) return "moe_dispatch";
-  if (op == 13) return "moe_combine";
-  if (op == 14) return "ring_attn";
-  if (op == 16) return "ring_attn_bwd";
-  return op >= 0 && op < 8 ? kNames[op] : "an op";
-}
-
-}  // namespace
-
 Status CheckRecord(const char* op, const CommView& v) {
   // NOTES: the record is pinned host memory mapped with DEVICEMAP; under UVA (every 64-bit
   // Linux CUDA process) the device address the view holds is also its host address.
@@ -42,7 +28,7 @@ Status CheckRecord(const char* op, const CommView& v) {
                                                          : "failed";
   return Status::Invalid(
       std::string("pk.") + op + ": refused, an earlier call failed: " +
-      OpName(rec[comm_error::kOp]) + " " + what + " on rank " +
+      op_table::Name(rec[comm_error::kOp]) + " " + what + " on rank " +
       std::to_string(rec[comm_error::kRank]) + " (missing peer " +
       std::to_string(rec[comm_error::kPeer]) +
       "). The CUDA context may be unusable after that kernel's trap: restart the job (or "

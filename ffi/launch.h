@@ -15,12 +15,11 @@
 #include <utility>
 
 #include "comm.h"
+#include "op_table.h"
 
 namespace pk_ffi {
 
-// Element types of the operands (the launchers dispatch on them).
-enum class DType : int32_t { kBF16 = 0, kF16 = 1, kF32 = 2, kS32 = 3 };
-
+// DType (the operands' element types) and the op ids: op_table.h.
 inline int ByteWidth(DType t) { return t == DType::kBF16 || t == DType::kF16 ? 2 : 4; }
 
 // The outcome of a launch function: ok, a bad argument (ValueError in Python) or an internal
@@ -82,12 +81,12 @@ struct GemmArgs {
   const int32_t* rank;
   int64_t m, k, n;           // x's rows and columns, w's columns
   int64_t y_rows, y_cols;    // y as the caller allocated it (checked)
-  int64_t config;            // tile config (1: 128x128, 2: 128x256)
+  int64_t config;            // tile config (op_table.h Tile: kTile128x128 or kTile128x256S3)
   int64_t group_m;           // block-rows per band of the tile order
   int64_t num_comm_sms;      // ag_gemm: communication blocks (the same on every rank)
 };
 
-// The local GEMM (no communicator; x [m, k], w [k, n], y [m, n]; config 0..2 of matmul.cuh).
+// The local GEMM (no communicator; x [m, k], w [k, n], y [m, n]; config: any op_table.h Tile).
 Status LaunchMatmul(const Where& at, const GemmArgs& a);
 Status LaunchGemmRs(const Where& at, const GemmArgs& a, const CommView& v);
 Status LaunchGemmAr(const Where& at, const GemmArgs& a, const CommView& v);

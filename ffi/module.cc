@@ -15,6 +15,7 @@
 #include "comm_state.h"
 #include "ffi_util.h"
 #include "launch.h"
+#include "op_table.h"
 
 namespace nb = nanobind;
 
@@ -81,6 +82,38 @@ nb::object CommInfo(int64_t comm_id, int device_ordinal) {
   return d;
 }
 
+// The op table (op_table.h) for Python (pk_jax/_op_table.py): {"ops": [{"id", "name",
+// "family", "slot_base", "slot_count", "comm", "target", "emu", "record_id"}, ...], "dtypes":
+// {name: code}, "tiles": {name: id}, "limits": {name: value}, "signal_count": slots per pad}.
+nb::dict OpTable() {
+  namespace t = pk_ffi::op_table;
+  nb::list ops;
+  for (const t::Op& o : t::kOps) {
+    nb::dict d;
+    d["id"] = o.id;
+    d["name"] = o.name;
+    d["family"] = o.family;
+    d["slot_base"] = o.slots.base;
+    d["slot_count"] = o.slots.count;
+    d["comm"] = o.comm;
+    d["target"] = o.target;
+    d["emu"] = o.emu;
+    d["record_id"] = o.record_id;
+    ops.append(d);
+  }
+  nb::dict dtypes, tiles, limits;
+  for (const t::DTypeEntry& e : t::kDTypes) dtypes[e.name] = static_cast<int>(e.code);
+  for (const t::TileEntry& e : t::kTiles) tiles[e.name] = e.id;
+  for (const t::Limit& e : t::kLimits) limits[e.name] = e.value;
+  nb::dict out;
+  out["ops"] = ops;
+  out["dtypes"] = dtypes;
+  out["tiles"] = tiles;
+  out["limits"] = limits;
+  out["signal_count"] = t::kSignalCount;
+  return out;
+}
+
 // ---------------------------------------------------------------------------------------------
 // The rank emulator's entry points (pk_jax/testing/emulator.py): the same launch functions the
 // FFI handlers call, on an emulated rank's stream, SM partition and communicator.
@@ -136,6 +169,10 @@ void BackwardFields(const nb::dict& d, pk_ffi::AttnBwdArgs* a) {
 // buffers as device addresses.
 void EmuLaunch(const std::string& op, int64_t comm_id, int device, uint64_t stream,
                int num_sms, const nb::dict& args) {
+  const pk_ffi::op_table::Op* entry = pk_ffi::op_table::Find(op.c_str());
+  if (entry == nullptr || !entry->emu) {
+    throw std::invalid_argument("pk_jax emulator: unknown op '" + op + "'");
+  }
   const pk_ffi::Where at{reinterpret_cast<cudaStream_t>(stream), device, num_sms};
   auto gemm_args = [&]() {
     return pk_ffi::GemmArgs{static_cast<pk_ffi::DType>(Get(args, "dtype")),
@@ -395,6 +432,9 @@ NB_MODULE(_pk_ffi, m) {
   m.def("registrations", &Registrations,
         "List of (target_name, platform, handler capsule or dict of stage capsules) for "
         "jax.ffi.register_ffi_target.");
+  m.def("op_table", &OpTable,
+        "The op table (ffi/op_table.h): ops with their ids, stems, slot ranges and flags; "
+        "dtype codes, tile ids, limits and the signal pad's size.");
   m.def("comm_state_type", &CommStateType,
         "{'type_id', 'type_info'} capsules of the communicator handlers' state type, for "
         "jax.ffi.register_ffi_type.");

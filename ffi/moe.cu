@@ -20,10 +20,15 @@
 namespace pk_ffi {
 namespace {
 
-// Op ids of the error record (pk_jax/runtime/errors.py OP_NAMES).
-constexpr int kOpMoeDispatch = 12;
-constexpr int kOpMoeCombine = 13;
-constexpr int kOpMoeGemmCombine = 17;
+// The kernels' slot range and limits are the op table's (op_table.h).
+static_assert(op_table::kMoeSlots.Is(pk::moe::SLOT_BASE, pk::moe::OP_SLOTS),
+              "kernels/moe.cuh's slot range must be op_table.h's");
+static_assert(pk::moe::MAX_PEERS == op_table::kMaxPeers &&
+                  pk::moe::MAX_EXPERTS == op_table::kMaxExperts &&
+                  pk::moe::MAX_K == op_table::kMaxSlotsPerToken &&
+                  pk::moe::MAX_COUNTS == op_table::kMoeMaxCounts &&
+                  pk::moe::MAX_FUSED_COUNTS == op_table::kMoeMaxFusedCounts,
+              "kernels/moe.cuh's limits must be op_table.h's");
 
 Status Invalid(const char* op, const std::string& what) {
   return Status::Invalid(std::string("pk.") + op + ": " + what);
@@ -34,10 +39,10 @@ Status Invalid(const char* op, const std::string& what) {
 Status MoeComm(const char* op, int op_id, const CommView& v, const int32_t* rank,
                pk::moe::comm* c) {
   if (Status s = CheckRecord(op, v); !s.ok()) return s;
-  if (v.signal_count < pk::moe::SLOTS_NEEDED) {
+  if (v.signal_count < op_table::kMoeSlots.end()) {
     return Invalid(op, "the signal pad has " + std::to_string(v.signal_count) +
                            " slots, the MoE kernels need " +
-                           std::to_string(pk::moe::SLOTS_NEEDED));
+                           std::to_string(op_table::kMoeSlots.end()));
   }
   if (v.world > pk::moe::MAX_PEERS) {
     return Invalid(op, "at most " + std::to_string(pk::moe::MAX_PEERS) + " ranks");
@@ -45,7 +50,7 @@ Status MoeComm(const char* op, int op_id, const CommView& v, const int32_t* rank
   *c = pk::moe::comm{};
   for (int p = 0; p < v.world; ++p) {
     c->ws[p] = v.workspace[p];
-    c->sig[p] = v.signals[p] + pk::moe::SLOT_BASE;
+    c->sig[p] = v.signals[p] + op_table::kMoeSlots.base;
   }
   c->error = v.error;
   c->timeout_ns = v.timeout_ns;

@@ -12,8 +12,10 @@
 namespace pk_ffi {
 namespace {
 
-// Op id of the error record (pk_jax/runtime/errors.py OP_NAMES).
-constexpr int kOpRingAttn = 14;
+// The kernel's slot range and limits are the op table's (op_table.h).
+static_assert(op_table::kRingSlots.Is(pk::ring_attn::SLOT_BASE, pk::ring_attn::OP_SLOTS) &&
+              pk::ring_attn::MAX_PEERS == op_table::kMaxPeers &&
+              pk::ring_attn::MAX_COMM == op_table::kAttnMaxCommSms);
 
 Status Invalid(const std::string& what) {
   return Status::Invalid("pk.ring_attention: " + what);
@@ -30,9 +32,10 @@ Status Map(const void* ptr, int64_t batch, int64_t s, int64_t heads, int64_t d, 
 Status LaunchRingAttn(const Where& at, const RingAttnArgs& a, const CommView& v) {
   namespace ra = pk::ring_attn;
   if (Status s = CheckRecord("ring_attention", v); !s.ok()) return s;
-  if (v.signal_count < ra::SLOTS_NEEDED) {
+  if (v.signal_count < op_table::kRingSlots.end()) {
     return Invalid("the signal pad has " + std::to_string(v.signal_count) +
-                   " slots, the kernel needs " + std::to_string(ra::SLOTS_NEEDED));
+                   " slots, the kernel needs " +
+                   std::to_string(op_table::kRingSlots.end()));
   }
   if (v.world > ra::MAX_PEERS) return Invalid("at most " + std::to_string(ra::MAX_PEERS) + " ranks");
   if (a.dtype != DType::kBF16 && a.dtype != DType::kF16) {
@@ -64,7 +67,7 @@ Status LaunchRingAttn(const Where& at, const RingAttnArgs& a, const CommView& v)
 
   pk::ring_attn::globals g{};
   pk::tp::comm& c = g.c;
-  tp::View(kOpRingAttn, ra::SLOT_BASE, v, a.rank, &c);
+  tp::View(kOpRingAttn, op_table::kRingSlots.base, v, a.rank, &c);
   const int type = a.dtype == DType::kBF16 ? 0 : 1;
   g.d = pk::attention::dims{int(a.b), int(a.s), int(a.h), int(a.hkv), a.scale, a.causal ? 1 : 0};
   g.zigzag = a.causal && a.zigzag ? 1 : 0;

@@ -12,9 +12,6 @@
 namespace pk_ffi {
 namespace {
 
-// Op id of the error record (pk_jax/runtime/errors.py OP_NAMES).
-constexpr int kOpRingAttnBwd = 16;
-
 Status Invalid(const std::string& what) {
   return Status::Invalid("pk.ring_attention (backward): " + what);
 }
@@ -39,9 +36,10 @@ Status LaunchRingAttnBwd(const Where& at, const RingAttnBwdArgs& a, const CommVi
   namespace ra = pk::ring_attn;
   namespace rb = pk::ring_attn_bwd;
   if (Status s = CheckRecord("ring_attention (backward)", v); !s.ok()) return s;
-  if (v.signal_count < ra::SLOTS_NEEDED) {
+  if (v.signal_count < op_table::kRingSlots.end()) {
     return Invalid("the signal pad has " + std::to_string(v.signal_count) +
-                   " slots, the kernel needs " + std::to_string(ra::SLOTS_NEEDED));
+                   " slots, the kernel needs " +
+                   std::to_string(op_table::kRingSlots.end()));
   }
   if (v.world > ra::MAX_PEERS) return Invalid("at most " + std::to_string(ra::MAX_PEERS) + " ranks");
   if (v.world < 2) return Invalid("the fused backward needs at least 2 ranks.");
@@ -80,7 +78,8 @@ Status LaunchRingAttnBwd(const Where& at, const RingAttnBwdArgs& a, const CommVi
   rb::globals g{};
   ra::globals& f = g.f;
   pk::tp::comm& c = f.c;
-  tp::View(kOpRingAttnBwd, ra::SLOT_BASE, v, a.rank, &c);  // the forward's range and epoch
+  // The forward's range and epoch.
+  tp::View(kOpRingAttnBwd, op_table::kRingSlots.base, v, a.rank, &c);
   const int type = a.dtype == DType::kBF16 ? 0 : 1;
   f.d = pk::attention::dims{int(a.b), int(a.s), int(a.h), int(a.hkv), a.scale, a.causal ? 1 : 0};
   f.zigzag = a.causal && a.zigzag ? 1 : 0;

@@ -17,14 +17,20 @@
 
 namespace pk_ffi::tp {
 
-// Op ids of the error record (pk_jax/runtime/errors.py) and each op's slot range index.
-constexpr int kOpGemmRs = 5, kOpAgGemm = 6, kOpGemmAr = 7;
-constexpr int kIndexGemmRs = 0, kIndexAgGemm = 1, kIndexGemmAr = 2;
-// Tile configurations the fused kernels instantiate (cuda/kernels/matmul.cuh, enum config_id).
-constexpr int kTile128x128 = 1, kTile128x256 = 2;
+// The fused GEMMs' slot ranges and limits are the op table's (op_table.h): op i of pk/tp.cuh
+// (0 gemm_rs, 1 ag_gemm, 2 gemm_ar) owns SLOT_BASE + i * OP_SLOTS.
+static_assert(pk::tp::SLOT_BASE == op_table::kGemmRsSlots.base &&
+                  pk::tp::OP_SLOTS == op_table::kTpOpSlots &&
+                  pk::tp::SLOT_BASE + pk::tp::OP_SLOTS == op_table::kAgGemmSlots.base &&
+                  pk::tp::SLOT_BASE + 2 * pk::tp::OP_SLOTS == op_table::kGemmArSlots.base &&
+                  pk::tp::SLOTS_NEEDED == op_table::kGemmArSlots.end(),
+              "pk/tp.cuh's slot ranges must be op_table.h's");
+static_assert(pk::tp::MAX_PEERS == op_table::kMaxPeers &&
+                  pk::tp::MAX_BLOCKS == op_table::kAgGemmMaxCommSms,
+              "pk/tp.cuh's limits must be op_table.h's");
 
-// Returns launch(C{}) for the kernel configuration C of `dtype` and tile (`big`: kTile128x256,
-// run as 128x256 with 3 stages; else 128x128): the one place mapping them.
+// Returns launch(C{}) for the kernel configuration C of `dtype` and tile (`big`:
+// op_table::kTile128x256S3, 128x256 with 3 stages; else 128x128): the one place mapping them.
 template <class F>
 cudaError_t WithConfig(DType dtype, bool big, F&& launch) {
   using pk::matmul::config_128x128, pk::matmul::config_128x256_s3;
@@ -47,7 +53,7 @@ inline Status GemmOperands(const char* op, const GemmArgs& a) {
   if (a.m > INT32_MAX || a.n > INT32_MAX || a.k > INT32_MAX) {
     return Status::Invalid(std::string("pk.") + op + ": dimensions must be below 2^31.");
   }
-  if (a.config != kTile128x128 && a.config != kTile128x256) {
+  if (a.config != op_table::kTile128x128 && a.config != op_table::kTile128x256S3) {
     return Status::Invalid(std::string("pk.") + op + ": unknown tile config " +
                            std::to_string(a.config));
   }
@@ -73,20 +79,20 @@ inline void View(int op_id, uint64_t slot_base, const CommView& v, const int32_t
   c->link = pk::link_throttle{v.link_clock, v.link_ps_per_kib};  // off unless emulated
 }
 
-// The kernels' view of communicator `v`, pads offset to op `index`'s range.
-inline Status Comm(const char* op, int op_id, int index, const CommView& v,
-                   const int32_t* rank_ptr, pk::tp::comm* c) {
+// The kernels' view of communicator `v`, pads offset to op `op_id`'s range (op_table.h).
+inline Status Comm(const char* op, int op_id, const CommView& v, const int32_t* rank_ptr,
+                   pk::tp::comm* c) {
   if (Status s = CheckRecord(op, v); !s.ok()) return s;
-  if (v.signal_count < pk::tp::SLOTS_NEEDED) {
+  if (v.signal_count < op_table::kGemmArSlots.end()) {
     return Status::Invalid(std::string("pk.") + op + ": the signal pad has " +
                            std::to_string(v.signal_count) + " slots, the fused GEMM ops need " +
-                           std::to_string(pk::tp::SLOTS_NEEDED));
+                           std::to_string(op_table::kGemmArSlots.end()));
   }
   if (v.world > pk::tp::MAX_PEERS) {
     return Status::Invalid(std::string("pk.") + op + ": at most " +
                            std::to_string(pk::tp::MAX_PEERS) + " ranks.");
   }
-  View(op_id, pk::tp::SLOT_BASE + uint64_t(index) * pk::tp::OP_SLOTS, v, rank_ptr, c);
+  View(op_id, op_table::Find(op_id)->slots.base, v, rank_ptr, c);
   return Status::Ok();
 }
 

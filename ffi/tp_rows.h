@@ -15,10 +15,10 @@ namespace pk_ffi::tp {
 // P = 1: whether to run them was decided in Python (pk_jax._backend.route), which calls
 // pk.matmul instead where the fused protocol does not pay.
 template <bool GATHER>
-Status RowSplitGemm(const char* op, int op_id, int index, const Where& at, const GemmArgs& a,
+Status RowSplitGemm(const char* op, int op_id, const Where& at, const GemmArgs& a,
                     const CommView& v) {
   pk::tp::comm c;
-  if (Status s = Comm(op, op_id, index, v, a.rank, &c); !s.ok()) return s;
+  if (Status s = Comm(op, op_id, v, a.rank, &c); !s.ok()) return s;
   const int world = c.world;
   if (Status s = GemmOperands(op, a); !s.ok()) return s;
   const int64_t m = a.m, k = a.k, n = a.n;
@@ -35,7 +35,7 @@ Status RowSplitGemm(const char* op, int op_id, int index, const Where& at, const
   if (k == 0) {  // every partial product is zero: so is the sum
     return CudaStatus(cudaMemsetAsync(a.y, 0, y_bytes, at.stream), "cudaMemsetAsync");
   }
-  const bool big = a.config == kTile128x256;
+  const bool big = a.config == op_table::kTile128x256S3;
   const uint32_t bm = 128;
   const int dt = a.dtype == DType::kBF16 ? 0 : 1;
   pk::matmul::globals base;

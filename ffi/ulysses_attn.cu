@@ -12,8 +12,10 @@
 namespace pk_ffi {
 namespace {
 
-// Op id of the error record (pk_jax/runtime/errors.py OP_NAMES).
-constexpr int kOpUlyssesAttn = 15;
+// The kernel's slot range and limits are the op table's (op_table.h).
+static_assert(op_table::kUlyssesSlots.Is(pk::ulysses_attn::SLOT_BASE, pk::ulysses_attn::OP_SLOTS) &&
+              pk::ulysses_attn::MAX_PEERS == op_table::kMaxPeers &&
+              pk::ulysses_attn::MAX_COMM == op_table::kAttnMaxCommSms);
 
 Status Invalid(const std::string& what) {
   return Status::Invalid("pk.ulysses_attention: " + what);
@@ -33,9 +35,10 @@ Status CheckUlysses(const std::string& op, DType dtype, int64_t d, int64_t h, in
   namespace ua = pk::ulysses_attn;
   auto invalid = [&](const std::string& what) { return Status::Invalid("pk." + op + ": " + what); };
   if (Status s = CheckRecord(op.c_str(), v); !s.ok()) return s;
-  if (v.signal_count < ua::SLOTS_NEEDED) {
+  if (v.signal_count < op_table::kUlyssesSlots.end()) {
     return invalid("the signal pad has " + std::to_string(v.signal_count) +
-                   " slots, the kernel needs " + std::to_string(ua::SLOTS_NEEDED));
+                   " slots, the kernel needs " +
+                   std::to_string(op_table::kUlyssesSlots.end()));
   }
   const int P = v.world;
   if (P > ua::MAX_PEERS) return invalid("at most " + std::to_string(ua::MAX_PEERS) + " ranks");
@@ -81,7 +84,7 @@ Status LaunchUlyssesAttn(const Where& at, const UlyssesAttnArgs& a, const CommVi
 
   ua::globals g{};
   pk::tp::comm& c = g.c;
-  tp::View(kOpUlyssesAttn, ua::SLOT_BASE, v, a.rank, &c);
+  tp::View(kOpUlyssesAttn, op_table::kUlyssesSlots.base, v, a.rank, &c);
   const int type = a.dtype == DType::kBF16 ? 0 : 1;
   const int64_t gh = a.h / P, gk = a.hkv / P;
   g.d = pk::attention::dims{int(a.b), int(a.s), int(gh), int(gk), a.scale, a.causal ? 1 : 0};

@@ -12,9 +12,6 @@
 namespace pk_ffi {
 namespace {
 
-// Op id of the error record (pk_jax/runtime/errors.py OP_NAMES).
-constexpr int kOpUlyssesAttnBwd = 18;
-
 Status Invalid(const std::string& what) {
   return Status::Invalid("pk.ulysses_attention (backward): " + what);
 }
@@ -49,7 +46,7 @@ Status LaunchUlyssesAttnBwd(const Where& at, const UlyssesAttnBwdArgs& a, const 
   if (a.b == 0 || a.s == 0 || a.h == 0) return Status::Ok();
 
   ub::globals g{};
-  tp::View(kOpUlyssesAttnBwd, ua::SLOT_BASE, v, a.rank, &g.c);
+  tp::View(kOpUlyssesAttnBwd, op_table::kUlyssesSlots.base, v, a.rank, &g.c);
   const int type = a.dtype == DType::kBF16 ? 0 : 1;
   const int64_t gh = a.h / P, gk = a.hkv / P;
   char* const mine = static_cast<char*>(v.workspace[v.rank]);

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import pk_jax as pk
-from pk_jax import _ffi
+from pk_jax import _ffi, _op_table
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PUBLIC_OPS = {  # the API table of README.md
@@ -45,10 +45,9 @@ def test_every_op_has_a_docstring_with_raises(name, stem):
     assert "Args:" in doc and "Returns:" in doc and "Raises:" in doc, name
 
 
-# Targets whose files carry the name of their op family (pk_jax/ops/moe.py, ffi/moe.cu, ...).
-FILE_STEM = {"moe_dispatch": "moe", "moe_scatter": "moe", "moe_combine": "moe",
-             "moe_dispatch_gemm": "moe", "moe_gemm_combine": "moe",
-             "ring_attn_bwd": "ring_attn", "ulysses_attn_bwd": "ulysses_attn"}
+# Each target's files carry the name of its op family (the op table: pk_jax/ops/moe.py,
+# ffi/moe.cu for moe_scatter, ...).
+FILE_STEM = {name: op["family"] for name, op in _op_table.OPS.items()}
 
 
 @pytest.mark.needs_ext

@@ -36,6 +36,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "op_table.h"
 #include "pk/lcsc.cuh"
 #include "pk/smem.cuh"
 
@@ -181,12 +182,13 @@ struct kernel_def {
   }
 };
 
-/** @brief Tile configurations, indexed by the `config` attribute of pk_matmul. */
+/** @brief Tile configurations, indexed by the `config` attribute of pk_matmul and of the fused
+ *  TP GEMMs: the op table's ids (ffi/op_table.h Tile). */
 enum config_id : int {
-  TILE_128x256 = 0,     // large outputs: most reuse per byte loaded
-  TILE_128x128 = 1,     // small outputs: twice the tiles to spread over the SMs
-  TILE_128x256_S3 = 2,  // 3 stages, whole-tile store staging (no wait inside the epilogue)
-  NUM_CONFIGS = 3,
+  TILE_128x256 = pk_ffi::op_table::kTile128x256,       // large outputs: most reuse per byte
+  TILE_128x128 = pk_ffi::op_table::kTile128x128,       // small outputs: twice the tiles
+  TILE_128x256_S3 = pk_ffi::op_table::kTile128x256S3,  // 3 stages, whole-tile store staging
+  NUM_CONFIGS = pk_ffi::op_table::kNumTiles,
 };
 
 template <typename T>

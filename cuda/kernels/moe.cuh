@@ -85,6 +85,7 @@
 
 #include "pk/comm_ops.cuh"
 #include "pk/sync.cuh"
+#include "op_table.h"
 
 #include <type_traits>
 
@@ -98,7 +99,7 @@ constexpr int MAX_EXPERTS = 1024;    // E (route kernel's shared memory)
 constexpr int MAX_K = 32;            // slots per token (one lane each)
 
 // Signal pad: SLOT_BASE + these offsets (the host passes pads already offset).
-constexpr uint64_t SLOT_BASE = 57344;  // pk::tp::SLOTS_NEEDED
+constexpr uint64_t SLOT_BASE = pk_ffi::op_table::kMoeSlots.base;  // after the fused GEMMs
 constexpr uint64_t OP_SLOTS = 8192;
 constexpr uint64_t SLOTS_NEEDED = SLOT_BASE + OP_SLOTS;
 constexpr uint64_t EPOCH_D = 0;      // local: dispatch calls (and scatters) so far

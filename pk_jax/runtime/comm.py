@@ -35,10 +35,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pk_jax import _op_table
 from pk_jax.runtime import errors, exchange, vmm
 
 DEFAULT_WORKSPACE_BYTES = 64 << 20
-DEFAULT_SIGNAL_COUNT = 1 << 16
+DEFAULT_SIGNAL_COUNT = _op_table.SIGNAL_COUNT  # every op's slot range fits (ffi/op_table.h)
 SIGNAL_ALIGN = 4096
 MEMORY_MARGIN_BYTES = 64 << 20  # left free beside the workspaces for the driver and kernels
 DEFAULT_INIT_TIMEOUT_S = 300.0

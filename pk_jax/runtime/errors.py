@@ -5,7 +5,7 @@ One record per process: int32[8] in pinned host memory mapped into every device
 reads it without a copy. Fields (ffi/comm.h, namespace comm_error):
 
     0 code   0 ok, 1 timeout, 2 rank mismatch (the first error wins)
-    1 op     an id of OP_NAMES
+    1 op     an op id (OP_NAMES: the op table, ffi/op_table.h)
     2 rank   the rank that stopped waiting
     3 peer   the peer it waited for (that never arrived)
     4..7     op-specific detail (e.g. the signal slot and the value waited for)
@@ -22,10 +22,8 @@ import ctypes
 import sys
 import threading
 
-OP_NAMES = {1: "all_reduce", 2: "all_gather", 3: "reduce_scatter", 4: "all_to_all",
-            5: "gemm_rs", 6: "ag_gemm", 7: "gemm_ar", 12: "moe_dispatch", 13: "moe_combine",
-            14: "ring_attn", 15: "ulysses_attn", 16: "ring_attn_bwd", 17: "moe_gemm_combine",
-            18: "ulysses_attn_bwd"}
+from pk_jax._op_table import OP_NAMES
+
 CODES = {0: "ok", 1: "timeout", 2: "rank mismatch", 3: "mbarrier timeout"}
 POLL_S = 0.05
 RECORD_WORDS = 8

@@ -55,6 +55,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pk_jax import _op_table
 from pk_jax.runtime import comm, errors, vmm
 
 # Communicator ids of emulated worlds: far above the ids pk.init uses (mesh axis indices).
@@ -82,7 +83,7 @@ def real_node_link_gbps(tflops_per_rank: float,
 
 _world_ids = itertools.count()
 
-DTYPES = {"bfloat16": 0, "float16": 1, "float32": 2, "int32": 3}
+DTYPES = _op_table.DTYPES  # the launchers' dtype codes (ffi/op_table.h), by numpy name
 
 
 class EmulatorError(RuntimeError):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pk_jax import _op_table
 from pk_jax._backend import COLLECTIVES
 from pk_jax._backend import TP_GEMMS as GEMMS
 from pk_jax.testing.emulator import DTYPES, DeviceBuffer, World, np_dtype
@@ -27,7 +28,8 @@ ATTENTION = ("ring_attn", "ring_attn_bwd", "ulysses_attn")
 # Dispatch fused with the first expert GEMM, and the second expert GEMM fused with the combine
 # (work in progress: kept out of MOE's suites).
 FUSED_MOE = ("moe_dispatch_gemm", "moe_gemm_combine")
-TILE_128x128, TILE_128x256 = 1, 2
+# The tile configs the fused GEMMs take (ffi/op_table.h Tile).
+TILE_128x128, TILE_128x256_S3 = _op_table.TILES["128x128"], _op_table.TILES["128x256_s3"]
 
 
 @dataclass
@@ -104,7 +106,7 @@ def all_to_all(xs: list[np.ndarray], dtype: str, split_axis: int, concat_axis: i
 
 def _gemm_params(m: int, n: int, config: int | None) -> dict:
     if config is None:
-        config = TILE_128x256 if m * n >= 4096 * 4096 else TILE_128x128
+        config = TILE_128x256_S3 if m * n >= 4096 * 4096 else TILE_128x128
     return {"config": config, "group_m": 8}
 
 
