@@ -1,9 +1,11 @@
-// The communicator table (see comm.h). NOTES: views live in unique_ptrs so the pointer
+// The communicator table (see comm.h). NOTES: views live in shared entries so the pointer
 // FindComm returns stays valid while other keys are added or removed; a handler copies the
-// view into its kernel's arguments at launch, so no lock is held across a launch.
+// view into its kernel's arguments at launch, so no lock is held across a launch, only a hold
+// (a counter in the entry) that UnregisterComm waits out.
 #include "comm.h"
 
 #include <atomic>
+#include <condition_variable>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -12,6 +14,13 @@
 #include <utility>
 
 namespace pk_ffi {
+
+struct CommEntry {
+  CommView view;
+  std::atomic<int64_t> holds{0};     // handlers between HoldComm and ReleaseComm
+  std::atomic<bool> retired{false};  // set once by UnregisterComm, before it waits
+};
+
 namespace {
 
 using Key = std::pair<int64_t, int>;
@@ -21,9 +30,19 @@ std::mutex& TableMutex() {
   return mu;
 }
 
-std::map<Key, std::unique_ptr<CommView>>& Table() {
-  static auto* table = new std::map<Key, std::unique_ptr<CommView>>();  // never destroyed
+std::map<Key, std::shared_ptr<CommEntry>>& Table() {
+  static auto* table = new std::map<Key, std::shared_ptr<CommEntry>>();  // never destroyed
   return *table;
+}
+
+// Where UnregisterComm waits for the last hold on a retired entry to go.
+std::mutex& HoldMutex() {
+  static auto* mu = new std::mutex();  // never destroyed: handlers may outlive static teardown
+  return *mu;
+}
+std::condition_variable& HoldReleased() {
+  static auto* cv = new std::condition_variable();
+  return *cv;
 }
 
 std::atomic<uint64_t> g_version{0};  // CommTableVersion
@@ -39,7 +58,7 @@ std::string KeyName(int64_t comm_id, int device_ordinal) {
 const CommView* FindComm(int64_t comm_id, int device_ordinal) {
   std::lock_guard<std::mutex> lock(TableMutex());
   auto it = Table().find({comm_id, device_ordinal});
-  return it == Table().end() ? nullptr : it->second.get();
+  return it == Table().end() ? nullptr : &it->second->view;
 }
 
 void RegisterComm(int64_t comm_id, int device_ordinal, int rank, int world,
@@ -73,7 +92,8 @@ void RegisterComm(int64_t comm_id, int device_ordinal, int rank, int world,
   if (error_ptr == 0) {
     throw std::invalid_argument("pk_jax comm_register: " + name + " has no error record");
   }
-  auto view = std::make_unique<CommView>();
+  auto entry = std::make_shared<CommEntry>();
+  CommView* view = &entry->view;
   view->rank = rank;
   view->world = world;
   view->timeout_ns = timeout_ns;
@@ -92,7 +112,7 @@ void RegisterComm(int64_t comm_id, int device_ordinal, int rank, int world,
                                 " is already registered; unregister it first");
   }
   view->serial = ++g_serial;
-  it->second = std::move(view);
+  it->second = std::move(entry);
 }
 
 void SetCommLink(int64_t comm_id, int device_ordinal, double gbps, uint64_t clock_ptr) {
@@ -110,32 +130,57 @@ void SetCommLink(int64_t comm_id, int device_ordinal, double gbps, uint64_t cloc
   }
   // ps per KiB: 1024 bytes at gbps * 1e9 bytes/s (pk/link.cuh).
   const uint64_t ps = gbps > 0 ? static_cast<uint64_t>(1024.0 * 1000.0 / gbps + 0.5) : 0;
-  it->second->link_clock = ps > 0 ? reinterpret_cast<uint64_t*>(clock_ptr) : nullptr;
-  it->second->link_ps_per_kib = ps;
+  it->second->view.link_clock = ps > 0 ? reinterpret_cast<uint64_t*>(clock_ptr) : nullptr;
+  it->second->view.link_ps_per_kib = ps;
 }
 
 bool UnregisterComm(int64_t comm_id, int device_ordinal) {
-  std::lock_guard<std::mutex> lock(TableMutex());
-  if (Table().erase({comm_id, device_ordinal}) == 0) return false;
-  g_version.fetch_add(1, std::memory_order_release);
+  std::shared_ptr<CommEntry> entry;
+  {
+    std::lock_guard<std::mutex> lock(TableMutex());
+    auto it = Table().find({comm_id, device_ordinal});
+    if (it == Table().end()) return false;
+    entry = std::move(it->second);
+    Table().erase(it);
+    entry->retired.store(true);  // seq_cst: pairs with HoldComm's increment, then check
+    g_version.fetch_add(1, std::memory_order_release);
+  }
+  // NOTES: from here no HoldComm of this entry succeeds; wait out the holds taken before, so
+  // that their kernels are enqueued before the caller synchronises the device and unmaps.
+  std::unique_lock<std::mutex> lock(HoldMutex());
+  HoldReleased().wait(lock, [&] { return entry->holds.load() == 0; });
   return true;
 }
 
 uint64_t CommTableVersion() { return g_version.load(std::memory_order_acquire); }
 
-uint64_t CommSerial(int64_t comm_id, int device_ordinal) {
+std::vector<CommMember> CommMembers(int64_t comm_id) {
   std::lock_guard<std::mutex> lock(TableMutex());
-  auto it = Table().find({comm_id, device_ordinal});
-  return it == Table().end() ? 0 : it->second->serial;
-}
-
-std::vector<std::pair<int, CommView>> CommMembers(int64_t comm_id) {
-  std::lock_guard<std::mutex> lock(TableMutex());
-  std::vector<std::pair<int, CommView>> out;
-  for (const auto& [key, view] : Table()) {
-    if (key.first == comm_id) out.emplace_back(key.second, *view);
+  std::vector<CommMember> out;
+  for (const auto& [key, entry] : Table()) {
+    if (key.first == comm_id) out.push_back(CommMember{key.second, entry->view, entry});
   }
   return out;
+}
+
+bool HoldComm(CommEntry* entry) {
+  if (entry->retired.load(std::memory_order_acquire)) return false;
+  // NOTES: increment, then check (seq_cst), against UnregisterComm's retire, then read of the
+  // count: either this sees the entry retired, or UnregisterComm sees the hold and waits.
+  entry->holds.fetch_add(1);
+  if (entry->retired.load()) {
+    ReleaseComm(entry);
+    return false;
+  }
+  return true;
+}
+
+void ReleaseComm(CommEntry* entry) {
+  if (entry->holds.fetch_sub(1) == 1 && entry->retired.load()) {
+    // Under the mutex, so that the waiter is either before its check or already waiting.
+    std::lock_guard<std::mutex> lock(HoldMutex());
+    HoldReleased().notify_all();
+  }
 }
 
 int CommCount() {

@@ -2,11 +2,15 @@
 // signal pads of every peer as mapped in this process. pk_jax/runtime/comm.py fills it at
 // pk.init (comm_register) and empties it at pk.shutdown (comm_unregister). FFI handlers do not
 // read it on every call: their instantiate stage copies the views of their comm_id into a
-// per-executable state (comm_state.h), and each call only checks that the registration it
-// copied is still the live one (CommTableVersion, CommSerial).
+// per-executable state (comm_state.h), with a reference to each registration (CommEntry), and
+// each call holds its registration from the check that it is still registered through its
+// kernel's launch (HoldComm, ReleaseComm). UnregisterComm waits until no call holds the
+// registration, so once it returns every kernel that can use the registration's memory has
+// been enqueued, and a device synchronisation covers them all before that memory is unmapped.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -53,7 +57,9 @@ void RegisterComm(int64_t comm_id, int device_ordinal, int rank, int world,
                   const std::vector<uint64_t>& workspace_ptrs,
                   const std::vector<uint64_t>& signal_ptrs, uint64_t workspace_bytes,
                   uint64_t signal_count, uint64_t timeout_ns, uint64_t error_ptr);
-// Returns whether a communicator was registered under the key.
+// Returns whether a communicator was registered under the key. Blocks until no handler holds
+// that registration (HoldComm): a handler that checked it before this call has enqueued its
+// kernel by the time this returns.
 bool UnregisterComm(int64_t comm_id, int device_ordinal);
 // Rank emulator only: caps the registered communicator's link at `gbps` (1e9 bytes/s) using
 // the uint64 link clock at device address `clock_ptr`; gbps <= 0 turns the throttle off.
@@ -65,9 +71,24 @@ int CommCount();
 // Moves whenever a communicator is unregistered (pk.shutdown, or a pk.init that failed
 // halfway): while it has not moved, every view copied from the table is still registered.
 uint64_t CommTableVersion();
-// The serial of the view registered under the key, 0 when none is.
-uint64_t CommSerial(int64_t comm_id, int device_ordinal);
-// Copies of every view registered under comm_id, with their device ordinals.
-std::vector<std::pair<int, CommView>> CommMembers(int64_t comm_id);
+
+// One registration (comm.cu). The table and every executable state that copied its view share
+// it; it outlives its unregistration while a state refers to it, but only as a retired entry
+// that no handler can hold again.
+struct CommEntry;
+
+struct CommMember {
+  int device;
+  CommView view;                     // a copy, as registered
+  std::shared_ptr<CommEntry> entry;  // what HoldComm takes
+};
+// Every registration under comm_id, by device ordinal.
+std::vector<CommMember> CommMembers(int64_t comm_id);
+
+// Takes a hold on a registration: false (and no hold) once it is unregistered. While held,
+// UnregisterComm of it waits; a handler holds it from its check through its kernel's launch.
+bool HoldComm(CommEntry* entry);
+// Gives back a hold that HoldComm took.
+void ReleaseComm(CommEntry* entry);
 
 }  // namespace pk_ffi

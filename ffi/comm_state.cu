@@ -4,8 +4,32 @@
 
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace pk_ffi {
+namespace {
+
+// This thread's open CommCall scopes, and the registrations BindComm holds for them.
+thread_local int t_calls = 0;
+thread_local std::vector<CommEntry*> t_holds;
+
+}  // namespace
+
+CommCall::CommCall(CommState* state) : state_(state), mark_(t_holds.size()), open_(true) {
+  ++t_calls;
+}
+
+CommCall::CommCall(CommCall&& other) noexcept
+    : state_(other.state_), mark_(other.mark_), open_(other.open_) {
+  other.open_ = false;
+}
+
+CommCall::~CommCall() {
+  if (!open_) return;
+  for (size_t i = mark_; i < t_holds.size(); ++i) ReleaseComm(t_holds[i]);
+  t_holds.resize(mark_);
+  --t_calls;
+}
 
 ffi::TypeId CommState::id = {};
 ffi::TypeInfo CommState::info = ffi::MakeTypeInfo<CommState>();
@@ -18,19 +42,16 @@ ffi::ErrorOr<std::unique_ptr<CommState>> CommState::Create(ffi::Dictionary attrs
   }
   auto state = std::make_unique<CommState>();
   state->comm_id = *comm_id;
-  // NOTES: the version is read before the copies, so an unregister that races with them moves
-  // it past the recorded value and the first call checks the serials again.
-  const uint64_t version = CommTableVersion();
-  for (const auto& [device, view] : CommMembers(state->comm_id)) {
-    Member& m = state->members[device];
-    m.view = view;
-    if (cudaDeviceGetAttribute(&m.num_sms, cudaDevAttrMultiProcessorCount, device) !=
+  for (CommMember& c : CommMembers(state->comm_id)) {
+    Member& m = state->members[c.device];
+    m.view = c.view;
+    m.entry = std::move(c.entry);
+    if (cudaDeviceGetAttribute(&m.num_sms, cudaDevAttrMultiProcessorCount, c.device) !=
         cudaSuccess) {
       return ffi::Unexpected(ffi::Error::Internal(
           "pk_jax: cudaDeviceGetAttribute(MultiProcessorCount) failed for device " +
-          std::to_string(device)));
+          std::to_string(c.device)));
     }
-    m.checked.store(version + 1, std::memory_order_relaxed);
   }
   if (state->members.empty()) {
     return ffi::Unexpected(ffi::Error::InvalidArgument(
@@ -51,18 +72,22 @@ ffi::Error BindComm(const char* op, CommState* state, int32_t device, const Comm
         "; call pk.init(mesh) with a mesh holding this device before compiling it.");
   }
   CommState::Member& m = it->second;
-  const uint64_t version = CommTableVersion() + 1;
-  if (m.checked.load(std::memory_order_acquire) != version) {
-    // Something was unregistered since the last check: is this member's registration live?
-    if (CommSerial(state->comm_id, device) != m.view.serial) {
-      return ffi::Error(
-          ffi::ErrorCode::kFailedPrecondition,
-          std::string("pk.") + op + ": this executable was compiled for communicator " +
-          std::to_string(state->comm_id) + " on device " + std::to_string(device) +
-          ", which pk.shutdown() released; its workspaces are gone. Compile the function "
-          "again (call the jitted function anew, or lower and compile again) after pk.init.");
-    }
-    m.checked.store(version, std::memory_order_release);
+  if (t_calls == 0) {
+    return ffi::Error::Internal(std::string("pk.") + op +
+                                ": BindComm outside a handler call; bind the handler's state "
+                                "with Ctx<PK_FFI_COMM_STATE> (comm_state.h)");
+  }
+  // Held until the handler returns (~CommCall), so pk.shutdown cannot unmap the workspaces
+  // between this check and the kernel's launch.
+  t_holds.push_back(m.entry.get());
+  if (!HoldComm(m.entry.get())) {
+    t_holds.pop_back();
+    return ffi::Error(
+        ffi::ErrorCode::kFailedPrecondition,
+        std::string("pk.") + op + ": this executable was compiled for communicator " +
+        std::to_string(state->comm_id) + " on device " + std::to_string(device) +
+        ", which pk.shutdown() released; its workspaces are gone. Compile the function "
+        "again (call the jitted function anew, or lower and compile again) after pk.init.");
   }
   *view = &m.view;
   if (num_sms != nullptr) *num_sms = m.num_sms;

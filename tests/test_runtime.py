@@ -12,6 +12,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -427,7 +428,7 @@ def test_comm_table_register_find_unregister():
 @pytest.mark.needs_ext
 def test_comm_table_serials_and_version():
     """Each registration gets a new serial, also under a key used before; the version moves at
-    every unregister and only then (what an executable's state checks on each call)."""
+    every unregister and only then."""
     m = _ffi._pk_ffi
     args = ([0x1000], [0x3000], 4096, 64, 10**9, 0x5000)
     v0 = m.comm_table_version()
@@ -445,6 +446,56 @@ def test_comm_table_serials_and_version():
         m.comm_unregister(9004, 0)
         m.comm_unregister(9004, 1)
     assert m.comm_table_version() == v0 + 3
+
+
+@pytest.mark.needs_ext
+def test_comm_table_from_threads():
+    """Threads registering, reading and unregistering the same keys at once (pk.init, pk.shutdown
+    and readers of the table; issue 39 section 2): each registration is unregistered exactly
+    once, each thread sees a key's serial only grow, the version moves once per unregistration,
+    and unregistering a communicator that no handler holds returns at once (nothing on this CPU
+    holds one)."""
+    m = _ffi._pk_ffi
+    args = ([0x1000], [0x3000], 4096, 64, 10**9, 0x5000)
+    keys = [(9200, d) for d in range(3)]
+    v0, base = m.comm_table_version(), m.comm_count()
+    registered, unregistered, failures = [0], [0], []
+    lock = threading.Lock()
+
+    def worker(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        last = dict.fromkeys(keys, 0)  # the serial this thread saw last under each key
+        try:
+            for _ in range(400):
+                cid, dev = keys[rng.integers(len(keys))]
+                if rng.integers(2):
+                    try:
+                        m.comm_register(cid, dev, 0, 1, *args)
+                    except ValueError as e:
+                        assert "already registered" in str(e)
+                    else:
+                        with lock:
+                            registered[0] += 1
+                elif m.comm_unregister(cid, dev):
+                    with lock:
+                        unregistered[0] += 1
+                info = m.comm_info(cid, dev)
+                if info is not None:
+                    assert info["serial"] >= last[cid, dev], (info["serial"], last[cid, dev])
+                    last[cid, dev] = info["serial"]
+        except BaseException as e:  # noqa: BLE001 -- reported by the main thread
+            failures.append(e)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a table call blocked"
+    assert not failures, failures
+    left = sum(m.comm_unregister(cid, dev) for cid, dev in keys)
+    assert registered[0] == unregistered[0] + left > 0
+    assert m.comm_table_version() == v0 + registered[0] and m.comm_count() == base
 
 
 @pytest.mark.needs_ext

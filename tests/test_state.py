@@ -4,6 +4,7 @@ the settings fixed at pk.init and the cost-model override in jit's cache key, an
 kernels record surfacing without the user asking (watcher, next pk call, pk.check_errors)."""
 
 import ctypes
+import itertools
 import time
 
 import jax
@@ -13,7 +14,7 @@ import pytest
 from util import P, assert_same, cpu_mesh, small_ints, stand_in_kernels
 
 import pk_jax as pk
-from pk_jax import cost_model
+from pk_jax import _ffi, cost_model
 from pk_jax.runtime import errors, state
 
 EXPLICIT = jax.sharding.AxisType.Explicit
@@ -485,6 +486,45 @@ def test_a_failing_second_init_leaves_the_first_mesh_as_it_was(fake):
     fake.fail_at = None
     pk.init(cpu_mesh((2, 4), ("dp", "tp")))  # and it may be tried again
     assert len(fake.live) == 24
+
+
+def test_shutdown_finishes_dispatched_work_then_unregisters_then_synchronises(fake, monkeypatch):
+    """pk.shutdown's order (issue 39 section 2): computations already dispatched finish (one
+    that failed or was deleted does not stop it), then every communicator is unregistered (which
+    waits out the FFI handlers holding it, ffi/comm.h), then every device is synchronised (the
+    kernels those handlers launched), and only then is memory unmapped and released."""
+    pk.init(cpu_mesh((8,), ("tp",)))
+    rt = state.runtime()
+    counts = {"synchronize": len(rt.contexts), "unmap": len(rt.mappings),
+              "release": len(rt.allocations), "unregister": 8, "ready": 2}
+    log = []
+
+    class Pending:
+        def __init__(self, error):
+            self.error = error
+
+        def block_until_ready(self):
+            log.append("ready")
+            if self.error:
+                raise RuntimeError("Array has been deleted")
+            return self
+
+    monkeypatch.setattr(jax, "live_arrays", lambda: [Pending(True), Pending(False)])
+    table = _ffi._pk_ffi
+    unregister = table.comm_unregister
+    monkeypatch.setattr(table, "comm_unregister",
+                        lambda c, o: log.append("unregister") or unregister(c, o))
+    for ctx in rt.contexts.values():
+        monkeypatch.setattr(ctx, "synchronize", lambda: log.append("synchronize"))
+    for m in rt.mappings:
+        monkeypatch.setattr(m, "unmap", lambda: log.append("unmap"))
+    for a in rt.allocations:
+        monkeypatch.setattr(a, "release", lambda r=a.release: log.append("release") or r())
+    pk.shutdown()
+    assert [k for k, _ in itertools.groupby(log)] == [
+        "ready", "unregister", "synchronize", "unmap", "release"]
+    assert {k: log.count(k) for k in counts} == counts and counts["synchronize"] == 8
+    assert fake.table == {} and fake.live == set() and state.runtime() is None
 
 
 # --------------------------------------------------------------------- on the H200 (P = 1)

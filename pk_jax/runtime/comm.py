@@ -468,6 +468,11 @@ class Runtime:
                 if first is None:
                     first = e
 
+        # NOTES: the order makes a kernel on released memory impossible. comm_unregister
+        # returns once no FFI handler holds the communicator (ffi/comm.h): a handler that
+        # checked it before is past its kernel's launch, and one that checks it after fails
+        # with the "pk.shutdown() released" error. The synchronisation then waits for every
+        # kernel so launched; only then is the memory unmapped.
         if self.keys:
             from pk_jax import _ffi
 

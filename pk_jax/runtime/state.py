@@ -380,6 +380,24 @@ def signal_count() -> int:
     return _runtime.signal_count if _runtime is not None else comm.DEFAULT_SIGNAL_COUNT
 
 
+def _finish_dispatched(rt) -> None:
+    """Waits for the computations dispatched so far: those whose results are still referenced,
+    and, through a small computation on each of this process's communicator devices queued
+    behind them, those whose results were dropped (`f(x); pk.shutdown()`). Best effort: a
+    failed or deleted result is its owner's to see, and at exit JAX may be gone already."""
+    me = jax.process_index()
+    devices = {d for g in rt.groups for d in g.devices if d.process_index == me}
+    try:
+        pending = list(jax.live_arrays()) + [jax.numpy.zeros((), device=d) for d in devices]
+    except Exception:  # noqa: BLE001 -- nothing to wait for that JAX can still name
+        return
+    for array in pending:
+        try:
+            array.block_until_ready()
+        except Exception:  # noqa: BLE001, S110
+            pass
+
+
 def shutdown() -> None:
     """Releases every communicator of every mesh, forgets the meshes and the fixed settings,
     and clears JAX's caches. Safe to call more than once.
@@ -391,8 +409,16 @@ def shutdown() -> None:
     executable kept past the shutdown (a `.lower(...).compile()` object) bound its
     communicators when XLA instantiated it (ffi/comm_state.h): its calls fail with an error
     saying to compile it again, and never touch the released memory.
+
+    Computations already dispatched whose results are still referenced finish first, on the
+    communicators they were compiled for. Any other (its results dropped, or dispatched by
+    another thread meanwhile) either gets its communicator before the release, and then its
+    kernels finish before the memory is unmapped (`Runtime.close`), or fails with that error.
     """
     global _options, _runtime, _settings, _traced_with
+    rt = _runtime
+    if rt is not None:
+        _finish_dispatched(rt)  # before _lock: it lasts as long as the slowest computation
     with _lock:
         rt, _runtime = _runtime, None
         _meshes.clear()

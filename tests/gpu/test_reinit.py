@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -79,8 +81,8 @@ def test_compiled_executable_kept_across_shutdown_refuses_to_run():
         for i in range(2):  # replays of the executable: its state's fast path
             util.poison((512, 384), jnp.bfloat16)
             _check(compiled(x + i, w), x + i, w)
-        # Another registration coming and going moves the table's version: the state checks
-        # that its own registration is still live, and runs on.
+        # Another registration coming and going retires only that one: the state's own
+        # registration is still live, and it runs on.
         _ffi._pk_ffi.comm_register(9999, 0, 0, 1, [0x1000], [0x3000], 4096, 64, 10**9, 0x5000)
         assert _ffi._pk_ffi.comm_unregister(9999, 0)
         _check(compiled(x, w), x, w)
@@ -113,3 +115,66 @@ def test_jitted_function_survives_three_reinits_with_other_workspace_sizes():
         info = _ffi._pk_ffi.comm_info(state.comm_id("tp"), 0)
         assert info is not None and info["workspace_bytes"] >= ws
         pk.shutdown()
+
+
+def _call_until(stop, call, args, values, failures):
+    """Calls `call(*args)` in the fused mode (an override is per thread) until `stop` is set,
+    eight calls dispatched before any is read; keeps each result as float32 numpy in `values`,
+    each exception in `failures`."""
+    with cost_model.override(mode="fused"):
+        while not stop.is_set():
+            pending = []
+            for _ in range(8):
+                try:
+                    pending.append(call(*args))
+                except Exception as e:  # noqa: BLE001 -- the test checks each one
+                    failures.append(e)
+            for y in pending:
+                try:
+                    values.append(np.asarray(y, np.float32))
+                except Exception as e:  # noqa: BLE001
+                    failures.append(e)
+
+
+def test_shutdown_while_other_threads_run_pk_ops():
+    """pk.shutdown() on the main thread while two threads keep calling a pk op, one through a
+    jitted function and one through a compiled executable, dispatching eight calls before
+    reading any (issue 39, section 2): a handler may check its communicator on XLA's thread
+    after Python began the shutdown. Each call gives the exact value or an error naming
+    pk.shutdown() or pk.init, never a CUDA error, a crash or a wrong value; pk.init then works
+    again, cycle after cycle."""
+    x, w = _ints(5, (512, 256)), _ints(6, (256, 384))
+    want = np.asarray(x, np.float32) @ np.asarray(w, np.float32)  # small integers: exact
+    for _ in range(6):
+        mesh = util.gpu_mesh("gemm_rs", workspace_bytes=32 << 20)
+        with cost_model.override(mode="fused"):
+            f = jax.jit(jax.shard_map(lambda a, b: pk.gemm_reduce_scatter(a, b, "tp"),
+                                      mesh=mesh, in_specs=(P(), P()), out_specs=P("tp")))
+            compiled = f.lower(x, w).compile()
+            _check([f(x, w), compiled(x, w)], x, w)
+        stop = threading.Event()
+        values, failures = ([], []), ([], [])  # of f, of compiled
+        threads = [threading.Thread(target=_call_until,
+                                    args=(stop, c, (x, w), values[i], failures[i]))
+                   for i, c in enumerate((f, compiled))]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        pk.shutdown()
+        time.sleep(0.3)
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads)
+        for i in range(2):
+            assert values[i], "no call finished before the shutdown"
+            for y in values[i]:
+                np.testing.assert_array_equal(y, want)
+            for e in failures[i]:
+                assert "pk.shutdown()" in str(e) or "pk.init" in str(e), repr(e)
+        # Calls of the executable kept past the shutdown were refused with the clear error.
+        assert any("pk.shutdown() released" in str(e) for e in failures[1])
+    util.gpu_mesh("gemm_rs", workspace_bytes=32 << 20)
+    with cost_model.override(mode="fused"):
+        _check([f(x, w)], x, w)
+    pk.shutdown()
