@@ -147,8 +147,46 @@ def route(stem: str, axis_name: str | None = None, *, supported: bool = True,
     return Route("kernel")
 
 
-def backend_name(stem: str = "matmul", axis_name: str | None = None) -> str:
-    """"cuda" or "reference": what op `stem` would run now (for examples and logs)."""
+# The public ops (pk.<name>) and the stem of the kernel each runs where kernels run
+# (ulysses_attention: its default, the pk.attention kernels between two all_to_alls).
+OP_STEMS = {
+    "all_reduce": "all_reduce", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter",
+    "all_to_all": "all_to_all", "matmul": "matmul", "gemm_reduce_scatter": "gemm_rs",
+    "all_gather_gemm": "ag_gemm", "gemm_all_reduce": "gemm_ar", "attention": "attention",
+    "ring_attention": "ring_attn", "ulysses_attention": "attention",
+    "grouped_matmul": "grouped_matmul", "moe_dispatch": "moe_dispatch",
+    "moe_combine": "moe_combine", "moe_dispatch_gemm": "moe_dispatch_gemm",
+    "moe_gemm_combine": "moe_gemm_combine",
+}
+# The short stems (HOUSE_STYLE's names, used by the examples and benchmarks) stay accepted.
+_STEM_ALIASES = frozenset(OP_STEMS.values()) | {"ulysses_attn"}
+
+
+def backend_name(op: str = "matmul", axis_name: str | None = None) -> str:
+    """What op `op` would run now: "cuda" (its kernel) or "reference" (the jax.lax reference).
+
+    For examples and logs; the ops decide each call at trace time, and a call whose operands
+    the kernel does not take still runs the reference.
+
+    Args:
+        op: a public op name, e.g. "gemm_reduce_scatter", "attention" (or its stem, e.g.
+            "gemm_rs").
+        axis_name: the mesh axis of a cross-device op; None for a local op (matmul,
+            grouped_matmul, attention).
+
+    Returns:
+        "cuda" or "reference".
+
+    Raises:
+        TypeError: `op` not a str.
+        ValueError: an unknown op (the message lists the known ones).
+    """
+    if not isinstance(op, str):
+        raise TypeError(f"pk.backend_name: op must be an op name (str), got {op!r}.")
+    stem = OP_STEMS.get(op, op if op in _STEM_ALIASES else None)
+    if stem is None:
+        raise ValueError(f"pk.backend_name: unknown op {op!r}; the ops are "
+                         f"{', '.join(sorted(OP_STEMS))}.")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:

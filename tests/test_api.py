@@ -73,6 +73,33 @@ def test_import_without_mesh_and_backend_names():
     assert isinstance(pk.HAS_CUDA, bool)
 
 
+def test_backend_name_takes_the_public_op_names():
+    """Every public op name (and the short stems, e.g. "gemm_rs"), on CPU: "reference"; an
+    unknown name raises, listing the known ones."""
+    from pk_jax import _backend
+
+    assert set(_backend.OP_STEMS) == PUBLIC_OPS
+    pk.init(jax.make_mesh((2,), ("tp",), devices=jax.devices()[:2]))
+    for name in sorted(PUBLIC_OPS) + ["gemm_rs", "ag_gemm", "gemm_ar", "ring_attn"]:
+        assert pk.backend_name(name) == "reference", name
+        assert pk.backend_name(name, "tp") == "reference", name
+    for bad in ("gemm_reduce", "reference", "", "pk_matmul", "Attention"):
+        with pytest.raises(ValueError, match=f"unknown op {bad!r}; the ops are all_gather, "
+                                             "all_gather_gemm, .*gemm_reduce_scatter"):
+            pk.backend_name(bad)
+    with pytest.raises(TypeError, match="op must be an op name"):
+        pk.backend_name(None)
+
+
+@pytest.mark.needs_ext
+def test_backend_name_stems_are_ffi_targets():
+    from pk_jax import _backend
+
+    targets = _ffi.targets("CUDA")
+    for name, stem in _backend.OP_STEMS.items():
+        assert f"pk_{stem}" in targets, (name, stem)
+
+
 def test_backend_env_is_checked(monkeypatch):
     monkeypatch.setenv("PK_JAX_BACKEND", "fast")
     with pytest.raises(ValueError, match="PK_JAX_BACKEND"):

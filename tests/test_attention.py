@@ -64,6 +64,33 @@ def test_errors_name_the_fix():
         pk.attention(q, k.astype(jnp.bfloat16), v)
 
 
+@pytest.mark.parametrize("shape,hkv,msg", [
+    ((1, 0, 4, 16), 2, r"q.shape\[1\] \(seq\) is 0 in q shape \(1, 0, 4, 16\)"),
+    ((1, 8, 4, 0), 2, r"q.shape\[3\] \(head_dim\) is 0 .*head_dim of at least 1"),
+    ((1, 8, 0, 16), 1, r"q.shape\[2\] \(heads\) is 0"),
+    ((1, 8, 4, 16), 0, r"k.shape\[2\] \(kv_heads\) is 0"),
+])
+def test_empty_dimensions_name_the_argument(shape, hkv, msg):
+    """S = 0, head_dim = 0 or no heads: a ValueError naming the dimension (it was a numpy
+    reduction error, or a ZeroDivisionError), jitted or not; an empty batch is an empty result.
+    The same check guards pk.ring_attention and pk.ulysses_attention."""
+    b, s, _, d = shape
+    q, kv = jnp.zeros(shape, jnp.float32), jnp.zeros((b, s, hkv, d), jnp.float32)
+    for f in (pk.attention, jax.jit(pk.attention)):
+        with pytest.raises(ValueError, match=msg):
+            f(q, kv, kv)
+    mesh = jax.make_mesh((2,), ("sp",), devices=jax.devices()[:2])
+    pk.init(mesh)
+    for op in (pk.ring_attention, pk.ulysses_attention):
+        f = jax.shard_map(lambda a, c, op=op: op(a, c, c, "sp"), mesh=mesh,
+                          in_specs=(jax.sharding.PartitionSpec(),) * 2,
+                          out_specs=jax.sharding.PartitionSpec())
+        with pytest.raises(ValueError, match=msg.replace(r"\(seq\)", r"\(seq_local\)")):
+            f(q, kv)
+    q, kv = jnp.ones((0, 8, 4, 16), jnp.float32), jnp.ones((0, 8, 2, 16), jnp.float32)
+    assert pk.attention(q, kv, kv).shape == (0, 8, 4, 16)
+
+
 def test_kernel_path_calls_pk_attention_forward_and_backward(monkeypatch):
     """With the kernel chosen (forced here; the CPU has none), bf16 head-dim-64 operands trace to
     one pk_attention call forward (o and float32 lse [B, H, S]) and one backward (lse and

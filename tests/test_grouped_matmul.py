@@ -1,6 +1,7 @@
 """grouped_matmul against its reference `jax.lax.ragged_dot`: exact on integer inputs, empty
 groups, rows past sum(group_sizes), group sizes as traced values (no recompile), inside
-shard_map, the VJP against ragged_dot's, the error messages; on the GPU the kernel (forward,
+shard_map, the VJP against ragged_dot's, sizes outside the contract (negative, summing past M)
+against a numpy model of the kernel's rule, the error messages; on the GPU the kernel (forward,
 dx and dw modes) with boundaries anywhere, poisoned outputs, two calls in a row, under jit."""
 
 import jax
@@ -26,26 +27,43 @@ from pk_jax.ops import grouped_matmul as gm
 KEYS = jax.random.split(jax.random.key(12), 4)
 
 
+def _ranges(gs, m):
+    """Each group's rows [lo, hi): sizes clamped to >= 0, their cumulative sums cut at M (the
+    kernel's rule for sizes outside the contract, grouped_matmul.cuh's scan_groups)."""
+    off, out = 0, []
+    for size in np.asarray(gs, np.int64):
+        end = off + max(int(size), 0)
+        out.append((min(off, m), min(end, m)))
+        off = end
+    return out
+
+
 def _exact(x, w, gs):
-    """float64 ragged product on the host; rows past sum(gs) zero."""
-    x, w, gs = np.asarray(x, np.float64), np.asarray(w, np.float64), np.asarray(gs)
+    """float64 ragged product on the host; rows in no group zero."""
+    x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
     y = np.zeros((x.shape[0], w.shape[2]))
-    off = 0
-    for e, s in enumerate(gs):
-        y[off:off + s] = x[off:off + s] @ w[e]
-        off += s
+    for e, (lo, hi) in enumerate(_ranges(gs, x.shape[0])):
+        y[lo:hi] = x[lo:hi] @ w[e]
     return y
 
 
 def _exact_grads(x, w, gs, dy):
     x, w, dy = (np.asarray(a, np.float64) for a in (x, w, dy))
     dx, dw = np.zeros_like(x), np.zeros_like(w)
-    off = 0
-    for e, s in enumerate(np.asarray(gs)):
-        dx[off:off + s] = dy[off:off + s] @ w[e].T
-        dw[e] = x[off:off + s].T @ dy[off:off + s]
-        off += s
+    for e, (lo, hi) in enumerate(_ranges(gs, x.shape[0])):
+        dx[lo:hi] = dy[lo:hi] @ w[e].T
+        dw[e] = x[lo:hi].T @ dy[lo:hi]
     return dx, dw
+
+
+# Sizes outside the contract (M = 40, E = 4): negative sizes, a sum past M, both.
+INVALID_SIZES = ([10, -5, 20, 7], [-3, 15, -1, 10], [30, 25, 5, 5], [-40, 50, -1, 3],
+                 [0, -2**31, 2**31 - 1, 4], [41, 0, 0, 0])
+
+
+def _ragged_dot(x, w, gs):
+    """XLA's own ragged product (no pk code), for valid sizes."""
+    return jax.lax.ragged_dot(x, w, gs, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 def _sizes(kind, m, e, seed=0):
@@ -91,8 +109,8 @@ def test_exact_on_integers(case, kind, dtype):
     y = jax.jit(pk.grouped_matmul)(x, w, gs)
     assert y.dtype == dtype and y.shape == (m, n)
     assert_same(y, _exact(x, w, gs))
-    assert_same(pk.grouped_matmul(x, w, gs), y)
-    assert_same(y, gm.reference(x, w, gs))
+    assert_same(pk.grouped_matmul(x, w, gs), y)  # eagerly too
+    assert_same(y, _ragged_dot(x, w, gs))
 
 
 def test_group_sizes_are_traced_no_recompile():
@@ -131,12 +149,29 @@ def test_vjp_matches_ragged_dot(dtype):
     dy = small_ints(KEYS[2], (m, n), dtype)
     gs = _sizes("short", m, e)
     _, pull = jax.vjp(lambda a, b: pk.grouped_matmul(a, b, gs), x, w)
-    _, pullr = jax.vjp(lambda a, b: gm.reference(a, b, gs), x, w)
+    _, pullr = jax.vjp(lambda a, b: _ragged_dot(a, b, gs), x, w)
     (dx, dw), (rx, rw) = jax.jit(pull)(dy), pullr(dy)
     ex, ew = _exact_grads(x, w, gs, dy)
     assert dx.dtype == dtype and dw.dtype == dtype
     assert_same(dx, rx)
     assert_same(dw, rw)
+    assert_same(dx, ex)
+    assert_same(dw, ew)
+
+
+@pytest.mark.parametrize("gs,dtype", product(INVALID_SIZES, MATMUL_DTYPES), ids=str)
+def test_sizes_outside_the_contract_follow_the_kernel(gs, dtype):
+    """Negative sizes count as 0 and ranges are cut at M, forward and VJP (the numpy model of
+    the kernel's rule); ragged_dot alone puts rows in two groups for a negative size."""
+    m, k, n, e = 40, 16, 12, 4
+    x, w = small_ints(KEYS[0], (m, k), dtype), small_ints(KEYS[1], (e, k, n), dtype)
+    dy = small_ints(KEYS[2], (m, n), dtype)
+    gs = jnp.asarray(gs, jnp.int32)
+    y, pull = jax.vjp(lambda a, b: pk.grouped_matmul(a, b, gs), x, w)
+    dx, dw = jax.jit(pull)(dy)
+    assert_same(y, _exact(x, w, gs))
+    assert_same(jax.jit(pk.grouped_matmul)(x, w, gs), _exact(x, w, gs))
+    ex, ew = _exact_grads(x, w, gs, dy)
     assert_same(dx, ex)
     assert_same(dw, ew)
 
@@ -194,7 +229,7 @@ def test_gpu_forward(case, dtype):
         traces.append(1)
         return pk.grouped_matmul(x, w, gs)
 
-    xla = jax.jit(gm.reference)
+    xla = jax.jit(_ragged_dot)
     for i, kind in enumerate(GPU_KINDS):  # new sizes every call: same executable
         x, w, _ = _operands(m, k, n, e, dtype, seed=i)
         gs = _sizes(kind, m, e, seed=i)
@@ -231,7 +266,7 @@ def test_gpu_vjp(case, dtype):
         poison((m, k), dtype)
         poison((e, k, n), dtype)
         _, pull = jax.vjp(lambda a, b, gs=gs: pk.grouped_matmul(a, b, gs), x, w)
-        _, pullr = jax.vjp(lambda a, b, gs=gs: gm.reference(a, b, gs), x, w)
+        _, pullr = jax.vjp(lambda a, b, gs=gs: _ragged_dot(a, b, gs), x, w)
         dx, dw = jax.jit(pull)(dy)
         rx, rw = jax.jit(pullr)(dy)
         ex, ew = _exact_grads(x, w, gs, dy)
@@ -253,14 +288,14 @@ def test_gpu_in_shard_map_and_grad():
     gs = _sizes("random", m, e, seed=3)
     f = jax.jit(jax.shard_map(pk.grouped_matmul, mesh=mesh, in_specs=(P(), P(), P()),
                               out_specs=P()))
-    assert_error_within_xla(f(x, w, gs), gm.reference(x, w, gs), _exact(x, w, gs),
+    assert_error_within_xla(f(x, w, gs), _ragged_dot(x, w, gs), _exact(x, w, gs),
                             atol=1e-3 * np.sqrt(k))
 
     def loss(fn):
         return lambda a, b: jnp.sum(fn(a, b, gs).astype(jnp.float32) ** 2)
 
     gx, gw = jax.jit(jax.grad(loss(pk.grouped_matmul), argnums=(0, 1)))(x, w)
-    rx, rw = jax.jit(jax.grad(loss(gm.reference), argnums=(0, 1)))(x, w)
+    rx, rw = jax.jit(jax.grad(loss(_ragged_dot), argnums=(0, 1)))(x, w)
     for a, b in ((gx, rx), (gw, rw)):
         scale = float(jnp.max(jnp.abs(b.astype(jnp.float32))))
         assert _max_err(a, b) <= 2e-2 * scale
@@ -276,9 +311,32 @@ def test_gpu_small_all_modes():
     y, pull = jax.vjp(lambda a, b: pk.grouped_matmul(a, b, gs), x, w)
     dx, dw = jax.jit(pull)(dy)
     ex, ew = _exact_grads(x, w, gs, dy)
-    yr, pullr = jax.vjp(lambda a, b: gm.reference(a, b, gs), x, w)
+    yr, pullr = jax.vjp(lambda a, b: _ragged_dot(a, b, gs), x, w)
     rx, rw = pullr(dy)
     for got, xla, exact in ((y, yr, _exact(x, w, gs)), (dx, rx, ex), (dw, rw, ew)):
         assert_error_within_xla(got, xla, exact, atol=1e-3 * np.sqrt(m))
     assert not bool(jnp.any(y[207:] != 0)) and not bool(jnp.any(dx[207:] != 0))
     assert not bool(jnp.any(dw[0] != 0)) and not bool(jnp.any(dw[2] != 0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", MATMUL_DTYPES)
+def test_gpu_sizes_outside_the_contract_equal_the_model(dtype):
+    """The kernel (forward, dx, dw) on negative sizes and sums past M equals the numpy model
+    of its rule (_ranges), exactly on integers, on poisoned outputs; groups of odd sizes
+    across tile edges (M = 300, K = 136, N = 72)."""
+    assert pk.backend_name("grouped_matmul") == "cuda"
+    m, k, n, e = 300, 136, 72, 6
+    x, w = small_ints(KEYS[0], (m, k), dtype), small_ints(KEYS[1], (e, k, n), dtype)
+    dy = small_ints(KEYS[2], (m, n), dtype)
+    for sizes in ([50, -7, 130, 0, -1, 20], [-300, 129, 1, 500, -2, 3], [200, 150, 1, 0, 0, 9],
+                  [0, 0, 0, 0, 0, 301], [-1, -1, -1, -1, -1, -1]):
+        gs = jnp.asarray(sizes, jnp.int32)
+        poison((m, n), dtype)
+        poison((m, k), dtype)
+        poison((e, k, n), dtype)
+        y, pull = jax.vjp(lambda a, b, gs=gs: pk.grouped_matmul(a, b, gs), x, w)
+        dx, dw = jax.jit(pull)(dy)
+        ex, ew = _exact_grads(x, w, gs, dy)
+        for got, want in ((y, _exact(x, w, gs)), (dx, ex), (dw, ew)):
+            assert_same(got, jnp.asarray(want, jnp.float32).astype(dtype))  # one rounding

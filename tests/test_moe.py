@@ -24,32 +24,56 @@ def _mesh(p: int):
 
 
 def model(xs, ids, num_experts, capacity):
-    """Loops over (dest rank, local expert, source rank, token, slot), as the API promises."""
+    """Loops over (dest rank, local expert, source rank, token, slot), as the API promises: an
+    id outside [0, E) matches no expert, so it is placed nowhere (position -1, dest -1).
+
+    Returns (bufs [P, C, H], sizes [P, E/P], pos [P, T, k], dest [P, T, k], received dropped
+    [P])."""
     p, t, k = ids.shape
     el = num_experts // p
     bufs = np.zeros((p, capacity, xs.shape[-1]), np.float64)
     sizes = np.zeros((p, el), np.int64)
     pos = -np.ones((p, t, k), np.int64)
+    dest = -np.ones((p, t, k), np.int64)
+    received_dropped = np.zeros(p, np.int64)
     for d in range(p):
         row = 0
         for le in range(el):
             for s, tt, j in itertools.product(range(p), range(t), range(k)):
                 if ids[s, tt, j] == d * el + le:
+                    dest[s, tt, j] = d
                     if row < capacity:
                         bufs[d, row] = xs[s, tt]
                         pos[s, tt, j] = row
                         sizes[d, le] += 1
+                    else:
+                        received_dropped[d] += 1
                     row += 1
-    return bufs, sizes, pos
+    return bufs, sizes, pos, dest, received_dropped
 
 
-def run(p, t, k, h, num_experts, capacity, seed, *, skew=False):
+# Expert ids outside [0, E) that a router bug could produce (E is added to the "past" ones).
+BAD_IDS = (-1, -7, -2**31)
+BAD_IDS_PAST = (0, 5, 2**31 - 1)
+
+
+def with_invalid_ids(ids, num_experts, rng, fraction=0.25):
+    """ids with about `fraction` of the slots replaced by ids outside [0, num_experts)."""
+    bad = np.array([b for b in BAD_IDS] + [min(num_experts + b, 2**31 - 1)
+                                           for b in BAD_IDS_PAST], np.int64)
+    hit = rng.random(ids.shape) < fraction
+    return np.where(hit, rng.choice(bad, ids.shape), ids).astype(np.int32)
+
+
+def run(p, t, k, h, num_experts, capacity, seed, *, skew=False, invalid=False):
     rng = np.random.default_rng(seed)
     xs = rng.integers(-4, 5, (p, t, h)).astype(np.float32)
     if skew:  # Zipf-like: most slots on a few experts, many experts empty
         ids = np.minimum(rng.zipf(1.5, (p, t, k)) - 1, num_experts - 1).astype(np.int32)
     else:
         ids = rng.integers(0, num_experts, (p, t, k)).astype(np.int32)
+    if invalid:
+        ids = with_invalid_ids(ids, num_experts, rng)
     weights = rng.integers(0, 4, (p, t, k)).astype(np.float32) / 4
     mesh = _mesh(p)
 
@@ -57,16 +81,21 @@ def run(p, t, k, h, num_experts, capacity, seed, *, skew=False):
         tokens, sizes, handle = pk.moe_dispatch(x[0], e[0], "ep", num_experts=num_experts,
                                                 capacity=capacity)
         out = pk.moe_combine(tokens * 2, w[0], handle, "ep")
-        return tokens[None], sizes[None], handle.position[None], handle.dropped, out[None]
+        return (out[None], tokens[None], sizes[None], handle.position[None], handle.dropped,
+                handle.dest_rank[None], handle.received_dropped, handle.group_sizes[None])
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 3,
-                              out_specs=(P("ep"),) * 5))
-    tokens, sizes, pos, dropped, out = (np.asarray(v) for v in f(xs, ids, weights))
-    bufs, want_sizes, want_pos = model(xs, ids, num_experts, capacity)
+                              out_specs=(P("ep"),) * 8))
+    out, tokens, sizes, pos, dropped, dest, received, handle_sizes = (
+        np.asarray(v) for v in f(xs, ids, weights))
+    bufs, want_sizes, want_pos, want_dest, want_received = model(xs, ids, num_experts, capacity)
     np.testing.assert_array_equal(tokens, bufs)
     np.testing.assert_array_equal(sizes, want_sizes)
+    np.testing.assert_array_equal(handle_sizes, want_sizes)
     np.testing.assert_array_equal(pos, want_pos)
+    np.testing.assert_array_equal(dest, want_dest)
     np.testing.assert_array_equal(dropped, (want_pos < 0).sum(axis=(1, 2)))
+    np.testing.assert_array_equal(received, want_received)
     kept = (want_pos >= 0).astype(np.float64)
     want_out = 2 * np.einsum("ptk,ptk,pth->pth", weights, kept, xs)
     np.testing.assert_array_equal(out, want_out)
@@ -74,7 +103,7 @@ def run(p, t, k, h, num_experts, capacity, seed, *, skew=False):
         assert not tokens[d, want_sizes[d].sum():].any()
 
     def loss(x, w):
-        return jnp.sum(f(x, ids, w)[4] * jnp.arange(h, dtype=jnp.float32))
+        return jnp.sum(f(x, ids, w)[0] * jnp.arange(h, dtype=jnp.float32))
 
     gx, gw = jax.grad(loss, argnums=(0, 1))(xs, weights)
     g = np.arange(h, dtype=np.float64)
@@ -102,6 +131,62 @@ def test_capacity_overflow_drops_and_counts():
     assert run(2, 16, 2, 8, 4, 8, seed=1) > 0
 
 
+@pytest.mark.parametrize("p,t,k,h,experts,capacity,skew", [CASES[0], CASES[2], CASES[3]])
+def test_invalid_expert_ids_are_dropped_and_counted(p, t, k, h, experts, capacity, skew):
+    """Ids outside [0, E) (negative, E, past E, int32's extremes) are dropped as the kernel
+    drops them: no row, in no group size, dest and position -1, counted in the sender's
+    `dropped` (with the capacity drops) and in no rank's `received_dropped`."""
+    assert run(p, t, k, h, experts, capacity, seed=p * 31 + t, skew=skew, invalid=True) > 0
+
+
+def test_invalid_expert_ids_by_hand():
+    """The issue's two cases at P = 2, E = 4 (rank 0 owns experts 0 and 1): id 7 (rank 3 does
+    not exist) goes nowhere, id -1 is not counted in expert 0's group size, and the valid slots
+    keep the rows they would have without them (worked out by hand)."""
+    mesh = _mesh(2)
+    ids = np.array([[[7, 0], [-1, 0], [0, 1]], [[0, -1], [3, 7], [2, 0]]], np.int32)
+    xs = np.arange(1, 2 * 3 * 4 + 1, dtype=np.float32).reshape(2, 3, 4)
+
+    def body(x, e):
+        tok, sizes, hd = pk.moe_dispatch(x[0], e[0], "ep", num_experts=4, capacity=8)
+        return (tok[None], sizes[None], hd.dest_rank[None], hd.position[None], hd.dropped,
+                hd.received_dropped)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 2,
+                              out_specs=(P("ep"),) * 6))
+    tok, sizes, dest, pos, dropped, received = (np.asarray(v) for v in f(xs, ids))
+    np.testing.assert_array_equal(sizes, [[5, 1], [1, 1]])
+    np.testing.assert_array_equal(dest, [[[-1, 0], [-1, 0], [0, 0]], [[0, -1], [1, -1], [1, 0]]])
+    np.testing.assert_array_equal(pos, [[[-1, 0], [-1, 1], [2, 5]], [[3, -1], [1, -1], [0, 4]]])
+    np.testing.assert_array_equal(dropped, [2, 2])
+    np.testing.assert_array_equal(received, [0, 0])
+    rows = {0: [(0, 0), (0, 1), (0, 2), (1, 0), (1, 2), (0, 2)], 1: [(1, 2), (1, 1)]}
+    for d, src in rows.items():
+        np.testing.assert_array_equal(tok[d, :len(src)], [xs[s, t] for s, t in src])
+        assert not tok[d, len(src):].any()
+
+
+def test_combine_reads_no_row_of_a_dropped_slot():
+    """A dropped slot (capacity, or an id outside [0, E)) contributes zero to the combine and
+    to the weights' gradient even where y holds NaN (the pull kernel never reads its row)."""
+    mesh = _mesh(2)
+    # Rank 0 owns experts 0, 1 (capacity 2): expert 0 gets rank 0's slot 0 (row 0) and rank
+    # 1's slot 1 (row 1); rank 1's slot 0 (expert 1) falls at row 2, dropped; 9 goes nowhere.
+    ids = np.array([[[0, 9]], [[1, 0]]], np.int32)
+    xs = np.array([[[1.0, 2.0]], [[3.0, 4.0]]], np.float32)
+    w = np.full((2, 1, 2), 0.5, np.float32)
+
+    def body(x, e, wt):
+        tok, _, hd = pk.moe_dispatch(x[0], e[0], "ep", num_experts=4, capacity=2)
+        y = jnp.where(jax.lax.axis_index("ep") == 0, 2 * tok, jnp.nan)  # rank 1: all NaN
+        return pk.moe_combine(y, wt[0], hd, "ep")[None]
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 3, out_specs=P("ep")))
+    np.testing.assert_array_equal(np.asarray(f(xs, ids, w)), xs)
+    gw = jax.grad(lambda wt: jnp.sum(f(xs, ids, wt)))(w)
+    np.testing.assert_array_equal(np.asarray(gw), [[[6.0, 0.0]], [[0.0, 14.0]]])
+
+
 def test_errors_name_the_fix():
     mesh = _mesh(2)
     x = jnp.zeros((2, 4, 8))
@@ -118,7 +203,7 @@ def test_errors_name_the_fix():
             f(x, ids)
 
 
-def test_fused_forms_equal_dispatch_grouped_matmul_combine():
+def test_fused_forms_equal_the_numpy_model():
     p, t, k, h, f, experts, capacity = 4, 8, 2, 16, 24, 8, 24
     mesh = _mesh(p)
     rng = np.random.default_rng(7)
@@ -140,10 +225,32 @@ def test_fused_forms_equal_dispatch_grouped_matmul_combine():
         return pk.moe_combine(y, wt[0], handle, "ep")[None]
 
     specs = (P("ep"), P("ep"), P("ep"), P("ep"), P("ep"))
-    got, want = (jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P("ep")))(
+    got, composed = (jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P("ep")))(
         xs, ids, w, w1, w2) for fn in (fused, unfused))
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-    assert np.abs(np.asarray(got, np.float32)).sum() > 0
+    # numpy: the model's rows, each expert's two GEMMs (fp32 sums of integers, exact, rounded
+    # once to bf16 as the ops round), then the weighted sum of each token's kept slots.
+    def bf16(a):
+        return np.asarray(jnp.asarray(np.asarray(a, np.float32), jnp.bfloat16), np.float64)
+
+    el = experts // p
+    bufs, sizes, pos, dest, _ = model(np.asarray(xs, np.float64), np.asarray(ids), experts,
+                                      capacity)
+    w1n, w2n = np.asarray(w1, np.float64), np.asarray(w2, np.float64)
+    ys = np.zeros((p, capacity, h))
+    for d in range(p):
+        off = 0
+        for le, size in enumerate(sizes[d]):
+            rows = slice(off, off + size)
+            hid = bf16(bufs[d, rows] @ w1n[d * el + le])
+            ys[d, rows] = bf16(hid @ w2n[d * el + le])
+            off += size
+    want = np.zeros((p, t, h))
+    for s, tt, j in zip(*np.nonzero(pos >= 0)):
+        want[s, tt] += float(w[s, tt, j]) * ys[dest[s, tt, j], pos[s, tt, j]]
+    want = bf16(want)
+    assert np.abs(want).sum() > 0
+    np.testing.assert_array_equal(np.asarray(got, np.float64), want)
+    np.testing.assert_array_equal(np.asarray(composed, np.float64), want)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -410,3 +517,138 @@ def test_fused_gemm_combine_path_forward_and_vjp(kernel_path, monkeypatch):
                                   np.asarray(results[False][0], np.float32))
     for a, b in zip(results[True][1], results[False][1]):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.parametrize("p,t,k,h,experts,capacity,skew", CASES[2:4])
+def test_kernel_path_vjps_with_invalid_ids(kernel_path, p, t, k, h, experts, capacity, skew):
+    """The custom VJPs (dispatch's transpose a unit-weight combine, combine's a scatter) on a
+    handle with dest -1 and position -1 slots: the model's forward and gradients."""
+    assert run(p, t, k, h, experts, capacity, seed=p * 13 + t, skew=skew, invalid=True) > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the dispatch, fused dispatch + GEMM and combine kernels on invalid expert ids, in the
+# rank emulator (P ranks on SM partitions of one GPU, launched as the FFI handlers launch them),
+# against `model`. Run with CUDA_MODULE_LOADING=EAGER in the environment (the emulator needs it:
+# pk_jax.testing.require_eager_loading), e.g.
+#   CUDA_MODULE_LOADING=EAGER python -m pytest -q -m gpu tests/test_moe.py
+
+
+def _emulator_cases(p: int, rng: np.random.Generator, dtype: str) -> list:
+    """moe_dispatch, moe_dispatch_gemm and moe_combine cases whose expert ids are ~25%
+    outside [0, E), with their expected outputs from `model` (not pk_jax.testing.ops, whose
+    routing takes valid ids only)."""
+    from pk_jax.testing import ops
+    from pk_jax.testing.emulator import np_dtype
+
+    dt, i32 = np_dtype(dtype), np.int32
+    cases = []
+    for t, k, el, h, n, cap_kind in ((37, 2, 2, 24, 16, "generous"), (61, 4, 3, 64, 8, "tight"),
+                                     (1, 1, 1, 8, 8, "generous")):
+        experts = el * p
+        ids = with_invalid_ids(rng.integers(0, experts, (p, t, k)).astype(i32), experts, rng)
+        ids[0, 0, 0] = -1  # at least one on rank 0, and one past E on the last rank
+        ids[p - 1, -1, -1] = experts
+        capacity = p * t * k + 3 if cap_kind == "generous" else max(1, p * t * k // (2 * p))
+        xs = rng.integers(-1, 2, (p, t, h)).astype(np.float64)
+        ws = rng.integers(-1, 2, (p, el, h, n)).astype(np.float64)
+        bufs, sizes, pos, dest, received = model(xs, ids, experts, capacity)
+        handle = [{"group_sizes": sizes[r].astype(i32), "dest": dest[r].astype(i32),
+                   "pos": pos[r].astype(i32),
+                   "dropped": np.array([(pos[r] < 0).sum()], i32),
+                   "recv_dropped": np.array([received[r]], i32)} for r in range(p)]
+        params = {"t": t, "k": k, "h": h, "num_experts": experts, "capacity": capacity}
+        inputs = [{"x": xs[r].astype(dt), "ids": ids[r]} for r in range(p)]
+        cases.append(ops.Case("moe_dispatch", dtype, inputs,
+                              [{"tokens": bufs[r].astype(dt), **handle[r]} for r in range(p)],
+                              params))
+        ys = []
+        for r in range(p):  # the grouped GEMM of the kept rows, expert after expert
+            y, off = np.zeros((capacity, n)), 0
+            for e, size in enumerate(sizes[r]):
+                y[off:off + size] = bufs[r, off:off + size] @ ws[r, e]
+                off += size
+            ys.append(y)
+        fused_inputs = [{**inputs[r], "w": ws[r].astype(dt), "order": np.zeros(t * k, i32),
+                         "order_off": np.zeros(experts + 1, i32)} for r in range(p)]
+        cases.append(ops.Case("moe_dispatch_gemm", dtype, fused_inputs,
+                              [{"y": ys[r].astype(dt), **handle[r]} for r in range(p)],
+                              {**params, "n": n, "num_comm_sms": 0}))
+        # The combine of the handle: y rows in {-1, 0, 1}, weights in quarters (exact sums).
+        yc = rng.integers(-1, 2, (p, capacity, h)).astype(np.float64)
+        wt = (rng.integers(0, 5, (p, t, k)) / 4).astype(np.float32)
+        outs = np.zeros((p, t, h))
+        for s, tt, j in zip(*np.nonzero(pos >= 0)):
+            outs[s, tt] += wt[s, tt, j] * yc[dest[s, tt, j], pos[s, tt, j]]
+        cases.append(ops.Case("moe_combine", dtype,
+                              [{"y": yc[r].astype(dt), "weights": wt[r],
+                                "dest": handle[r]["dest"], "pos": handle[r]["pos"]}
+                               for r in range(p)],
+                              [{"out": outs[r].astype(dt)} for r in range(p)], params))
+    return cases
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("p,dtype", [(2, "bfloat16"), (4, "float16"), (8, "bfloat16")])
+def test_gpu_kernels_on_invalid_ids_equal_the_model(p, dtype):
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "gpu"))
+    import emu_cases
+
+    from pk_jax.testing import World
+
+    rng = np.random.default_rng(60 + p)
+    cases = _emulator_cases(p, rng, dtype)
+    world = World(p, timeout_s=10.0, workspace_bytes=64 << 20)
+    try:  # twice, on two poisons (0xFF reads -1 in int32 outputs, a legal value here)
+        assert emu_cases.run_calls(world, cases, rng, skew_ns=0, poison=0x7F) == []
+        assert emu_cases.run_calls(world, cases[::-1], rng, skew_ns=20_000) == []
+    finally:
+        world.close()
+
+
+@pytest.mark.parametrize("p,dtype", [(2, "bfloat16"), (4, "float16")])
+def test_gpu_invalid_id_cases_equal_the_references(p, dtype):
+    """The GPU test's cases (above) hold what the lax references give: its expectations are
+    right, so a failure on the GPU is the kernel's."""
+    mesh = _mesh(p)
+    dt = jnp.bfloat16 if dtype == "bfloat16" else jnp.float16
+    cases = _emulator_cases(p, np.random.default_rng(60 + p), dtype)
+    handle_names = ("group_sizes", "dest", "pos", "dropped", "recv_dropped")
+    for c in cases:
+        prm = c.params
+        stack = {name: np.stack([c.inputs[r][name] for r in range(p)]) for name in c.inputs[0]}
+        want = {name: np.stack([c.expected[r][name] for r in range(p)])
+                for name in c.expected[0]}
+        if c.op == "moe_combine":
+            def comb(y, wt, de, po, el=prm["num_experts"] // p):
+                hd = MoeHandle(de[0], po[0], jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32),
+                               jnp.zeros(el, jnp.int32))
+                return pk.moe_combine(y[0], wt[0], hd, "ep")[None]
+
+            got = {"out": jax.jit(jax.shard_map(comb, mesh=mesh, in_specs=(P("ep"),) * 4,
+                                                out_specs=P("ep")))(
+                jnp.asarray(stack["y"], dt), stack["weights"], stack["dest"], stack["pos"])}
+        else:
+            def disp(x, e, w=None, op=c.op, prm=prm):
+                kw = {"num_experts": prm["num_experts"], "capacity": prm["capacity"]}
+                if op == "moe_dispatch":
+                    first, sizes, hd = pk.moe_dispatch(x[0], e[0], "ep", **kw)
+                else:
+                    first, sizes, hd = pk.moe_dispatch_gemm(x[0], e[0], w[0], "ep", **kw)
+                return (first[None], sizes[None], hd.dest_rank[None], hd.position[None],
+                        hd.dropped, hd.received_dropped)
+
+            args = [jnp.asarray(stack["x"], dt), stack["ids"]]
+            if c.op == "moe_dispatch_gemm":
+                args.append(jnp.asarray(stack["w"], dt))
+            outs = jax.jit(jax.shard_map(disp, mesh=mesh, in_specs=(P("ep"),) * len(args),
+                                         out_specs=(P("ep"),) * 6))(*args)
+            first = "tokens" if c.op == "moe_dispatch" else "y"
+            got = dict(zip((first,) + handle_names, outs))
+        assert set(got) == set(want), c.op
+        for name, g in got.items():
+            np.testing.assert_array_equal(np.asarray(g, np.float64).reshape(want[name].shape),
+                                          want[name].astype(np.float64), f"{c.op} {name}")

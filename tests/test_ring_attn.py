@@ -235,6 +235,11 @@ BAD = [  # (q shape, k shape, v shape, dtype of v, options, error, message)
     ((1, 4, 2, 8),) * 3 + (None, {"scale": -1.0}, ValueError, "scale must be a finite positive"),
     ((1, 4, 2, 8),) * 3 + (None, {"scale": 0.0}, ValueError, "scale must be a finite positive"),
     ((1, 4, 2, 8),) * 3 + (None, {"scale": jnp.float32(0.5)}, TypeError, "static, not a jax"),
+    ((1, 0, 2, 8),) * 3 + (None, {}, ValueError, r"q.shape\[1\] \(seq_local\) is 0"),
+    ((1, 4, 2, 0),) * 3 + (None, {}, ValueError, r"q.shape\[3\] \(head_dim\) is 0"),
+    ((1, 4, 0, 8),) * 3 + (None, {}, ValueError, r"q.shape\[2\] \(heads\) is 0"),
+    ((1, 4, 2, 8), (1, 4, 0, 8), (1, 4, 0, 8), None, {}, ValueError,
+     r"k.shape\[2\] \(kv_heads\) is 0"),
 ]
 
 
@@ -280,6 +285,27 @@ def test_zigzag_indices_is_a_balanced_permutation():
     np.testing.assert_array_equal(idx, [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11])
     with pytest.raises(ValueError, match="divisible by 2 P"):
         pk.zigzag_indices(12, 4)
+
+
+@pytest.mark.parametrize("s,p,err,msg", [
+    (-8, 2, ValueError, "seq_len must be positive, got -8"),
+    (0, 2, ValueError, "seq_len must be positive, got 0"),
+    (8, 0, ValueError, "world must be positive, got 0"),
+    (8, -2, ValueError, "world must be positive, got -2"),
+    (-4, -1, ValueError, "seq_len must be positive"),
+    (8.0, 2, TypeError, "seq_len must be an int, got 8.0"),
+    (8, True, TypeError, "world must be an int, got True"),
+    (8, "2", TypeError, "world must be an int"),
+    (10, 2, ValueError, "divisible by 2 P = 4"),
+])
+def test_zigzag_indices_refuses_invalid_sizes(s, p, err, msg):
+    with pytest.raises(err, match=msg):
+        pk.zigzag_indices(s, p)
+
+
+def test_zigzag_indices_takes_numpy_ints():
+    np.testing.assert_array_equal(pk.zigzag_indices(np.int64(8), np.int32(2)),
+                                  pk.zigzag_indices(8, 2))
 
 
 @pytest.mark.parametrize("p,causal", product(WORLD_SIZES, (True, False)))

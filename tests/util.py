@@ -69,13 +69,16 @@ __all__ = [
     "assert_close",
     "assert_same",
     "check_grads_sharded",
+    "collective_vjp_test",
     "cpu_mesh",
     "product",
     "rand",
     "run",
     "small_ints",
     "tol",
+    "tp_blocks_sum_model",
     "vjp_both",
+    "vjp_equals_model",
 ]
 
 
@@ -118,6 +121,68 @@ def vjp_both(fn, ref, mesh, in_specs, out_spec, args, dy, *, check_vma: bool = T
     outs = run(body, mesh, specs + (out_spec,), (out_spec, *specs) * 2, *args, dy,
                check_vma=check_vma, init=init)
     return outs[:n + 1], outs[n + 1:]
+
+
+def vjp_equals_model(fn, lax_formula, mesh, in_specs, out_spec, args, dy, want, *,
+                     check_vma: bool = True) -> None:
+    """fn's value and VJP under jit(shard_map) equal `want` = (y, *grads), global arrays of an
+    independent numpy model, bit for bit; so do those of `lax_formula`, the same op written in
+    plain jax.lax (no pk code), whose varying axes fn's must match (vjp_both checks them).
+
+    NOTES: with check_vma=False JAX transposes each collective device by device (psum's
+    transpose is psum, and an input replicated by its in_spec takes device 0's cotangent), so
+    the gradients are not the global function's derivative that the model gives: there fn's
+    gradients are compared with JAX's AD of `lax_formula` only (the values with the model)."""
+    ours, lax_ = vjp_both(fn, lax_formula, mesh, in_specs, out_spec, args, dy,
+                          check_vma=check_vma)
+    if not check_vma:
+        want = (want[0],) + (None,) * (len(want) - 1)
+    names = ["y"] + [f"grad {i}" for i in range(len(args))]
+    assert len(ours) == len(lax_) == len(want) == len(names)
+    for name, a, b, w in zip(names, ours, lax_, want):
+        if w is None:
+            assert_same(a, b)
+            continue
+        assert a.shape == np.shape(w), (name, a.shape, np.shape(w))
+        assert_same(a, w)
+        assert_same(b, w)
+
+
+def collective_vjp_test(kinds, case, keys, fn, lax_formula, model):
+    """A pytest test (assign it to a test_ name) of a collective's value and VJP against its
+    numpy model, through vjp_equals_model: every kind with check_vma on and off on explicit
+    axes, "2d" on Auto axes, and the kernel path (its custom VJP, lax stand-ins for the FFI
+    calls) on explicit axes. case(kind) gives (mesh, in_spec, out_spec, x shape, y shape),
+    model(kind, x, dy) the global (y, dx) in numpy."""
+    import pytest
+
+    both = list(itertools.product(kinds, (True, False)))
+    params = ([(k, c, True, "reference") for k, c in both]
+              + [("2d", c, False, "reference") for c in (True, False)]
+              + [(k, c, True, "kernel") for k, c in both])
+
+    @pytest.mark.parametrize("kind,check_vma,explicit,path", params)
+    def test(monkeypatch, kind, check_vma, explicit, path):
+        if path == "kernel":
+            stand_in_kernels(monkeypatch)
+        mesh, in_spec, out_spec, xs, ys = case(kind)
+        if not explicit:
+            mesh = cpu_mesh(mesh.devices.shape, mesh.axis_names, explicit=False)
+        x, dy = small_ints(keys[0], xs, jnp.float32), small_ints(keys[1], ys, jnp.float32)
+        vjp_equals_model(fn, lax_formula, mesh, (in_spec,), out_spec, (x,), dy,
+                         model(kind, x, dy), check_vma=check_vma)
+
+    return test
+
+
+def tp_blocks_sum_model(kind, x, dy):
+    """(y, dx) in numpy of a sum over the 4 tp row blocks of x (all_reduce to a replicated
+    output, or reduce_scatter: rank r keeps rows r of the sum, so globally y is the sum): a
+    replicated x ("invariant") gives 4 x; every block gets the cotangent back."""
+    x, dy = np.asarray(x, np.float64), np.asarray(dy, np.float64)
+    if kind == "invariant":
+        return 4 * x, 4 * dy
+    return x.reshape(4, -1, x.shape[1]).sum(0), np.tile(dy, (4, 1))
 
 
 def assert_same(actual, expected):

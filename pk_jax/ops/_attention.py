@@ -71,6 +71,22 @@ def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
 
+def check_nonempty(op: str, q, k, seq: str = "seq") -> None:
+    """Raises a ValueError naming the dimension when q's sequence, heads or head_dim, or k's
+    heads, is 0 (rank-4 operands only: the rank check comes after and names the rest). There
+    is nothing to take a softmax over, and the 1/sqrt(head_dim) scale and H % Hkv would fail
+    later with a bare numpy or division error. An empty batch is fine (an empty result)."""
+    dims = [("q", q, 1, seq, "at least one position"),
+            ("q", q, 2, "heads", "at least one head"),
+            ("q", q, 3, "head_dim", "a head_dim of at least 1"),
+            ("k", k, 2, "kv_heads", "at least one K/V head")]
+    for name, x, i, dim, need in dims:
+        if getattr(x, "ndim", None) == 4 and x.shape[i] == 0:
+            raise ValueError(f"pk.{op}: {name}.shape[{i}] ({dim}) is 0 in {name} shape "
+                             f"{tuple(x.shape)}; attention needs {need}. Skip the call for an "
+                             "empty input.")
+
+
 def _varying_like(x: jax.Array, axes: frozenset) -> jax.Array:
     missing = tuple(sorted(axes - _ffi.vma(x)))
     return lax.pcast(x, missing, to="varying") if missing else x

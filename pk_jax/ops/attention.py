@@ -42,9 +42,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
 
     Raises:
         ValueError: operands not rank 4, shapes that do not match, H not divisible by Hkv, a
-            scale that is not positive.
+            sequence, head count or head_dim of 0, a scale that is not positive.
         TypeError: an unsupported or mismatched dtype, a non-bool causal, a non-number scale.
     """
+    _attention.check_nonempty(NAME, q, k)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
             raise ValueError(f"pk.{NAME}: {name} must be [batch, seq, heads, head_dim], got shape "

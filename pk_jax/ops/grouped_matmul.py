@@ -31,10 +31,15 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Ar
     sum(group_sizes) are zero in the result. Works inside and outside `shard_map` (a purely
     local product) and under `jit`; `group_sizes` may change between calls without a recompile.
 
+    Sizes outside the contract follow the kernel's rule (the sizes are traced, so they are not
+    checked): a negative size counts as 0 (an empty group that moves no later group), and the
+    groups' ranges, from the cumulative sums of those clamped sizes, are cut at M (rows past M
+    do not exist; groups that start at or past M are empty).
+
     Args:
         x: [M, K], bf16 or fp16, K a multiple of 8.
         w: [E, K, N], same dtype as `x`.
-        group_sizes: [E] int32, non-negative, summing to at most M.
+        group_sizes: [E] int32, non-negative, summing to at most M (otherwise as above).
 
     Returns:
         [M, N] in the dtype of `x`, equal to
@@ -77,7 +82,10 @@ def check(x, w, group_sizes) -> None:
 
 
 def reference(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    return jax.lax.ragged_dot(x, w, group_sizes,
+    """The jax.lax reference of `grouped_matmul` (no checks), with the kernel's rule for
+    negative sizes: each clamped to 0 first (ragged_dot would start the next group earlier,
+    and rows would fall in two groups). ragged_dot itself cuts the ranges at M."""
+    return jax.lax.ragged_dot(x, w, jnp.maximum(group_sizes, 0),
                               preferred_element_type=jnp.float32).astype(x.dtype)
 
 

@@ -10,6 +10,11 @@ handle, never written out of bounds. `group_sizes` counts the rows each local ex
 `pk.grouped_matmul(tokens, w, group_sizes)` runs the experts directly (rows past
 sum(group_sizes) are zero).
 
+Expert ids outside [0, E) are dropped, as the kernel drops them: such a (token, slot) goes to no
+rank (dest_rank -1, position -1), writes no row, takes no place in any expert's order and counts
+in no group size; it counts in its own rank's `dropped` (beside the capacity drops) and in no
+rank's `received_dropped`, and contributes zero to the combine.
+
 At P > 1 on a GPU mesh given to `pk.init` both run CUDA kernels (cuda/kernels/moe.cuh): the
 dispatch exchanges per-expert counts through in-kernel signals, computes every slot's row and
 pushes the token rows straight into the experts' ranks' symmetric workspaces; the combine pulls
@@ -52,10 +57,13 @@ class MoeHandle(NamedTuple):
     """Where each (token, slot) of this rank went, for `moe_combine` (all int32).
 
     Attributes:
-        dest_rank: [T, k] the rank holding the (token, slot)'s expert.
+        dest_rank: [T, k] the rank holding the (token, slot)'s expert, -1 for an expert id
+            outside [0, E).
         position: [T, k] its row in that rank's dispatched buffer, -1 when dropped.
-        dropped: [1] how many of this rank's (token, slot)s were dropped for capacity.
-        received_dropped: [1] how many (token, slot)s sent to this rank it dropped.
+        dropped: [1] how many of this rank's (token, slot)s were dropped: for capacity, or
+            for an expert id outside [0, E).
+        received_dropped: [1] how many (token, slot)s sent to this rank it dropped (for
+            capacity; an id outside [0, E) is sent nowhere).
         group_sizes: [E / P] rows each of this rank's experts kept (as moe_dispatch returns).
     """
 
@@ -69,26 +77,31 @@ class MoeHandle(NamedTuple):
 def _routing(ids_all: jax.Array, num_experts: int, p: int, capacity: int):
     """Positions of every (rank, token, slot) in its destination's buffer.
 
-    ids_all: [P, T, k] expert ids of every rank. Returns (dest [P, T, k], pos [P, T, k], -1
-    where dropped, kept [P, T, k] bool, group_sizes [P, E/P]).
+    ids_all: [P, T, k] expert ids of every rank. Returns (dest [P, T, k], -1 for an id outside
+    [0, E), pos [P, T, k], -1 where dropped, kept [P, T, k] bool, group_sizes [P, E/P]).
+    Ids outside [0, E) are dropped as the route kernel drops them (moe.cuh: a key of their own,
+    no group, no count), so they shift no valid slot's position.
     """
     e_local = num_experts // p
     flat = ids_all.reshape(-1)
     n = flat.shape[0]
+    valid = (flat >= 0) & (flat < num_experts)
+    key = jnp.where(valid, flat, num_experts)  # invalid ids: one key past every expert
     # Index of each assignment among those of its expert, in (rank, token, slot) order.
-    order = jnp.argsort(flat, stable=True)
-    sorted_ids = flat[order]
+    order = jnp.argsort(key, stable=True)
+    sorted_ids = key[order]
     first = jnp.searchsorted(sorted_ids, sorted_ids, side="left")
     within_sorted = jnp.arange(n, dtype=jnp.int32) - first.astype(jnp.int32)
     within = jnp.zeros(n, jnp.int32).at[order].set(within_sorted)
-    counts = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    counts = jnp.bincount(key, length=num_experts + 1)[:num_experts].astype(jnp.int32)
     # Offsets of the experts inside their rank's buffer (experts in order, block by block).
     block_counts = counts.reshape(p, e_local)
     offsets = (jnp.cumsum(block_counts, axis=1) - block_counts).reshape(-1)
-    pos = offsets[flat] + within
-    kept = pos < capacity
+    safe = jnp.where(valid, flat, 0)
+    pos = offsets[safe] + within
+    kept = valid & (pos < capacity)
     group_sizes = jnp.clip(capacity - offsets.reshape(p, e_local), 0, block_counts)
-    dest = (flat // e_local).astype(jnp.int32)
+    dest = jnp.where(valid, safe // e_local, -1).astype(jnp.int32)
     shape = ids_all.shape
     return (dest.reshape(shape), jnp.where(kept, pos, -1).astype(jnp.int32).reshape(shape),
             kept.reshape(shape), group_sizes.astype(jnp.int32))
@@ -100,7 +113,9 @@ def moe_dispatch(x: jax.Array, expert_ids: jax.Array, axis_name: str, *, num_exp
 
     Args:
         x: [T, H] this rank's tokens.
-        expert_ids: [T, k] int32, the experts of each token's k slots, in [0, num_experts).
+        expert_ids: [T, k] int32, the experts of each token's k slots, in [0, num_experts);
+            a slot with an id outside that range is dropped (no row, in no group size,
+            dest_rank and position -1) and counted in the handle's `dropped`.
         axis_name: the expert-parallel mesh axis (P ranks, each holding num_experts / P experts).
         num_experts: E, divisible by P.
         capacity: rows of each rank's dispatched buffer.
@@ -190,10 +205,14 @@ def combine_reference(y: jax.Array, weights: jax.Array, handle: MoeHandle,
                       axis_name: str) -> jax.Array:
     """The jax.lax reference of `moe_combine` (no checks)."""
     y_all = jax.lax.all_gather(y, axis_name)                          # [P, capacity, H']
-    capacity = y.shape[0]
-    safe = jnp.clip(handle.position, 0, capacity - 1)
-    rows = y_all[handle.dest_rank, safe].astype(jnp.float32)          # [T, k, H']
-    w = jnp.where(handle.position >= 0, weights.astype(jnp.float32), 0.0)
+    p, capacity = y_all.shape[0], y.shape[0]
+    dest, pos = handle.dest_rank, handle.position
+    # As the pull kernel: a slot without a rank or a row in range is never read (a dropped
+    # slot adds zero even where y holds inf or NaN).
+    ok = (pos >= 0) & (pos < capacity) & (dest >= 0) & (dest < p)
+    rows = y_all[jnp.where(ok, dest, 0), jnp.where(ok, pos, 0)].astype(jnp.float32)
+    rows = jnp.where(ok[..., None], rows, 0.0)                        # [T, k, H']
+    w = jnp.where(ok, weights.astype(jnp.float32), 0.0)
     return jnp.einsum("tk,tkh->th", w, rows).astype(y.dtype)
 
 

@@ -67,16 +67,23 @@ def zigzag_indices(seq_len: int, world: int) -> np.ndarray:
     undoes the permutation.
 
     Args:
-        seq_len: S, divisible by 2 P.
-        world: P.
+        seq_len: S, a positive int divisible by 2 P.
+        world: P, a positive int.
 
     Returns:
         int32 [S]: the global positions in zigzag order.
 
     Raises:
-        ValueError: S not divisible by 2 P.
+        TypeError: S or P not an int (bools and floats included).
+        ValueError: S or P not positive, S not divisible by 2 P.
     """
-    if world < 1 or seq_len % (2 * world):
+    for arg, value in (("seq_len", seq_len), ("world", world)):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"pk.zigzag_indices: {arg} must be an int, got {value!r} "
+                            f"({type(value).__name__}).")
+        if value < 1:
+            raise ValueError(f"pk.zigzag_indices: {arg} must be positive, got {value}.")
+    if seq_len % (2 * world):
         raise ValueError(f"pk.zigzag_indices: the sequence length {seq_len} must be divisible "
                          f"by 2 P = {2 * world} (two chunks per rank); pad the sequence.")
     c = seq_len // (2 * world)
@@ -112,11 +119,12 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, *,
 
     Raises:
         ValueError: `pk.init` not called, a bad axis, q/k/v not rank 4 or of mismatched
-            shapes, Hkv not dividing H,
+            shapes, Hkv not dividing H, a local sequence, head count or head_dim of 0,
             a scale that is not positive, an unknown layout, zigzag with an odd S/P.
         TypeError: an unsupported or mismatched dtype, a non-bool causal, a non-number scale.
     """
     p = _checks.axis_size(NAME, axis_name)
+    _attention.check_nonempty(NAME, q, k, "seq_local")
     _checks.attention_operands(NAME, q, k, v)
     causal = _checks.is_bool(NAME, "causal", causal)
     scale = (_attention.default_scale(q.shape[-1]) if scale is None

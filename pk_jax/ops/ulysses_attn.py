@@ -88,7 +88,8 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, 
 
     Raises:
         ValueError: `pk.init` not called, a bad axis, q/k/v not rank 4 or of mismatched
-            shapes, Hkv not dividing H, H not divisible by P, a scale that is not positive,
+            shapes, Hkv not dividing H, H not divisible by P, a local sequence, head count or
+            head_dim of 0, a scale that is not positive,
             PK_JAX_ULYSSES_FUSED other than 0, 1 or bwd, or a symmetric workspace too small
             for the fused kernel that runs (the forward with PK_JAX_ULYSSES_FUSED=1:
             `workspace_need`; the backward with PK_JAX_ULYSSES_FUSED=bwd:
@@ -97,6 +98,7 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, 
         TypeError: an unsupported or mismatched dtype, a non-bool causal, a non-number scale.
     """
     p = _checks.axis_size(NAME, axis_name)
+    _attention.check_nonempty(NAME, q, k, "seq_local")
     _checks.attention_operands(NAME, q, k, v)
     _checks.divisible(NAME, "the number of heads H (q.shape[2])", q.shape[2], p,
                       f"Ulysses attention gives each of the {p} devices of axis {axis_name!r} "

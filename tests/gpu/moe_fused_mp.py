@@ -1,26 +1,132 @@
 """pk.moe_dispatch_gemm's and pk.moe_gemm_combine's fused kernels (the dispatch's opt-in:
 PK_JAX_MOE_FUSED=1 or a pk_jax.ops.moe.fused_kernels() block; the combine's the default, "auto")
-across P processes, through JAX: the FFI handlers, the lowerings and the custom VJPs.
+across P processes, through JAX: the FFI handlers, the lowerings and the custom VJPs, against
+a numpy model of the API's contract.
 
     python -m pk_jax.launch -n 4 --share-gpu tests/gpu/moe_fused_mp.py
 
 Every process builds every rank's inputs from one seed and runs pk.moe_dispatch_gemm under
-jit(shard_map) twice: traced inside fused_kernels(True) (the fused kernel; on a GPU its HLO must
-call pk_moe_dispatch_gemm) and inside fused_kernels(False) (the
-composition of pk.moe_dispatch and pk.grouped_matmul, tested by moe_mp.py and the grouped GEMM
-tests); then once outside a block, where the HLO must call the kernel exactly when
-PK_JAX_MOE_FUSED asks for it (by default: moe_gemm_combine's, not moe_dispatch_gemm's) and
-the output must equal the composition's. Integer inputs in {-1, 0, 1}, so both are exact and
-must agree bit for bit: h, the group sizes and the whole handle; then the gradients of
-sum(h * g) with respect to x and w1; then two calls in a row, and a straggler (the last rank
-sleeps 1 s before its call).
-pk.moe_gemm_combine the same way (fused against grouped_matmul then moe_combine, on the handle
-of a pk.moe_dispatch): out, then the gradients of sum(out * g) with respect to h, w2 and the
-weights.
-On a machine without a GPU both traces run the references (a check of the script itself).
+jit(shard_map) three times: traced inside fused_kernels(True) (the fused kernel; on a GPU its
+HLO must call pk_moe_dispatch_gemm), inside fused_kernels(False) (pk.moe_dispatch's kernel,
+then pk.grouped_matmul's) and outside a block, where the HLO must call the fused kernel exactly
+when PK_JAX_MOE_FUSED asks for it (by default: moe_gemm_combine's, not moe_dispatch_gemm's).
+Each run must equal the numpy model (`route` and the per-expert products below) bit for bit:
+h, the group sizes and the whole handle; then the gradients of sum(h * g) with respect to x and
+w1; then two calls in a row, and a straggler (the last rank sleeps 1 s before its call); and
+expert ids outside [0, E) (dropped: no row, in no group, dest and position -1, counted in the
+sender's `dropped`). Integer inputs in {-1, 0, 1} and weights in quarters keep every fp32 sum
+exact, so each result is the model's float64 value rounded once to its dtype, as the ops
+round it.
+pk.moe_gemm_combine the same way (on the handle of a pk.moe_dispatch): out, then the gradients
+of sum(out * g) with respect to h, w2 and the weights.
+On a machine without a GPU every trace runs the references (a check of the script and of the
+model).
 """
 
+import contextlib
 import time
+
+
+def route(ids, experts: int, capacity: int):
+    """The API's routing in numpy: rank d = e // (E / P) holds expert e; its rows are its
+    experts in order, each expert's (source rank, token, slot) in order, cut at capacity.
+    Returns (dest, pos [P, T, k], -1 where dropped or the id is outside [0, E); group sizes
+    [P, E / P]; received_dropped [P])."""
+    import numpy as np
+
+    p = ids.shape[0]
+    el = experts // p
+    flat = ids.reshape(-1)
+    dest, pos = np.full(flat.size, -1), np.full(flat.size, -1)
+    sizes, received, fill = np.zeros((p, el), np.int64), np.zeros(p, np.int64), np.zeros(p, int)
+    for e in range(experts):
+        d = e // el
+        for i in np.flatnonzero(flat == e):
+            dest[i] = d
+            if fill[d] < capacity:
+                pos[i] = fill[d]
+                sizes[d, e % el] += 1
+            else:
+                received[d] += 1
+            fill[d] += 1
+    return dest.reshape(ids.shape), pos.reshape(ids.shape), sizes, received
+
+
+def per_expert(rows, w, sizes):
+    """The grouped product in float64: group e of `rows` (consecutive, sizes[e] rows) times
+    w[e]; rows past the groups zero."""
+    import numpy as np
+
+    out, off = np.zeros((rows.shape[0], w.shape[2])), 0
+    for e, size in enumerate(sizes):
+        out[off:off + size] = rows[off:off + size] @ w[e]
+        off += size
+    return out
+
+
+def rounded(a, dtype):
+    """a (float64, exact) rounded once to `dtype`, back as float64."""
+    import numpy as np
+
+    from pk_jax.testing.emulator import np_dtype
+
+    return np.asarray(a, np.float32).astype(np_dtype(dtype)).astype(np.float64)
+
+
+def dispatch_gemm_model(x, ids, w, g, experts, capacity, dtype):
+    """({h, group_sizes, dest, pos, dropped, received_dropped} of every rank stacked, and
+    (dx, dw1) of sum(h * g)), in float64."""
+    import numpy as np
+
+    p = ids.shape[0]
+    dest, pos, sizes, received = route(ids, experts, capacity)
+    bufs = np.zeros((p, capacity, x.shape[2]))
+    for s, tt, j in zip(*np.nonzero(pos >= 0)):
+        bufs[dest[s, tt, j], pos[s, tt, j]] = x[s, tt]
+    h = np.stack([rounded(per_expert(bufs[d], w[d], sizes[d]), dtype) for d in range(p)])
+    # d h / d bufs: g per group times w^T (zero past the groups), rounded as the dx kernel;
+    # dx sums each token's kept slots' rows in fp32 (exact), rounded once.
+    dtok = [rounded(per_expert(g[d], w[d].transpose(0, 2, 1), sizes[d]), dtype)
+            for d in range(p)]
+    dx = np.zeros(x.shape)
+    for s, tt, j in zip(*np.nonzero(pos >= 0)):
+        dx[s, tt] += dtok[dest[s, tt, j]][pos[s, tt, j]]
+    dw = np.zeros(w.shape)
+    for d in range(p):
+        off = 0
+        for e, size in enumerate(sizes[d]):
+            dw[d, e] = bufs[d, off:off + size].T @ g[d, off:off + size]
+            off += size
+    outs = {"h": h, "group_sizes": sizes, "dest": dest, "pos": pos,
+            "dropped": (pos < 0).sum(axis=(1, 2)), "received_dropped": received}
+    return outs, (rounded(dx, dtype), rounded(dw, dtype))
+
+
+def gemm_combine_model(ids, hh, w, wt, g, experts, capacity, dtype):
+    """(out [P, T, H'], (dh, dw2, dweights)) of moe_gemm_combine on the routing of `ids`
+    (rows of hh past the kept ones are never read), in float64."""
+    import numpy as np
+
+    p = ids.shape[0]
+    dest, pos, sizes, _ = route(ids, experts, capacity)
+    ys = [rounded(per_expert(hh[d], w[d], sizes[d]), dtype) for d in range(p)]
+    out = np.zeros(g.shape)
+    dwt = np.zeros(wt.shape)
+    dys = [np.zeros((capacity, w.shape[3])) for _ in range(p)]  # one slot per kept row
+    for s, tt, j in zip(*np.nonzero(pos >= 0)):
+        row = ys[dest[s, tt, j]][pos[s, tt, j]]
+        out[s, tt] += wt[s, tt, j] * row
+        dwt[s, tt, j] = g[s, tt] @ row
+        dys[dest[s, tt, j]][pos[s, tt, j]] = rounded(wt[s, tt, j] * g[s, tt], dtype)
+    dh = np.stack([rounded(per_expert(dys[d], w[d].transpose(0, 2, 1), sizes[d]), dtype)
+                   for d in range(p)])
+    dw = np.zeros(w.shape)
+    for d in range(p):
+        off = 0
+        for e, size in enumerate(sizes[d]):
+            dw[d, e] = hh[d, off:off + size].T @ dys[d][off:off + size]
+            off += size
+    return rounded(out, dtype), (dh, rounded(dw, dtype), rounded(dwt, "float32"))
 
 
 def main() -> None:
@@ -58,41 +164,38 @@ def main() -> None:
             assert calls == fused, (f"rank {me}: fused={fused}, but the HLO "
                                     f"{'calls' if calls else 'does not call'} {target}")
 
-    def run_both(fwd, grad, args, g, target, *, calls, sleep_rank, grads):
+    def check_equal(got, want, what: str) -> None:
+        """This process's results equal rank `me`'s of the model, bit for bit."""
+        for name, a in got.items():
+            b = np.asarray(want[name][me], np.float64)
+            a = np.asarray(a, np.float64).reshape(b.shape)
+            if not np.array_equal(a, b):
+                bad = np.flatnonzero(a.ravel() != b.ravel())
+                raise AssertionError(f"{what}: {name} differs from the numpy model at "
+                                     f"{bad.size} elements, first {int(bad[0])}: got "
+                                     f"{a.ravel()[bad[0]]}, want {b.ravel()[bad[0]]}")
+
+    def run_all(fwd, grad, args, g, target, names, want, grad_names, want_grads, what, *,
+                calls, sleep_rank, grads):
         """fwd(*args) `calls` times (the last rank first sleeping when sleep_rank) and, with
-        `grads`, grad(*args, g), each traced inside fused_kernels(True) and (False): {fused:
-        (this process's outputs, its gradients or None)}."""
-        results = {}
-        for fused in (True, False):
-            with moe_ops.fused_kernels(fused):
-                check_path(fwd, args, target, fused)
-                outs = None
+        `grads`, grad(*args, g), traced inside fused_kernels(True), (False) and outside a
+        block (PK_JAX_MOE_FUSED as set; unset: "auto", the fused combine only); each against
+        the model."""
+        default = moe_ops.fused_enabled(target.removeprefix("pk_"))
+        for fused in (True, False, None):
+            block = moe_ops.fused_kernels(fused) if fused is not None else contextlib.nullcontext()
+            with block:
+                check_path(fwd, args, target, default if fused is None else fused)
                 for _ in range(calls):
                     if sleep_rank == me:
                         time.sleep(1.0)
                     outs = [local(o) for o in jax.tree.leaves(jax.block_until_ready(fwd(*args)))]
-                gr = None
+                    assert len(outs) == len(names), (what, len(outs))
+                    check_equal(dict(zip(names, outs)), want, f"{what} fused={fused}")
                 if grads:
                     gr = [local(v) for v in jax.block_until_ready(grad(*args, place(g)))]
-            results[fused] = (outs, gr)
-        # Outside a block: PK_JAX_MOE_FUSED as set (unset: "auto", the fused combine only).
-        default = moe_ops.fused_enabled(target.removeprefix("pk_"))
-        check_path(fwd, args, target, default)
-        outs = [local(o) for o in jax.tree.leaves(jax.block_until_ready(fwd(*args)))]
-        for a, b in zip(outs, results[False][0]):
-            if not np.array_equal(a.astype(np.float64), b.astype(np.float64)):
-                raise AssertionError(f"rank {me}: {target} by default (fused={default}) differs "
-                                     "from the composition")
-        return results
-
-    def check_equal(results, what, out_names, grad_names):
-        """The fused path's outputs and gradients equal the composition's, bit for bit."""
-        for names, i in ((out_names, 0), (grad_names, 1)):
-            if results[True][i] is None:
-                continue
-            for name, a, b in zip(names, results[True][i], results[False][i]):
-                if not np.array_equal(a.astype(np.float64), b.astype(np.float64)):
-                    raise AssertionError(f"{what}: fused {name} differs from the composition")
+                    assert len(gr) == len(grad_names), (what, len(gr))
+                    check_equal(dict(zip(grad_names, gr)), want_grads, f"{what} fused={fused}")
 
     def build(experts, capacity):
         def body(x, e, w):
@@ -110,22 +213,30 @@ def main() -> None:
         grad = jax.jit(jax.grad(loss, argnums=(0, 2)))
         return fwd, grad
 
-    def case(seed, t, k, experts, h, nn, dtype, capacity_kind, *, calls=1, sleep_rank=None,
-             grads=False):
-        rng = np.random.default_rng(seed)
+    def routing(rng, t, k, experts, invalid):
         ids = rng.integers(0, experts, (n, t, k)).astype(np.int32)
+        if invalid:  # about a quarter of the slots outside [0, E), both sides
+            bad = rng.choice(np.array([-1, -5, experts, experts + 7], np.int32), ids.shape)
+            ids = np.where(rng.random(ids.shape) < 0.25, bad, ids).astype(np.int32)
+        return ids
+
+    def case(seed, t, k, experts, h, nn, dtype, capacity_kind, *, calls=1, sleep_rank=None,
+             grads=False, invalid=False):
+        rng = np.random.default_rng(seed)
+        ids = routing(rng, t, k, experts, invalid)
         total = n * t * k
         capacity = total + 3 if capacity_kind == "generous" else max(1, total // (2 * n))
         x = rng.integers(-1, 2, (n, t, h)).astype(np.float32)
         w = rng.integers(-1, 2, (n, experts // n, h, nn)).astype(np.float32)
         g = rng.integers(-1, 2, (n, capacity, nn)).astype(np.float32)
+        want, want_grads = dispatch_gemm_model(x.astype(np.float64), ids, w.astype(np.float64),
+                                               g.astype(np.float64), experts, capacity, dtype)
         args = (place(x.astype(dtype)), place(ids), place(w.astype(dtype)))
         fwd, grad = build(experts, capacity)
-        results = run_both(fwd, grad, args, g, "pk_moe_dispatch_gemm", calls=calls,
-                           sleep_rank=sleep_rank, grads=grads)
-        check_equal(results, f"P={n} rank {me} case {seed}",
-                    ("h", "group_sizes", "dest", "pos", "dropped", "received_dropped"),
-                    ("dx", "dw1"))
+        run_all(fwd, grad, args, g, "pk_moe_dispatch_gemm",
+                ("h", "group_sizes", "dest", "pos", "dropped", "received_dropped"), want,
+                ("dx", "dw1"), dict(zip(("dx", "dw1"), want_grads)),
+                f"P={n} rank {me} case {seed}", calls=calls, sleep_rank=sleep_rank, grads=grads)
 
     def build_gc(experts, capacity):
         def body(x, e, hh, w, wt):
@@ -142,9 +253,9 @@ def main() -> None:
         return fwd, grad
 
     def case_gc(seed, t, k, experts, h, f, dtype, capacity_kind, *, calls=1, sleep_rank=None,
-                grads=False):
+                grads=False, invalid=False):
         rng = np.random.default_rng(seed)
-        ids = rng.integers(0, experts, (n, t, k)).astype(np.int32)
+        ids = routing(rng, t, k, experts, invalid)
         total = n * t * k
         capacity = total + 3 if capacity_kind == "generous" else max(1, total // (2 * n))
         x = rng.integers(-1, 2, (n, t, 8)).astype(np.float32)
@@ -152,13 +263,16 @@ def main() -> None:
         w = rng.integers(-1, 2, (n, experts // n, f, h)).astype(np.float32)
         wt = (rng.integers(0, 5, (n, t, k)) / 4).astype(np.float32)
         g = rng.integers(-1, 2, (n, t, h)).astype(np.float32)
+        out, want_grads = gemm_combine_model(ids, hh.astype(np.float64), w.astype(np.float64),
+                                             wt.astype(np.float64), g.astype(np.float64),
+                                             experts, capacity, dtype)
         args = (place(x.astype(dtype)), place(ids), place(hh.astype(dtype)),
                 place(w.astype(dtype)), place(wt))
         fwd, grad = build_gc(experts, capacity)
-        results = run_both(fwd, grad, args, g, "pk_moe_gemm_combine", calls=calls,
-                           sleep_rank=sleep_rank, grads=grads)
-        check_equal(results, f"P={n} rank {me} gemm_combine case {seed}", ("out",),
-                    ("dh", "dw2", "dweights"))
+        names = ("dh", "dw2", "dweights")
+        run_all(fwd, grad, args, g, "pk_moe_gemm_combine", ("out",), {"out": out}, names,
+                dict(zip(names, want_grads)), f"P={n} rank {me} gemm_combine case {seed}",
+                calls=calls, sleep_rank=sleep_rank, grads=grads)
 
     print(f"backend moe_dispatch={pk.backend_name('moe_dispatch', 'ep')}", flush=True)
     t0 = time.time()
@@ -172,7 +286,9 @@ def main() -> None:
     case(91, 50, 2, 2 * n, 64, 64, "bfloat16", "tight", calls=2)
     case(92, 50, 2, 2 * n, 64, 64, "bfloat16", "generous", calls=2, sleep_rank=n - 1)
     case(93, 33, 4, 2 * n, 64, 64, "float16", "generous", grads=True)
-    count += 3
+    case(94, 41, 3, 2 * n, 64, 64, "bfloat16", "generous", grads=True, invalid=True)
+    case(95, 41, 3, 2 * n, 64, 64, "float16", "tight", invalid=True)
+    count += 5
     for i, (t, k, e_per, h, f, dtype) in enumerate([(37, 2, 2, 64, 64, "bfloat16"),
                                                     (64, 4, 4, 264, 128, "float16"),
                                                     (13, 8, 1, 8, 256, "bfloat16")]):
@@ -182,7 +298,8 @@ def main() -> None:
     case_gc(291, 50, 2, 2 * n, 64, 64, "bfloat16", "tight", calls=2)
     case_gc(292, 50, 2, 2 * n, 64, 64, "bfloat16", "generous", calls=2, sleep_rank=n - 1)
     case_gc(293, 33, 4, 2 * n, 64, 64, "float16", "generous", grads=True)
-    count += 3
+    case_gc(294, 41, 3, 2 * n, 64, 64, "bfloat16", "generous", grads=True, invalid=True)
+    count += 4
     print(f"moe_fused_mp OK: P={n}, {count} cases in {time.time() - t0:.1f} s", flush=True)
 
 
