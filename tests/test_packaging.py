@@ -1,5 +1,5 @@
-"""What a new user meets before the first op: the README's Python runs as written, optional
-dependencies name their extra, a test run never tests a tree without a built extension by
+"""What a new user meets before the first op: the README's and docs' Python runs as written,
+optional dependencies name their extra, a test run never tests a tree without a built extension by
 mistake, the pins agree, and no file points at documents outside the repository."""
 
 from __future__ import annotations
@@ -32,41 +32,78 @@ def _python(code: str, *, env: dict | None = None, cwd=None, timeout: int = 300)
                           env=base, cwd=cwd, timeout=timeout, check=False)
 
 
-# ------------------------------------------------------------------------------- README
+# ------------------------------------------------------------------------- README and docs
 
 
-GPU_BLOCK = "# needs a Hopper GPU"  # first line of a README block that runs only on one
+GPU_BLOCK = "# needs a Hopper GPU"  # first line of a block that runs only on one
+DOC_FILES = ["README.md"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md"))
 
 
-def readme_python_blocks(*, gpu: bool = False) -> list[str]:
-    """The README's ```python blocks: those for any machine, or (gpu=True) the GPU-only ones."""
-    text = (ROOT / "README.md").read_text()
-    blocks = [textwrap.dedent(b) for b in re.findall(r"^```python\n(.*?)^```", text,
-                                                      re.MULTILINE | re.DOTALL)]
-    return [b for b in blocks if b.startswith(GPU_BLOCK) == gpu]
+def python_blocks(path: str) -> list[str]:
+    """The ```python blocks of one Markdown file, dedented."""
+    text = (ROOT / path).read_text()
+    return [textwrap.dedent(b) for b in re.findall(r"^ *```python\n(.*?)^ *```", text,
+                                                    re.MULTILINE | re.DOTALL)]
 
 
-def test_readme_has_python_blocks():
-    blocks = readme_python_blocks()
-    assert len(blocks) >= 2
-    assert "xla_force_host_platform_device_count=8" in blocks[0], "Usage must say how to get " \
-        "8 CPU devices"
+def doc_python_blocks(*, gpu: bool = False) -> list[tuple[str, int, str]]:
+    """(file, index, code) of the README's and docs' Python blocks: those for any machine, or
+    (gpu=True) the GPU-only ones."""
+    return [(f, i, b) for f in DOC_FILES for i, b in enumerate(python_blocks(f))
+            if b.startswith(GPU_BLOCK) == gpu]
 
 
-@pytest.mark.parametrize("index", range(len(readme_python_blocks())))
-def test_readme_python_block_runs_as_written(index, tmp_path):
+def test_readme_has_a_quick_start_for_a_laptop():
+    blocks = python_blocks("README.md")
+    assert blocks and "xla_force_host_platform_device_count=8" in blocks[0], (
+        "the README's quick start must say how to get 8 CPU devices")
+
+
+def test_the_guides_keep_their_examples():
+    # The guides that show code (each once a README section) still do, and run (below).
+    for page in ("index", "guides/layers", "guides/meshes", "guides/multi-node",
+                 "guides/profiling"):
+        assert python_blocks(f"docs/{page}.md"), page
+    assert python_blocks("docs/guides/emulator.md")[0].startswith(GPU_BLOCK)
+
+
+def _ids(blocks):
+    return [f"{f}:{i}" for f, i, _ in blocks]
+
+
+@pytest.mark.parametrize("path,index,code", doc_python_blocks(), ids=_ids(doc_python_blocks()))
+def test_doc_python_block_runs_as_written(path, index, code, tmp_path):
     # Each block in a fresh interpreter, from an empty directory, without the tests' XLA_FLAGS.
-    code = readme_python_blocks()[index]
     out = _python(code, cwd=tmp_path)
-    assert out.returncode == 0, f"README block {index}:\n{code}\n{out.stdout}\n{out.stderr}"
+    assert out.returncode == 0, f"{path} block {index}:\n{code}\n{out.stdout}\n{out.stderr}"
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("index", range(len(readme_python_blocks(gpu=True))))
-def test_readme_gpu_python_block_runs_as_written(index, tmp_path):
-    code = readme_python_blocks(gpu=True)[index]
+@pytest.mark.parametrize("path,index,code", doc_python_blocks(gpu=True),
+                         ids=_ids(doc_python_blocks(gpu=True)))
+def test_doc_gpu_python_block_runs_as_written(path, index, code, tmp_path):
     out = _python(code, cwd=tmp_path)
-    assert out.returncode == 0, f"README GPU block {index}:\n{code}\n{out.stdout}\n{out.stderr}"
+    assert out.returncode == 0, f"{path} GPU block {index}:\n{code}\n{out.stdout}\n{out.stderr}"
+
+
+def test_docs_site_lists_every_page_and_finds_every_plot():
+    """What mkdocs --strict checks, without mkdocs: every page is in the nav (a page left out
+    is only an INFO there), and every plot a page shows is one of bench/results/ (which
+    docs/hooks.py adds to the site)."""
+    config = (ROOT / "mkdocs.yml").read_text()
+    pages = [f.removeprefix("docs/") for f in DOC_FILES if f.startswith("docs/")]
+    assert pages and not [p for p in pages if f": {p}\n" not in config], config
+    for page in pages:
+        for plot in re.findall(r"\]\(results/([^)]+)\)", (ROOT / "docs" / page).read_text()):
+            assert (ROOT / "bench" / "results" / plot).is_file(), (page, plot)
+    readme = (ROOT / "README.md").read_text()
+    for target in re.findall(r"\]\(((?:docs|bench)/[^)#]+)", readme):
+        assert (ROOT / target).is_file(), f"README links to {target}, which is not there"
+
+
+def test_py_typed_is_installed():
+    # PEP 561: type checkers read pk_jax's annotations only where py.typed is installed.
+    assert (pathlib.Path(pk_jax.__file__).parent / "py.typed").is_file()
 
 
 # ------------------------------------------------------------------ optional dependencies
