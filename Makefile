@@ -83,7 +83,7 @@ $(VENV)/.docs-installed:
 	touch $@
 
 docs: $(VENV)/.docs-installed
-	$(VENV)/bin/mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 	@echo "pk_jax: the site is in build/site (open build/site/index.html)"
 
 $(MIN_VENV)/.installed: pyproject.toml

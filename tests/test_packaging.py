@@ -187,6 +187,77 @@ def test_pytest_from_the_source_tree_with_a_built_extension_fails(tmp_path):
     assert out.returncode != 0 and "a built one exists" in text, text[-3000:]
 
 
+def _pytest_in_a_copy(tmp_path, test_code: str, env: dict) -> subprocess.CompletedProcess:
+    """pytest over one test file beside a copy of the repository's conftest and package."""
+    repo = tmp_path / "repo"
+    (repo / "tests").mkdir(parents=True)
+    for f in ("conftest.py", "util.py"):
+        (repo / "tests" / f).write_text((ROOT / "tests" / f).read_text())
+    (repo / "tests" / "test_x.py").write_text(test_code)
+    shutil.copytree(PKG_ROOT / "pk_jax", repo / "pk_jax",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    env = {**os.environ, "PYTHONPATH": str(repo), ALLOW_NO_EXTENSION: "1", **env}
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "tests"], cwd=repo, env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+
+
+GPU_TEST = "import pytest\n\n\n@pytest.mark.gpu\ndef test_on_the_gpu():\n    pass\n"
+
+
+def test_gpu_tests_that_would_skip_fail_under_require_gpu(tmp_path):
+    from conftest import HAS_HOPPER, REQUIRE_GPU
+
+    quiet = _pytest_in_a_copy(tmp_path / "a", GPU_TEST, {REQUIRE_GPU: "0"})
+    strict = _pytest_in_a_copy(tmp_path / "b", GPU_TEST, {REQUIRE_GPU: "1"})
+    if HAS_HOPPER:  # the GPU machine: the test runs either way
+        assert quiet.returncode == strict.returncode == 0, strict.stdout + strict.stderr
+        return
+    assert quiet.returncode == 0 and "1 skipped" in quiet.stdout, quiet.stdout + quiet.stderr
+    # The closing line says why.
+    assert "pk_jax: 1 skipped: 1 that need an sm_90 GPU" in quiet.stdout, quiet.stdout
+    text = strict.stdout + strict.stderr
+    assert strict.returncode != 0 and f"{REQUIRE_GPU}=1" in text, text
+    assert "would pass by skipping" in text and "test_on_the_gpu" in text, text
+
+
+def _import_pk_jax_copy(tmp_path, extension: bytes | None) -> str:
+    """pk_jax._ffi.IMPORT_ERROR of a copy of the package without (or with a broken) module."""
+    shutil.copytree(PKG_ROOT / "pk_jax", tmp_path / "pk_jax",
+                    ignore=shutil.ignore_patterns("__pycache__", "_pk_ffi*"))
+    if extension is not None:
+        (tmp_path / "pk_jax" / "_pk_ffi.abi3.so").write_bytes(extension)
+    out = _python("import pk_jax; print(pk_jax.HAS_CUDA, pk_jax._ffi.IMPORT_ERROR)",
+                  env={"PYTHONPATH": str(tmp_path)}, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_a_missing_extension_says_what_is_missing_and_how_to_build_it(tmp_path):
+    text = _import_pk_jax_copy(tmp_path, None)
+    assert text.startswith("False") and "circular import" not in text, text
+    assert "pk_jax._pk_ffi is not installed" in text and "PK_JAX_CUDA=ON" in text, text
+
+
+def test_a_broken_extension_says_it_does_not_import(tmp_path):
+    text = _import_pk_jax_copy(tmp_path, b"not an ELF file")
+    assert text.startswith("False") and "circular import" not in text, text
+    assert "is there but does not import" in text and "rebuild" in text, text
+
+
+def test_no_gpu_driver_is_said_with_what_to_do(monkeypatch):
+    from pk_jax import _ffi
+
+    monkeypatch.setattr(_ffi, "driver_problem",
+                        lambda: "libcuda.so.1: cannot open shared object file")
+    with pytest.raises(RuntimeError, match=r"pk_jax.testing.World needs an NVIDIA GPU.*"
+                                           r"libcuda.so.1 does not load.*PK_JAX_BACKEND="
+                                           r"reference"):
+        _ffi.require_driver("pk_jax.testing.World")
+    monkeypatch.setattr(_ffi, "driver_problem", lambda: "")
+    _ffi.require_driver("pk_jax.testing.World")  # a driver: nothing to say
+
+
 # ------------------------------------------------------------ pins, references, profiles
 
 
