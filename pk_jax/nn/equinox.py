@@ -100,14 +100,8 @@ class RowParallelLinear(eqx.Module):
     Args:
         in_features: K, a multiple of 8 * P (each device's rows are the GEMM's K).
         out_features: N.
-        key: as for `ColumnParallelLinear`.
-        axis_name: as for `ColumnParallelLinear`.
-        sequence_parallel: as for `ColumnParallelLinear`.
-        use_bias: as for `ColumnParallelLinear`.
-        dtype: as for `ColumnParallelLinear`.
-        param_dtype: as for `ColumnParallelLinear`.
-        kernel_init: as for `ColumnParallelLinear`.
-        bias_init: as for `ColumnParallelLinear`.
+
+    The other arguments are those of `ColumnParallelLinear`.
     """
 
     weight: jax.Array
@@ -156,13 +150,8 @@ class ParallelMLP(eqx.Module):
         hidden: hidden width, a multiple of 8 * P.
         key: PRNG key for both layers.
         activation: applied between the layers (default `jax.nn.gelu`).
-        axis_name: as for `ColumnParallelLinear`, shared by both layers.
-        sequence_parallel: as for `ColumnParallelLinear`, shared by both layers.
-        use_bias: as for `ColumnParallelLinear`, shared by both layers.
-        dtype: as for `ColumnParallelLinear`, shared by both layers.
-        param_dtype: as for `ColumnParallelLinear`, shared by both layers.
-        kernel_init: as for `ColumnParallelLinear`, shared by both layers.
-        bias_init: as for `ColumnParallelLinear`, shared by both layers.
+
+    The other arguments are those of `ColumnParallelLinear`, shared by both layers.
     """
 
     up: ColumnParallelLinear
@@ -200,20 +189,9 @@ class ParallelAttention(eqx.Module):
     (see `pk_jax.nn.flax.ParallelAttention`, the same block).
 
     Args:
-        features: as for `pk_jax.nn.flax.ParallelAttention`.
-        num_heads: as for `pk_jax.nn.flax.ParallelAttention`.
-        num_kv_heads: as for `pk_jax.nn.flax.ParallelAttention`.
-        axis_name: as for `pk_jax.nn.flax.ParallelAttention`.
-        seq_axis: as for `pk_jax.nn.flax.ParallelAttention`.
-        attention: as for `pk_jax.nn.flax.ParallelAttention`.
-        causal: as for `pk_jax.nn.flax.ParallelAttention`.
-        layout: as for `pk_jax.nn.flax.ParallelAttention`.
-        use_bias: as for `pk_jax.nn.flax.ParallelAttention`.
-        dtype: as for `pk_jax.nn.flax.ParallelAttention`.
-        param_dtype: as for `pk_jax.nn.flax.ParallelAttention`.
-        kernel_init: as for `pk_jax.nn.flax.ParallelAttention`.
-        bias_init: as for `pk_jax.nn.flax.ParallelAttention`.
         key: PRNG key for the four projections.
+
+    The other arguments are those of `pk_jax.nn.flax.ParallelAttention`.
     """
 
     q: ColumnParallelLinear
@@ -262,16 +240,9 @@ class MoE(eqx.Module):
     `(y, aux_loss)`.
 
     Args:
-        features: as for `pk_jax.nn.flax.MoE`.
-        hidden: as for `pk_jax.nn.flax.MoE`.
-        num_experts: as for `pk_jax.nn.flax.MoE`.
-        top_k: as for `pk_jax.nn.flax.MoE`.
-        axis_name: as for `pk_jax.nn.flax.MoE`.
-        capacity_factor: as for `pk_jax.nn.flax.MoE`.
-        activation: as for `pk_jax.nn.flax.MoE`.
-        dtype: as for `pk_jax.nn.flax.MoE`.
-        param_dtype: as for `pk_jax.nn.flax.MoE`.
         key: PRNG key for the router and the experts.
+
+    The other arguments are those of `pk_jax.nn.flax.MoE`.
     """
 
     router: jax.Array

@@ -92,14 +92,8 @@ class RowParallelLinear(nnx.Module):
     Args:
         in_features: K, a multiple of 8 * P (each device's rows are the GEMM's K).
         out_features: N.
-        axis_name: as for `ColumnParallelLinear`.
-        sequence_parallel: as for `ColumnParallelLinear`.
-        use_bias: as for `ColumnParallelLinear`.
-        dtype: as for `ColumnParallelLinear`.
-        param_dtype: as for `ColumnParallelLinear`.
-        kernel_init: as for `ColumnParallelLinear`.
-        bias_init: as for `ColumnParallelLinear`.
-        rngs: as for `ColumnParallelLinear`.
+
+    The other arguments are those of `ColumnParallelLinear`.
     """
 
     def __init__(self, in_features: int, out_features: int, *, axis_name: str = _nn.DEFAULT_AXIS,
@@ -138,14 +132,8 @@ class ParallelMLP(nnx.Module):
         features: model width (K of the first layer, N of the second), a multiple of 8.
         hidden: hidden width, a multiple of 8 * P.
         activation: applied between the layers (default `jax.nn.gelu`).
-        axis_name: as for `ColumnParallelLinear`, shared by both layers.
-        sequence_parallel: as for `ColumnParallelLinear`, shared by both layers.
-        use_bias: as for `ColumnParallelLinear`, shared by both layers.
-        dtype: as for `ColumnParallelLinear`, shared by both layers.
-        param_dtype: as for `ColumnParallelLinear`, shared by both layers.
-        kernel_init: as for `ColumnParallelLinear`, shared by both layers.
-        bias_init: as for `ColumnParallelLinear`, shared by both layers.
-        rngs: as for `ColumnParallelLinear`, shared by both layers.
+
+    The other arguments are those of `ColumnParallelLinear`, shared by both layers.
     """
 
     def __init__(self, features: int, hidden: int, *, axis_name: str = _nn.DEFAULT_AXIS,
@@ -218,9 +206,8 @@ class MoE(nnx.Module):
             it receives on average; the excess is dropped (contributes zero).
         activation: between the expert GEMMs (default `jax.nn.gelu`).
         axis_name: the expert-parallel mesh axis (experts split over it).
-        dtype: as for `ColumnParallelLinear`.
-        param_dtype: as for `ColumnParallelLinear`.
-        rngs: as for `ColumnParallelLinear`.
+
+    The other arguments are those of `ColumnParallelLinear`.
     """
 
     def __init__(self, features: int, hidden: int, num_experts: int, *, top_k: int = 2,
