@@ -1,5 +1,5 @@
-# make demo: set up .venv (deps + pk_jax with its CUDA extension when nvcc is found) and train
-#            the tensor-parallel MLP example.
+# make demo: set up .venv (deps + pk_jax with its CUDA extension when nvcc and a GPU driver are
+#            found; PK_JAX_CUDA below) and train the tensor-parallel MLP example.
 # make test: set up .venv and run the test suite (CPU: 8 host devices; GPU tests need an H100/H200).
 # make test-min-jax: the oldest supported jax (JAX_MIN, pyproject's floor) in .venv-min-jax, and a
 #            representative part of the CPU suite against it.

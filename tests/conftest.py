@@ -112,7 +112,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         reasons[reason] = reasons.get(reason, 0) + 1
     parts = []
     if reasons:
-        why = "; ".join(f"{n} that {r.removeprefix('needs ').join(('need ', ''))}"
+        why = "; ".join(f"{n} that {'needs' if n == 1 else 'need'} {r.removeprefix('needs ')}"
                         if r.startswith("needs ") else f"{n}: {r}"
                         for r, n in sorted(reasons.items(), key=lambda kv: -kv[1]))
         here = no_hopper_reason(short=True) if GPU_REASON in reasons or EXT_REASON in reasons else ""

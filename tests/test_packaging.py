@@ -215,7 +215,7 @@ def test_gpu_tests_that_would_skip_fail_under_require_gpu(tmp_path):
         return
     assert quiet.returncode == 0 and "1 skipped" in quiet.stdout, quiet.stdout + quiet.stderr
     # The closing line says why.
-    assert "pk_jax: 1 skipped: 1 that need an sm_90 GPU" in quiet.stdout, quiet.stdout
+    assert "pk_jax: 1 skipped: 1 that needs an sm_90 GPU" in quiet.stdout, quiet.stdout
     text = strict.stdout + strict.stderr
     assert strict.returncode != 0 and f"{REQUIRE_GPU}=1" in text, text
     assert "would pass by skipping" in text and "test_on_the_gpu" in text, text
