@@ -141,8 +141,9 @@ section_examples() {
   done
 }
 
-# Issue 13 on the GPU: the README's and docs' GPU-only blocks as written, several meshes and shutdown /
-# init again at P = 1, and examples/03_transformer.py (kernels against the reference backend).
+# Issue 13 on the GPU: the README's and docs' GPU-only blocks as written, several meshes and
+# shutdown / init again at P = 1, and examples/03_transformer.py (kernels against the reference
+# backend).
 section_users() {
   local log=${PK_JAX_LOG_DIR:-/tmp}/pk_jax_examples
   mkdir -p "$log"
