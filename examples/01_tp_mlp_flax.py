@@ -51,16 +51,26 @@ class Model(nnx.Module):
         return x
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--features", type=int, default=64)
-    parser.add_argument("--hidden", type=int, default=256)
+def arguments() -> argparse.ArgumentParser:
+    """The command line; every option has help text and a default (shown by --help)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20, help="training steps")
+    parser.add_argument("--features", type=int, default=64,
+                        help="model width (a multiple of 8)")
+    parser.add_argument("--hidden", type=int, default=256,
+                        help="hidden width of each MLP (a multiple of 8 x the device count)")
     parser.add_argument("--seq", type=int, default=64, help="sequence length (rows)")
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=1e-2)
-    parser.add_argument("--sequence-parallel", action="store_true")
-    args = parser.parse_args()
+    parser.add_argument("--batch", type=int, default=4, help="sequences per step")
+    parser.add_argument("--lr", type=float, default=1e-2, help="Adam's learning rate")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="activations sharded by sequence (AG+GEMM and GEMM+RS) instead of "
+                             "replicated (GEMM+all-reduce)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = arguments().parse_args(argv)
 
     n = jax.device_count()
     mesh = jax.make_mesh((n,), ("tp",))

@@ -36,6 +36,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8").strip()
 
 import argparse
+import json
 import pathlib
 import sys
 import time
@@ -151,23 +152,59 @@ def _flat(tree) -> dict[str, np.ndarray]:
     return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in leaves}
 
 
-def save_checkpoint(path: str, params, opt_state, step: int) -> None:
-    """Parameters, optimiser state and step as one .npz (numpy only, no extra packages)."""
+# The options that shape the model: a checkpoint records them, and --resume compares them.
+MODEL_OPTIONS = ("dim", "heads", "layers", "seq", "experts")
+
+
+def save_checkpoint(path: str, params, opt_state, step: int, config: dict | None = None) -> None:
+    """Parameters, optimiser state, step and the model options as one .npz (numpy only, no
+    extra packages)."""
     arrays = {f"params{k}": v for k, v in _flat(params).items()}
     arrays.update({f"opt{k}": v for k, v in _flat(opt_state).items()})
     tmp = f"{path}.tmp.npz"
-    np.savez(tmp, step=np.int64(step), **arrays)
+    np.savez(tmp, step=np.int64(step), config=np.array(json.dumps(config or {})), **arrays)
     os.replace(tmp, path)
 
 
-def restore_checkpoint(path: str, params, opt_state):
-    """(params, opt_state, step) from `path`, shaped and sharded like the given ones."""
+def _options(config: dict) -> str:
+    return " ".join(f"--{k} {config[k]}" for k in MODEL_OPTIONS if k in config)
+
+
+def restore_checkpoint(path: str, params, opt_state, config: dict | None = None):
+    """(params, opt_state, step) from `path`, shaped and sharded like the given ones.
+
+    Raises:
+        ValueError: the checkpoint was saved with other model options than `config`, or holds
+            arrays of other shapes; the message names the checkpoint and the options to pass.
+    """
     with np.load(path) as data:
+        saved = json.loads(str(data["config"])) if "config" in data else {}
+        if config:
+            differ = [k for k in MODEL_OPTIONS if k in saved and saved[k] != config.get(k)]
+            if differ:
+                raise ValueError(
+                    f"checkpoint {path} was saved with {_options({k: saved[k] for k in differ})}"
+                    f", and this run has {_options({k: config[k] for k in differ})}. Resume it "
+                    f"with the options it was saved with: {_options(saved)}.")
+
+        def mismatch(what: str) -> ValueError:
+            hint = (f"pass the options it was saved with: {_options(saved)}" if saved else
+                    "pass the model options (--dim, --heads, --layers, --seq, --experts) it "
+                    "was saved with")
+            return ValueError(f"checkpoint {path} does not fit this model: {what}. It was "
+                              f"saved with other model options; {hint}.")
+
         def fill(prefix, like):
             paths, treedef = jax.tree_util.tree_flatten_with_path(like)
             leaves = []
             for key_path, leaf in paths:
-                value = data[f"{prefix}{jax.tree_util.keystr(key_path)}"]
+                key = f"{prefix}{jax.tree_util.keystr(key_path)}"
+                if key not in data:
+                    raise mismatch(f"it has no {key}")
+                value = data[key]
+                if np.shape(value) != np.shape(leaf):
+                    raise mismatch(f"{key} has shape {np.shape(value)} there and "
+                                   f"{np.shape(leaf)} here")
                 if isinstance(leaf, jax.Array) and isinstance(leaf.sharding, NamedSharding):
                     value = jax.device_put(value.astype(leaf.dtype), leaf.sharding)
                 elif isinstance(leaf, jax.Array):  # e.g. the optimiser's step count
@@ -176,6 +213,28 @@ def restore_checkpoint(path: str, params, opt_state):
             return jax.tree_util.tree_unflatten(treedef, leaves)
 
         return fill("params", params), fill("opt", opt_state), int(data["step"])
+
+
+def check_sizes(args, sp: int, tp: int) -> str:
+    """Why the model options do not split over the ("sp", "tp") mesh ("" when they do): each
+    message names the option and values that work."""
+    if args.dim <= 0 or args.dim % (8 * tp):
+        return (f"--dim {args.dim}: the projections split the width over tp={tp}, and each "
+                f"device's part must be a multiple of 8: use a multiple of {8 * tp}")
+    if args.heads <= 0 or args.dim % args.heads or args.heads % tp:
+        fits = [h for h in range(tp, args.dim + 1, tp) if args.dim % h == 0][:4]
+        return (f"--heads {args.heads}: the heads split --dim {args.dim} and are split over "
+                f"tp={tp}, so --heads must divide {args.dim} and be a multiple of {tp}: e.g. "
+                f"{', '.join(map(str, fits))}")
+    if args.attention == "ulysses" and (args.heads // tp) % sp:
+        return (f"--heads {args.heads}: Ulysses attention splits each device's {args.heads // tp} "
+                f"heads again over sp={sp}: use a multiple of {tp * sp}, or --attention ring")
+    if args.seq <= 0 or args.seq % sp:
+        return f"--seq {args.seq}: the sequence is split over sp={sp}: use a multiple of {sp}"
+    if args.experts and args.experts % sp:
+        return (f"--experts {args.experts}: the experts are split over sp={sp}: use a multiple "
+                f"of {sp}")
+    return ""
 
 
 # --------------------------------------------------------------------------------- training
@@ -187,30 +246,50 @@ def progress(step: int, total: int, loss: float, tokens_per_s: float, width: int
     return f"[{'#' * done}{'.' * (width - done)}] {step:4d}/{total}  loss {loss:.3f}  {rate}"
 
 
-def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--attention", choices=("ring", "ulysses"), default="ring")
+def arguments() -> argparse.ArgumentParser:
+    """The command line; every option has help text and a default (shown by --help)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--steps", type=int, default=200, help="training steps")
+    parser.add_argument("--attention", choices=("ring", "ulysses"), default="ring",
+                        help="sequence-parallel attention over the sp axis")
     parser.add_argument("--sp", type=int, default=None,
-                        help="size of the sequence-parallel axis (default: 2 if it divides "
-                             "the device count)")
-    parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=3e-3)
+                        help="size of the sequence-parallel axis; the rest of the devices form "
+                             "tp (None: 2 if it divides the device count, else 1)")
+    parser.add_argument("--dim", type=int, default=128,
+                        help="model width (a multiple of 8 x tp)")
+    parser.add_argument("--heads", type=int, default=8,
+                        help="attention heads (a multiple of tp that divides --dim)")
+    parser.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    parser.add_argument("--seq", type=int, default=128,
+                        help="sequence length in bytes (a multiple of sp)")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per step")
+    parser.add_argument("--lr", type=float, default=3e-3, help="Adam's learning rate")
     parser.add_argument("--experts", type=int, default=0,
                         help="MoE blocks with this many experts (split over sp); 0: MLPs")
-    parser.add_argument("--text-bytes", type=int, default=2_000_000)
-    parser.add_argument("--checkpoint", default=None, help="where to save at the end (.npz)")
-    parser.add_argument("--resume", default=None, help="a checkpoint to continue from")
+    parser.add_argument("--text-bytes", type=int, default=2_000_000,
+                        help="bytes of standard-library source to train on")
+    parser.add_argument("--checkpoint", default=None,
+                        help="where to save at the end (.npz; None: no checkpoint)")
+    parser.add_argument("--resume", default=None,
+                        help="a checkpoint to continue from (None: start from scratch)")
     parser.add_argument("--losses", action="store_true",
                         help="print every step's loss (tests/gpu/compare_losses.py reads them)")
+    return parser
+
+
+def main(argv=None) -> dict:
+    parser = arguments()
     args = parser.parse_args(argv)
 
     n = jax.device_count()
     sp = args.sp or (2 if n % 2 == 0 else 1)
+    if sp <= 0 or n % sp:
+        parser.error(f"--sp {sp} must divide the device count ({n})")
+    problem = check_sizes(args, sp, n // sp)
+    if problem:
+        parser.error(problem)
+    config = {k: getattr(args, k) for k in MODEL_OPTIONS}
     mesh = jax.make_mesh((sp, n // sp), ("sp", "tp"))
     pk.init(mesh)
     attention_stem = "ring_attn" if args.attention == "ring" else "ulysses_attn"
@@ -245,7 +324,11 @@ def main(argv=None) -> dict:
     opt_state = tx.init(params)
     start_step = 0
     if args.resume:
-        params, opt_state, start_step = restore_checkpoint(args.resume, params, opt_state)
+        try:
+            params, opt_state, start_step = restore_checkpoint(args.resume, params, opt_state,
+                                                               config)
+        except (ValueError, OSError) as e:
+            parser.error(f"--resume: {e}")
         print(f"resumed from {args.resume} at step {start_step}")
 
     @jax.jit
@@ -285,14 +368,14 @@ def main(argv=None) -> dict:
 
     result = {"losses": losses, "step": start_step + args.steps}
     if args.checkpoint:
-        save_checkpoint(args.checkpoint, params, opt_state, start_step + args.steps)
+        save_checkpoint(args.checkpoint, params, opt_state, start_step + args.steps, config)
         fresh = nnx.split(Transformer(dim=args.dim, heads=args.heads, hidden=4 * args.dim,
                                       layers=args.layers, seq=args.seq,
                                       attention=args.attention, experts=args.experts,
                                       rngs=nnx.Rngs(1)))[1]
         fresh = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), fresh,
                              specs)
-        restored, _, step = restore_checkpoint(args.checkpoint, fresh, tx.init(fresh))
+        restored, _, step = restore_checkpoint(args.checkpoint, fresh, tx.init(fresh), config)
         inputs, targets = (jax.device_put(a, place) for a in next(data))
         before, after = float(evaluate(params, inputs, targets)), float(
             evaluate(restored, inputs, targets))

@@ -32,16 +32,26 @@ import pk_jax as pk
 from pk_jax.nn import flax as pkn
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--features", type=int, default=64)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--top-k", type=int, default=2)
+def arguments() -> argparse.ArgumentParser:
+    """The command line; every option has help text and a default (shown by --help)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--steps", type=int, default=30, help="training steps")
+    parser.add_argument("--features", type=int, default=64,
+                        help="token width (a multiple of 8)")
+    parser.add_argument("--hidden", type=int, default=128,
+                        help="each expert's hidden width (a multiple of 8)")
+    parser.add_argument("--experts", type=int, default=8,
+                        help="number of experts, split over the devices (a multiple of their "
+                             "count)")
+    parser.add_argument("--top-k", type=int, default=2, help="experts per token")
     parser.add_argument("--tokens", type=int, default=64, help="tokens per device")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    args = parser.parse_args()
+    parser.add_argument("--lr", type=float, default=3e-3, help="Adam's learning rate")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = arguments().parse_args(argv)
 
     n = jax.device_count()
     mesh = jax.make_mesh((n,), ("ep",), axis_types=(AxisType.Auto,))

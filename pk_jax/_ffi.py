@@ -6,19 +6,79 @@ every op then lowers to its `jax.lax` reference.
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import importlib
+import pathlib
 import threading
 
 import jax
 
-try:
-    from pk_jax import _pk_ffi  # type: ignore[attr-defined]
+MODULE = "pk_jax._pk_ffi"
+BUILD_HINT = ("To build it, reinstall on a machine with nvcc (CUDA 12.4 or newer): "
+              "`PK_JAX_CUDA=ON pip install -v --no-build-isolation \".[cuda]\"` from a checkout, "
+              "or `PK_JAX_CUDA=ON make setup`.")
 
+
+def _import_error(e: ImportError) -> ImportError:
+    """What the failed import of the extension means, and how to fix it.
+
+    `from pk_jax import _pk_ffi` inside the package's own import reports a missing module as a
+    "partially initialized module ... (most likely due to a circular import)", which it is not;
+    the module is imported by its full name, and a missing one is said to be missing.
+    """
+    if getattr(e, "name", None) == MODULE and not list(
+            pathlib.Path(__file__).parent.glob("_pk_ffi*")):
+        return ImportError(f"the CUDA extension {MODULE} is not installed (a pure-Python "
+                           f"install: every op runs its jax.lax reference). {BUILD_HINT}")
+    return ImportError(f"the CUDA extension {MODULE} is there but does not import ({e}). It was "
+                       "most likely built for another Python, jaxlib or CUDA; rebuild it. "
+                       f"{BUILD_HINT}")
+
+
+try:
+    _pk_ffi = importlib.import_module(MODULE)
     HAS_CUDA = True
     IMPORT_ERROR: Exception | None = None
 except ImportError as e:  # pure-Python install, or a module built for another Python/jaxlib
     _pk_ffi = None
     HAS_CUDA = False
-    IMPORT_ERROR = e
+    IMPORT_ERROR = _import_error(e)
+    IMPORT_ERROR.__cause__ = e
+
+
+
+@functools.cache
+def driver_problem() -> str:
+    """Why the NVIDIA driver (libcuda.so.1) cannot be loaded in this process; "" when it can."""
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        return str(e)
+    return ""
+
+
+def require_driver(what: str) -> None:
+    """Raises a RuntimeError that says what to do when `what` needs a GPU and no driver loads.
+
+    Without it the first driver call fails with cuda-python's bare "Failed to dlopen
+    libcuda.so.1", which names neither the cause nor the fix.
+
+    Args:
+        what: what needs the driver, e.g. "pk_jax.testing.World".
+
+    Raises:
+        RuntimeError: libcuda.so.1 does not load here.
+    """
+    problem = driver_problem()
+    if problem:
+        built = "The CUDA extension is built, but t" if HAS_CUDA else "T"
+        raise RuntimeError(
+            f"pk_jax: {what} needs an NVIDIA GPU and its driver, and this machine has no "
+            f"driver: libcuda.so.1 does not load ({problem}). {built}he kernels run only on "
+            "Hopper GPUs. Run this on a GPU machine; elsewhere every op runs its jax.lax "
+            "reference (on a mesh of CPU devices, or anywhere with PK_JAX_BACKEND=reference).")
+
 
 _lock = threading.Lock()
 _registered_platforms: set[str] = set()

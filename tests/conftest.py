@@ -64,14 +64,74 @@ def extension_problem(has_cuda: bool, package_dir: pathlib.Path, import_error) -
     )
 
 
+# Set by tests/gpu/run_all.sh: a GPU run whose GPU tests would all skip fails instead.
+REQUIRE_GPU = "PK_JAX_REQUIRE_GPU"
+GPU_REASON = "needs an sm_90 GPU and the pk_jax CUDA extension"
+EXT_REASON = "needs the compiled pk_jax extension"
+
+
+def no_hopper_reason(*, short: bool = False) -> str:
+    """Why this run has no sm_90 GPU with the extension ("" when it has one); `short`: the
+    first sentence of it."""
+    if HAS_HOPPER:
+        return ""
+    if not pk_jax.HAS_CUDA:
+        text = str(pk_jax._ffi.IMPORT_ERROR)
+        return text.split(". ")[0] if short else text
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError as e:
+        return f"JAX finds no GPU ({str(e).splitlines()[0]})"
+    kinds = sorted({f"{d.device_kind} (sm_{getattr(d, 'compute_capability', '?')})" for d in gpus})
+    return f"the GPUs here are {', '.join(kinds)}, not sm_90"
+
+
+@pytest.hookimpl(trylast=True)  # after -m / -k deselected what will not run
 def pytest_collection_modifyitems(config, items):
-    skip_gpu = pytest.mark.skip(reason="needs an sm_90 GPU and the pk_jax CUDA extension")
-    skip_ext = pytest.mark.skip(reason="needs the compiled pk_jax extension")
-    for item in items:
-        if "gpu" in item.keywords and not HAS_HOPPER:
-            item.add_marker(skip_gpu)
-        if "needs_ext" in item.keywords and not pk_jax.HAS_CUDA:
-            item.add_marker(skip_ext)
+    skip_gpu = pytest.mark.skip(reason=GPU_REASON)
+    skip_ext = pytest.mark.skip(reason=EXT_REASON)
+    needing = [i for i in items if ("gpu" in i.keywords and not HAS_HOPPER)
+               or ("needs_ext" in i.keywords and not pk_jax.HAS_CUDA)]
+    if needing and os.environ.get(REQUIRE_GPU) == "1":
+        raise pytest.UsageError(
+            f"pk_jax tests: {REQUIRE_GPU}=1, and {len(needing)} of the selected tests (e.g. "
+            f"{needing[0].nodeid}) need an sm_90 GPU or the CUDA extension, which this run "
+            f"lacks: {no_hopper_reason()}. They would pass by skipping. Run them on a Hopper GPU "
+            f"with the extension built, or unset {REQUIRE_GPU}.")
+    for item in needing:
+        item.add_marker(skip_gpu if "gpu" in item.keywords else skip_ext)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One line saying why tests were skipped and deselected, which pytest does not say."""
+    stats = terminalreporter.stats
+    reasons: dict[str, int] = {}
+    for report in stats.get("skipped", []):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else "?"
+        reason = reason.removeprefix("Skipped: ")
+        reasons[reason] = reasons.get(reason, 0) + 1
+    parts = []
+    if reasons:
+        why = "; ".join(f"{n} that {'needs' if n == 1 else 'need'} {r.removeprefix('needs ')}"
+                        if r.startswith("needs ") else f"{n}: {r}"
+                        for r, n in sorted(reasons.items(), key=lambda kv: -kv[1]))
+        here = no_hopper_reason(short=True) if GPU_REASON in reasons or EXT_REASON in reasons else ""
+        parts.append(f"{sum(reasons.values())} skipped: {why}" + (f" (here: {here})" if here
+                                                                  else ""))
+    deselected = stats.get("deselected", [])
+    if deselected:
+        markexpr, keyword = config.getoption("markexpr", ""), config.getoption("keyword", "")
+        large = sum(1 for item in deselected if "large" in getattr(item, "keywords", ()))
+        large = large if "not large" in markexpr else 0
+        how = " and ".join(f"-{flag} {expr!r}" for flag, expr in (("m", markexpr),
+                                                                 ("k", keyword)) if expr)
+        why = [(f"{large} marked large (the large parametrisation, deselected by pyproject's "
+                "addopts -m 'not large'; -m large runs them)")] if large else []
+        if len(deselected) > large:
+            why.append(f"{len(deselected) - large} by {how or 'the command line'}")
+        parts.append(f"{len(deselected)} deselected: {', '.join(why)}")
+    if parts:
+        terminalreporter.write_line("pk_jax: " + "; ".join(parts))
 
 
 def pytest_configure(config):

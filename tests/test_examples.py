@@ -3,6 +3,7 @@ sequence-parallel attention, and a checkpoint restores into a fresh model and re
 
 import importlib.util
 import pathlib
+import re
 
 import pytest
 
@@ -52,3 +53,57 @@ def test_stdlib_text_and_batches():
     inputs, targets = next(example.batches(text, 16, 3, seed=0))
     assert inputs.shape == targets.shape == (16, 3)
     assert (inputs[1:] == targets[:-1]).all()
+
+
+EXAMPLES = ("01_tp_mlp_flax.py", "02_tp_mlp_equinox.py", "03_transformer.py", "04_moe_flax.py")
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_every_option_has_help_and_a_default(name):
+    parser = _example(name).arguments()
+    # --help's options section, one entry per option ("  --steps STEPS  training steps ...").
+    entries = re.split(r"\n  (?=-)", parser.format_help().split("\noptions:\n", 1)[1])
+    options = [a for a in parser._actions if a.dest != "help"]
+    assert options
+    for action in options:
+        assert action.help and action.help.strip(), f"{name}: {action.option_strings} has no help"
+        [entry] = [e for e in entries if e.split()[0].rstrip(",") == action.option_strings[0]]
+        assert "(default:" in entry, f"{name}: {action.option_strings} shows no default: {entry}"
+
+
+def test_heads_that_do_not_split_fail_with_a_clear_error(capsys):
+    example = _example("03_transformer.py")
+    with pytest.raises(SystemExit) as info:
+        example.main(["--heads", "6", "--steps", "1"])  # 8 devices: sp = 2, tp = 4
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--heads 6" in err and "multiple of 4" in err and "e.g. 4, 8, 16, 32" in err, err
+    with pytest.raises(SystemExit):
+        example.main(["--heads", "4", "--attention", "ulysses", "--steps", "1"])
+    assert "Ulysses" in capsys.readouterr().err
+
+
+def test_resume_with_other_model_options_names_the_checkpoint(tmp_path, capsys):
+    import numpy as np
+
+    import pk_jax as pk
+
+    example = _example("03_transformer.py")
+    checkpoint = str(tmp_path / "lm.npz")
+    example.main(["--steps", "1", "--checkpoint", checkpoint, *SMALL])
+    capsys.readouterr()
+    other = [*SMALL[:SMALL.index("--dim")], "--dim", "32", *SMALL[SMALL.index("--dim") + 2:]]
+    pk.shutdown()
+    with pytest.raises(SystemExit):
+        example.main(["--steps", "1", "--resume", checkpoint, *other])
+    err = capsys.readouterr().err
+    assert checkpoint in err and "--dim 64" in err and "--dim 32" in err, err
+    # A checkpoint that does not record its options: the shapes tell.
+    with np.load(checkpoint) as data:
+        arrays = {k: data[k] for k in data.files if k != "config"}
+    np.savez(checkpoint, **arrays)
+    pk.shutdown()
+    with pytest.raises(SystemExit):
+        example.main(["--steps", "1", "--resume", checkpoint, *other])
+    err = capsys.readouterr().err
+    assert checkpoint in err and "has shape" in err and "--dim" in err, err

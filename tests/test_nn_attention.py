@@ -79,3 +79,31 @@ def test_bad_heads_name_the_fix():
         pkf.ParallelAttention(F, H, num_kv_heads=3, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="attention="):
         pkf.ParallelAttention(F, H, attention="striped", rngs=nnx.Rngs(0))
+
+
+def test_heads_that_do_not_split_fail_when_the_block_is_built():
+    _mesh()  # tp = 2, sp = 4
+    with pytest.raises(ValueError, match=r"flax.ParallelAttention: num_heads=3 .*'tp' of size 2"):
+        pkf.ParallelAttention(48, 3, axis_name="tp", seq_axis="sp", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"num_kv_heads=1 .*'tp' of size 2"):
+        pkq.ParallelAttention(F, H, num_kv_heads=1, key=jax.random.key(0), axis_name="tp",
+                              seq_axis="sp")
+    with pytest.raises(ValueError, match=r"num_heads=4 .*Ulysses.*multiple of 8"):
+        pkf.ParallelAttention(F, 4, axis_name="tp", seq_axis="sp", attention="ulysses",
+                              rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"num_heads=6 must divide features=64"):
+        pkf.ParallelAttention(F, 6, rngs=nnx.Rngs(0))
+
+
+def test_heads_that_do_not_split_fail_at_the_first_call():
+    # Built before the mesh is known: 6 heads of 16 give q 96 columns, which tp = 4 divides,
+    # but not the heads: the first call says so instead of failing in a reshape.
+    model = pkf.ParallelAttention(96, 6, axis_name="tp", seq_axis="sp", rngs=nnx.Rngs(0))
+    mesh = jax.make_mesh((4, 2), ("tp", "sp"), axis_types=(AxisType.Auto,) * 2,
+                         devices=jax.devices()[:8])
+    pk.init(mesh)
+    graph, state = nnx.split(model)
+    f = jax.jit(jax.shard_map(lambda st, x: nnx.merge(graph, st)(x), mesh=mesh,
+                              in_specs=(pkf.partition_specs(state), SEQ), out_specs=SEQ))
+    with pytest.raises(ValueError, match=r"num_heads=6 .*'tp' of size 4"):
+        f(state, jnp.zeros((B, S, 96)))

@@ -187,6 +187,30 @@ def test_layers_need_pk_init():
         jax.jit(f)(params, jnp.ones((8, FEATURES)))
 
 
+def test_sizes_that_do_not_split_fail_when_the_layer_is_built():
+    pk.init(cpu_mesh((8,), ("tp",)))
+    key = jax.random.key(0)
+    with pytest.raises(ValueError, match=r"equinox.ColumnParallelLinear: out_features=100 .*"
+                                         r"size 8.*96 or 104"):
+        pkq.ColumnParallelLinear(32, 100, key=key)
+    with pytest.raises(ValueError, match=r"equinox.RowParallelLinear: in_features=32 .*"
+                                         r"multiple of 64"):
+        pkq.RowParallelLinear(32, 32, key=key)
+    with pytest.raises(ValueError, match=r"equinox.ParallelMLP: hidden=100"):
+        pkq.ParallelMLP(32, 100, key=key)
+
+
+def test_out_features_not_divisible_by_p_fails_at_the_first_call():
+    layer = pkq.ColumnParallelLinear(FEATURES, 10, key=jax.random.key(0))  # no mesh known yet
+    mesh = cpu_mesh((4,), ("tp",))
+    pk.init(mesh)
+    params, static = eqx.partition(layer, eqx.is_array)
+    f = jax.shard_map(lambda p, x: eqx.combine(p, static)(x), mesh=mesh,
+                      in_specs=(P(), P()), out_specs=P(None, "tp"))
+    with pytest.raises(ValueError, match=r"ColumnParallelLinear: out_features=10 .*size 4"):
+        jax.jit(f)(params, jnp.ones((8, FEATURES)))
+
+
 def test_fp32_compute_dtype_is_refused():
     with pytest.raises(TypeError, match="dtype=float32"):
         pkq.RowParallelLinear(HIDDEN, FEATURES, key=jax.random.key(0), dtype=jnp.float32)

@@ -185,15 +185,52 @@ def test_sequence_parallel_row_layer_needs_a_divisible_first_dimension():
         jax.jit(f)(params, h)
 
 
-def test_out_features_not_divisible_by_p():
+def test_out_features_not_divisible_by_p_fails_at_the_first_call():
+    # Built before any mesh is known: the first call checks it, at trace time.
+    layer = pkn.ColumnParallelLinear(FEATURES, 10, rngs=nnx.Rngs(0))
     mesh = cpu_mesh((4,), ("tp",))
     pk.init(mesh)
-    layer = pkn.ColumnParallelLinear(FEATURES, 10, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(layer)
     f = jax.shard_map(lambda p, x: nnx.merge(graphdef, p)(x), mesh=mesh,
                       in_specs=(P(), P()), out_specs=P(None, "tp"))
-    with pytest.raises(ValueError, match="out_features=10"):
+    with pytest.raises(ValueError, match=r"ColumnParallelLinear: out_features=10 .*size 4.*8 or "
+                                         r"12"):
         jax.jit(f)(params, jnp.ones((8, FEATURES)))
+
+
+def test_row_layer_local_k_not_a_multiple_of_8_fails_at_the_first_call():
+    layer = pkn.RowParallelLinear(32, FEATURES, rngs=nnx.Rngs(0))  # K/P = 4 at P = 8
+    mesh = cpu_mesh((8,), ("tp",))
+    pk.init(mesh)
+    graphdef, params = nnx.split(pkn.shard(layer, mesh))
+    f = jax.shard_map(lambda p, h: nnx.merge(graphdef, p)(h), mesh=mesh,
+                      in_specs=(pkn.partition_specs(params), P(None, "tp")), out_specs=P())
+    h = jax.device_put(jnp.ones((8, 32)), NamedSharding(mesh, P(None, "tp")))
+    with pytest.raises(ValueError, match=r"RowParallelLinear: in_features=32 .*multiple of 64"):
+        jax.jit(f)(params, h)
+
+
+def test_sizes_that_do_not_split_fail_when_the_layer_is_built():
+    pk.init(cpu_mesh((8,), ("tp",)))  # the axis size is known from pk.init's mesh
+    with pytest.raises(ValueError, match=r"flax.ColumnParallelLinear: out_features=100 .*axis "
+                                         r"'tp' of size 8.*Pick e.g. 96 or 104"):
+        pkn.ColumnParallelLinear(32, 100, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"ColumnParallelLinear: in_features=30 .*multiple of 8"):
+        pkn.ColumnParallelLinear(30, 64, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"RowParallelLinear: in_features=32 .*size 8.*"
+                                         r"multiple of 64"):
+        pkn.RowParallelLinear(32, 32, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"flax.ParallelMLP: hidden=100 .*64 or 128"):
+        pkn.ParallelMLP(32, 100, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"flax.ParallelMLP: features=20"):
+        pkn.ParallelMLP(20, 128, rngs=nnx.Rngs(0))
+    pkn.ParallelMLP(32, 64, rngs=nnx.Rngs(0))  # what does split is accepted
+    # Another axis name: its size is not known yet, so only the first call can check it.
+    pkn.ColumnParallelLinear(32, 100, axis_name="model", rngs=nnx.Rngs(0))
+    # A mesh set with jax.set_mesh comes first.
+    with (jax.set_mesh(cpu_mesh((4,), ("model",))),
+          pytest.raises(ValueError, match=r"out_features=10 .*'model' of size 4")):
+        pkn.ColumnParallelLinear(32, 10, axis_name="model", rngs=nnx.Rngs(0))
 
 
 def test_fp32_compute_dtype_is_refused():

@@ -101,6 +101,16 @@ def test_moe_rejects_full_weights_inside_shard_map():
         f(state, jnp.zeros((2 * T, H)))
 
 
+def test_moe_sizes_that_do_not_split_fail_when_the_block_is_built():
+    _mesh(8)
+    with pytest.raises(ValueError, match=r"flax.MoE: num_experts=12 .*'ep' of size 8"):
+        pkf.MoE(H, F, 12, axis_name="ep", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"equinox.MoE: hidden=20 .*multiple of 8"):
+        pkq.MoE(H, 20, E, key=jax.random.key(0), axis_name="ep")
+    with pytest.raises(ValueError, match=r"top_k=9 must be in 1..num_experts"):
+        pkf.MoE(H, F, E, top_k=9, axis_name="ep", rngs=nnx.Rngs(0))
+
+
 def test_moe_example_runs():
     import os
     import pathlib

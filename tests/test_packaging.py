@@ -1,5 +1,5 @@
-"""What a new user meets before the first op: the README's Python runs as written, optional
-dependencies name their extra, a test run never tests a tree without a built extension by
+"""What a new user meets before the first op: the README's and docs' Python runs as written,
+optional dependencies name their extra, a test run never tests a tree without a built extension by
 mistake, the pins agree, and no file points at documents outside the repository."""
 
 from __future__ import annotations
@@ -32,41 +32,78 @@ def _python(code: str, *, env: dict | None = None, cwd=None, timeout: int = 300)
                           env=base, cwd=cwd, timeout=timeout, check=False)
 
 
-# ------------------------------------------------------------------------------- README
+# ------------------------------------------------------------------------- README and docs
 
 
-GPU_BLOCK = "# needs a Hopper GPU"  # first line of a README block that runs only on one
+GPU_BLOCK = "# needs a Hopper GPU"  # first line of a block that runs only on one
+DOC_FILES = ["README.md"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md"))
 
 
-def readme_python_blocks(*, gpu: bool = False) -> list[str]:
-    """The README's ```python blocks: those for any machine, or (gpu=True) the GPU-only ones."""
-    text = (ROOT / "README.md").read_text()
-    blocks = [textwrap.dedent(b) for b in re.findall(r"^```python\n(.*?)^```", text,
-                                                      re.MULTILINE | re.DOTALL)]
-    return [b for b in blocks if b.startswith(GPU_BLOCK) == gpu]
+def python_blocks(path: str) -> list[str]:
+    """The ```python blocks of one Markdown file, dedented."""
+    text = (ROOT / path).read_text()
+    return [textwrap.dedent(b) for b in re.findall(r"^ *```python\n(.*?)^ *```", text,
+                                                    re.MULTILINE | re.DOTALL)]
 
 
-def test_readme_has_python_blocks():
-    blocks = readme_python_blocks()
-    assert len(blocks) >= 2
-    assert "xla_force_host_platform_device_count=8" in blocks[0], "Usage must say how to get " \
-        "8 CPU devices"
+def doc_python_blocks(*, gpu: bool = False) -> list[tuple[str, int, str]]:
+    """(file, index, code) of the README's and docs' Python blocks: those for any machine, or
+    (gpu=True) the GPU-only ones."""
+    return [(f, i, b) for f in DOC_FILES for i, b in enumerate(python_blocks(f))
+            if b.startswith(GPU_BLOCK) == gpu]
 
 
-@pytest.mark.parametrize("index", range(len(readme_python_blocks())))
-def test_readme_python_block_runs_as_written(index, tmp_path):
+def test_readme_has_a_quick_start_for_a_laptop():
+    blocks = python_blocks("README.md")
+    assert blocks and "xla_force_host_platform_device_count=8" in blocks[0], (
+        "the README's quick start must say how to get 8 CPU devices")
+
+
+def test_the_guides_keep_their_examples():
+    # The guides that show code (each once a README section) still do, and run (below).
+    for page in ("index", "guides/layers", "guides/meshes", "guides/multi-node",
+                 "guides/profiling"):
+        assert python_blocks(f"docs/{page}.md"), page
+    assert python_blocks("docs/guides/emulator.md")[0].startswith(GPU_BLOCK)
+
+
+def _ids(blocks):
+    return [f"{f}:{i}" for f, i, _ in blocks]
+
+
+@pytest.mark.parametrize("path,index,code", doc_python_blocks(), ids=_ids(doc_python_blocks()))
+def test_doc_python_block_runs_as_written(path, index, code, tmp_path):
     # Each block in a fresh interpreter, from an empty directory, without the tests' XLA_FLAGS.
-    code = readme_python_blocks()[index]
     out = _python(code, cwd=tmp_path)
-    assert out.returncode == 0, f"README block {index}:\n{code}\n{out.stdout}\n{out.stderr}"
+    assert out.returncode == 0, f"{path} block {index}:\n{code}\n{out.stdout}\n{out.stderr}"
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("index", range(len(readme_python_blocks(gpu=True))))
-def test_readme_gpu_python_block_runs_as_written(index, tmp_path):
-    code = readme_python_blocks(gpu=True)[index]
+@pytest.mark.parametrize("path,index,code", doc_python_blocks(gpu=True),
+                         ids=_ids(doc_python_blocks(gpu=True)))
+def test_doc_gpu_python_block_runs_as_written(path, index, code, tmp_path):
     out = _python(code, cwd=tmp_path)
-    assert out.returncode == 0, f"README GPU block {index}:\n{code}\n{out.stdout}\n{out.stderr}"
+    assert out.returncode == 0, f"{path} GPU block {index}:\n{code}\n{out.stdout}\n{out.stderr}"
+
+
+def test_docs_site_lists_every_page_and_finds_every_plot():
+    """What mkdocs --strict checks, without mkdocs: every page is in the nav (a page left out
+    is only an INFO there), and every plot a page shows is one of bench/results/ (which
+    docs/hooks.py adds to the site)."""
+    config = (ROOT / "mkdocs.yml").read_text()
+    pages = [f.removeprefix("docs/") for f in DOC_FILES if f.startswith("docs/")]
+    assert pages and not [p for p in pages if f": {p}\n" not in config], config
+    for page in pages:
+        for plot in re.findall(r"\]\(results/([^)]+)\)", (ROOT / "docs" / page).read_text()):
+            assert (ROOT / "bench" / "results" / plot).is_file(), (page, plot)
+    readme = (ROOT / "README.md").read_text()
+    for target in re.findall(r"\]\(((?:docs|bench)/[^)#]+)", readme):
+        assert (ROOT / target).is_file(), f"README links to {target}, which is not there"
+
+
+def test_py_typed_is_installed():
+    # PEP 561: type checkers read pk_jax's annotations only where py.typed is installed.
+    assert (pathlib.Path(pk_jax.__file__).parent / "py.typed").is_file()
 
 
 # ------------------------------------------------------------------ optional dependencies
@@ -148,6 +185,77 @@ def test_pytest_from_the_source_tree_with_a_built_extension_fails(tmp_path):
                          timeout=300, check=False)
     text = out.stdout + out.stderr
     assert out.returncode != 0 and "a built one exists" in text, text[-3000:]
+
+
+def _pytest_in_a_copy(tmp_path, test_code: str, env: dict) -> subprocess.CompletedProcess:
+    """pytest over one test file beside a copy of the repository's conftest and package."""
+    repo = tmp_path / "repo"
+    (repo / "tests").mkdir(parents=True)
+    for f in ("conftest.py", "util.py"):
+        (repo / "tests" / f).write_text((ROOT / "tests" / f).read_text())
+    (repo / "tests" / "test_x.py").write_text(test_code)
+    shutil.copytree(PKG_ROOT / "pk_jax", repo / "pk_jax",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    env = {**os.environ, "PYTHONPATH": str(repo), ALLOW_NO_EXTENSION: "1", **env}
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "tests"], cwd=repo, env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+
+
+GPU_TEST = "import pytest\n\n\n@pytest.mark.gpu\ndef test_on_the_gpu():\n    pass\n"
+
+
+def test_gpu_tests_that_would_skip_fail_under_require_gpu(tmp_path):
+    from conftest import HAS_HOPPER, REQUIRE_GPU
+
+    quiet = _pytest_in_a_copy(tmp_path / "a", GPU_TEST, {REQUIRE_GPU: "0"})
+    strict = _pytest_in_a_copy(tmp_path / "b", GPU_TEST, {REQUIRE_GPU: "1"})
+    if HAS_HOPPER:  # the GPU machine: the test runs either way
+        assert quiet.returncode == strict.returncode == 0, strict.stdout + strict.stderr
+        return
+    assert quiet.returncode == 0 and "1 skipped" in quiet.stdout, quiet.stdout + quiet.stderr
+    # The closing line says why.
+    assert "pk_jax: 1 skipped: 1 that needs an sm_90 GPU" in quiet.stdout, quiet.stdout
+    text = strict.stdout + strict.stderr
+    assert strict.returncode != 0 and f"{REQUIRE_GPU}=1" in text, text
+    assert "would pass by skipping" in text and "test_on_the_gpu" in text, text
+
+
+def _import_pk_jax_copy(tmp_path, extension: bytes | None) -> str:
+    """pk_jax._ffi.IMPORT_ERROR of a copy of the package without (or with a broken) module."""
+    shutil.copytree(PKG_ROOT / "pk_jax", tmp_path / "pk_jax",
+                    ignore=shutil.ignore_patterns("__pycache__", "_pk_ffi*"))
+    if extension is not None:
+        (tmp_path / "pk_jax" / "_pk_ffi.abi3.so").write_bytes(extension)
+    out = _python("import pk_jax; print(pk_jax.HAS_CUDA, pk_jax._ffi.IMPORT_ERROR)",
+                  env={"PYTHONPATH": str(tmp_path)}, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_a_missing_extension_says_what_is_missing_and_how_to_build_it(tmp_path):
+    text = _import_pk_jax_copy(tmp_path, None)
+    assert text.startswith("False") and "circular import" not in text, text
+    assert "pk_jax._pk_ffi is not installed" in text and "PK_JAX_CUDA=ON" in text, text
+
+
+def test_a_broken_extension_says_it_does_not_import(tmp_path):
+    text = _import_pk_jax_copy(tmp_path, b"not an ELF file")
+    assert text.startswith("False") and "circular import" not in text, text
+    assert "is there but does not import" in text and "rebuild" in text, text
+
+
+def test_no_gpu_driver_is_said_with_what_to_do(monkeypatch):
+    from pk_jax import _ffi
+
+    monkeypatch.setattr(_ffi, "driver_problem",
+                        lambda: "libcuda.so.1: cannot open shared object file")
+    with pytest.raises(RuntimeError, match=r"pk_jax.testing.World needs an NVIDIA GPU.*"
+                                           r"libcuda.so.1 does not load.*PK_JAX_BACKEND="
+                                           r"reference"):
+        _ffi.require_driver("pk_jax.testing.World")
+    monkeypatch.setattr(_ffi, "driver_problem", lambda: "")
+    _ffi.require_driver("pk_jax.testing.World")  # a driver: nothing to say
 
 
 # ------------------------------------------------------------ pins, references, profiles

@@ -83,6 +83,7 @@ import numpy as np
 
 import pk_jax as pk
 from pk_jax import _checks
+from pk_jax.runtime import state
 
 DEFAULT_AXIS = "tp"
 
@@ -99,6 +100,73 @@ def check_dtype(layer: str, dtype: Any) -> Any:
     return dt
 
 
+def known_axis_size(axis_name: str) -> int | None:
+    """The size of mesh axis `axis_name` where it is known when a layer is built: the mesh set
+    with `jax.set_mesh`, else the meshes given to `pk.init` when they agree on it; None when
+    neither has the axis (the layer's first call checks it then, at trace time)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and axis_name in mesh.axis_names:
+        return int(mesh.shape[axis_name])
+    sizes = {int(m.shape[axis_name]) for m in state.meshes() if axis_name in m.axis_names}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def check_split(layer: str, arg: str, value: int, axis_name: str | None, p: int | None, *,
+                unit: int = 1, what: str = "") -> None:
+    """Checks that argument `arg` of `layer` splits over `axis_name` (size `p`) into pieces
+    that are multiples of `unit`.
+
+    Args:
+        layer: the layer, e.g. "flax.ColumnParallelLinear".
+        arg: the argument's name, e.g. "out_features".
+        value: its value.
+        axis_name: the mesh axis it is split over; None: not split (only `unit` applies).
+        p: the axis size; None where it is not known yet (only `unit` applies then).
+        unit: what each device's piece must be a multiple of (8 for a GEMM's K: 16-byte rows).
+        what: what the argument is, for the message.
+
+    Raises:
+        ValueError: it does not split; the message names the argument and values that do.
+    """
+    need = unit * (p or 1)
+    if value > 0 and value % need == 0:
+        return
+    down = value // need * need
+    fits = " or ".join(str(v) for v in (down, down + need) if v > 0)
+    where = (f"is split over axis {axis_name!r} of size {p}" if p and axis_name else "")
+    piece = (f"each device's piece of it must be a multiple of {unit} (16-byte rows for the "
+             f"GEMMs)" if unit > 1 and p and p > 1 else
+             f"it must be a multiple of {unit} (16-byte rows for the GEMMs)" if unit > 1 else
+             "")
+    reason = ", and ".join(r for r in (where, piece) if r)
+    raise ValueError(
+        f"pk_jax.nn.{layer}: {arg}={value}{f' ({what})' if what else ''} {reason}, so it must "
+        f"be a positive multiple of {need}. Pick e.g. {fits}.")
+
+
+def check_linear(layer: str, in_features: int, out_features: int, axis_name: str, *,
+                 column: bool) -> None:
+    """A parallel linear layer's sizes, checked when it is built: K a multiple of 8 per device,
+    and the split dimension (out_features of a column layer, in_features of a row layer)
+    divisible by the axis size where it is known then (`known_axis_size`)."""
+    p = known_axis_size(axis_name)
+    if column:
+        check_split(layer, "in_features", in_features, None, None, unit=8, what="the GEMM's K")
+        check_split(layer, "out_features", out_features, axis_name, p,
+                    what="the weight's columns, split over the axis")
+    else:
+        check_split(layer, "in_features", in_features, axis_name, p, unit=8,
+                    what="the weight's rows, split over the axis: the GEMM's K")
+        check_split(layer, "out_features", out_features, None, None)
+
+
+def check_mlp(layer: str, features: int, hidden: int, axis_name: str) -> None:
+    """A ParallelMLP's sizes, checked when it is built and named as its own arguments."""
+    check_split(layer, "features", features, None, None, unit=8, what="the first GEMM's K")
+    check_split(layer, "hidden", hidden, axis_name, known_axis_size(axis_name), unit=8,
+                what="the hidden units, split over the axis: the second GEMM's K")
+
+
 def check_local_shape(layer: str, name: str, w: jax.Array, full: tuple[int, int], dim: int,
                       axis_name: str) -> int:
     """Checks that `w` is this device's shard of a [K, N] weight split along `dim`.
@@ -108,11 +176,8 @@ def check_local_shape(layer: str, name: str, w: jax.Array, full: tuple[int, int]
     """
     p = _checks.axis_size(f"nn.{layer}", axis_name)
     want = list(full)
-    if want[dim] % p:
-        raise ValueError(
-            f"pk.nn.{layer}: {name} has {'in' if dim == 0 else 'out'}_features={full[dim]}, "
-            f"which the size {p} of axis {axis_name!r} does not divide. Pick a multiple of {p}."
-        )
+    check_split(layer, f"{'in' if dim == 0 else 'out'}_features", full[dim], axis_name, p,
+                unit=8 if dim == 0 else 1, what=f"{name} dimension {dim}")
     want[dim] //= p
     if tuple(w.shape) != tuple(want):
         hint = ("It holds the FULL weight: pass the model's partition specs "

@@ -23,6 +23,21 @@ def capacity(tokens: int, top_k: int, capacity_factor: float) -> int:
     return max(1, math.ceil(capacity_factor * tokens * top_k))
 
 
+def check_sizes(layer: str, features: int, hidden: int, num_experts: int, top_k: int,
+                axis_name: str) -> None:
+    """A MoE block's arguments, checked when it is built: the grouped GEMMs' K a multiple of 8,
+    the experts divisible by the axis size where it is known then."""
+    from pk_jax import nn
+
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"pk_jax.nn.{layer}: top_k={top_k} must be in 1..num_experts "
+                         f"({num_experts}).")
+    nn.check_split(layer, "features", features, None, None, unit=8, what="the first GEMM's K")
+    nn.check_split(layer, "hidden", hidden, None, None, unit=8, what="the second GEMM's K")
+    nn.check_split(layer, "num_experts", num_experts, axis_name, nn.known_axis_size(axis_name),
+                   what="experts, split over the axis")
+
+
 def check_experts(layer: str, w: jax.Array, full: tuple[int, int, int], axis_name: str) -> int:
     """Checks that `w` is this device's block of experts of a [E, K, N] weight; returns P."""
     p = _checks.axis_size(f"nn.{layer}", axis_name)

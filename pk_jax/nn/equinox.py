@@ -51,7 +51,8 @@ class ColumnParallelLinear(eqx.Module):
         use_bias: whether to add a bias.
         dtype: compute dtype, bf16 or fp16.
         param_dtype: dtype of the stored parameters.
-        kernel_init, bias_init: initialisers `(key, shape, dtype) -> array`.
+        kernel_init: initialiser `(key, shape, dtype) -> array` of the FULL weight.
+        bias_init: initialiser `(key, shape, dtype) -> array` of the FULL bias.
     """
 
     weight: jax.Array
@@ -70,6 +71,8 @@ class ColumnParallelLinear(eqx.Module):
         wkey, bkey = jax.random.split(key)
         self.in_features, self.out_features = in_features, out_features
         self.axis_name, self.sequence_parallel = axis_name, sequence_parallel
+        _nn.check_linear("equinox.ColumnParallelLinear", in_features, out_features, axis_name,
+                         column=True)
         self.dtype = _nn.check_dtype("equinox.ColumnParallelLinear", dtype)
         self.weight = kernel_init(wkey, (in_features, out_features), param_dtype)
         self.bias = bias_init(bkey, (out_features,), param_dtype) if use_bias else None
@@ -94,7 +97,11 @@ class RowParallelLinear(eqx.Module):
     mode all-reduces (`[..., out]`, replicated); sequence-parallel reduce-scatters the first
     dimension (`[S/P, ..., out]`). The bias is added once, after the reduction.
 
-    Args: as for `ColumnParallelLinear` (here `in_features` must be a multiple of 8 * P).
+    Args:
+        in_features: K, a multiple of 8 * P (each device's rows are the GEMM's K).
+        out_features: N.
+
+    The other arguments are those of `ColumnParallelLinear`.
     """
 
     weight: jax.Array
@@ -113,6 +120,8 @@ class RowParallelLinear(eqx.Module):
         wkey, bkey = jax.random.split(key)
         self.in_features, self.out_features = in_features, out_features
         self.axis_name, self.sequence_parallel = axis_name, sequence_parallel
+        _nn.check_linear("equinox.RowParallelLinear", in_features, out_features, axis_name,
+                         column=False)
         self.dtype = _nn.check_dtype("equinox.RowParallelLinear", dtype)
         self.weight = kernel_init(wkey, (in_features, out_features), param_dtype)
         self.bias = bias_init(bkey, (out_features,), param_dtype) if use_bias else None
@@ -141,7 +150,8 @@ class ParallelMLP(eqx.Module):
         hidden: hidden width, a multiple of 8 * P.
         key: PRNG key for both layers.
         activation: applied between the layers (default `jax.nn.gelu`).
-        other arguments: as for `ColumnParallelLinear`, shared by both layers.
+
+    The other arguments are those of `ColumnParallelLinear`, shared by both layers.
     """
 
     up: ColumnParallelLinear
@@ -156,6 +166,7 @@ class ParallelMLP(eqx.Module):
                  kernel_init: Initializer = default_kernel_init,
                  bias_init: Initializer = default_bias_init):
         k1, k2 = jax.random.split(key)
+        _nn.check_mlp("equinox.ParallelMLP", features, hidden, axis_name)
         common = {"axis_name": axis_name, "sequence_parallel": sequence_parallel,
                   "use_bias": use_bias, "dtype": dtype, "param_dtype": param_dtype,
                   "kernel_init": kernel_init, "bias_init": bias_init}
@@ -178,9 +189,9 @@ class ParallelAttention(eqx.Module):
     (see `pk_jax.nn.flax.ParallelAttention`, the same block).
 
     Args:
-        features, num_heads, num_kv_heads, axis_name, seq_axis, attention, causal, layout,
-            use_bias, dtype, param_dtype, kernel_init, bias_init: as for the Flax block.
         key: PRNG key for the four projections.
+
+    The other arguments are those of `pk_jax.nn.flax.ParallelAttention`.
     """
 
     q: ColumnParallelLinear
@@ -204,7 +215,7 @@ class ParallelAttention(eqx.Module):
 
         kv = num_heads if num_kv_heads is None else num_kv_heads
         self.head_dim = _attn.check_heads("equinox.ParallelAttention", features, num_heads, kv,
-                                          attention)
+                                          attention, axis_name=axis_name, seq_axis=seq_axis)
         self.seq_axis, self.kind, self.causal, self.layout = seq_axis, attention, causal, layout
         common = {"axis_name": axis_name, "use_bias": use_bias, "dtype": dtype,
                   "param_dtype": param_dtype, "kernel_init": kernel_init,
@@ -229,9 +240,9 @@ class MoE(eqx.Module):
     `(y, aux_loss)`.
 
     Args:
-        features, hidden, num_experts, top_k, capacity_factor, activation, dtype, param_dtype:
-            as for `pk_jax.nn.flax.MoE`.
         key: PRNG key for the router and the experts.
+
+    The other arguments are those of `pk_jax.nn.flax.MoE`.
     """
 
     router: jax.Array
@@ -251,9 +262,7 @@ class MoE(eqx.Module):
                  dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32):
         from pk_jax.nn import _moe
 
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"pk_jax.nn.equinox.MoE: top_k={top_k} must be in "
-                             f"1..num_experts ({num_experts}).")
+        _moe.check_sizes("equinox.MoE", features, hidden, num_experts, top_k, axis_name)
         k0, k1, k2 = jax.random.split(key, 3)
         self.router = default_kernel_init(k0, (features, num_experts), param_dtype)
         self.w1 = _moe.expert_init(k1, (num_experts, features, hidden), param_dtype)

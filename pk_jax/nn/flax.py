@@ -51,7 +51,8 @@ class ColumnParallelLinear(nnx.Module):
         use_bias: whether to add a bias.
         dtype: compute dtype, bf16 or fp16.
         param_dtype: dtype of the stored parameters.
-        kernel_init, bias_init: initialisers of the FULL weight [in, out] and bias [out].
+        kernel_init: initialiser of the FULL weight [in, out].
+        bias_init: initialiser of the FULL bias [out].
         rngs: the nnx.Rngs whose `params` stream initialises the weights.
     """
 
@@ -62,6 +63,8 @@ class ColumnParallelLinear(nnx.Module):
                  bias_init: Initializer = default_bias_init, rngs: nnx.Rngs):
         self.in_features, self.out_features = in_features, out_features
         self.axis_name, self.sequence_parallel = axis_name, sequence_parallel
+        _nn.check_linear("flax.ColumnParallelLinear", in_features, out_features, axis_name,
+                         column=True)
         self.dtype = _nn.check_dtype("flax.ColumnParallelLinear", dtype)
         self.kernel = _param(kernel_init(rngs.params(), (in_features, out_features),
                                          param_dtype), (None, axis_name))
@@ -86,7 +89,11 @@ class RowParallelLinear(nnx.Module):
     mode all-reduces (`[..., out]`, replicated); sequence-parallel reduce-scatters the first
     dimension (`[S/P, ..., out]`). The bias is added once, after the reduction.
 
-    Args: as for `ColumnParallelLinear` (here `in_features` must be a multiple of 8 * P).
+    Args:
+        in_features: K, a multiple of 8 * P (each device's rows are the GEMM's K).
+        out_features: N.
+
+    The other arguments are those of `ColumnParallelLinear`.
     """
 
     def __init__(self, in_features: int, out_features: int, *, axis_name: str = _nn.DEFAULT_AXIS,
@@ -96,6 +103,8 @@ class RowParallelLinear(nnx.Module):
                  bias_init: Initializer = default_bias_init, rngs: nnx.Rngs):
         self.in_features, self.out_features = in_features, out_features
         self.axis_name, self.sequence_parallel = axis_name, sequence_parallel
+        _nn.check_linear("flax.RowParallelLinear", in_features, out_features, axis_name,
+                         column=False)
         self.dtype = _nn.check_dtype("flax.RowParallelLinear", dtype)
         self.kernel = _param(kernel_init(rngs.params(), (in_features, out_features),
                                          param_dtype), (axis_name, None))
@@ -123,7 +132,8 @@ class ParallelMLP(nnx.Module):
         features: model width (K of the first layer, N of the second), a multiple of 8.
         hidden: hidden width, a multiple of 8 * P.
         activation: applied between the layers (default `jax.nn.gelu`).
-        other arguments: as for `ColumnParallelLinear`, shared by both layers.
+
+    The other arguments are those of `ColumnParallelLinear`, shared by both layers.
     """
 
     def __init__(self, features: int, hidden: int, *, axis_name: str = _nn.DEFAULT_AXIS,
@@ -132,6 +142,7 @@ class ParallelMLP(nnx.Module):
                  dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32,
                  kernel_init: Initializer = default_kernel_init,
                  bias_init: Initializer = default_bias_init, rngs: nnx.Rngs):
+        _nn.check_mlp("flax.ParallelMLP", features, hidden, axis_name)
         common = {"axis_name": axis_name, "sequence_parallel": sequence_parallel,
                   "use_bias": use_bias, "dtype": dtype, "param_dtype": param_dtype,
                   "kernel_init": kernel_init, "bias_init": bias_init, "rngs": rngs}
@@ -194,7 +205,9 @@ class MoE(nnx.Module):
         capacity_factor: each device's dispatch buffer holds this many times the (token, slot)s
             it receives on average; the excess is dropped (contributes zero).
         activation: between the expert GEMMs (default `jax.nn.gelu`).
-        dtype, param_dtype, rngs: as for `ColumnParallelLinear`.
+        axis_name: the expert-parallel mesh axis (experts split over it).
+
+    The other arguments are those of `ColumnParallelLinear`.
     """
 
     def __init__(self, features: int, hidden: int, num_experts: int, *, top_k: int = 2,
@@ -203,9 +216,7 @@ class MoE(nnx.Module):
                  dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
         from pk_jax.nn import _moe
 
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"pk_jax.nn.flax.MoE: top_k={top_k} must be in 1..num_experts "
-                             f"({num_experts}).")
+        _moe.check_sizes("flax.MoE", features, hidden, num_experts, top_k, axis_name)
         self.features, self.hidden, self.num_experts = features, hidden, num_experts
         self.top_k, self.axis_name, self.capacity_factor = top_k, axis_name, capacity_factor
         self.activation = activation
@@ -252,7 +263,12 @@ class ParallelAttention(nnx.Module):
         attention: "ring" or "ulysses".
         causal: causal masking over global positions.
         layout: ring only: "contiguous" or "zigzag" (see `pk.zigzag_indices`).
-        use_bias, dtype, param_dtype, kernel_init, bias_init, rngs: as for the linear layers.
+        use_bias: as for the linear layers.
+        dtype: as for the linear layers.
+        param_dtype: as for the linear layers.
+        kernel_init: as for the linear layers.
+        bias_init: as for the linear layers.
+        rngs: as for the linear layers.
     """
 
     def __init__(self, features: int, num_heads: int, *, num_kv_heads: int | None = None,
@@ -266,7 +282,7 @@ class ParallelAttention(nnx.Module):
 
         kv = num_heads if num_kv_heads is None else num_kv_heads
         self.head_dim = _attn.check_heads("flax.ParallelAttention", features, num_heads, kv,
-                                          attention)
+                                          attention, axis_name=axis_name, seq_axis=seq_axis)
         self.seq_axis, self.kind, self.causal, self.layout = seq_axis, attention, causal, layout
         common = {"axis_name": axis_name, "use_bias": use_bias, "dtype": dtype,
                   "param_dtype": param_dtype, "kernel_init": kernel_init,

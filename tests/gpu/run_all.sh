@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark, on the H200 machine: tests/gpu/run_all.sh [section ...]
 # Sections: install sass unit runtime collectives collectives_mp tp tp_mp grouped attention
-# emulator moe moe_fused moe_mp ring ulysses ulysses_bwd sanitize racecheck examples users bench
-# link overlap state hazards (default: all but moe_fused, moe_mp, ulysses_bwd, overlap, racecheck (part of
-# sanitize), bench, link and hazards). The P = 1 sections (install unit collectives tp examples)
-# may run side by side in separate invocations; the multi-process ones and bench want the GPU
-# alone.
+# emulator moe moe_fused moe_mp ring ulysses ulysses_bwd sanitize racecheck examples users large
+# large_cpu bench link overlap soak state hazards (default: all but moe_fused, moe_mp,
+# ulysses_bwd, racecheck (part of sanitize), large_cpu, bench, link, overlap, soak and hazards).
+# PK_JAX_REQUIRE_GPU=1 (the default here; 0 turns it off): a pytest step whose selected tests
+# need an sm_90 GPU or the extension fails at collection when this machine has neither, instead
+# of passing with every GPU test skipped (tests/conftest.py).
+# The P = 1 sections (install unit collectives tp examples) may run side by side in separate
+# invocations; the multi-process ones and bench want the GPU alone.
 # Prints one PASSED/FAILED line per step and a summary; exits non-zero if any step failed.
 # Each pytest step is its own process: a kernel that times out traps, and a trapped CUDA
 # context is unusable for the rest of that process.
@@ -13,6 +16,7 @@ set -u
 cd "$(dirname "$0")/../.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
+export PK_JAX_REQUIRE_GPU=${PK_JAX_REQUIRE_GPU:-1}
 PY=${PYTHON:-python3}
 LIMIT=${PK_JAX_STEP_TIMEOUT:-300}
 SIZES=${PK_JAX_MP_SIZES:-2 4 8}  # process counts for the multi-process steps
@@ -142,8 +146,9 @@ section_examples() {
   done
 }
 
-# Issue 13 on the GPU: the README's GPU-only blocks as written, several meshes and shutdown /
-# init again at P = 1, and examples/03_transformer.py (kernels against the reference backend).
+# Issue 13 on the GPU: the README's and docs' GPU-only blocks as written, several meshes and
+# shutdown / init again at P = 1, and examples/03_transformer.py (kernels against the reference
+# backend).
 section_users() {
   local log=${PK_JAX_LOG_DIR:-/tmp}/pk_jax_examples
   mkdir -p "$log"
@@ -357,6 +362,23 @@ section_hazards() {
   done
 }
 
+# The large parametrisations (pytest's `large` marker, which pyproject's addopts deselects):
+# section large runs the GPU ones (square matmuls up to 16K and transformer shapes, the TP
+# GEMMs at P = 1 on random and exact inputs, 8 processes sharing the GPU); section large_cpu the
+# CPU references' (about 900 cases: every world size, dtype and mesh type of the collectives,
+# the TP GEMMs, ring and Ulysses attention on 8 host devices; not a default section, and it
+# needs no GPU: any machine runs it).
+section_large() {
+  LIMIT=1200 PK_JAX_TIMEOUT_S=20 step "$PY" -m pytest -q -p no:cacheprovider -m "gpu and large" \
+    tests/test_matmul.py tests/test_gemm_rs.py tests/test_ag_gemm.py tests/test_gemm_ar.py
+  LIMIT=600 step "$PY" -m pytest -q -p no:cacheprovider -m "gpu and large" \
+    tests/gpu/test_runtime_mp.py
+}
+
+section_large_cpu() {
+  LIMIT=3600 step "$PY" -m pytest -q -p no:cacheprovider -m "large and not gpu" tests
+}
+
 # Benchmarks (correctness first, XLA baseline in the same run); JSON lines in bench/results/.
 section_bench() {
   step "$PY" bench/bench_ping.py
@@ -370,7 +392,7 @@ section_bench() {
 
 sections=("$@")
 [ ${#sections[@]} -eq 0 ] && sections=(install sass unit runtime collectives collectives_mp tp tp_mp \
-  grouped attention emulator moe ring ulysses sanitize examples users state)
+  grouped attention emulator moe ring ulysses sanitize examples users state large)
 for s in "${sections[@]}"; do "section_$s"; done
 echo "=== summary: $passed passed, ${#failed[@]} failed"
 for f in "${failed[@]}"; do echo "failed: $f"; done
