@@ -42,6 +42,10 @@ import os
 # ranks 4-7 never started with 8: pk_jax/testing/emulator.py's docstring).
 os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+# The pool's numpy references are many small matmuls, built by one process per core: one BLAS
+# thread each (set before numpy loads; more threads only contend, ten times slower here).
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
 
 import argparse
 import multiprocessing
@@ -70,9 +74,10 @@ ALIGN = 256                          # each output's offset in its call's arena 
 
 
 def small_case(op: str, p: int, seed: int, index: int) -> ops.Case:
-    """Case `index` of `op` at world p: emu_cases' random exact cases, the attention ones kept
-    small (S/P in 1..200, one K/V head per rank for Ulysses) so their float32 references take
-    well under a second. Deterministic in (seed, op, index)."""
+    """Case `index` of `op` at world p: emu_cases' random cases (exact integers but for
+    attention), the attention ones kept small (S/P in 1..200, one K/V head per rank for
+    Ulysses) so their float32 references take about a second at most. Deterministic in
+    (seed, op, index)."""
     rng = np.random.default_rng([seed, zlib.crc32(op.encode()), index])
 
     def pick(*choices):
@@ -87,9 +92,10 @@ def small_case(op: str, p: int, seed: int, index: int) -> ops.Case:
     if op == "ulysses_attn":
         return emu_cases.ulysses_case(p, rng, s_local=pick(1, 2, 64, 130), hkv=p,
                                       h=p * pick(1, 2))
-    if op == "ulysses_attn_bwd":
-        return emu_cases.ulysses_bwd_case(p, rng, s_local=pick(1, 2, 64, 130), hkv=p,
-                                          h=p * pick(1, 2), b=1)
+    if op == "ulysses_attn_bwd":  # GQA (two query heads per K/V head) at S/P <= 64 only
+        sl = pick(1, 2, 64, 130)
+        return emu_cases.ulysses_bwd_case(p, rng, s_local=sl, hkv=p,
+                                          h=p * (pick(1, 2) if sl <= 64 else 1), b=1)
     if op == "moe_gemm_combine":
         return emu_cases.gemm_combine_case(p, rng, t=int(rng.integers(1, 100)))
     if op == "moe_dispatch_gemm":
