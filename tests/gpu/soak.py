@@ -43,7 +43,7 @@ import os
 os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 # The pool's numpy references are many small matmuls, built by one process per core: one BLAS
-# thread each (set before numpy loads; more threads only contend, ten times slower here).
+# thread each (set before numpy loads; more threads only contend for the cores).
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
