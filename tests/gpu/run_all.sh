@@ -201,6 +201,17 @@ section_link() {
   step "$PY" bench/bench_emulated.py --quick
 }
 
+# The emulator soak (issue 39, section 6; tests/gpu/soak.py): PK_JAX_SOAK_CALLS calls (default
+# 100000) at P = 8 mixing every cross-rank op, each rank starting each call after a random
+# delay, every result checked against its numpy reference, the World closed and made again
+# every 5000 calls; stops with its summary at PK_JAX_SOAK_MINUTES (default 8). Not a default
+# section: `tests/gpu/run_all.sh soak`.
+section_soak() {
+  export CUDA_MODULE_LOADING=EAGER  # pk_jax.testing.require_eager_loading says why
+  LIMIT=600 step "$PY" tests/gpu/soak.py --calls "${PK_JAX_SOAK_CALLS:-100000}" \
+    --minutes "${PK_JAX_SOAK_MINUTES:-8}"
+}
+
 # The expert-parallel MoE kernels (issue 12): dispatch, its transpose, combine and its gather
 # with P = 2, 3, 4, 8 emulated ranks (tests/gpu/test_emulator_moe.py; PK_JAX_EMU_MOE_CALLS sets
 # the back-to-back calls per (op, P), default 400), then pk.moe_dispatch / pk.moe_combine through
