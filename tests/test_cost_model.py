@@ -214,3 +214,21 @@ def test_serial_collective_hbm_bound_on_a_shared_hbm():
     us = cm.collective_us("gemm_rs", out, 0, p, part)
     assert us == pytest.approx((2 * out + out + out / p) / (part.copy_gbps * 1e3))
     assert us > (p - 1) / p * out / (part.nvlink_gbps * 1e3)
+
+
+def test_choose_overlap_families():
+    """The one decider for ring, Ulysses and MoE: serial where the fused kernel's fitted
+    overheads exceed what it hides (the Ulysses forward always), fused where the exchange is a
+    large share and the kernel hides it (the fused MoE GEMM + combine at DeepSeek-V3 size), and
+    the TP GEMMs through `plan`."""
+    moe = {"t": 2048, "k": 8, "experts": 256, "h": 7168, "hidden": 2048}
+    assert cm.choose("moe_gemm_combine", moe, 8) == "fused"
+    uly = {"s": 8192, "h": 64, "d": 128, "causal": False}
+    assert cm.choose("ulysses_attn", uly, 8) == "serial"
+    tc, tm = cm.overlap_parts("ulysses_attn", uly, 8)
+    fused, serial = cm.predict_overlap("ulysses_attn", uly, 8)
+    assert serial == pytest.approx(tc + tm) and fused >= max(tc, tm)
+    tp = {"m": 8192, "n": 8192, "k_per_rank": 2048}
+    assert cm.choose("gemm_rs", tp, 8) == cm.plan("gemm_rs", 8192, 8192, 2048, 8).mode
+    with pytest.raises(ValueError, match="not one of"):
+        cm.overlap_parts("matmul", uly, 8)

@@ -421,8 +421,8 @@ def traced_p1(monkeypatch, fn, mesh, shapes, dtype, spec=SEQ, **kw):
     pk.init(mesh)
     paths = []
     for mod in (ring_attn, ulysses_attn):
-        def spy(*a, decide=mod.forward_path):
-            paths.append(decide(*a))
+        def spy(*a, decide=mod.forward_path, **kw):
+            paths.append(decide(*a, **kw))
             return paths[-1]
 
         monkeypatch.setattr(mod, "forward_path", spy)

@@ -715,7 +715,7 @@ def test_fused_setting_values(monkeypatch):
 
     mesh = cpu_mesh((2,), ("sp",))
     x = np.zeros((1, 4, 2, 8), np.float32)
-    for value, want in (("bwd", "bwd"), (" BWD ", "bwd"), ("", "0"), ("1", "1")):
+    for value, want in (("bwd", "bwd"), (" BWD ", "bwd"), ("", "auto"), ("0", "0"), ("1", "1")):
         monkeypatch.setenv("PK_JAX_ULYSSES_FUSED", value)
         pk.init(mesh)
         assert state.settings().ulysses_fused == want
@@ -724,7 +724,7 @@ def test_fused_setting_values(monkeypatch):
         pk.shutdown()
     monkeypatch.setenv("PK_JAX_ULYSSES_FUSED", "fwd")
     with pytest.raises(ValueError, match="pk.ulysses_attention: PK_JAX_ULYSSES_FUSED='fwd' is "
-                                         "not one of 0, 1, bwd"):
+                                         "not one of auto, 0, 1, bwd"):
         run(lambda a, b, c: pk.ulysses_attention(a, b, c, "sp"), mesh, (SEQ,) * 3, SEQ, x, x, x)
 
 

@@ -31,6 +31,9 @@ def driver():
                     "pk_jax: the symmetric-memory runtime needs cuda-python "
                     "(pip install cuda-bindings) to allocate VMM memory; set "
                     "PK_JAX_BACKEND=reference to run without it.") from e
+            from pk_jax import _ffi
+
+            _ffi.require_driver("pk_jax's symmetric-memory runtime")  # a clear error, not dlopen's
             _check(cu, "cuInit", cu.cuInit(0))
             _cu = cu
     return _cu
