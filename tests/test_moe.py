@@ -496,10 +496,9 @@ def test_fused_gemm_combine_path_forward_and_vjp(kernel_path, monkeypatch):
     never inside fused_kernels(False), and by default outside a block (one jitted function: the
     block is part of jit's cache key); its forward and custom VJP (the composition's) equal the
     composition's."""
+    from pk_jax import cost_model
     from pk_jax.ops import moe
     from pk_jax.runtime import state
-
-    from pk_jax import cost_model
 
     monkeypatch.setattr(state, "settings", lambda: state.Settings())  # PK_JAX_MOE_FUSED unset
     # the decider picks fused here (it would not at this toy size: launches dominate)
