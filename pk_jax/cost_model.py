@@ -376,7 +376,7 @@ def auto_pick(op: str, fused: Plan, serial: Plan) -> Plan:
 OVERLAP_OPS = ("ring_attn", "ring_attn_bwd", "ulysses_attn", "ulysses_attn_bwd",
                "moe_dispatch_gemm", "moe_gemm_combine")
 
-# The kernels' rates on one H200 (bf16, head dim 128, shared/GPU_MACHINE.md, 2026-12-03):
+# The kernels' rates on one H200 (bf16, head dim 128; bench/results/attention_notes.md and grouped_matmul_notes.md):
 # pk.attention's forward 488-579 TFLOP/s, forward + backward 420-507 counted as 3.5 forwards
 # (so the backward alone, 2.5 forwards, about 440); pk.grouped_matmul 307-737.
 ATTN_FWD_TFLOPS = 530.0

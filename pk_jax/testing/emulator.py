@@ -31,7 +31,7 @@ for c communication SMs (the `num_comm_sms` launch field, read as the count on a
 gets `node_comm_sms(c, sms_per_rank)` = max(1, round(c * sms_per_rank / 132)) on the partition.
 The link is asynchronous, as on a real GPU (cuda/include/pk/link.cuh): an issued store
 reserves link time and its thread goes on; the source's reuse, the signal and the kernel's end
-wait for the bytes. Only rows measured this way decide anything (DESIGN.md, section 4).
+wait for the bytes. Only rows measured this way decide anything (docs/performance.md, "Overlap at the scale model").
 
 The link throttle (`link_gbps`, `set_link`; cuda/include/pk/link.cuh): caps the rate at which
 each rank's kernels move bytes to or from other ranks' workspaces, a per-rank device-side

@@ -3,6 +3,10 @@ compute-sanitizer (memcheck, synccheck) in tests/gpu/run_all.sh section `sanitiz
 Exits non-zero on a wrong result.
 
     python tests/gpu/emu_short.py [OPS] [WORLDS]    e.g. gemm_rs,ag_gemm 2,4
+
+PK_JAX_EMU_SCALE_MODEL=1 runs the ranks as the scale model (World(P, scale_model=True)): the
+link throttled and asynchronous (cuda/include/pk/link.cuh), so the sanitizers see the paced
+stores, their drains and the per-stage deadlines as well.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ if __name__ == "__main__":
     rng = np.random.default_rng(0)
     bad = []
     for p in worlds:
-        with World(p, timeout_s=float(os.environ.get("PK_JAX_TIMEOUT_S", "60"))) as w:
+        with World(p, timeout_s=float(os.environ.get("PK_JAX_TIMEOUT_S", "60")),
+                   scale_model=os.environ.get("PK_JAX_EMU_SCALE_MODEL") == "1") as w:
             for op in only:
                 c = ops.Call(w, emu_cases.case(op, p, rng))
                 c.launch()

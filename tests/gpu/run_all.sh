@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark, on the H200 machine: tests/gpu/run_all.sh [section ...]
 # Sections: install sass unit runtime collectives collectives_mp tp tp_mp grouped attention
-# emulator moe moe_fused moe_mp ring ulysses ulysses_bwd sanitize racecheck examples users large
-# large_cpu bench link overlap soak state hazards (default: all but moe_fused, moe_mp,
-# ulysses_bwd, racecheck (part of sanitize), large_cpu, bench, link, overlap, soak and hazards).
+# emulator moe moe_fused moe_mp ring ulysses ulysses_bwd sanitize sanitize_scale racecheck
+# examples users large large_cpu bench link overlap soak state hazards (default: all but
+# moe_fused, moe_mp, ulysses_bwd, sanitize_scale and racecheck (both part of sanitize),
+# large_cpu, bench, link, overlap, soak and hazards).
 # PK_JAX_REQUIRE_GPU=1 (the default here; 0 turns it off): a pytest step whose selected tests
 # need an sm_90 GPU or the extension fails at collection when this machine has neither, instead
 # of passing with every GPU test skipped (tests/conftest.py).
@@ -328,6 +329,7 @@ section_sanitize() {
   for tool in memcheck synccheck; do
     step bash -c "$(emu_sanitized $tool $SANITIZE_OPS 2,4,8 "$log/$tool.log")"
   done
+  section_sanitize_scale
   section_racecheck
   # The one-pass attention backward (in the emulated composed Ulysses backward) under memcheck
   # (the fused backward is among SANITIZE_OPS above).
@@ -337,6 +339,20 @@ section_sanitize() {
     tail -5 $log/attention.log;
     ! grep -E 'Invalid (__global__|__shared__|__local__)|Out of bounds|Misaligned' \
     $log/attention.log && [ \$rc = 0 ]"
+}
+
+# memcheck and synccheck over the ops whose stores the scale model paces (issue 36: the
+# asynchronous link of cuda/include/pk/link.cuh, its drains and per-stage deadlines), one call
+# each at P = 2, 4 and 8 in World(P, scale_model=True). Part of section sanitize.
+SCALE_SANITIZE_OPS=gemm_rs,gemm_ar,ag_gemm,ring_attn,ring_attn_bwd,ulysses_attn,ulysses_attn_bwd,moe_dispatch_gemm,moe_gemm_combine
+section_sanitize_scale() {
+  export CUDA_MODULE_LOADING=EAGER
+  local log=${PK_JAX_LOG_DIR:-/tmp}/pk_jax_sanitize
+  mkdir -p "$log"
+  for tool in memcheck synccheck; do
+    PK_JAX_EMU_SCALE_MODEL=1 step bash -c "$(emu_sanitized $tool $SCALE_SANITIZE_OPS \
+      ${PK_JAX_SCALE_SANITIZE_SIZES:-2,4,8} "$log/scale_$tool.log")"
+  done
 }
 
 # racecheck (shared-memory hazards) over the fused backwards, whose steps share dS^T and stage
