@@ -30,9 +30,11 @@ if __name__ == "__main__":
     worlds = [int(v) for v in sys.argv[2].split(",")] if len(sys.argv) > 2 else [2, 4]
     rng = np.random.default_rng(0)
     bad = []
+    scale = os.environ.get("PK_JAX_EMU_SCALE_MODEL") == "1"
     for p in worlds:
         with World(p, timeout_s=float(os.environ.get("PK_JAX_TIMEOUT_S", "60")),
-                   scale_model=os.environ.get("PK_JAX_EMU_SCALE_MODEL") == "1") as w:
+                   scale_model=scale) as w:
+            print(f"P={p}: World({p}, scale_model={scale})", flush=True)
             for op in only:
                 c = ops.Call(w, emu_cases.case(op, p, rng))
                 c.launch()
