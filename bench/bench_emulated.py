@@ -107,7 +107,8 @@ def copy_rate_gbps(world: World, nbytes: int = 256 << 20) -> float:
     a.free()
     b.free()
     # NOTES: the copy runs on partition 0's SMs: below 64 SMs it is bound by them, not by the
-    # HBM (1.39, 1.06, 0.57 TB/s at P = 2, 4, 8 on 2026-12-02), so it is one partition's rate.
+    # HBM, so it is one partition's rate (measured: bench/results/emulated_notes.md,
+    # "Measurements moved from code comments (issue 37)").
     return nbytes / (us * 1e-6) / 1e9
 
 
@@ -137,11 +138,12 @@ def partition_tflops(world: World, m: int = 8192, n: int = 8192, k: int = 2048) 
 
 def unthrottled_link_gbps(p: int, partition_copy_gbps: float) -> float:
     """What one of P ranks moves per second when every rank copies at once, unthrottled: its
-    partition's own copy rate (measured, SM-bound below 64 SMs: 1.39 / 1.06 / 0.57 TB/s at
-    P = 2 / 4 / 8), or its 1/P of the shared HBM's copy rate (cost_model.H200.copy_gbps counts
-    bytes read + written), whichever is lower. Rows without `partition_copy_gbps` (before
-    f8bff60) took the partition's rate / P, as if it were the whole HBM's: at P = 8 that is
-    72 GB/s, where the serial all_gather of ag_gemm measured about 195 GB/s per rank."""
+    partition's own copy rate (measured, SM-bound below 64 SMs: copy_rate_gbps), or its 1/P
+    of the shared HBM's copy rate (cost_model.H200.copy_gbps counts bytes read + written),
+    whichever is lower. Rows without `partition_copy_gbps` (before f8bff60) took the
+    partition's rate / P, as if it were the whole HBM's: at P = 8 far below what the serial
+    all_gather of ag_gemm measured per rank (bench/results/emulated_notes.md, "Measurements
+    moved from code comments (issue 37)")."""
     return min(partition_copy_gbps, cost_model.H200.copy_gbps / 2 / p)
 
 

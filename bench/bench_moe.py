@@ -24,8 +24,8 @@ Then the first expert GEMM (pk.moe_dispatch_gemm's work), per shape:
   timed apart and added (the reference's own GEMM, jax.lax.ragged_dot, is far slower:
   bench/results/grouped_matmul.jsonl; it cannot run inside an emulated partition);
 - fused: cuda/kernels/moe_dispatch_gemm.cuh, the GEMM of each expert starting as soon as
-  every rank's rows of it have arrived (opt-in, measured 0.91-1.02x of serial:
-  pk.moe_dispatch_gemm's path only with PK_JAX_MOE_FUSED=1); its y is checked equal to the
+  every rank's rows of it have arrived (pk.moe_dispatch_gemm's path where the one decider,
+  cost_model.choose, picks it, or with PK_JAX_MOE_FUSED=1); its y is checked equal to the
   serial path's on every rank before it is timed.
 The GEMM's result is checked exactly on sampled rows of every group of rank 0 (w1 has 16
 nonzero +-1 entries per column, so every product is a small integer, exact in bf16).
@@ -37,8 +37,8 @@ integer hidden rows h [capacity, expert hidden] and w2 [E / P, expert hidden, H]
 - reference: the same grouped GEMM plus the all_gather of y (the lax reference's traffic),
   timed apart and added;
 - fused: cuda/kernels/moe_gemm_combine.cuh (the GEMM's epilogue stores each output row into
-  its token's rank's workspace; the owner sums its k slots; pk.moe_gemm_combine's default
-  path since 2026-12-02, measured 1.02-1.06x of serial), checked equal to the serial output
+  its token's rank's workspace; the owner sums its k slots; pk.moe_gemm_combine's path where
+  the decider picks it, or with PK_JAX_MOE_FUSED=1), checked equal to the serial output
   on every rank before it is timed; the serial output is checked on sampled tokens of rank 0
   against numpy on the GEMM's y.
 A fused kernel that fails its check is reported (and the script exits non-zero at the end)
@@ -54,6 +54,7 @@ batches of 10. Rows go to bench/results/moe.jsonl; the plot (bench/results/moe.p
 row per op, shape and path) is drawn by bench/plot_moe.py when matplotlib is there.
 
     CUDA_MODULE_LOADING=EAGER python bench/bench_moe.py [--quick | --skewed] [--no-fused]
+        [--comm-sms C]
 
 --quick: the uniform DeepSeek-V3-like and Mixtral-like shapes (about a minute on the H200);
 --skewed: their Zipf-skewed routing only (about a minute); neither: all four.

@@ -28,7 +28,7 @@ exposed_comm = (fused - t_compute) / t_comm, and projected_tflops (the rank's ra
 sms_per_rank: a projection to one GPU of the node, labelled so).
 
     CUDA_MODULE_LOADING=EAGER python bench/bench_overlap.py [--worlds 2,4,8] [--ops ...]
-        [--quick] [--cases FILE] [--tag TAG]
+        [--quick] [--cases FILE] [--tag TAG] [--workspace-mib 1024]
 
 --cases reads a JSON list of {"op", "pass", "world", "shape"} (bench/results/decider_cases.json)
 and runs exactly those, rows tagged with --tag.

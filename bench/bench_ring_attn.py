@@ -25,7 +25,8 @@ rows) with a float32 numpy reference over the whole sequence (bf16 tolerance), a
 baseline's gathered K/V with the inputs. Timing: back-to-back calls on every rank's stream, no
 host synchronisation inside a batch, wall clock per call, median of 5 batches of 10.
 
-    CUDA_MODULE_LOADING=EAGER python bench/bench_ring_attn.py [--quick]
+    CUDA_MODULE_LOADING=EAGER python bench/bench_ring_attn.py [--quick] [--forward-only]
+        [--num-comm-sms C] [--bwd-comm-sms C]
 """
 
 from __future__ import annotations

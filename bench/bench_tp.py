@@ -20,7 +20,7 @@ at M = N = 4096 per rank and the two results are compared; the time is recorded 
 
 Run on the GPU machine:
     python bench/bench_tp.py [--quick] [--ops gemm_rs,ag_gemm,gemm_ar]
-    python -m pk_jax.launch -n 2 --share-gpu bench/bench_tp.py
+    python -m pk_jax.launch -n 2 --share-gpu bench/bench_tp.py [--multi-size 4096]
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ gradients with the composed one's at every head of those ranks, and the ring bac
 gradients must come out finite. 2.5 x the forward's FLOPs; median of 3 batches of 5.
 
     CUDA_MODULE_LOADING=EAGER python bench/bench_ulysses_attn.py [--quick] [--forward-only]
-        [--num-comm-sms C] [--worlds 2,4,8]
+        [--num-comm-sms C] [--bwd-comm-sms C] [--worlds 2,4,8]
 
 --quick: S/P = 2048 only, the backward causal only (about 2 min on the H200, estimated).
 """

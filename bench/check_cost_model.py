@@ -5,7 +5,7 @@ what the model picks with that row's constants (a partition's SMs and peak, HBM 
 link rate: bench_emulated.partition_gpu). The rows' own `model_choice` is what the model of
 their commit picked; this recomputes it, so a model change can be judged on recorded data.
 
-    python bench/check_cost_model.py [--min-commit-rows N]
+    python bench/check_cost_model.py
 
 Prints one line per case and the summary: how often the model picks the faster mode, and
 whether every fused pick was faster. First it derives the margin "auto" needs before it picks
@@ -37,9 +37,10 @@ OPS = ("gemm_rs", "ag_gemm", "gemm_ar")
 # at 861c0cf (its rows since 2026-12-02 05:38 UTC).
 P1_ROWS_SINCE = {"gemm_rs": "2026-12-01T13:19", "ag_gemm": "2026-12-02T05:38",
                  "gemm_ar": "2026-12-01T13:19"}
-# Below this predicted time a call is its per-call costs, which the model does not claim: at the
-# one such shape of bench_tp (4096 x 4096 x 512, predicted about 30 us) pk.matmul alone measured
-# 1.3-2.7x its prediction, in every mode alike.
+# Below this predicted time a call is its per-call costs, which the model does not claim: the
+# one such shape of bench_tp (4096 x 4096 x 512) misses its prediction in every mode alike,
+# pk.matmul alone too (measured: bench/results/tp_notes.md, "Measurements moved from code
+# comments (issue 37)").
 P1_MIN_PREDICTED_US = 100.0
 
 
@@ -68,9 +69,9 @@ def fused_p1_errors() -> list[tuple[str, dict, str, float, float]]:
 def fused_margin(op: str, errs: list | None = None) -> float:
     """The margin by which "auto" wants op's fused predicted faster than serial
     (cost_model.FUSED_MARGIN[op]): the largest |measured / predicted - 1| over op's shapes in
-    fused_p1_errors, each shape's measured time the median of its runs. A single run moves a
-    shape by up to 8% (ag_gemm 4096^3 measured 0.043, 0.079 and 0.124 over its prediction in
-    three runs of one kernel), and the margin bounds the model's error, not one run's noise.
+    fused_p1_errors, each shape's measured time the median of its runs: a single run moves a
+    shape by several % (measured: bench/results/tp_notes.md, "Measurements moved from code
+    comments (issue 37)"), and the margin bounds the model's error, not one run's noise.
     errs: fused_p1_errors(), when the caller has it already."""
     runs: dict[tuple, list[float]] = {}
     for o, s, _, meas, pred in errs if errs is not None else fused_p1_errors():

@@ -13,6 +13,7 @@ A case is a tie where |serial / fused - 1| <= 3%: any pick is right there. accur
 minus 1. Writes bench/results/decider_validation.json.
 
     python bench/check_decider.py [--rows bench/results/overlap.jsonl]
+        [--cases bench/results/decider_cases.json] [--out bench/results/decider_validation.json]
 """
 
 from __future__ import annotations

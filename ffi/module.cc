@@ -19,7 +19,7 @@
 
 namespace nb = nanobind;
 
-// ffi/moe.cu (declared here rather than in ffi_util.h while the fused op is work in progress).
+// ffi/moe.cu's fused MoE handlers (declared here; ffi_util.h declares the other ops' handlers).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PkMoeDispatchGemm);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(PkMoeGemmCombine);
 
@@ -283,7 +283,7 @@ void EmuLaunch(const std::string& op, int64_t comm_id, int device, uint64_t stre
     Raise(pk_ffi::LaunchMoeDispatch(at, a, *v));
     return;
   }
-  if (op == "moe_dispatch_gemm") {  // the fused dispatch + first expert GEMM (work in progress)
+  if (op == "moe_dispatch_gemm") {  // the fused dispatch + first expert GEMM
     const pk_ffi::MoeDispatchGemmArgs a{dtype,
                                         Ptr<const void>(args, "x"),
                                         Ptr<const int32_t>(args, "ids"),
@@ -307,7 +307,7 @@ void EmuLaunch(const std::string& op, int64_t comm_id, int device, uint64_t stre
     Raise(pk_ffi::LaunchMoeDispatchGemm(at, a, *v));
     return;
   }
-  if (op == "moe_gemm_combine") {  // the fused second expert GEMM + combine (work in progress)
+  if (op == "moe_gemm_combine") {  // the fused second expert GEMM + combine
     const pk_ffi::MoeGemmCombineArgs a{dtype,
                                        Ptr<const void>(args, "h"),
                                        Ptr<const void>(args, "w"),

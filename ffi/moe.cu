@@ -322,9 +322,10 @@ Status LaunchMoeDispatchGemm(const Where& at, const MoeDispatchGemmArgs& a, cons
   f.EL = EL;
   // The comm blocks join the GEMM once they have pushed, so a comm block costs the GEMM only
   // while it pushes. With one local expert the GEMM waits for every row anyway: push on half
-  // the SMs. Otherwise the GEMM runs under the push: an eighth (emulated P = 8 on the H200,
-  // 16 SMs per rank: DeepSeek-V3-like 0.97x of serial at 2 comm blocks against 0.93x at 4
-  // and 8, Mixtral-like 1.00x at 8 against 0.94-0.98x at 2 and 4; bench/results/moe_notes.md).
+  // the SMs. Otherwise the GEMM runs under the push: an eighth. Each was the best of 2, 4 and 8
+  // comm blocks at emulated P = 8 on the H200, 16 SMs per rank (Mixtral-like with one local
+  // expert, DeepSeek-V3-like with 32; measured: bench/results/moe_notes.md, "Measurements moved
+  // from code comments (issue 37)").
   const int auto_comm = EL == 1 ? at.num_sms / 2 : at.num_sms / 8;
   int comm = static_cast<int>(a.num_comm_sms > 0 ? a.num_comm_sms : auto_comm);
   comm = comm < 1 ? 1 : (comm > E ? static_cast<int>(E) : comm);

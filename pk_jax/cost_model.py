@@ -48,9 +48,9 @@ serial path.
 Overrides: the context manager `override(mode=..., num_comm_sms=...)`, which is part of what
 jit caches on (a jitted function called inside and outside the block is traced for each), or
 PK_JAX_TP_MODE / PK_JAX_TP_COMM_SMS in the environment, fixed at the first `pk.init`. The
-constants below are from the data sheets, the H200 GEMM efficiency from
-bench/results/matmul_notes.md (pk.matmul at about 680 TFLOP/s of 989) and the copy rate
-measured on the H200 (see GPU.copy_gbps).
+constants below are from the data sheets, the H200 GEMM efficiency from pk.matmul's measured
+rate (bench/results/matmul_notes.md) and the copy rate measured on the H200 (see
+GPU.copy_gbps).
 """
 
 from __future__ import annotations
@@ -81,29 +81,27 @@ class GPU:
     copy_gbps: float          # HBM bytes read + written per second by a copy-like pass
 
 
-# copy_gbps: the H200's device-to-device copy, measured at 3.3 TB/s counting bytes read plus
-# written (a 2 GiB buffer; the rank emulator's copy on one 64-SM partition gets 1.49 TB/s copied,
-# 3.0 read + written: bench/results/emulated_notes.md); the H100's is that scaled by its HBM
-# (3.35 / 4.8 TB/s; not measured here). It is the rate of every pass that only moves bytes through HBM:
-# the collectives' staging and pulls (the serial path) and gemm_rs / gemm_ar's zero-fill and
-# copy-out. Checked on the H200 (bench/results/tp_notes.md, 2026-11-29, P = 1 with the full
-# protocol forced): fused gemm_rs took pk.matmul's time + 3 M N bytes at 3.3 TB/s within 4% at
-# all six shapes (at the data sheet's 4.8 TB/s it left 1-20% unexplained).
-# pull_gbps_per_sm: one communication SM's bulk-copy ring (pk/comm_ops.cuh), 34 GB/s written on
-# the H200: ag_gemm forced fused at P = 1, where the comm SMs copy all of x into x_full, took
-# 463 us with 2 of them at 4096 x 4096 (32 MiB) and 1.97 ms at 8192 x 8192 (128 MiB) (ncu,
-# 2026-12-02); the H100 is assumed the same.
+# copy_gbps: the H200's device-to-device copy rate, counting bytes read plus written; the
+# H100's is that scaled by its HBM (3.35 / 4.8 TB/s, the data sheets'; not measured). It is the
+# rate of every pass that only moves bytes through HBM: the collectives' staging and pulls (the
+# serial path) and gemm_rs / gemm_ar's zero-fill and copy-out (fused gemm_rs at P = 1 with the
+# full protocol forced took pk.matmul's time plus 3 M N bytes at this rate; at the data sheet's
+# HBM rate part of it stayed unexplained).
+# pull_gbps_per_sm: one communication SM's bulk-copy ring (pk/comm_ops.cuh), bytes written, from
+# ag_gemm forced fused at P = 1, where the comm SMs copy all of x into x_full; the H100 is
+# assumed the same.
+# measured: bench/results/tp_notes.md, "Measurements moved from code comments (issue 37)".
 H100 = GPU("H100", 132, 989.0, 0.66, 3350.0, 450.0, 34.0, 3.0, 3.0, 3300.0 * 3350.0 / 4800.0)
 H200 = GPU("H200", 132, 989.0, 0.69, 4800.0, 450.0, 34.0, 3.0, 3.0, 3300.0)
 
 COMM_SMS_CANDIDATES = (2, 4, 8, 12, 16, 20, 24, 32)
 
 # The fused kernels' GEMM rate against pk.matmul's, forced fused at P = 1 where nothing crosses
-# ranks (bench/bench_tp.py --quick on the H200, geomean over its six shapes per op, 2026-12-01):
+# ranks (bench/bench_tp.py --quick on the H200, geomean over its six shapes per op):
 # ag_gemm's loader also places its A tiles and waits on row-block flags, so it multiplies slower.
-# ag_gemm's (since 2026-12-02, its comm SMs copying its own rows) is set where its shapes of
-# about 1 ms or more are predicted within 5% (41f466f: 0.95-1.02x of pk.matmul there; 4096^3,
-# where the copy outlasts the GEMM, is not a GEMM-rate question).
+# ag_gemm's (its comm SMs copying its own rows) is set to fit its shapes of about 1 ms or more
+# (4096^3, where the copy outlasts the GEMM, is not a GEMM-rate question).
+# measured: bench/results/tp_notes.md, "Measurements moved from code comments (issue 37)".
 FUSED_EFFICIENCY = {"gemm_rs": 0.95, "ag_gemm": 0.94, "gemm_ar": 0.96}
 
 # "auto" picks fused only where fused's predicted time x (1 + FUSED_MARGIN[op]) is below
@@ -111,11 +109,10 @@ FUSED_EFFICIENCY = {"gemm_rs": 0.95, "ag_gemm": 0.94, "gemm_ar": 0.96}
 # kernel time measured on the H200 with nothing crossing ranks: |measured / predicted - 1| over
 # the op's P = 1 forced-fused rows of bench_tp (bench/results/<op>.jsonl, world 1, the rows
 # since the kernel the model costs at P = 1 landed, those predicted at 100 us or more), each
-# shape's measured time the median of its runs (one run moves a shape by up to 8%). gemm_ar's
-# largest is 8192 x 8192 x 1024 (measured 7-10% slower than predicted); ag_gemm's is 4096^3
-# with 4 comm SMs (measured 22% over the prediction: the copy of x into x_full outlasts the
-# GEMM and runs slower than 34 GB/s per SM there; bench/results/tp_notes.md).
-# Per op since 2026-12-02: one op's outlier shape should not make "auto" shy of the others.
+# shape's measured time the median of its runs (one run alone moves a shape by several %).
+# Per op: one op's outlier shape should not make "auto" shy of the others.
+# measured (each op's largest error): bench/results/tp_notes.md, "Measurements moved from code
+# comments (issue 37)".
 # `python bench/check_cost_model.py` recomputes them (fused_margin) and tests/test_cost_model.py
 # checks the constants against it. None of the rank emulator's fused-vs-serial cases they are
 # judged on went into them.
@@ -124,12 +121,11 @@ FUSED_MARGIN = {"gemm_rs": 0.071, "ag_gemm": 0.044, "gemm_ar": 0.081}
 
 # The share of ag_gemm's gather (T_comm) that its fused kernel does not hide at P > 1: the
 # compute blocks start on their own rows and then wait, row block by row block, for the gather.
-# Measured in the rank emulator on 2026-12-02 (bench_emulated --comm-sms-sweep 2,4,8 at b961664,
-# the GEMM at the partition's measured rate): (fused - the GEMM on the compute SMs) / T_comm was
-# 0.04-1.8 over 36 (P, link, K, comm SMs) points (above 1 only at P = 8 unthrottled), median
-# 0.38 over the 12 cases at the comm SMs the model picks, so the kernel hides about half.
-# Until 861c0cf the model counted all of it (1.0). Fit on the emulator's ag_gemm cases that
-# check_cost_model also judges (an earlier run): not an independent check.
+# Measured in the rank emulator (bench_emulated --comm-sms-sweep 2,4,8, the GEMM at the
+# partition's measured rate) as (fused - the GEMM on the compute SMs) / T_comm: the kernel hides
+# about half. Until 861c0cf the model counted all of it (1.0). Fit on the emulator's ag_gemm
+# cases that check_cost_model also judges (an earlier run): not an independent check.
+# measured: bench/results/emulated_notes.md, "Measurements moved from code comments (issue 37)".
 GATHER_EXPOSED = 0.5
 
 
@@ -241,12 +237,12 @@ def collective_us(op: str, out_bytes: float, shard_bytes: float, p: int, gpu: GP
 
     On NVLink the pulls bind (e.g. reduce_scatter of 128 MiB at P = 8: 261 us of link after 81 us
     of staging); in the rank emulator, where a rank's link is the shared HBM, the HBM traffic
-    does. Checked against the emulator's collective rows (bench/results/emulated_notes.md):
-    every measured time is above this prediction; the rest is a per-call cost of about 30-80 us
-    that the 16 MiB rows cannot separate from the emulator's launch path (at P = 2 all four
-    collectives take 86-93 us at 8 to 32 MiB), so no fixed cost beyond the launch and barrier
-    terms is added. At P = 1 (bench_collectives, kernels forced) a 4 KiB collective costs what
-    XLA's own dispatch does, within the noise.
+    does. Checked against the emulator's collective rows: every measured time is above this
+    prediction; the rest is a per-call cost that the rows cannot separate from the emulator's
+    launch path, so no fixed cost beyond the launch and barrier terms is added (measured:
+    bench/results/emulated_notes.md, "Measurements moved from code comments (issue 37)"). At
+    P = 1 (bench_collectives, kernels forced) a 4 KiB collective costs what XLA's own dispatch
+    does, within the noise.
     """
     hbm, nvl = gpu.copy_gbps * 1e9, gpu.nvlink_gbps * 1e9
     return sum(max(h / hbm, x / nvl) for h, x in collective_phases(op, out_bytes, shard_bytes, p)
@@ -376,9 +372,10 @@ def auto_pick(op: str, fused: Plan, serial: Plan) -> Plan:
 OVERLAP_OPS = ("ring_attn", "ring_attn_bwd", "ulysses_attn", "ulysses_attn_bwd",
                "moe_dispatch_gemm", "moe_gemm_combine")
 
-# The kernels' rates on one H200 (bf16, head dim 128; bench/results/attention_notes.md and grouped_matmul_notes.md):
-# pk.attention's forward 488-579 TFLOP/s, forward + backward 420-507 counted as 3.5 forwards
-# (so the backward alone, 2.5 forwards, about 440); pk.grouped_matmul 307-737.
+# The kernels' rates on one H200 (bf16, head dim 128), each inside its measured range:
+# pk.attention's forward, its backward alone (2.5 forwards of FLOPs), pk.grouped_matmul.
+# measured: bench/results/attention_notes.md and grouped_matmul_notes.md, "Measurements moved
+# from code comments (issue 37)".
 ATTN_FWD_TFLOPS = 530.0
 ATTN_BWD_TFLOPS = 440.0
 GROUPED_TFLOPS = 600.0

@@ -133,8 +133,8 @@ _GPU_FWD = [  # (B, S, H, Hkv, D, causal)
     (1, 2048, 16, 2, 128, False), (1, 129, 2, 2, 128, False), (1, 4096, 8, 1, 64, True),
     (3, 77, 6, 3, 128, True),
     # Non-causal, more query blocks than SMs (576, batch 4, GQA 4:1) with two key tiles each,
-    # and 160 blocks of one tile each (added for the persistent forward tried on 2026-12-03,
-    # bench/results/attention_notes.md).
+    # and 160 blocks of one tile each (added for the persistent forward of
+    # bench/results/attention_notes.md, "A persistent forward again").
     (4, 300, 48, 12, 128, False), (2, 100, 80, 16, 64, False),
 ]
 _GPU_GRAD = [

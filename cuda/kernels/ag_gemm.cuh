@@ -45,16 +45,15 @@
  * blocks claim 8 units at a time after every row block the compute blocks wait for, and every
  * consumer warp of the compute blocks claims one at a time after its last tile, so the copy
  * runs under the GEMM on the comm SMs and what is left when the tiles end takes all SMs (HBM
- * rate). One SM's bulk ring copies about 34 GB/s: at P = 1 (all of x) with the comm SMs alone
- * the copy outlasted the GEMM at 4096^3 with 4 of them, and 8 cost the GEMM a fifth wave
- * (0.75x of pk.matmul, bench/results/tp_notes.md). Until 2026-12-01 the loaders stored them
+ * rate). The comm SMs alone copy too slowly: at P = 1 (all of x) the copy outlasted the GEMM at
+ * 4096^3 with 4 of them, and 8 cost the GEMM a fifth wave. The loaders used to store them
  * instead, from the A tiles they had loaded (one HBM write, no comm SM time), but the store's
- * bookkeeping and its waits sat in the loader, whose
- * work per k step is on the pipeline's critical path (3 stages of 128x256 tiles): about 9% of
- * the kernel at 8192^3 (ncu). The loader issues the B panels first (they need neither the
- * placement nor the flag wait); the tile order's rotation and "own" are a few compares against
- * values the host computed (computing them from rank and Mp per k step, a remainder and 64-bit
- * products, cost 18% of the kernel at 8192^3, ncu).
+ * bookkeeping and its waits sat in the loader, whose work per k step is on the pipeline's
+ * critical path (3 stages of 128x256 tiles). The loader issues the B panels first (they need
+ * neither the placement nor the flag wait); the tile order's rotation and "own" are a few
+ * compares against values the host computed (computing them from rank and Mp per k step, a
+ * remainder and 64-bit products, took a large share of the kernel in ncu).
+ * measured: bench/results/tp_notes.md, "Measurements moved from code comments (issue 37)".
  *
  * Pitfalls: bulk copies and TMA loads are the async proxy, the signals the generic proxy, so
  * the copying thread and the loader fence.proxy.async.global around the release/acquire.

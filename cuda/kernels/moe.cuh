@@ -51,23 +51,23 @@
  * op still reads any workspace), and each op returns only when nobody accesses this rank's
  * workspace any more (receive waits for every push; leave waits for every pull).
  *
- * NOTES: a late rank (tests/gpu/test_emulator.py::test_a_late_rank, rank 2 of 4 starting
- * 200 ms late, run 1 of 2026-12-01 on the H200) stretches every other rank's route kernel to
- * 200 ms: it waits in the count exchange for the late rank. The route kernel used to write
- * each slot's local index into the `pos` output before that wait and read it back after, to
- * add the expert's start: an XLA output used as scratch across a wait as long as the latest
- * peer. Anything else that writes `pos` in that window corrupts the positions, and the push
- * then sends this rank's rows to wrong rows (or drops them). The emulator did exactly that:
- * its poison fills (cuMemsetD8 on the primary context's legacy stream) are not ordered with
- * the ranks' non-blocking green-context streams, and the last rank's fills, which no later
- * synchronous copy waits for, could land while the kernels ran; with a 200 ms window they
- * did: rank 0's tokens missed exactly rank 3's rows (8239 elements, every nonzero element of
- * rank 3's 48 rows there; the case is reproducible from the test's seed). Now every output is
- * written once, after the exchange (pass 2 runs after the wait; it no longer overlaps the
- * counts' flight, a few microseconds at T k = 32k), and the emulator orders its fills
+ * NOTES: a late rank (tests/gpu/test_emulator.py::test_a_late_rank, rank 2 of 4 starting 200 ms
+ * late) stretches every other rank's route kernel to 200 ms: it waits in the count exchange for
+ * the late rank. The route kernel used to write each slot's local index into the `pos` output
+ * before that wait and read it back after, to add the expert's start: an XLA output used as
+ * scratch across a wait as long as the latest peer. Anything else that writes `pos` in that
+ * window corrupts the positions, and the push then sends this rank's rows to wrong rows (or
+ * drops them). The emulator did exactly that: its poison fills (cuMemsetD8 on the primary
+ * context's legacy stream) are not ordered with the ranks' non-blocking green-context streams,
+ * and the last rank's fills, which no later synchronous copy waits for, could land while the
+ * kernels ran; with a 200 ms window they did: rank 0's tokens missed exactly rank 3's rows
+ * (every nonzero element of them; the case is reproducible from the test's seed; the run:
+ * bench/results/moe_notes.md, "Measurements moved from code comments (issue 37)"). Now every
+ * output is written once, after the exchange (pass 2 runs after the wait; it no longer overlaps
+ * the counts' flight, a few microseconds at T k = 32k), and the emulator orders its fills
  * (pk_jax.testing.DeviceBuffer). No cross-rank signal was at fault: counts are epoch-tagged,
- * every push waits for every rank's counts (an entry barrier), receive waits for every
- * block of every peer.
+ * every push waits for every rank's counts (an entry barrier), receive waits for every block of
+ * every peer.
  *
  * Pitfalls: grids that pair across ranks (G_push, G_stage, G_pull: a receiver waits for every
  * block index of every peer) come from the problem's sizes only, never from the SM count or

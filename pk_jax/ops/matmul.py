@@ -89,7 +89,7 @@ _GROUP_M = 16
 # NOTES: measured on the H200 (bench/results/matmul_notes.md): the 128x128 tiles run at about
 # 0.9 of the 128x256 tiles' speed per tile-FLOP, so they win only when they need fewer waves;
 # of the 128x256 rows, 3 stages with a store-free epilogue beat 4 stages with a two-round
-# epilogue by 1-3% at every large shape.
+# epilogue at every large shape.
 _SPEED_128x128 = 0.9
 
 

@@ -166,9 +166,8 @@ def forward_path(q: jax.Array, k: jax.Array, v: jax.Array, p: int, axis_name: st
 
 HEAD_DIMS = (64, 128)
 # Communication blocks of the fused forward and of the fused backward (the same on every rank;
-# each moves 1/C of a K/V block). Emulated P = 2, 4, 8 (bench/results/ring_attention_notes.md,
-# 2026-12-03): with 8 instead of 2 the forward went from 0.59x to 0.86-0.90x of the unfused
-# path (geomean), and the backward was 4-9% faster at every shape in one run (0.61x -> 0.64x).
+# each moves 1/C of a K/V block): 8 beat 2 in both at emulated P = 2, 4, 8 (measured:
+# bench/results/ring_attention_notes.md, "Measurements moved from code comments (issue 37)").
 FWD_COMM_SMS = 8
 NUM_COMM_SMS = 8
 

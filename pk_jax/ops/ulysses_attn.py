@@ -286,9 +286,9 @@ def _head_group_bwd(scale, causal, qh, kh, vh, doh, lse, delta):
 
 HEAD_DIMS = (64, 128)
 NUM_COMM_SMS = 2  # the fused backward's communication blocks (the same on every rank)
-# The fused forward's: each moves about 25 GB/s of the q, k, v exchange (H200, emulated,
-# 2026-12-03); with 8 instead of 2 the forward took 0.56-0.65x the time at P = 2 and 4
-# (bench/results/ulysses_attention_notes.md).
+# The fused forward's: one block moves the q, k, v exchange slowly, and with 8 instead of 2
+# the forward took far less time at emulated P = 2 and 4 (measured:
+# bench/results/ulysses_attention_notes.md, "Measurements moved from code comments (issue 37)").
 FWD_COMM_SMS = 8
 # Whether the custom VJP of the fused path runs the kernel-backed backward (all_to_all, the
 # pk_attention backward, all_to_all back) where pk_attention runs, else the reference's.

@@ -44,7 +44,7 @@ a real node's ratio. Only the emulator sets it: pk.init's communicators never pa
 Needs CUDA_MODULE_LOADING=EAGER set before CUDA starts (`require_eager_loading` says why).
 Under compute-sanitizer at P = 8, also CUDA_DEVICE_MAX_CONNECTIONS=32: with the default 8
 hardware work queues, ranks 4-7 never started (most likely queued behind ranks 0-3's kernels,
-which wait for them; on the H200, 2026-12-02, 32 fixed it; tests/gpu/run_all.sh sets it).
+which wait for them; on the H200 32 fixed it; tests/gpu/run_all.sh sets it).
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ class DeviceBuffer:
     cuMemcpyHtoD may return before its DMA lands; both run on the primary context's legacy
     stream, which is not ordered with the ranks' non-blocking green-context streams. Without
     the synchronize, the last buffers filled before a launch could land while the kernels
-    run: run 1 of 2026-12-01 saw the last rank's poison land inside moe_dispatch's count
+    run: a late-rank test saw the last rank's poison land inside moe_dispatch's count
     exchange, stretched to 200 ms by a late rank (cuda/kernels/moe.cuh NOTES).
     """
 

@@ -26,7 +26,8 @@ MOE = ("moe_dispatch", "moe_scatter", "moe_combine", "moe_gather")
 # forward (launcher fields named in the cases).
 ATTENTION = ("ring_attn", "ring_attn_bwd", "ulysses_attn")
 # Dispatch fused with the first expert GEMM, and the second expert GEMM fused with the combine
-# (work in progress: kept out of MOE's suites).
+# (not in MOE: their cases come from tests/gpu/emu_cases.py's fused_case and gemm_combine_case,
+# their suites are tests/gpu/test_emulator_moe_fused.py).
 FUSED_MOE = ("moe_dispatch_gemm", "moe_gemm_combine")
 # The tile configs the fused GEMMs take (ffi/op_table.h Tile).
 TILE_128x128, TILE_128x256_S3 = _op_table.TILES["128x128"], _op_table.TILES["128x256_s3"]

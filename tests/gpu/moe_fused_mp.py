@@ -1,7 +1,7 @@
-"""pk.moe_dispatch_gemm's and pk.moe_gemm_combine's fused kernels (the dispatch's opt-in:
-PK_JAX_MOE_FUSED=1 or a pk_jax.ops.moe.fused_kernels() block; the combine's the default, "auto")
-across P processes, through JAX: the FFI handlers, the lowerings and the custom VJPs, against
-a numpy model of the API's contract.
+"""pk.moe_dispatch_gemm's and pk.moe_gemm_combine's fused kernels (forced by
+PK_JAX_MOE_FUSED=1 or a pk_jax.ops.moe.fused_kernels() block; by default, "auto", where the one
+decider picks them) across P processes, through JAX: the FFI handlers, the lowerings and the
+custom VJPs, against a numpy model of the API's contract.
 
     python -m pk_jax.launch -n 4 --share-gpu tests/gpu/moe_fused_mp.py
 
@@ -9,7 +9,8 @@ Every process builds every rank's inputs from one seed and runs pk.moe_dispatch_
 jit(shard_map) three times: traced inside fused_kernels(True) (the fused kernel; on a GPU its
 HLO must call pk_moe_dispatch_gemm), inside fused_kernels(False) (pk.moe_dispatch's kernel,
 then pk.grouped_matmul's) and outside a block, where the HLO must call the fused kernel exactly
-when PK_JAX_MOE_FUSED asks for it (by default: moe_gemm_combine's, not moe_dispatch_gemm's).
+when PK_JAX_MOE_FUSED asks for it (as pk_jax.ops.moe.fused_enabled(op) answers, without a
+shape).
 Each run must equal the numpy model (`route` and the per-expert products below) bit for bit:
 h, the group sizes and the whole handle; then the gradients of sum(h * g) with respect to x and
 w1; then two calls in a row, and a straggler (the last rank sleeps 1 s before its call); and
@@ -179,8 +180,8 @@ def main() -> None:
                 calls, sleep_rank, grads):
         """fwd(*args) `calls` times (the last rank first sleeping when sleep_rank) and, with
         `grads`, grad(*args, g), traced inside fused_kernels(True), (False) and outside a
-        block (PK_JAX_MOE_FUSED as set; unset: "auto", the fused combine only); each against
-        the model."""
+        block (PK_JAX_MOE_FUSED as set: the path moe.fused_enabled(op) answers without a
+        shape); each against the model."""
         default = moe_ops.fused_enabled(target.removeprefix("pk_"))
         for fused in (True, False, None):
             block = moe_ops.fused_kernels(fused) if fused is not None else contextlib.nullcontext()

@@ -53,7 +53,7 @@ moe_dispatch_gemm,moe_gemm_combine
 SANITIZER_ERRORS='Invalid (__global__|__shared__|__local__)|Out of bounds|Misaligned|Barrier error|Race reported|Error: process didn'
 # CUDA_DEVICE_MAX_CONNECTIONS=32: under the sanitizer, with the default 8 hardware work queues,
 # ranks 4-7 of P = 8 never started (most likely queued behind ranks 0-3's kernels, which wait
-# for them); with 32 every op passes at P = 8 (2026-12-02).
+# for them); with 32 every op passes at P = 8.
 emu_sanitized() {
   local tool=$1 ops=$2 worlds=$3 log=$4
   echo "CUDA_DEVICE_MAX_CONNECTIONS=32 compute-sanitizer --tool $tool --print-limit 50 \
@@ -290,10 +290,11 @@ section_ulysses() {
   for n in 2 4; do  # through JAX: FFI handler, lowering (processes share the GPU)
     PK_JAX_TIMEOUT_S=30 step launch "$n" --timeout 250 tests/gpu/ulysses_mp.py
   done
-  # the fused forward (opt-in): its forward cases and one gradient case
+  # the fused forward, forced: its forward cases and one gradient case
   PK_JAX_ULYSSES_FUSED=1 PK_JAX_TIMEOUT_S=30 step launch 2 --timeout 250 tests/gpu/ulysses_mp.py
-  # the fused backward (opt-in): the forward cases and every gradient case (P = 4: 155 s on
-  # 2026-12-03 with PK_JAX_TIMEOUT_S=60, four processes time-slicing the GPU)
+  # the fused backward, forced: the forward cases and every gradient case (P = 4, four
+  # processes time-slicing the GPU, needs most of the 250 s; measured: bench/results/
+  # ulysses_attention_notes.md, "Measurements moved from code comments (issue 37)")
   for n in 2 4; do
     PK_JAX_ULYSSES_FUSED=bwd PK_JAX_TIMEOUT_S=60 step launch "$n" --timeout 250 \
       tests/gpu/ulysses_mp.py
@@ -356,8 +357,8 @@ section_sanitize_scale() {
 }
 
 # racecheck (shared-memory hazards) over the fused backwards, whose steps share dS^T and stage
-# dQ in shared memory: the ring's at P = 2 and 4, the fused Ulysses backward's test at P = 2
-# (both clean on 2026-12-03). Part of section sanitize; a section of its own for a short run.
+# dQ in shared memory: the ring's at P = 2 and 4, the fused Ulysses backward's test at P = 2.
+# Part of section sanitize; a section of its own for a short run.
 section_racecheck() {
   export CUDA_MODULE_LOADING=EAGER
   local log=${PK_JAX_LOG_DIR:-/tmp}/pk_jax_sanitize

@@ -126,8 +126,8 @@ LATE_NS = (1_000_000, 20_000_000, 200_000_000)  # the late-rank sweep's delays
 @pytest.mark.parametrize("p", (2, 4, 8))
 def test_a_late_rank_each_rank_in_turn(worlds, p):
     """Every MoE op with one rank starting 1, 20 or 200 ms after the others, each rank in turn
-    (well inside the timeout): exact. Run 1 of 2026-12-01 saw moe_dispatch at P = 4 lose the
-    last rank's rows with rank 2 200 ms late (cuda/kernels/moe.cuh NOTES)."""
+    (well inside the timeout): exact. moe_dispatch at P = 4 once lost the last rank's rows with
+    rank 2 200 ms late (cuda/kernels/moe.cuh NOTES)."""
     rng = np.random.default_rng(500 + p)
     w = worlds(p)
     problems: list[str] = []
@@ -143,13 +143,14 @@ def test_a_late_rank_each_rank_in_turn(worlds, p):
 
 
 # NOTES: not at P = 8: there the 8 partitions hold 128 of the 132 SMs and the unordered memset
-# landed only after the late rank released the others (0.40 s, twice on the H200), so it cannot
-# race the exchange; the test's own first assert says so instead of passing vacuously.
+# landed only after the late rank released the others (measured: bench/results/moe_notes.md,
+# "Measurements moved from code comments (issue 37)"), so it cannot race the exchange; the
+# test's own first assert says so instead of passing vacuously.
 @pytest.mark.parametrize("p", (2, 4))
 def test_dispatch_outputs_written_only_after_the_exchange(worlds, p):
     """While the on-time ranks of a dispatch wait 400 ms in the count exchange for the last
     rank, their dest and pos outputs are poisoned again by an unordered memset (what the
-    emulator's poison fills did in run 1): the route kernel writes them once, after the
+    emulator's poison fills once did): the route kernel writes them once, after the
     exchange, so the call is still exact. (It used to keep each slot's local index in pos
     across that wait.)"""
     rng = np.random.default_rng(600 + p)
@@ -169,8 +170,8 @@ def test_dispatch_outputs_written_only_after_the_exchange(worlds, p):
             time.sleep(0.001)
         landed_s = time.monotonic() - start
         w.synchronize()
-        # Else the memset cannot have raced the exchange, and moe.cuh's diagnosis of run 1
-        # (legacy-stream work landing while the green contexts' kernels wait) is wrong.
+        # Else the memset cannot have raced the exchange, and moe.cuh's diagnosis of the lost
+        # rows (legacy-stream work landing while the green contexts' kernels wait) is wrong.
         assert landed_s < 0.3, f"the unordered memset finished {landed_s:.3f} s after launch"
         assert c.check() == []
     finally:

@@ -5,12 +5,11 @@ one GPU (pk_jax.testing.World), against the numpy references of pk_jax.testing.o
   then the grouped GEMM;
 - pk.moe_gemm_combine's kernels (cuda/kernels/moe_gemm_combine.cuh, the tests named
   test_gemm_combine_*): the grouped GEMM, then moe_combine.
-pk.moe_gemm_combine runs its kernel by default (PK_JAX_MOE_FUSED unset or "auto");
-pk.moe_dispatch_gemm runs its kernel only with PK_JAX_MOE_FUSED=1 (or inside
-pk_jax.ops.moe.fused_kernels()); either composes the proven kernels otherwise.
-PK_JAX_EMU_MOE_CALLS / 4 sets the back-to-back calls per P (default
-100); the dead-rank cases trap the CUDA context, so they run in subprocesses
-(tests/gpu/emu_failures.py).
+Each op runs its kernel where the one decider (cost_model.choose) picks it (PK_JAX_MOE_FUSED
+unset or "auto"), wherever it applies with PK_JAX_MOE_FUSED=1 (or inside
+pk_jax.ops.moe.fused_kernels()), and composes the proven kernels otherwise.
+PK_JAX_EMU_MOE_CALLS / 4 sets the back-to-back calls per P (default 100); the dead-rank cases
+trap the CUDA context, so they run in subprocesses (tests/gpu/emu_failures.py).
 
 Run on the H200: `bash tests/gpu/run_all.sh moe_fused` (or, with CUDA_MODULE_LOADING=EAGER,
 `python -m pytest -m gpu tests/gpu/test_emulator_moe_fused.py`).

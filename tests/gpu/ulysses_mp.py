@@ -27,7 +27,8 @@ no XLA collective) against the float32 reference gradients over the whole sequen
 heads divisible by P and not), tails, D 64 and 128, bf16 and fp16, twice in a row, a
 straggler; by default and with PK_JAX_ULYSSES_FUSED=bwd all of them. With
 PK_JAX_ULYSSES_FUSED=1 the forward cases all run and one gradient case (GQA with P not
-dividing Hkv, causal): the fused forward is opt-in, measured slower.
+dividing Hkv, causal): the fused forward, slower than the composed kernels wherever it was
+measured (bench/results/overlap.md), gets the short list.
 
 On a machine without a GPU the same script runs on CPU processes, where the op runs its
 reference: a check of the script itself.

@@ -46,11 +46,12 @@ __device__ inline uint64_t globaltimer_ns() {
  * fields are plain stores and the code is written last after a system fence; two blocks failing
  * at once write equivalent records (the mbarrier waits of cross-rank kernels are bounded after
  * their signal waits, pk/mbarrier.cuh peer_wait_bound, so they do not race them). No claim: a
- * first-failure claim in device memory was tried (2026-12-01) and lost records on the H200 (MoE
- * dispatch, P = 8, one dead rank: code 0), most likely because a losing block trapped the
- * context before the winner's stores to host memory had landed. The trap makes the XLA call
- * fail (the CUDA context is then unusable, as after any fatal peer loss); the host reads the
- * record to name the culprit.
+ * first-failure claim in device memory was tried and lost records on the H200 (MoE dispatch,
+ * P = 8, one dead rank: code 0; bench/results/moe_notes.md, "Measurements moved from code
+ * comments (issue 37)"), most likely because a losing block trapped the context before the
+ * winner's stores to host memory had landed. The trap makes the XLA call fail (the CUDA
+ * context is then unusable, as after any fatal peer loss); the host reads the record to name
+ * the culprit.
  */
 __device__ inline void fail(const fail_ctx& f, int code, int peer) {
   volatile int32_t* rec = f.error;
