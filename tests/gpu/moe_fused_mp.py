@@ -9,8 +9,8 @@ Every process builds every rank's inputs from one seed and runs pk.moe_dispatch_
 jit(shard_map) three times: traced inside fused_kernels(True) (the fused kernel; on a GPU its
 HLO must call pk_moe_dispatch_gemm), inside fused_kernels(False) (pk.moe_dispatch's kernel,
 then pk.grouped_matmul's) and outside a block, where the HLO must call the fused kernel exactly
-when PK_JAX_MOE_FUSED asks for it (as pk_jax.ops.moe.fused_enabled(op) answers, without a
-shape).
+when PK_JAX_MOE_FUSED asks for it (as pk_jax.ops.moe.fused_enabled answers for the call's
+shape: under "auto", the one decider's pick).
 Each run must equal the numpy model (`route` and the per-expert products below) bit for bit:
 h, the group sizes and the whole handle; then the gradients of sum(h * g) with respect to x and
 w1; then two calls in a row, and a straggler (the last rank sleeps 1 s before its call); and
@@ -177,12 +177,12 @@ def main() -> None:
                                      f"{a.ravel()[bad[0]]}, want {b.ravel()[bad[0]]}")
 
     def run_all(fwd, grad, args, g, target, names, want, grad_names, want_grads, what, *,
-                calls, sleep_rank, grads):
+                calls, sleep_rank, grads, shape, itemsize):
         """fwd(*args) `calls` times (the last rank first sleeping when sleep_rank) and, with
         `grads`, grad(*args, g), traced inside fused_kernels(True), (False) and outside a
-        block (PK_JAX_MOE_FUSED as set: the path moe.fused_enabled(op) answers without a
-        shape); each against the model."""
-        default = moe_ops.fused_enabled(target.removeprefix("pk_"))
+        block (PK_JAX_MOE_FUSED as set: the path moe.fused_enabled answers for the decider's
+        `shape` of the call, as the op asks it); each against the model."""
+        default = moe_ops.fused_enabled(target.removeprefix("pk_"), shape, n, itemsize)
         for fused in (True, False, None):
             block = moe_ops.fused_kernels(fused) if fused is not None else contextlib.nullcontext()
             with block:
@@ -237,7 +237,9 @@ def main() -> None:
         run_all(fwd, grad, args, g, "pk_moe_dispatch_gemm",
                 ("h", "group_sizes", "dest", "pos", "dropped", "received_dropped"), want,
                 ("dx", "dw1"), dict(zip(("dx", "dw1"), want_grads)),
-                f"P={n} rank {me} case {seed}", calls=calls, sleep_rank=sleep_rank, grads=grads)
+                f"P={n} rank {me} case {seed}", calls=calls, sleep_rank=sleep_rank, grads=grads,
+                shape={"t": t, "k": k, "experts": experts, "h": h, "hidden": nn},
+                itemsize=np.dtype(dtype).itemsize)
 
     def build_gc(experts, capacity):
         def body(x, e, hh, w, wt):
@@ -273,7 +275,9 @@ def main() -> None:
         names = ("dh", "dw2", "dweights")
         run_all(fwd, grad, args, g, "pk_moe_gemm_combine", ("out",), {"out": out}, names,
                 dict(zip(names, want_grads)), f"P={n} rank {me} gemm_combine case {seed}",
-                calls=calls, sleep_rank=sleep_rank, grads=grads)
+                calls=calls, sleep_rank=sleep_rank, grads=grads,
+                shape={"t": t, "k": k, "experts": experts, "h": h, "hidden": f},
+                itemsize=np.dtype(dtype).itemsize)
 
     print(f"backend moe_dispatch={pk.backend_name('moe_dispatch', 'ep')}", flush=True)
     t0 = time.time()
