@@ -148,24 +148,32 @@ struct kernel_def {
 
   /**
    * @brief The producer thread: loads tile w's k-steps in order into the ring, each into the
-   * next stage once the consumers have freed it (stage and phase carry over between tiles).
+   * next stage once the consumers have freed it (`pipe` carries over between tiles).
    * IDS: also writes `id` into ids[stage] for the tile's first stage, before that stage's
    * arrival (consumers of a dynamically claimed tile order read it there).
    */
   template <bool IDS = false>
-  __device__ static void produce(const globals& g, shared_storage& s, const work& w, int& stage,
-                                 uint32_t& phase, int* ids = nullptr, int id = 0) {
+  __device__ static void produce(const globals& g, shared_storage& s, const work& w,
+                                 pipeline_state<STAGES>& pipe, int* ids = nullptr, int id = 0) {
     for (int k = 0; k < w.k_iters; ++k) {
-      mbar_wait(&s.empty[stage], phase ^ 1);
+      mbar_wait(&s.empty[pipe.stage], pipe.phase ^ 1);
       if constexpr (IDS) {
-        if (k == 0) ids[stage] = id;
+        if (k == 0) ids[pipe.stage] = id;
       }
-      mbar_arrive_expect_tx(&s.full[stage], STAGE_BYTES);
-      loader(g, s.stages[stage], &s.full[stage], w, k);
-      if (++stage == STAGES) {
-        stage = 0;
-        phase ^= 1;
-      }
+      mbar_arrive_expect_tx(&s.full[pipe.stage], STAGE_BYTES);
+      loader(g, s.stages[pipe.stage], &s.full[pipe.stage], w, k);
+      pipe.advance();
+    }
+  }
+
+  /**
+   * @brief The producer thread of the static schedule (grouped_matmul, moe_gemm_combine): this
+   * block's tile ids blockIdx.x, + gridDim.x, ... in order, through one ring.
+   */
+  __device__ static void produce_tiles(const globals& g, shared_storage& s, int num_tiles) {
+    pipeline_state<STAGES> pipe;
+    for (int id = blockIdx.x; id < num_tiles; id += gridDim.x) {
+      produce(g, s, tile(g, s, id), pipe);
     }
   }
 
@@ -426,11 +434,7 @@ __global__ void __launch_bounds__(K::THREADS, 1) kernel(const __grid_constant__ 
   if (wg == 0) {
     warpgroup::decrease_registers<40>();
     if (warpgroup::thread() != 0) return;
-    int stage = 0;
-    uint32_t phase = 0;
-    for (int id = blockIdx.x; id < num_tiles; id += gridDim.x) {
-      K::produce(g, s, K::tile(g, s, id), stage, phase);
-    }
+    K::produce_tiles(g, s, num_tiles);
     return;
   }
 

@@ -198,8 +198,7 @@ __global__ void __launch_bounds__(K::THREADS, 1)
     if (warpgroup::thread() != 0) return;
     const uint64_t epoch = c.epoch(EPOCH_D);
     auto* next_tile = reinterpret_cast<unsigned long long*>(c.sig[c.rank] + TILES);
-    int stage = 0;
-    uint32_t phase = 0;
+    pipeline_state<K::STAGES> pipe;
     int ready = -1;  // the last expert whose arrivals this loader has seen
     for (;;) {
       const int id = static_cast<int>(atomicAdd(next_tile, 1ull));
@@ -214,11 +213,11 @@ __global__ void __launch_bounds__(K::THREADS, 1)
         fence_proxy_async_global();
         ready = w.e;
       }
-      K::template produce<true>(g, s, w, stage, phase, tile_of, id);
+      K::template produce<true>(g, s, w, pipe, tile_of, id);
     }
-    mbar_wait(&s.empty[stage], phase ^ 1);
-    tile_of[stage] = -1;
-    mbar_arrive(&s.full[stage]);
+    mbar_wait(&s.empty[pipe.stage], pipe.phase ^ 1);
+    tile_of[pipe.stage] = -1;
+    mbar_arrive(&s.full[pipe.stage]);
     return;
   }
 

@@ -166,11 +166,7 @@ __global__ void __launch_bounds__(K::THREADS, 1)
   if (wg == 0) {
     warpgroup::decrease_registers<40>();
     if (warpgroup::thread() != 0) return;
-    int stage = 0;
-    uint32_t phase = 0;
-    for (int id = blockIdx.x; id < num_tiles; id += gridDim.x) {
-      K::produce(g, s, K::tile(g, s, id), stage, phase);
-    }
+    K::produce_tiles(g, s, num_tiles);
     return;
   }
 

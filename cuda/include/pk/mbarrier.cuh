@@ -77,11 +77,13 @@ __device__ inline bool mbar_test(mbarrier* bar, uint32_t parity) {
  * so a loop can neither wrap without flipping nor flip on the wrong step. The producer and
  * each consumer keep their own state, both starting at stage 0, phase 0: the consumer waits
  * full[stage] for `phase`, the producer waits empty[stage] for `phase ^ 1` (the first pass
- * finds every stage free). Two registers: a local of the role's loop.
+ * finds every stage free). Two registers: a local of the role's loop, passed by reference
+ * into the helpers that move it (grouped_matmul's produce).
  *
  * NOTES: phase is declared before stage. The member order decides the order of the two
  * registers in the PTX, which ptxas's register allocation and schedule follow: in this order
- * lcsc's loops compile to the machine code of the two separate variables they replaced.
+ * the loops that use the type (lcsc's, the grouped GEMM producers') compile to the machine code
+ * of the two separate variables they replaced.
  */
 template <int STAGES>
 struct pipeline_state {
