@@ -83,7 +83,8 @@ __device__ inline bool mbar_test(mbarrier* bar, uint32_t parity) {
  * NOTES: phase is declared before stage. The member order decides the order of the two
  * registers in the PTX, which ptxas's register allocation and schedule follow: in this order
  * the loops that use the type (lcsc's, the grouped GEMM producers') compile to the machine code
- * of the two separate variables they replaced.
+ * of the two separate variables they replaced. The grouped GEMM consumers keep two variables
+ * (grouped_matmul's mainloop says why).
  */
 template <int STAGES>
 struct pipeline_state {
