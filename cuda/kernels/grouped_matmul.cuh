@@ -148,24 +148,90 @@ struct kernel_def {
 
   /**
    * @brief The producer thread: loads tile w's k-steps in order into the ring, each into the
-   * next stage once the consumers have freed it (stage and phase carry over between tiles).
+   * next stage once the consumers have freed it (`pipe` carries over between tiles).
    * IDS: also writes `id` into ids[stage] for the tile's first stage, before that stage's
    * arrival (consumers of a dynamically claimed tile order read it there).
    */
   template <bool IDS = false>
-  __device__ static void produce(const globals& g, shared_storage& s, const work& w, int& stage,
-                                 uint32_t& phase, int* ids = nullptr, int id = 0) {
+  __device__ static void produce(const globals& g, shared_storage& s, const work& w,
+                                 pipeline_state<STAGES>& pipe, int* ids = nullptr, int id = 0) {
     for (int k = 0; k < w.k_iters; ++k) {
-      mbar_wait(&s.empty[stage], phase ^ 1);
+      mbar_wait(&s.empty[pipe.stage], pipe.phase ^ 1);
       if constexpr (IDS) {
-        if (k == 0) ids[stage] = id;
+        if (k == 0) ids[pipe.stage] = id;
       }
-      mbar_arrive_expect_tx(&s.full[stage], STAGE_BYTES);
-      loader(g, s.stages[stage], &s.full[stage], w, k);
+      mbar_arrive_expect_tx(&s.full[pipe.stage], STAGE_BYTES);
+      loader(g, s.stages[pipe.stage], &s.full[pipe.stage], w, k);
+      pipe.advance();
+    }
+  }
+
+  /**
+   * @brief The producer thread of the static schedule (grouped_matmul, moe_gemm_combine): this
+   * block's tile ids blockIdx.x, + gridDim.x, ... in order, through one ring.
+   */
+  __device__ static void produce_tiles(const globals& g, shared_storage& s, int num_tiles) {
+    pipeline_state<STAGES> pipe;
+    for (int id = blockIdx.x; id < num_tiles; id += gridDim.x) {
+      produce(g, s, tile(g, s, id), pipe);
+    }
+  }
+
+  /**
+   * @brief Consumer c's mainloop over tile w, shared by every grouped GEMM kernel (this file's
+   * and the fused MoE kernels', which differ only in where tiles come from and in the
+   * epilogue): acc zeroed, then per k step: wait full[stage], DW's tail rows zeroed, the MMAs
+   * into acc, and the stage freed one step late (the MMAs of step k may still read it; those of
+   * step k-1 are done). Returns with every MMA done and every stage of the tile freed; `stage`
+   * and `phase` (the consumer's place in the ring) carry over to the next tile.
+   *
+   * NOTES: stage and phase are two variables here, not a pipeline_state. With the struct (its
+   * member order is the one that keeps lcsc's and the producers' code) the compiler gives the
+   * two registers the other order in this loop, and ptxas allocates and schedules the consumer
+   * differently; as two variables, declared phase first by the caller, the kernels keep the
+   * machine code they had when each wrote this loop itself.
+   */
+  __device__ static void mainloop(acc_t& acc, shared_storage& s, const work& w, int& stage,
+                                  uint32_t& phase, int c, bool leader) {
+    // NOTES: zeroed on every tile (not only for empty DW groups): a write of the accumulator
+    // under a data-dependent branch makes ptxas serialize every wgmma of the kernel.
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+    int prev = 0;
+    for (int k = 0; k < w.k_iters; ++k) {
+      mbar_wait(&s.full[stage], phase);
+      if constexpr (MODE == DW) {
+        const int valid = w.row_end - (w.row0 + k * BK);
+        if (valid < BK) zero_tail_rows(s.stages[stage], c, valid);
+      }
+      consumer(acc, s.stages[stage], c, k);
+      wgmma::wait<1>();  // the MMAs of step k may still read stage s; those of k-1 are done
+      if (k > 0 && leader) mbar_arrive(&s.empty[prev]);
+      prev = stage;
       if (++stage == STAGES) {
         stage = 0;
         phase ^= 1;
       }
+    }
+    wgmma::wait<0>();
+    if (w.k_iters > 0 && leader) mbar_arrive(&s.empty[prev]);
+  }
+
+  /**
+   * @brief Consumer c over the static schedule (produce_tiles' tiles, in its order): per tile,
+   * mainloop, then epilogue(acc, w) with the finished accumulator, the one per-op part
+   * (grouped_matmul's storer, moe_gemm_combine's stores to the token owners).
+   */
+  template <class Epilogue>
+  __device__ static void consume_tiles(const globals& g, shared_storage& s, int num_tiles, int c,
+                                       bool leader, Epilogue&& epilogue) {
+    uint32_t phase = 0;  // before stage: see mainloop's NOTES
+    int stage = 0;
+    for (int id = blockIdx.x; id < num_tiles; id += gridDim.x) {
+      const work w = tile(g, s, id);
+      acc_t acc;
+      mainloop(acc, s, w, stage, phase, c, leader);
+      epilogue(acc, w);
     }
   }
 
@@ -426,11 +492,7 @@ __global__ void __launch_bounds__(K::THREADS, 1) kernel(const __grid_constant__ 
   if (wg == 0) {
     warpgroup::decrease_registers<40>();
     if (warpgroup::thread() != 0) return;
-    int stage = 0;
-    uint32_t phase = 0;
-    for (int id = blockIdx.x; id < num_tiles; id += gridDim.x) {
-      K::produce(g, s, K::tile(g, s, id), stage, phase);
-    }
+    K::produce_tiles(g, s, num_tiles);
     return;
   }
 
@@ -438,35 +500,10 @@ __global__ void __launch_bounds__(K::THREADS, 1) kernel(const __grid_constant__ 
   const int c = wg - 1;
   const bool leader = warpgroup::thread() == 0;
   const lcsc::storer_sync sync{1 + c, leader};
-  int stage = 0;
-  uint32_t phase = 0;
-  for (int id = blockIdx.x; id < num_tiles; id += gridDim.x) {
-    const work w = K::tile(g, s, id);
-    typename K::acc_t acc;
-    // NOTES: zeroed on every tile (not only for empty DW groups): a write of the accumulator
-    // under a data-dependent branch makes ptxas serialize every wgmma of the kernel.
-#pragma unroll
-    for (int i = 0; i < K::BN / 2; ++i) acc[i] = 0.f;
-    int prev = 0;
-    for (int k = 0; k < w.k_iters; ++k) {
-      mbar_wait(&s.full[stage], phase);
-      if constexpr (K::MODE == DW) {
-        const int valid = w.row_end - (w.row0 + k * K::BK);
-        if (valid < K::BK) K::zero_tail_rows(s.stages[stage], c, valid);
-      }
-      K::consumer(acc, s.stages[stage], c, k);
-      wgmma::wait<1>();  // the MMAs of step k may still read stage s; those of k-1 are done
-      if (k > 0 && leader) mbar_arrive(&s.empty[prev]);
-      prev = stage;
-      if (++stage == K::STAGES) {
-        stage = 0;
-        phase ^= 1;
-      }
-    }
-    wgmma::wait<0>();
-    if (w.k_iters > 0 && leader) mbar_arrive(&s.empty[prev]);
-    K::storer(g, acc, s.out[c], c, w, sync);
-  }
+  K::consume_tiles(g, s, num_tiles, c, leader,
+                   [&](const typename K::acc_t& acc, const work& w) {
+                     K::storer(g, acc, s.out[c], c, w, sync);
+                   });
   if (leader) tma::store_wait<0>();
   K::zero_tail(g, s);
 }

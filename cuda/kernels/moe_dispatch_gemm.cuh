@@ -198,8 +198,7 @@ __global__ void __launch_bounds__(K::THREADS, 1)
     if (warpgroup::thread() != 0) return;
     const uint64_t epoch = c.epoch(EPOCH_D);
     auto* next_tile = reinterpret_cast<unsigned long long*>(c.sig[c.rank] + TILES);
-    int stage = 0;
-    uint32_t phase = 0;
+    pipeline_state<K::STAGES> pipe;
     int ready = -1;  // the last expert whose arrivals this loader has seen
     for (;;) {
       const int id = static_cast<int>(atomicAdd(next_tile, 1ull));
@@ -214,11 +213,11 @@ __global__ void __launch_bounds__(K::THREADS, 1)
         fence_proxy_async_global();
         ready = w.e;
       }
-      K::template produce<true>(g, s, w, stage, phase, tile_of, id);
+      K::template produce<true>(g, s, w, pipe, tile_of, id);
     }
-    mbar_wait(&s.empty[stage], phase ^ 1);
-    tile_of[stage] = -1;
-    mbar_arrive(&s.full[stage]);
+    mbar_wait(&s.empty[pipe.stage], pipe.phase ^ 1);
+    tile_of[pipe.stage] = -1;
+    mbar_arrive(&s.full[pipe.stage]);
     return;
   }
 
@@ -226,30 +225,15 @@ __global__ void __launch_bounds__(K::THREADS, 1)
   const int cw = wg - 1;
   const bool leader = warpgroup::thread() == 0;
   const lcsc::storer_sync sync{1 + cw, leader};
+  uint32_t phase = 0;  // two variables, phase first: see grouped_matmul's mainloop
   int stage = 0;
-  uint32_t phase = 0;
   for (;;) {
     mbar_wait(&s.full[stage], phase);
     const int id = *static_cast<volatile int*>(&tile_of[stage]);
     if (id < 0) break;
     const grouped_matmul::work w = K::tile(g, s, id);
     typename K::acc_t acc;
-#pragma unroll
-    for (int i = 0; i < K::BN / 2; ++i) acc[i] = 0.f;
-    int prev = 0;
-    for (int kk = 0; kk < w.k_iters; ++kk) {
-      mbar_wait(&s.full[stage], phase);
-      K::consumer(acc, s.stages[stage], cw, kk);
-      wgmma::wait<1>();
-      if (kk > 0 && leader) mbar_arrive(&s.empty[prev]);
-      prev = stage;
-      if (++stage == K::STAGES) {
-        stage = 0;
-        phase ^= 1;
-      }
-    }
-    wgmma::wait<0>();
-    if (w.k_iters > 0 && leader) mbar_arrive(&s.empty[prev]);
+    K::mainloop(acc, s, w, stage, phase, cw, leader);
     K::storer(g, acc, s.out[cw], cw, w, sync);
   }
   if (leader) tma::store_wait<0>();

@@ -140,8 +140,8 @@ __global__ void __launch_bounds__(THREADS) gc_invert_kernel(const __grid_constan
 }
 
 /**
- * @brief The GEMM with the peer-storing epilogue: grouped_matmul's FWD loop (loader and
- * consumers unchanged), every finished 64-row piece sent row by row to its owners.
+ * @brief The GEMM with the peer-storing epilogue: grouped_matmul's FWD loop (its produce_tiles
+ * and consume_tiles), every finished 64-row piece sent row by row to its owners.
  */
 template <class K>
 __global__ void __launch_bounds__(K::THREADS, 1)
@@ -166,11 +166,7 @@ __global__ void __launch_bounds__(K::THREADS, 1)
   if (wg == 0) {
     warpgroup::decrease_registers<40>();
     if (warpgroup::thread() != 0) return;
-    int stage = 0;
-    uint32_t phase = 0;
-    for (int id = blockIdx.x; id < num_tiles; id += gridDim.x) {
-      K::produce(g, s, K::tile(g, s, id), stage, phase);
-    }
+    K::produce_tiles(g, s, num_tiles);
     return;
   }
 
@@ -185,32 +181,12 @@ __global__ void __launch_bounds__(K::THREADS, 1)
   bool ready = false;  // this consumer has seen every rank's inverse map
   uint64_t link_due = 0;  // leader: when its last piece's peer rows have crossed (emulator)
   if (t < MAX_PEERS) s_count[cw][t] = 0;  // rows sent to each owner, over the whole kernel
-  int stage = 0;
-  uint32_t phase = 0;
-  for (int id = blockIdx.x; id < num_tiles; id += gridDim.x) {
-    const grouped_matmul::work w = K::tile(g, s, id);
-    typename K::acc_t acc;
-#pragma unroll
-    for (int i = 0; i < K::BN / 2; ++i) acc[i] = 0.f;
-    int prev = 0;
-    for (int kk = 0; kk < w.k_iters; ++kk) {
-      mbar_wait(&s.full[stage], phase);
-      K::consumer(acc, s.stages[stage], cw, kk);
-      wgmma::wait<1>();
-      if (kk > 0 && leader) mbar_arrive(&s.empty[prev]);
-      prev = stage;
-      if (++stage == K::STAGES) {
-        stage = 0;
-        phase ^= 1;
-      }
-    }
-    wgmma::wait<0>();
-    if (w.k_iters > 0 && leader) mbar_arrive(&s.empty[prev]);
-
-    // Epilogue: this consumer's rows [row0, row0 + valid) of the group, columns col0...
+  // The epilogue of a consumer's 64-row piece: rows [row0, row0 + valid) of the group, columns
+  // col0..., each row sent to its owner's slot.
+  const auto epilogue = [&](const typename K::acc_t& acc, const grouped_matmul::work& w) {
     const int row0 = w.row0 + cw * 64;
     const int valid = min(64, w.row_end - row0);
-    if (valid <= 0) continue;  // uniform over the warpgroup
+    if (valid <= 0) return;  // uniform over the warpgroup
     if (!ready) {
       for (int i = t; i < c.world * f.inv_grid; i += WARPGROUP_THREADS) {
         const int src = i / f.inv_grid;
@@ -247,7 +223,8 @@ __global__ void __launch_bounds__(K::THREADS, 1)
         *reinterpret_cast<uint4*>(dst + col0 + col) = v;
       }
     }
-  }
+  };
+  K::consume_tiles(g, s, num_tiles, cw, leader, epilogue);
   // NOTES: the counts are sent once, when the consumer's last piece is stored. The owners'
   // sums wait for every piece anyway, and a system fence plus up to P system-scope releases
   // after every piece stalled the leader's warp, so the warpgroup's next wgmma.

@@ -134,18 +134,14 @@ __global__ void __launch_bounds__((K::CONSUMERS + 1) * WARPGROUP_THREADS, 1)
     // Loader: one thread issues every copy.
     warpgroup::decrease_registers<K::PRODUCER_REGS>();
     if (warpgroup::thread() != 0) return;
-    int stage = 0;
-    uint32_t phase = 0;
+    pipeline_state<K::STAGES> pipe;
     for (int id = index; id < num_tiles; id += compute_blocks) {
       const tile_coord t = sched.coord(id);
       for (int k = 0; k < iters; ++k) {
-        mbar_wait(&s.empty[stage], phase ^ 1);
-        mbar_arrive_expect_tx(&s.full[stage], K::STAGE_BYTES);
-        K::loader(g, s.stages[stage], &s.full[stage], t, k);
-        if (++stage == K::STAGES) {
-          stage = 0;
-          phase ^= 1;
-        }
+        mbar_wait(&s.empty[pipe.stage], pipe.phase ^ 1);
+        mbar_arrive_expect_tx(&s.full[pipe.stage], K::STAGE_BYTES);
+        K::loader(g, s.stages[pipe.stage], &s.full[pipe.stage], t, k);
+        pipe.advance();
       }
     }
     return;
@@ -156,27 +152,23 @@ __global__ void __launch_bounds__((K::CONSUMERS + 1) * WARPGROUP_THREADS, 1)
   const int c = wg - 1;
   const bool leader = warpgroup::thread() == 0;
   const storer_sync sync{1 + c, leader};
-  int stage = 0;
-  uint32_t phase = 0;
+  pipeline_state<K::STAGES> pipe;
   for (int id = index; id < num_tiles; id += compute_blocks) {
     const tile_coord t = sched.coord(id);
     typename K::acc_t acc;
     int prev = 0;
     for (int k = 0; k < iters; ++k) {
-      mbar_wait(&s.full[stage], phase);
-      K::consumer(g, acc, s.stages[stage], c, k);
+      mbar_wait(&s.full[pipe.stage], pipe.phase);
+      K::consumer(g, acc, s.stages[pipe.stage], c, k);
       if constexpr (K::ASYNC_MMA) {
         // The MMAs of step k may still read stage s; those of step k-1 are done now.
         wgmma::wait<1>();
         if (k > 0 && leader) mbar_arrive(&s.empty[prev]);
       } else {
-        if (leader) mbar_arrive(&s.empty[stage]);
+        if (leader) mbar_arrive(&s.empty[pipe.stage]);
       }
-      prev = stage;
-      if (++stage == K::STAGES) {
-        stage = 0;
-        phase ^= 1;
-      }
+      prev = pipe.stage;
+      pipe.advance();
     }
     if constexpr (K::ASYNC_MMA) {
       wgmma::wait<0>();

@@ -69,6 +69,39 @@ __device__ inline bool mbar_test(mbarrier* bar, uint32_t parity) {
 }
 
 /**
+ * @brief Where one side of a STAGES-deep ring of full/empty mbarriers stands: the stage it
+ * uses next and the parity of that stage's phase it waits for.
+ *
+ * Every pass over the ring completes one more phase of each stage's barriers, so the parity a
+ * side waits for flips exactly when the stage index wraps; advance() does both in one place,
+ * so a loop can neither wrap without flipping nor flip on the wrong step. The producer and
+ * each consumer keep their own state, both starting at stage 0, phase 0: the consumer waits
+ * full[stage] for `phase`, the producer waits empty[stage] for `phase ^ 1` (the first pass
+ * finds every stage free). Two registers: a local of the role's loop, passed by reference
+ * into the helpers that move it (grouped_matmul's produce).
+ *
+ * NOTES: phase is declared before stage. The member order decides the order of the two
+ * registers in the PTX, which ptxas's register allocation and schedule follow: in this order
+ * the loops that use the type (lcsc's, the grouped GEMM producers') compile to the machine code
+ * of the two separate variables they replaced. The grouped GEMM consumers keep two variables
+ * (grouped_matmul's mainloop says why).
+ */
+template <int STAGES>
+struct pipeline_state {
+  static_assert(STAGES >= 1, "pipeline_state: at least one stage");
+  uint32_t phase = 0;  ///< parity of stage's current phase (see NOTES for the member order)
+  int stage = 0;       ///< index in [0, STAGES)
+
+  /** @brief Moves to the next stage; past the last one, back to 0 with the parity flipped. */
+  __device__ void advance() {
+    if (++stage == STAGES) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+};
+
+/**
  * @brief What an mbarrier wait that never completes reports, per block: the error record, op
  * and rank of the kernel, and the bound (0: MBAR_DEFAULT_TIMEOUT_NS). Every kernel that waits
  * on mbarriers sets it (one thread, before its first __syncthreads): lcsc::kernel from
