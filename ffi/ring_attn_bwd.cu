@@ -1,26 +1,16 @@
 // FFI handler and launcher of pk_ring_attn_bwd: the fused ring attention backward (see
 // cuda/kernels/ring_attn_bwd.cuh). Launches on XLA's stream; no host synchronisation.
-#include <string>
-
-#include "comm_state.h"
-#include "ffi_util.h"
 #include "kernels/ring_attn_bwd.cuh"
-#include "launch.h"
-#include "tensor_map.h"
-#include "tp.h"
+#include "sp_handler.h"
 
 namespace pk_ffi {
 namespace {
 
-Status Invalid(const std::string& what) {
-  return Status::Invalid("pk.ring_attention (backward): " + what);
-}
+namespace ra = pk::ring_attn;
+namespace rb = pk::ring_attn_bwd;
 
-// The 4-D map of an operand or slot section (tensor_map.h Map4d), panels of `rows` positions.
-Status Map(const void* ptr, int64_t batch, int64_t s, int64_t heads, int64_t d, int dtype,
-           uint32_t rows, CUtensorMap* out) {
-  return Map4d("ring_attention", ptr, batch, s, heads, d, rows, dtype, out);
-}
+constexpr char kOp[] = "ring_attention (backward)";
+constexpr char kFamily[] = "ring_attention";  // the name in BindComm's and the maps' errors
 
 }  // namespace
 
@@ -33,54 +23,40 @@ uint64_t RingAttnBwdWorkspace(int64_t b, int64_t s, int64_t h, int64_t hkv, int6
 }
 
 Status LaunchRingAttnBwd(const Where& at, const RingAttnBwdArgs& a, const CommView& v) {
-  namespace ra = pk::ring_attn;
-  namespace rb = pk::ring_attn_bwd;
-  if (Status s = CheckRecord("ring_attention (backward)", v); !s.ok()) return s;
-  if (v.signal_count < op_table::kRingSlots.end()) {
-    return Invalid("the signal pad has " + std::to_string(v.signal_count) +
-                   " slots, the kernel needs " +
-                   std::to_string(op_table::kRingSlots.end()));
+  if (Status s = sp::CheckComm(kOp, op_table::kRingSlots, v); !s.ok()) return s;
+  if (v.world < 2) return sp::Invalid(kOp, "the fused backward needs at least 2 ranks.");
+  if (Status s = sp::CheckOperands(kOp, "q, k, v and dO", a.dtype, a.d, a.h, a.hkv); !s.ok()) {
+    return s;
   }
-  if (v.world > ra::MAX_PEERS) return Invalid("at most " + std::to_string(ra::MAX_PEERS) + " ranks");
-  if (v.world < 2) return Invalid("the fused backward needs at least 2 ranks.");
-  if (a.dtype != DType::kBF16 && a.dtype != DType::kF16) {
-    return Invalid("q, k, v and dO must all be bf16 or all fp16.");
+  if (a.zigzag && a.s % 2 != 0) {
+    return sp::Invalid(kOp, "zigzag needs an even local sequence length.");
   }
-  if (a.d != 64 && a.d != 128) return Invalid("head_dim must be 64 or 128, got " + std::to_string(a.d));
-  if (a.hkv < 1 || a.h % a.hkv != 0) return Invalid("the K/V heads must divide the query heads.");
-  if (a.zigzag && a.s % 2 != 0) return Invalid("zigzag needs an even local sequence length.");
-  if (a.num_comm_sms < 1 || a.num_comm_sms > ra::MAX_COMM) {
-    return Invalid("num_comm_sms must be in 1.." + std::to_string(ra::MAX_COMM) + ", got " +
-                   std::to_string(a.num_comm_sms));
-  }
+  if (Status s = sp::CheckCommSms(kOp, a.num_comm_sms); !s.ok()) return s;
   if (a.b < 0 || a.s < 0 || a.h < 0 || a.b > 65535 || a.h > 65535 ||
       a.s * a.h * a.d > INT32_MAX || a.s * int64_t(v.world) > INT32_MAX / 2) {
-    return Invalid("sizes too large (batch and heads below 65536, S * H * D below 2^31).");
+    return sp::Invalid(kOp,
+                       "sizes too large (batch and heads below 65536, S * H * D below 2^31).");
   }
   const int P = v.world;
   const int64_t q_tiles = (a.s + 127) / 128;
   const int64_t items = q_tiles * a.hkv * a.b;
   if (items > int64_t(rb::MAX_LANES) * rb::MAX_ITEMS_PER_LANE) {
-    return Invalid("too many 128-key tiles (ceil(S/P / 128) Hkv B) for the dK/dV lanes.");
+    return sp::Invalid(
+        kOp, "too many 128-key tiles (ceil(S/P / 128) Hkv B) for the dK/dV lanes.");
   }
   const uint64_t block_bytes = uint64_t(a.b) * a.s * a.hkv * a.d * 2;
-  const uint64_t need = RingAttnBwdWorkspace(a.b, a.s, a.h, a.hkv, a.d, P);
-  if (need > v.workspace_bytes) {
-    return Invalid("the symmetric workspace has " + std::to_string(v.workspace_bytes) +
-                   " bytes and this call needs " + std::to_string(need) +
-                   " (2 (P-1) K/V blocks, P fp32 dK/dV blocks and an fp32 dQ); call "
-                   "pk.init(mesh, workspace_bytes=...) with at least that.");
+  if (Status s = sp::WorkspaceCheck(
+          kOp, RingAttnBwdWorkspace(a.b, a.s, a.h, a.hkv, a.d, P), v.workspace_bytes,
+          "2 (P-1) K/V blocks, P fp32 dK/dV blocks and an fp32 dQ");
+      !s.ok()) {
+    return s;
   }
-  // Every check above depends on shapes, attributes and the world only: every rank refuses or
-  // runs the call alike, so the epochs stay in step.
-  if (a.b == 0 || a.s == 0 || a.h == 0) return Status::Ok();
+  if (sp::Empty(a)) return Status::Ok();
 
   rb::globals g{};
   ra::globals& f = g.f;
-  pk::tp::comm& c = f.c;
   // The forward's range and epoch.
-  tp::View(kOpRingAttnBwd, op_table::kRingSlots.base, v, a.rank, &c);
-  const int type = a.dtype == DType::kBF16 ? 0 : 1;
+  tp::View(kOpRingAttnBwd, op_table::kRingSlots.base, v, a.rank, &f.c);
   f.d = pk::attention::dims{int(a.b), int(a.s), int(a.h), int(a.hkv), a.scale, a.causal ? 1 : 0};
   f.zigzag = a.causal && a.zigzag ? 1 : 0;
   f.comm_blocks = static_cast<int>(a.num_comm_sms);
@@ -104,73 +80,60 @@ Status LaunchRingAttnBwd(const Where& at, const RingAttnBwdArgs& a, const CommVi
   g.dq_acc = reinterpret_cast<float*>(ws + g.acc_off + uint64_t(P) * g.acc_slot_bytes);
   const int64_t slots = int64_t(P - 1) * a.b;
   char* vs = ws + uint64_t(P - 1) * block_bytes;
-  const struct {
-    const void* ptr;
-    int64_t batch, heads;
-    uint32_t rows;
-    int dtype;
-    CUtensorMap* map;
-  } maps[] = {
-      {a.q, a.b, a.h, 64, type, &g.q64},      {a.d_o, a.b, a.h, 64, type, &g.do64},
-      {a.k, a.b, a.hkv, 128, type, &f.k},     {a.v, a.b, a.hkv, 128, type, &f.v},
-      {ws, slots, a.hkv, 128, type, &f.ks},   {vs, slots, a.hkv, 128, type, &f.vs},
-      {g.dq_acc, a.b, a.h, 64, 2, &g.dq32},  // float32: the dQ reductions' boxes
-  };
-  for (const auto& m : maps) {
-    if (Status s = Map(m.ptr, m.batch, a.s, m.heads, a.d, m.dtype, m.rows, m.map); !s.ok()) {
-      return s;
-    }
+  const int type = sp::MapType(a.dtype);
+  if (Status s = sp::EncodeMaps(kFamily, a.s, a.d,
+                                {{a.q, a.b, a.h, 64, type, &g.q64},
+                                 {a.d_o, a.b, a.h, 64, type, &g.do64},
+                                 {a.k, a.b, a.hkv, 128, type, &f.k},
+                                 {a.v, a.b, a.hkv, 128, type, &f.v},
+                                 {ws, slots, a.hkv, 128, type, &f.ks},
+                                 {vs, slots, a.hkv, 128, type, &f.vs},
+                                 // float32: the dQ reductions' boxes
+                                 {g.dq_acc, a.b, a.h, 64, 2, &g.dq32}});
+      !s.ok()) {
+    return s;
   }
-  if (Status s = tp::StartEpoch(at.stream, c); !s.ok()) return s;
-  cudaError_t err;
-  if (type == 0) {
-    err = a.d == 64 ? rb::launch<__nv_bfloat16, 64>(g, at.stream, at.device)
-                    : rb::launch<__nv_bfloat16, 128>(g, at.stream, at.device);
-  } else {
-    err = a.d == 64 ? rb::launch<__half, 64>(g, at.stream, at.device)
-                    : rb::launch<__half, 128>(g, at.stream, at.device);
-  }
-  return CudaStatus(err, "ring_attention (backward)");
+  return sp::Launch(kOp, at, f.c, a.dtype, a.d, [&](auto cfg) {
+    using C = decltype(cfg);
+    return rb::launch<typename C::T, C::D>(g, at.stream, at.device);
+  });
 }
 
 namespace {
 
 ffi::Error RingAttnBwdCuda(cudaStream_t stream, int32_t device, CommState* state,
-                           ffi::AnyBuffer q,
-                           ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer d_o,
-                           ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> delta,
-                           ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> dq,
-                           ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                           int64_t /*comm_id*/, float scale, int64_t causal, int64_t zigzag,
-                           int64_t num_comm_sms) {
-  const CommView* view = nullptr;
-  if (ffi::Error e = BindComm("ring_attention", state, device, &view); e.failure()) return e;
-  RingAttnBwdArgs a{};
-  const ffi::DataType dt = q.element_type();
-  const auto qd = q.dimensions(), od = d_o.dimensions(), ld = lse.dimensions(),
-             dd = delta.dimensions();
-  if (!BindQkv(q, k, v, &a) || d_o.element_type() != dt || dq->element_type() != dt ||
-      dk->element_type() != dt || dv->element_type() != dt || od.size() != 4 ||
-      ld.size() != 3 || dd.size() != 3 || od[0] != qd[0] || od[1] != qd[1] || od[2] != qd[2] ||
-      od[3] != qd[3] || ld[0] != qd[0] || ld[1] != qd[2] || ld[2] != (qd[1] + 127) / 128 * 128 ||
-      dd[0] != ld[0] || dd[1] != ld[1] || dd[2] != ld[2]) {
-    return ffi::Error::InvalidArgument(
-        "pk.ring_attention (backward): expected q, dO [B, S/P, H, D], k and v "
-        "[B, S/P, Hkv, D] and the gradients like them, of one 2-byte dtype; lse and delta "
-        "float32 [B, H, S/P rounded up to 128].");
-  }
-  a.d_o = d_o.untyped_data();
-  a.lse = lse.typed_data();
-  a.delta = delta.typed_data();
-  a.dq = dq->untyped_data();
-  a.dk = dk->untyped_data();
-  a.dv = dv->untyped_data();
-  a.rank = rank.typed_data();
-  a.scale = scale;
-  a.causal = causal != 0;
-  a.zigzag = zigzag != 0;
-  a.num_comm_sms = num_comm_sms;
-  return ToError(LaunchRingAttnBwd(Where{stream, device, 0}, a, *view));
+                           ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                           ffi::AnyBuffer d_o, ffi::Buffer<ffi::F32> lse,
+                           ffi::Buffer<ffi::F32> delta, ffi::Buffer<ffi::S32> rank,
+                           ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                           ffi::Result<ffi::AnyBuffer> dv, int64_t /*comm_id*/, float scale,
+                           int64_t causal, int64_t zigzag, int64_t num_comm_sms) {
+  return sp::Run(
+      sp::Call{stream, device, state, rank, scale, causal, num_comm_sms}, kFamily,
+      "pk.ring_attention (backward): expected q, dO [B, S/P, H, D], k and v "
+      "[B, S/P, Hkv, D] and the gradients like them, of one 2-byte dtype; lse and delta "
+      "float32 [B, H, S/P rounded up to 128].",
+      LaunchRingAttnBwd, [&](const CommView&, RingAttnBwdArgs* a) {
+        const ffi::DataType dt = q.element_type();
+        const auto qd = q.dimensions(), od = d_o.dimensions(), ld = lse.dimensions(),
+                   dd = delta.dimensions();
+        if (!BindQkv(q, k, v, a) || d_o.element_type() != dt || dq->element_type() != dt ||
+            dk->element_type() != dt || dv->element_type() != dt || od.size() != 4 ||
+            ld.size() != 3 || dd.size() != 3 || od[0] != qd[0] || od[1] != qd[1] ||
+            od[2] != qd[2] || od[3] != qd[3] || ld[0] != qd[0] || ld[1] != qd[2] ||
+            ld[2] != (qd[1] + 127) / 128 * 128 || dd[0] != ld[0] || dd[1] != ld[1] ||
+            dd[2] != ld[2]) {
+          return false;
+        }
+        a->d_o = d_o.untyped_data();
+        a->lse = lse.typed_data();
+        a->delta = delta.typed_data();
+        a->dq = dq->untyped_data();
+        a->dk = dk->untyped_data();
+        a->dv = dv->untyped_data();
+        a->zigzag = zigzag != 0;
+        return true;
+      });
 }
 
 }  // namespace

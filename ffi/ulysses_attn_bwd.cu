@@ -1,53 +1,41 @@
 // FFI handler and launcher of pk_ulysses_attn_bwd: the fused Ulysses attention backward (see
 // cuda/kernels/ulysses_attn_bwd.cuh). Launches on XLA's stream; no host synchronisation.
-#include <string>
-
-#include "comm_state.h"
-#include "ffi_util.h"
 #include "kernels/ulysses_attn_bwd.cuh"
-#include "launch.h"
-#include "tensor_map.h"
-#include "tp.h"
+#include "sp_handler.h"
 
 namespace pk_ffi {
 namespace {
 
-Status Invalid(const std::string& what) {
-  return Status::Invalid("pk.ulysses_attention (backward): " + what);
-}
+namespace ub = pk::ulysses_attn_bwd;
+
+constexpr char kOp[] = "ulysses_attention (backward)";
+constexpr char kFamily[] = "ulysses_attention";  // the name in BindComm's and the maps' errors
 
 }  // namespace
 
 Status LaunchUlyssesAttnBwd(const Where& at, const UlyssesAttnBwdArgs& a, const CommView& v) {
-  namespace ua = pk::ulysses_attn;
-  namespace ub = pk::ulysses_attn_bwd;
-  if (Status s = CheckUlysses("ulysses_attention (backward)", a.dtype, a.d, a.h, a.hkv,
-                              a.num_comm_sms, v);
-      !s.ok()) {
+  if (Status s = CheckUlysses(kOp, a.dtype, a.d, a.h, a.hkv, a.num_comm_sms, v); !s.ok()) {
     return s;
   }
   const int P = v.world;
-  if (P < 2) return Invalid("the fused backward needs at least 2 ranks.");
+  if (P < 2) return sp::Invalid(kOp, "the fused backward needs at least 2 ranks.");
   const int64_t S = a.s * P;
   if (a.b < 0 || a.s < 0 || a.h < 0 || a.b > 65535 || a.h > 65535 ||
       a.b * S * (a.h / P) * a.d > INT32_MAX || S > INT32_MAX / 2) {
     // The tail kernel indexes the head group's B S H/P D elements in 32 bits.
-    return Invalid("sizes too large (batch and heads below 65536, B * S * H/P * D below 2^31).");
+    return sp::Invalid(
+        kOp, "sizes too large (batch and heads below 65536, B * S * H/P * D below 2^31).");
   }
   const ub::layout ws = ub::make_layout(P, a.b, a.s, a.h, a.hkv, a.d);
-  if (ws.total > v.workspace_bytes) {
-    return Invalid("the symmetric workspace has " + std::to_string(v.workspace_bytes) +
-                   " bytes and this call needs " + std::to_string(ws.total) +
-                   " (the head group's dO, delta, float32 dq and dk, dv); call pk.init(mesh, "
-                   "workspace_bytes=...) with at least that.");
+  if (Status s = sp::WorkspaceCheck(kOp, ws.total, v.workspace_bytes,
+                                    "the head group's dO, delta, float32 dq and dk, dv");
+      !s.ok()) {
+    return s;
   }
-  // Every check above depends on shapes, attributes and the world only: every rank refuses or
-  // runs the call alike, so the epochs stay in step.
-  if (a.b == 0 || a.s == 0 || a.h == 0) return Status::Ok();
+  if (sp::Empty(a)) return Status::Ok();
 
   ub::globals g{};
   tp::View(kOpUlyssesAttnBwd, op_table::kUlyssesSlots.base, v, a.rank, &g.c);
-  const int type = a.dtype == DType::kBF16 ? 0 : 1;
   const int64_t gh = a.h / P, gk = a.hkv / P;
   char* const mine = static_cast<char*>(v.workspace[v.rank]);
   pk::attention::bwd_globals& f = g.a;
@@ -70,31 +58,20 @@ Status LaunchUlyssesAttnBwd(const Where& at, const UlyssesAttnBwdArgs& a, const 
   g.comm_blocks = int(a.num_comm_sms);
   g.key_blocks = int((S + 127) / 128);
   g.ws = ws;
-  const struct {
-    const void* ptr;
-    int64_t heads;
-    int rows, dtype;
-    CUtensorMap* out;
-  } maps[] = {{a.q, gh, 64, type, &f.q64},          {mine + ws.dow, gh, 64, type, &f.do64},
-              {a.k, gk, 128, type, &f.k128},        {a.v, gk, 128, type, &f.v128},
-              {mine + ws.dqa, gh, 64, 2, &f.dq32}};
-  for (const auto& m : maps) {
-    if (Status s = Map4d("ulysses_attention", m.ptr, a.b, S, m.heads, a.d, uint32_t(m.rows),
-                         m.dtype, m.out);
-        !s.ok()) {
-      return s;
-    }
+  const int type = sp::MapType(a.dtype);
+  if (Status s = sp::EncodeMaps(kFamily, S, a.d,
+                                {{a.q, a.b, gh, 64, type, &f.q64},
+                                 {mine + ws.dow, a.b, gh, 64, type, &f.do64},
+                                 {a.k, a.b, gk, 128, type, &f.k128},
+                                 {a.v, a.b, gk, 128, type, &f.v128},
+                                 {mine + ws.dqa, a.b, gh, 64, 2, &f.dq32}});
+      !s.ok()) {
+    return s;
   }
-  if (Status s = tp::StartEpoch(at.stream, g.c); !s.ok()) return s;
-  cudaError_t err;
-  if (type == 0) {
-    err = a.d == 64 ? ub::launch<__nv_bfloat16, 64>(g, at.stream, at.device)
-                    : ub::launch<__nv_bfloat16, 128>(g, at.stream, at.device);
-  } else {
-    err = a.d == 64 ? ub::launch<__half, 64>(g, at.stream, at.device)
-                    : ub::launch<__half, 128>(g, at.stream, at.device);
-  }
-  return CudaStatus(err, "ulysses_attention (backward)");
+  return sp::Launch(kOp, at, g.c, a.dtype, a.d, [&](auto cfg) {
+    using C = decltype(cfg);
+    return ub::launch<typename C::T, C::D>(g, at.stream, at.device);
+  });
 }
 
 namespace {
@@ -106,53 +83,48 @@ ffi::Error UlyssesAttnBwdCuda(cudaStream_t stream, int32_t device, CommState* st
                               ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                               ffi::Result<ffi::AnyBuffer> dv, int64_t /*comm_id*/, float scale,
                               int64_t causal, int64_t num_comm_sms) {
-  const CommView* view = nullptr;
-  if (ffi::Error e = BindComm("ulysses_attention", state, device, &view); e.failure()) {
-    return e;
-  }
   // q, k, v are head shards [B, S, H/P, D], [B, S, Hkv/P, D]; d_o and the gradients sequence
   // shards [B, S/P, H, D], [B, S/P, Hkv, D].
-  UlyssesAttnBwdArgs a{};
-  const int64_t P = view->world;
-  const ffi::DataType dt = d_o.element_type();
-  const auto od = d_o.dimensions(), qd = q.dimensions(), kd = k.dimensions(),
-             ld = lse.dimensions(), dd = delta.dimensions(), kod = dk->dimensions();
-  auto same = [](auto x, auto y) {
-    if (x.size() != y.size()) return false;
-    for (size_t i = 0; i < x.size(); ++i) {
-      if (x[i] != y[i]) return false;
-    }
-    return true;
-  };
-  const bool shapes =
-      BindQkv(q, k, v, &a) && q.element_type() == dt && od.size() == 4 && ld.size() == 3 &&
-      dd.size() == 3 && kod.size() == 4 && od[0] == qd[0] && od[1] * P == qd[1] &&
-      od[2] == qd[2] * P && od[3] == qd[3] && ld[0] == qd[0] && ld[1] == qd[2] &&
-      ld[2] == (qd[1] + 127) / 128 * 128 && dd[0] == od[0] && dd[1] == od[2] &&
-      dd[2] == od[1] && dq->element_type() == dt && dk->element_type() == dt &&
-      dv->element_type() == dt && same(dq->dimensions(), od) && kod[0] == od[0] &&
-      kod[1] == od[1] && kod[2] == kd[2] * P && kod[3] == od[3] && same(dv->dimensions(), kod);
-  if (!shapes) {
-    return ffi::Error::InvalidArgument(
-        "pk.ulysses_attention (backward): expected dO [B, S/P, H, D], the head shards q "
-        "[B, S, H/P, D], k and v [B, S, Hkv/P, D] of one 2-byte dtype, lse float32 [B, H/P, S "
-        "rounded up to 128], delta float32 [B, H, S/P], and dq, dk, dv like dO and the "
-        "sequence shards of k, v.");
-  }
-  a.s = od[1];
-  a.h = od[2];
-  a.hkv = kod[2];
-  a.d_o = d_o.untyped_data();
-  a.lse = lse.typed_data();
-  a.delta = delta.typed_data();
-  a.dq = dq->untyped_data();
-  a.dk = dk->untyped_data();
-  a.dv = dv->untyped_data();
-  a.rank = rank.typed_data();
-  a.scale = scale;
-  a.causal = causal != 0;
-  a.num_comm_sms = num_comm_sms;
-  return ToError(LaunchUlyssesAttnBwd(Where{stream, device, 0}, a, *view));
+  return sp::Run(
+      sp::Call{stream, device, state, rank, scale, causal, num_comm_sms}, kFamily,
+      "pk.ulysses_attention (backward): expected dO [B, S/P, H, D], the head shards q "
+      "[B, S, H/P, D], k and v [B, S, Hkv/P, D] of one 2-byte dtype, lse float32 [B, H/P, S "
+      "rounded up to 128], delta float32 [B, H, S/P], and dq, dk, dv like dO and the "
+      "sequence shards of k, v.",
+      LaunchUlyssesAttnBwd, [&](const CommView& view, UlyssesAttnBwdArgs* a) {
+        const int64_t P = view.world;
+        const ffi::DataType dt = d_o.element_type();
+        const auto od = d_o.dimensions(), qd = q.dimensions(), kd = k.dimensions(),
+                   ld = lse.dimensions(), dd = delta.dimensions(), kod = dk->dimensions();
+        auto same = [](auto x, auto y) {
+          if (x.size() != y.size()) return false;
+          for (size_t i = 0; i < x.size(); ++i) {
+            if (x[i] != y[i]) return false;
+          }
+          return true;
+        };
+        if (!BindQkv(q, k, v, a) || q.element_type() != dt || od.size() != 4 ||
+            ld.size() != 3 || dd.size() != 3 || kod.size() != 4 || od[0] != qd[0] ||
+            od[1] * P != qd[1] || od[2] != qd[2] * P || od[3] != qd[3] || ld[0] != qd[0] ||
+            ld[1] != qd[2] || ld[2] != (qd[1] + 127) / 128 * 128 || dd[0] != od[0] ||
+            dd[1] != od[2] || dd[2] != od[1] || dq->element_type() != dt ||
+            dk->element_type() != dt || dv->element_type() != dt ||
+            !same(dq->dimensions(), od) || kod[0] != od[0] || kod[1] != od[1] ||
+            kod[2] != kd[2] * P || kod[3] != od[3] || !same(dv->dimensions(), kod)) {
+          return false;
+        }
+        // BindQkv took q's head-shard shape; the launcher takes the sequence shards'.
+        a->s = od[1];
+        a->h = od[2];
+        a->hkv = kod[2];
+        a->d_o = d_o.untyped_data();
+        a->lse = lse.typed_data();
+        a->delta = delta.typed_data();
+        a->dq = dq->untyped_data();
+        a->dk = dk->untyped_data();
+        a->dv = dv->untyped_data();
+        return true;
+      });
 }
 
 }  // namespace

@@ -1,8 +1,9 @@
 """Beyond one node, on one machine: four CPU processes under the launcher, two of which say
-they are on another host (PK_JAX_TEST_HOST). pk.init's rendezvous tells the hosts apart, builds
-communicators only for the groups inside one host, and on a 2-D mesh an op over the intra-host
-axis takes the kernel path (a lax stand-in for the FFI call here) while an op over the axis
-that spans hosts falls back to XLA's collective with one warning, with correct results."""
+they are on another host (each rank script replaces comm.host_identity). pk.init's rendezvous
+tells the hosts apart, builds communicators only for the groups inside one host, and on a 2-D
+mesh an op over the intra-host axis takes the kernel path (a lax stand-in for the FFI call
+here) while an op over the axis that spans hosts falls back to XLA's collective with one
+warning, with correct results."""
 
 import os
 import subprocess
@@ -21,7 +22,9 @@ from pk_jax import _backend, _ffi
 from pk_jax.runtime import comm, errors, state, vmm
 
 me = jax.process_index()
-os.environ["PK_JAX_TEST_HOST"]  # set per rank by the test
+# Two hosts: ranks 0, 1 on host a, ranks 2, 3 on host b (the name pk.init's rendezvous
+# exchanges).
+comm.host_identity = lambda: "host-" + "ab"[me // 2]
 
 # A fake driver and communicator table (the runtime's bookkeeping is real), and a GPU-like
 # platform whose kernels are lax stand-ins.
@@ -108,14 +111,8 @@ def test_axes_across_hosts_fall_back_and_intra_host_axes_keep_kernels(tmp_path):
     env["CUDA_VISIBLE_DEVICES"] = ""
     root = os.path.dirname(os.path.dirname(pk.__file__))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    wrapper = tmp_path / "as_host.py"  # PK_JAX_TEST_HOST from the rank: ranks 2, 3 on host b
-    wrapper.write_text(
-        "import os, runpy, sys\n"
-        "os.environ['PK_JAX_TEST_HOST'] = 'host-' + 'ab'[int(os.environ['PK_JAX_PROCESS_ID'])"
-        " // 2]\n"
-        f"runpy.run_path({str(script)!r}, run_name='__main__')\n")
     out = subprocess.run([sys.executable, "-m", "pk_jax.launch", "-n", "4", "--timeout", "200",
-                          str(wrapper)], capture_output=True, text=True, env=env, timeout=250,
+                          str(script)], capture_output=True, text=True, env=env, timeout=250,
                          check=False)
     assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-2000:]
     assert out.stdout.count("multi-host rank OK") == 4, out.stdout[-6000:]

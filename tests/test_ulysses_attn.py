@@ -255,6 +255,16 @@ def _stand_in_ulysses(monkeypatch, fused: bool | str = True) -> list[dict]:
     return calls
 
 
+def _without_attention_kernel(monkeypatch) -> None:
+    """After the stand-ins: pk_attention's kernel does not run (`_backend.use_kernel` says no
+    for it alone), so the fused forward's backward is the reference's."""
+    from pk_jax import _backend
+
+    inner = _backend.use_kernel
+    monkeypatch.setattr(_backend, "use_kernel", lambda stem, axis_name=None: (
+        stem != "attention" and inner(stem, axis_name)))
+
+
 def _stand_in_fused_bwd(calls, results, do, qh, kh, vh, lse, delta, rank, **attrs):
     """What pk_ulysses_attn_bwd returns, with jax.lax collectives over "sp": dO [B, S/P, H, D]
     and delta float32 [B, H, S/P] to head shards, the blockwise attention backward of the head
@@ -293,11 +303,12 @@ def test_fused_kernel_wiring_forward_and_backward(monkeypatch, p, causal, hkv, b
     """At P > 1 with bf16 and D = 64 the call takes pk_ulysses_attn (K/V heads passed as they
     are when P divides them, else repeated up to lcm(Hkv, P)); its output and the backward on
     its (out, lse), kernel-backed (pk_attention's backward on head shards) or the reference's
-    (KERNEL_BACKWARD = False), match the reference's."""
+    (where pk_attention's kernel does not run), match the reference's."""
     from pk_jax.ops import ulysses_attn
 
-    monkeypatch.setattr(ulysses_attn, "KERNEL_BACKWARD", backward)
     calls = _stand_in_ulysses(monkeypatch)
+    if not backward:
+        _without_attention_kernel(monkeypatch)
     mesh = cpu_mesh((p,), ("sp",))
     h = 4 * p
     q = normal((2, 3 * p, h, 64), jnp.bfloat16, 0)
@@ -342,8 +353,6 @@ def test_kernel_backward_matches_the_reference_backward(monkeypatch, p, h, hkv, 
     forward, both in the operands' dtype: equal to a few ulps (shapes, GQA with Hkv that P
     divides or not (3 heads at P = 2: lcm 6), fp16/bf16, D 64/128, S/P = 130, past one
     128-row tile); the gradients come back in the operands' shapes and dtypes."""
-    from pk_jax.ops import ulysses_attn
-
     _stand_in_ulysses(monkeypatch)
     mesh = cpu_mesh((p,), ("sp",))
     q = normal((1, 130 * p, h, d), dtype, 0)
@@ -351,7 +360,7 @@ def test_kernel_backward_matches_the_reference_backward(monkeypatch, p, h, hkv, 
     dy = normal(q.shape, dtype, 3)
     f = lambda *x: pk.ulysses_attention(*x, "sp", causal=causal, scale=0.1)
     got = vjp_both(f, f, mesh, (SEQ,) * 3, SEQ, (q, k, v), dy)[0][1:]
-    monkeypatch.setattr(ulysses_attn, "KERNEL_BACKWARD", False)
+    _without_attention_kernel(monkeypatch)
     want = vjp_both(f, f, mesh, (SEQ,) * 3, SEQ, (q, k, v), dy)[0][1:]
     for g, w, x in zip(got, want, (q, k, v)):
         assert g.shape == x.shape and g.dtype == x.dtype
@@ -362,8 +371,6 @@ def test_kernel_backward_matches_the_reference_backward(monkeypatch, p, h, hkv, 
 def test_kernel_backward_typing_on_2d_mesh_with_q_replicated_over_dp(monkeypatch):
     """The kernel-backed backward's cotangents carry their primals' varying axes (dq summed
     over dp, where q is replicated) and equal the reference backward's."""
-    from pk_jax.ops import ulysses_attn
-
     _stand_in_ulysses(monkeypatch)
     mesh = cpu_mesh((2, 2), ("dp", "sp"))
     q = normal((2, 2 * 64, 4, 64), jnp.bfloat16, 0)
@@ -372,7 +379,7 @@ def test_kernel_backward_typing_on_2d_mesh_with_q_replicated_over_dp(monkeypatch
     f = lambda *x: pk.ulysses_attention(*x, "sp", causal=True)
     specs = (P(None, "sp"), P("dp", "sp"), P("dp", "sp"))
     got = vjp_both(f, f, mesh, specs, P("dp", "sp"), (q, k, v), dy)[0][1:]
-    monkeypatch.setattr(ulysses_attn, "KERNEL_BACKWARD", False)
+    _without_attention_kernel(monkeypatch)
     want = vjp_both(f, f, mesh, specs, P("dp", "sp"), (q, k, v), dy)[0][1:]
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
@@ -527,8 +534,6 @@ def test_composed_equals_fused_forward_and_backward(monkeypatch, p, h, hkv, dtyp
     the same output and gradients: both backwards run the pk_attention backward on the same
     head shards and lse (the composed one from its saved head shards, the fused one after
     exchanging q, dO, k, v, lse and delta), S/P = 130 (past one 128-row tile)."""
-    from pk_jax.ops import ulysses_attn
-
     runs, (q, k, v) = _vjp_by_setting(monkeypatch, p, h, hkv, dtype, d, causal, (False, True))
     results = {}
     for fused, (results[fused], calls) in runs.items():
@@ -536,7 +541,6 @@ def test_composed_equals_fused_forward_and_backward(monkeypatch, p, h, hkv, dtyp
         assert ("pk_ulysses_attn" in targets) == fused, targets
         kinds = [c["backward"] for c in calls if c["target"] == "pk_attention"]
         assert kinds.count(0) == (0 if fused else 2) and kinds.count(1) == 2, kinds
-        assert ulysses_attn.KERNEL_BACKWARD
     for g, w, x in zip(results[False], results[True], (q, q, k, v)):
         assert g.shape == x.shape and g.dtype == x.dtype
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),

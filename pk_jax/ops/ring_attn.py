@@ -151,9 +151,8 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, *,
 def forward_path(q: jax.Array, k: jax.Array, v: jax.Array, p: int, axis_name: str) -> str:
     """How the call runs, forward and backward, decided once at trace time for (already
     checked) operands: "local" (P = 1: the pk.attention forward kernel and its kernel
-    backward, on q, k, v as given), "fused" (P > 1: pk_ring_attn and, under
-    FUSED_BACKWARD, pk_ring_attn_bwd) or "reference" (the jax.lax ring; also wherever those
-    kernels do not take the operands)."""
+    backward, on q, k, v as given), "fused" (P > 1: pk_ring_attn and pk_ring_attn_bwd) or
+    "reference" (the jax.lax ring; also wherever those kernels do not take the operands)."""
     if p == 1:
         return _attention_op.p1_path(q, k, v, axis_name)
     route = _backend.route(STEM, axis_name, supported=kernel_supports(q, k, p))
@@ -193,10 +192,6 @@ def workspace_need_bwd(q: jax.Array, k: jax.Array, p: int) -> int:
     return workspace_need(k, p) + p * tiles * 2 * 128 * d * 4 + int(np.prod(q.shape)) * 4
 
 
-# Whether the custom VJP of the fused path runs the fused backward (else the reference ring).
-FUSED_BACKWARD = True
-
-
 def _kernel_call(q, k, v, axis_name, causal, scale, zigzag):
     b, s, h, _ = q.shape
     o, lse = _ffi.call(
@@ -219,22 +214,6 @@ def _kernel_ring_fwd(q, k, v, axis_name, causal, scale, p, zigzag):
 
 
 def _kernel_ring_bwd(axis_name, causal, scale, p, zigzag, res, do):
-    if FUSED_BACKWARD:
-        return _fused_bwd(axis_name, causal, scale, p, zigzag, res, do)
-    # The reference ring backward on the kernel's out and lse, over the repeated K/V heads;
-    # repeat_kv's VJP sums each group's gradients back into its K/V head.
-    q, k, v, o, lse = res
-    lse = lse.transpose(0, 2, 1)  # as _attention.log_sum_exp: [B, S/P, H]
-    (kr, vr), pull = jax.vjp(lambda k, v: _attention.repeat_kv(q, k, v), k, v)
-    if zigzag:
-        dq, dkr, dvr = _zigzag_bwd(axis_name, scale, p, (q, kr, vr, o, lse), do)
-    else:
-        dq, dkr, dvr = _ring_bwd(axis_name, causal, scale, p, (q, kr, vr, o, lse), do)
-    dk, dv = pull((dkr, dvr))
-    return dq, dk, dv
-
-
-def _fused_bwd(axis_name, causal, scale, p, zigzag, res, do):
     # One pk_ring_attn_bwd call: delta = rowsum(dO * O) and the lse padded to whole 128-row
     # tiles (lse = +inf, delta = 0 past S/P: those rows get P = 0).
     q, k, v, o, lse = res

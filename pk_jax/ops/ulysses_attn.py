@@ -126,8 +126,9 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, 
     _tp.check_workspace(NAME, workspace_need(q, kr, p),
                         f"the head-group copies of q {q.shape}, k and v {kr.shape}, the output "
                         "and lse")
-    backward = ("kernel" if KERNEL_BACKWARD and _backend.use_kernel(_attention_op.NAME)
-                else "reference")
+    # The fused forward's backward: the pk.attention backward kernel on head shards where
+    # that kernel runs, else the reference's.
+    backward = "kernel" if _backend.use_kernel(_attention_op.NAME) else "reference"
     return _kernel_ulysses(q, k, v, axis_name, causal, float(scale), rep, backward)
 
 
@@ -290,9 +291,6 @@ NUM_COMM_SMS = 2  # the fused backward's communication blocks (the same on every
 # the forward took far less time at emulated P = 2 and 4 (measured:
 # bench/results/ulysses_attention_notes.md, "Measurements moved from code comments (issue 37)").
 FWD_COMM_SMS = 8
-# Whether the custom VJP of the fused path runs the kernel-backed backward (all_to_all, the
-# pk_attention backward, all_to_all back) where pk_attention runs, else the reference's.
-KERNEL_BACKWARD = True
 
 
 def kernel_supports(q: jax.Array, p: int) -> bool:

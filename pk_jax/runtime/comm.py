@@ -56,13 +56,7 @@ def init_timeout_s() -> float:
 
 
 def host_identity() -> str:
-    """A name for this machine that differs between machines: hostname and boot id.
-
-    PK_JAX_TEST_HOST replaces it (a test hook: processes of one machine can so pretend to be
-    on different hosts).
-    """
-    if os.environ.get("PK_JAX_TEST_HOST"):
-        return os.environ["PK_JAX_TEST_HOST"]
+    """A name for this machine that differs between machines: hostname and boot id."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
