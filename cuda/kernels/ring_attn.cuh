@@ -9,8 +9,8 @@
  *
  * Schedule. One grid per call (after the epoch kernel): C communication blocks first (so they
  * are resident before any compute block spins on them), then one compute block per (q tile of
- * 128 rows, head, batch), the attention forward's block (kernels/attention.cuh). At step t
- * rank r holds the K/V block of rank j = (r - t) mod P:
+ * 128 rows, head, batch), the attention forward's block (attn::fwd_block,
+ * pk/attn/fwd_mainloop.cuh). At step t rank r holds the K/V block of rank j = (r - t) mod P:
  *
  *     step t    comm block cb of rank r (its chunks     compute block (any tile of rank r)
  *               ch = cb, cb + C, ... in order)
@@ -94,7 +94,7 @@ struct globals {
   const void* k_local;
   const void* v_local;
   tp::comm c;
-  attention::dims d;     // s = Sl
+  attn::dims d;          // s = Sl
   int zigzag;            // causal with the zigzag layout
   int comm_blocks;       // C
   int q_tiles;           // ceil(Sl / 128)
@@ -186,7 +186,7 @@ __device__ void communicate(const globals& g, int cb, void* smem) {
 }
 
 /**
- * @brief What the fused forwards' attention::fwd_block sources share (ring_keys here, and
+ * @brief What the fused forwards' attn::fwd_block sources share (ring_keys here, and
  * ulysses_attn's pushed_keys): a K/V stream of P steps, step t holding the keys of rank
  * owner(t) = (r - t) mod P (the ring's K/V block, Ulysses' source), Self::count(g, t) tiles
  * of them; its total n; and softmax's place in it, which every consumer thread walks in order
@@ -226,7 +226,7 @@ struct step_stream {
 };
 
 /**
- * @brief attention::fwd_block's source in a compute block (see the schedule): the local query
+ * @brief attn::fwd_block's source in a compute block (see the schedule): the local query
  * tile (q tile, head, batch from the block index), its K/V stream over the steps t = 0..P-1
  * (the block of rank (r - t) mod P: the local k, v at t = 0, workspace slot t after), causally
  * hidden tiles left out (a step's visible tiles are a prefix: key positions grow with the
@@ -242,7 +242,7 @@ struct ring_keys : step_stream<ring_keys<C, CAUSAL>> {
   mutable int it_t = 0, it_j = 0;    // causal: item's cursor (step it_t starts at tile it_j)
 
   __device__ explicit ring_keys(const globals& g) {
-    const attention::dims& dm = g.d;
+    const attn::dims& dm = g.d;
     const int idx = blockIdx.x - g.comm_blocks;
     h = idx % dm.h;
     const int qb_raw = (idx / dm.h) % g.q_tiles;
@@ -291,7 +291,7 @@ struct ring_keys : step_stream<ring_keys<C, CAUSAL>> {
   }
   __device__ int row0() const { return q0; }
   __device__ void load_q(const globals& g, typename C::q_tile& t, mbarrier* bar) const {
-    attention::load_rows(t, &g.q, bar, b, q0, h);
+    attn::load_rows(t, &g.q, bar, b, q0, h);
   }
   /** @brief K (v = false) or V of stream tile j: the local k, v at step 0, else slot t once
    * its chunk's FULL is acquired. */
@@ -311,7 +311,7 @@ struct ring_keys : step_stream<ring_keys<C, CAUSAL>> {
       }
     }
     const CUtensorMap* map = step == 0 ? (v ? &g.v : &g.k) : (v ? &g.vs : &g.ks);
-    attention::load_rows(t, map, bar, step == 0 ? b : (step - 1) * g.d.b + b, kt * C::BN, hk);
+    attn::load_rows(t, map, bar, step == 0 ? b : (step - 1) * g.d.b + b, kt * C::BN, hk);
   }
   __device__ void load_k(const globals& g, typename C::kv_tile& t, mbarrier* bar, int j) const {
     load_kv(g, t, bar, j, false);
@@ -322,7 +322,7 @@ struct ring_keys : step_stream<ring_keys<C, CAUSAL>> {
   /** @brief Masks keys past Sl and, on tiles whose last key comes after the block's first row,
    * keys at later global positions than the row; then the online-softmax update. Called for
    * stream tiles 0, 1, .. in order. */
-  __device__ void softmax(const globals& g, attention::fwd_rows<C>& r, int /*j*/,
+  __device__ void softmax(const globals& g, attn::fwd_rows<C>& r, int /*j*/,
                           int /*wg_row0*/, const int (&rows)[2], float sl2) const {
     const int k0 = this->at_kt * C::BN;
     const bool tail = k0 + C::BN > g.d.s;
@@ -335,15 +335,15 @@ struct ring_keys : step_stream<ring_keys<C, CAUSAL>> {
     r.softmax(sl2);
     this->next(g);
   }
-  __device__ void store(const globals& g, attention::fwd_rows<C>& r, int wg_row0) const {
-    const attention::dims& dm = g.d;
+  __device__ void store(const globals& g, attn::fwd_rows<C>& r, int wg_row0) const {
+    const attn::dims& dm = g.d;
     r.store(g.o, g.lse + (int64_t(b) * dm.h + h) * dm.s, b, wg_row0, h, dm.h, dm.s, dm.scale);
   }
 };
 
 /** @brief A fused forward kernel's body (this file's and ulysses_attn.cuh's): blocks
  * [0, comm_blocks) run comm(smem), the exchange, on the block's shared memory; the others are
- * attention::fwd_block over Src. */
+ * attn::fwd_block over Src. */
 template <class C, class Src, class G, class Comm>
 __device__ __forceinline__ void comm_or_compute(const G& g, const Comm& comm) {
   if (static_cast<int>(blockIdx.x) < g.comm_blocks) {
@@ -352,7 +352,7 @@ __device__ __forceinline__ void comm_or_compute(const G& g, const Comm& comm) {
     comm(&dynamic_smem<typename C::storage_t>());
     return;
   }
-  attention::fwd_block<C, Src>(g);
+  attn::fwd_block<C, Src>(g);
 }
 
 /** @brief The kernel (see the schedule); CAUSAL = g.d.causal. */
