@@ -59,6 +59,7 @@
 #pragma once
 
 #include "kernels/attention.cuh"
+#include "pk/attn/peers.cuh"
 #include "pk/collective.cuh"
 #include "pk/tp.cuh"
 
@@ -186,46 +187,6 @@ __device__ void communicate(const globals& g, int cb, void* smem) {
 }
 
 /**
- * @brief What the fused forwards' attn::fwd_block sources share (ring_keys here, and
- * ulysses_attn's pushed_keys): a K/V stream of P steps, step t holding the keys of rank
- * owner(t) = (r - t) mod P (the ring's K/V block, Ulysses' source), Self::count(g, t) tiles
- * of them; its total n; and softmax's place in it, which every consumer thread walks in order
- * (key tile at_kt of step at_t, whose owner is at_o and which has at_n tiles). Self's
- * constructor sets n and the place at the first tile (written out in each: shared, the loop
- * compiled differently for one of them). No division per step: with one, a Ulysses call at
- * P = 1, S = 16384 took 2397 us against pk.attention's 1914; without, 2114 (H200, 2026-12-03).
- */
-template <class Self>
-struct step_stream {
-  int n;
-  mutable int at_t = 0, at_kt = 0, at_o, at_n;
-
-  /** @brief The rank whose keys step t holds (0 <= t < P). */
-  template <class G>
-  __device__ static int owner(const G& g, int t) {
-    return g.c.rank >= t ? g.c.rank - t : g.c.rank - t + g.c.world;
-  }
-  /** @brief Softmax's place moves past a tile. */
-  template <class G>
-  __device__ void next(const G& g) const {
-    if (++at_kt == at_n) {
-      at_kt = 0;
-      do {
-        ++at_t;
-      } while (at_t < g.c.world && (at_n = static_cast<const Self&>(*this).count(g, at_t)) == 0);
-      if (at_t < g.c.world) at_o = owner(g, at_t);
-    }
-  }
-  /** @brief The compute blocks' mbarrier bound: the communicator's (peer_wait_bound, a quarter
-   * longer than the signal waits, so a missing peer is named by a signal wait). */
-  template <class G>
-  __device__ wait_bound bound(const G& g) const {
-    return g.c.bound();
-  }
-  __device__ int n_tiles() const { return n; }
-};
-
-/**
  * @brief attn::fwd_block's source in a compute block (see the schedule): the local query
  * tile (q tile, head, batch from the block index), its K/V stream over the steps t = 0..P-1
  * (the block of rank (r - t) mod P: the local k, v at t = 0, workspace slot t after), causally
@@ -234,8 +195,8 @@ struct step_stream {
  * acquired last, and softmax's place in the stream (walked in order, no division per step).
  */
 template <class C, bool CAUSAL>
-struct ring_keys : step_stream<ring_keys<C, CAUSAL>> {
-  using step_stream<ring_keys>::owner;
+struct ring_keys : attn::step_stream<ring_keys<C, CAUSAL>> {
+  using attn::step_stream<ring_keys>::owner;
   int h, hk, b, q0, n_kv;
   int2 qspan;                        // smallest and largest global position of the block's rows
   mutable int w_t = 0, w_ch = -1;    // the last FULL[t][ch] this thread acquired
@@ -341,24 +302,10 @@ struct ring_keys : step_stream<ring_keys<C, CAUSAL>> {
   }
 };
 
-/** @brief A fused forward kernel's body (this file's and ulysses_attn.cuh's): blocks
- * [0, comm_blocks) run comm(smem), the exchange, on the block's shared memory; the others are
- * attn::fwd_block over Src. */
-template <class C, class Src, class G, class Comm>
-__device__ __forceinline__ void comm_or_compute(const G& g, const Comm& comm) {
-  if (static_cast<int>(blockIdx.x) < g.comm_blocks) {
-    if (threadIdx.x == 0) block_wait_bound() = g.c.bound();
-    __syncthreads();
-    comm(&dynamic_smem<typename C::storage_t>());
-    return;
-  }
-  attn::fwd_block<C, Src>(g);
-}
-
 /** @brief The kernel (see the schedule); CAUSAL = g.d.causal. */
 template <class C, bool CAUSAL>
 __global__ void __launch_bounds__(C::THREADS, 1) kernel(const __grid_constant__ globals g) {
-  comm_or_compute<C, ring_keys<C, CAUSAL>>(
+  attn::comm_or_compute<C, ring_keys<C, CAUSAL>>(
       g, [&](void* smem) { communicate<C>(g, blockIdx.x, smem); });
 }
 

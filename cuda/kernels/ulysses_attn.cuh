@@ -64,6 +64,7 @@
 
 #include "kernels/attention.cuh"
 #include "kernels/ring_attn.cuh"
+#include "pk/attn/peers.cuh"
 #include "pk/collective.cuh"
 #include "pk/tp.cuh"
 
@@ -210,8 +211,8 @@ __device__ void communicate(const globals& g, int cb, void* smem) {
  * its own copy: `seen`, the sources whose FULL signals this thread has acquired.
  */
 template <class C, bool CAUSAL>
-struct pushed_keys : ring_attn::step_stream<pushed_keys<C, CAUSAL>> {
-  using ring_attn::step_stream<pushed_keys>::owner;
+struct pushed_keys : attn::step_stream<pushed_keys<C, CAUSAL>> {
+  using attn::step_stream<pushed_keys>::owner;
   int h, hk, b, src, q0, n_kv, own;  // own: causal, the visible key tiles of source src
   mutable uint32_t seen = 0;
 
@@ -331,7 +332,7 @@ struct pushed_keys : ring_attn::step_stream<pushed_keys<C, CAUSAL>> {
 /** @brief The main kernel (see the schedule); CAUSAL = g.d.causal. */
 template <class C, bool CAUSAL>
 __global__ void __launch_bounds__(C::THREADS, 1) kernel(const __grid_constant__ globals g) {
-  ring_attn::comm_or_compute<C, pushed_keys<C, CAUSAL>>(
+  attn::comm_or_compute<C, pushed_keys<C, CAUSAL>>(
       g, [&](void* smem) { communicate<C>(g, blockIdx.x, smem); });
 }
 

@@ -17,6 +17,8 @@
  *   bwd_mainloop.cuh  | dkdv_config and bwd_config, dkdv_step (dK and dV), dq_part (dQ by TMA
  *                     | reductions), bwd_block (the one-pass backward's block over a source)
  *   local.cuh         | local_keys, local_rows: sources over operands present from the start
+ *   peers.cuh         | step_stream (a K/V stream over the P ranks' keys) and comm_or_compute
+ *                     | (communication blocks, else fwd_block), for the fused kernels
  *
  * A mainloop is templated on its config C and its source Src, and takes the op's globals as a
  * template parameter G: it reads only the fields its source and its own loads name. The ops
