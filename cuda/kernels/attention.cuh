@@ -168,10 +168,10 @@ inline cudaError_t launch_kernel(void (*kernel)(G), const G& g, dim3 grid, cudaS
 constexpr int fwd_warpgroups(int d) { return d == 64 ? 3 : 2; }
 constexpr int fwd_block_rows(int d) { return 64 * fwd_warpgroups(d); }
 /** @brief The forward's keys per streamed tile, also the rows of the k and v maps' boxes: 176
- * at D = 128 without a causal mask (FlashAttention-3's tile; 2 stages, SPLIT_RELEASE, 235
- * registers), where a step's fixed costs (waits, turns, the O rescale) spread over more keys:
- * 2.5-6% faster than 128 keys on the H200 (2026-12-02). Causal calls keep 128, whose blocks
- * end on the diagonal. */
+ * at D = 128 without a causal mask (FlashAttention-3's tile; 2 stages, SPLIT_RELEASE), where a
+ * step's fixed costs (waits, turns, the O rescale) spread over more keys, which measured
+ * faster than 128 keys. Causal calls keep 128, whose blocks end on the diagonal.
+ * measured: attention_notes.md, "Measurements moved from code comments (issue 37)". */
 constexpr int fwd_block_keys(int d, bool causal) { return d == 128 && !causal ? 176 : 128; }
 
 template <typename T, int D, int KEYS>

@@ -311,8 +311,8 @@ __global__ void __launch_bounds__(C::THREADS, 1) kernel(const __grid_constant__ 
 
 /** @brief Launches the grid of one call (after the caller's epoch kernel): C comm blocks,
  * then ceil(Sl / 128) H B compute blocks. Key tiles of 128 at both head dims: pk.attention's
- * 176-key tiles (D = 128, no causal mask; K and V freed apart) made this kernel 6-10% slower
- * at P = 4 and 8 in the emulator (H200, 2026-12-03; bench/results/ring_attention_notes.md). */
+ * 176-key tiles (D = 128, no causal mask; K and V freed apart) made this kernel slower here.
+ * measured: ring_attention_notes.md, "Measurements moved from code comments (issue 37)". */
 template <typename T, int D, bool CAUSAL>
 inline cudaError_t launch_as(const globals& g, cudaStream_t stream, int device) {
   using C = attention::fwd_config<T, D>;

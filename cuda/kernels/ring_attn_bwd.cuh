@@ -31,8 +31,9 @@
  *                its item's sum, scales, stores dk, dv
  *
  * Five GEMMs per (query tile, key tile) pair: the lanes compute dQ's parts themselves, from the
- * dS^T they already hold. Until 2026-12-03 separate dq blocks recomputed S and dP for dQ, seven
- * GEMMs per pair, as the two-pass attention backward did (bench/results/ring_attention_notes.md).
+ * dS^T they already hold. Separate dq blocks used to recompute S and dP for dQ, seven GEMMs per
+ * pair, as the two-pass attention backward did.
+ * measured: ring_attention_notes.md, "Measurements moved from code comments (issue 37)".
  *
  * "dK and dV travel with their K/V block": the partial sum of block j is at rank j + t after
  * step t and goes home to j after step P - 1 (one more hop). Tile classes as the forward:

@@ -27,8 +27,9 @@
  *   the rows of q[:, :, head group g], k[...], v[...] into rank g's QW/KW/VW at index r (bulk
  *   copies through shared memory, pk/comm_ops.cuh row_pieces), then FULL[r][cb] on rank g
  *   (release at system scope); FULL[r][cb] on itself (no copy); finally wait FULL[s][cb] for
- *   every source s (after this kernel nobody writes my QW/KW/VW). One block moves about 25
- *   GB/s (H200, emulated, 2026-12-03), so the exchange wants several (num_comm_sms).
+ *   every source s (after this kernel nobody writes my QW/KW/VW). One block copies too
+ *   slowly for the exchange, which wants several (num_comm_sms).
+ *   measured: ulysses_attention_notes.md, "Measurements moved from code comments (issue 37)".
  *
  *   main kernel, compute block (query tile of 128 rows of source s, local head h, batch b;
  *   not causal, the sources in the order r, r-1, ..., the order their rows arrive; causal,

@@ -276,17 +276,17 @@ struct dq_part {
  * warpgroup stores its 64 key rows of it (rounded to T) into the step's ds tile; once both
  * have (named barrier BWD_DS), warpgroup c computes columns [c D/2, (c + 1) D/2) of
  * dQ_step = dS K for the stage's 64 queries over all 128 keys, stages them in shared memory
- * and its leader adds them to dq_acc with TMA reductions (dq_part::reduce). With per-thread
- * vector reductions (red.global.add.v2.f32) in their place, 16 per thread and step at
- * D = 128, the backward's forward + backward geomean was 0.816x of cuDNN at three shapes
- * against 0.910x with these (H200, 2026-12-02, attention_notes.md). At D = 64 the next step's
- * S^T and dP^T are issued before those reductions. ds is double-buffered: a warpgroup writes
- * ds[j % 2] in step j only after passing step j - 1's barrier, which the other passed after
- * its step j - 2 wait, the last read of that buffer. The staging is single-buffered: `share`
- * waits for its last read. The block's dQ partials of a query row are summed in fp32 by the
- * L2 in any order, so dq is not bitwise reproducible (dk and dv are). This is key block kb (128 keys) of K/V head hk, batch b, its q/dO stages from
+ * and its leader adds them to dq_acc with TMA reductions (dq_part::reduce): per-thread vector
+ * reductions (red.global.add.v2.f32) in their place, 16 per thread and step at D = 128, were
+ * slower. At D = 64 the next step's S^T and dP^T are issued before those reductions. ds is
+ * double-buffered: a warpgroup writes ds[j % 2] in step j only after passing step j - 1's
+ * barrier, which the other passed after its step j - 2 wait, the last read of that buffer.
+ * The staging is single-buffered: `share` waits for its last read. The block's dQ partials of
+ * a query row are summed in fp32 by the L2 in any order, so dq is not bitwise reproducible (dk
+ * and dv are). This is key block kb (128 keys) of K/V head hk, batch b, its q/dO stages from
  * `src`; g has attention::bwd_globals' fields (maps q64, do64, k128, v128, dq32; lse, delta,
  * sp, dk, dv, d).
+ * measured: attention_notes.md, "Measurements moved from code comments (issue 37)".
  */
 template <class C, class G, class Src>
 __device__ __forceinline__ void bwd_block(const G& g, int hk, int kb, int b, const Src& src) {
@@ -350,7 +350,8 @@ __device__ __forceinline__ void bwd_block(const G& g, int hk, int kb, int b, con
   // Tile j is query block qb0 + qi of head h (qi = j % per_head) in stage st = j % STAGES,
   // phase ph: counters, not divisions, in the loop. Each loop below advances them itself: the
   // same steps in a shared lambda or struct change both loops' machine code, and these are the
-  // forms measured (attention_notes.md, "the D = 64 backward pipelined").
+  // forms measured (attention_notes.md, "Full benchmark on the 176-key forward; the D = 64
+  // backward pipelined").
   int h = hk * group, qi = 0, st = 0;
   uint32_t ph = 0;
   if constexpr (D == 128) {
@@ -377,8 +378,9 @@ __device__ __forceinline__ void bwd_block(const G& g, int hk, int kb, int b, con
     }
   } else {
     // D = 64: step j's S^T and dP^T are issued at the end of step j - 1, before that step's
-    // dQ reductions, so the tensor cores run them while the reductions issue (forward +
-    // backward 1.7-4.4% faster; at D = 128, 250 registers and 1-2% slower: H200, 2026-12-02).
+    // dQ reductions, so the tensor cores run them while the reductions issue (at D = 128 it
+    // took more registers and was slower).
+    // measured: attention_notes.md, "Measurements moved from code comments (issue 37)".
     // The last step is peeled off (`last`): with the issue under a condition inside the loop,
     // ptxas waits for the GEMMs early (warning C7517), which undoes the overlap. The step
     // spells out dq_part::after_scores: called through it, this loop compiles to other code

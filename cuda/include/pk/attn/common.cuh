@@ -23,7 +23,9 @@
  * A mainloop is templated on its config C and its source Src, and takes the op's globals as a
  * template parameter G: it reads only the fields its source and its own loads name. The ops
  * (cuda/kernels/attention.cuh, ring_attn*.cuh, ulysses_attn*.cuh) keep their globals, the
- * sources that read them or wait on their signal slots, their kernels and launchers.
+ * sources that read them or wait on their signal slots, their kernels and launchers. The
+ * numbers behind the choices here are in bench/results ("measured:" lines name the notes file
+ * and its section).
  *
  * Pitfalls: these are device templates inlined into each op's kernels, whose machine code was
  * measured; reshaping a helper (a lambda or a struct around a loop's steps, a call site moved)
@@ -53,8 +55,8 @@ constexpr int CONSUMERS = 2;
 // ptxas (nvcc 13.0) then caps every thread at 168 registers, ignoring the setmaxnreg that
 // would hand the producer's share to the consumers; the forward's O, S and P (D = 128) and
 // the dK/dV kernel's two accumulators spilled there. With 256 threads they get up to 255.
-// The forward at D = 64 fits the cap (158 registers): it runs 3 warpgroups
-// (attention::fwd_warpgroups).
+// The forward at D = 64 fits the cap: it runs 3 warpgroups (attention::fwd_warpgroups).
+// measured: attention_notes.md, "Measurements moved from code comments (issue 37)".
 constexpr int THREADS = CONSUMERS * WARPGROUP_THREADS;
 
 /** @brief Sizes shared by the kernels. */

@@ -45,8 +45,9 @@ struct fwd_config {
   static constexpr int STAGES = D == 64 ? 5 : BN == 128 ? 3 : 2;
   // fwd_block frees a stage's K after the step's S = Q K^T and its V after P V, each refilled
   // on its own, where only 2 stages fit (wider key tiles): freeing both after P V, the next K
-  // was issued one step before it was needed, 25% slower (H200, 2026-12-02). With 3 stages,
-  // freeing them apart cost 5% at D = 64 (two releases per step), so those free both at once.
+  // was issued one step before it was needed. With 3 stages, freeing them apart costs two
+  // releases per step, so those free both at once.
+  // measured: attention_notes.md, "Measurements moved from code comments (issue 37)".
   static constexpr bool SPLIT_RELEASE = STAGES == 2;
   using q_tile = st_panels<T, BM, D>;
   using kv_tile = st_panels<T, BN, D>;
@@ -217,9 +218,10 @@ __device__ __forceinline__ void fwd_block(const G& g) {
     else release_stage<WGS>(s.released, r, n_tiles, issue);
   };
   // Ping-pong, written out here: through a shared fold (fwd_rows::fold, since removed), nvcc
-  // 13.0 compiled the D = 64 kernel to one more register and a 2-3% slower forward (H200,
-  // 2026-12-02), and marking the final turn at its call site changes the code too. This is the
-  // code that was measured: the last warpgroup's last turn (n_tiles + 1 each) hands none over.
+  // 13.0 compiled the D = 64 kernel to more registers and a slower forward, and marking the
+  // final turn at its call site changes the code too. This is the code that was measured: the
+  // last warpgroup's last turn (n_tiles + 1 each) hands none over.
+  // measured: attention_notes.md, "Measurements moved from code comments (issue 37)".
   const turns<WGS, true> turn(c);
   int turns_left = n_tiles + 1;
   auto end_turn = [&]() {

@@ -28,7 +28,8 @@ namespace pk::attn {
  * (key tile at_kt of step at_t, whose owner is at_o and which has at_n tiles). Self's
  * constructor sets n and the place at the first tile (written out in each: shared, the loop
  * compiled differently for one of them). No division per step: with one, a Ulysses call at
- * P = 1, S = 16384 took 2397 us against pk.attention's 1914; without, 2114 (H200, 2026-12-03).
+ * P = 1 was markedly slower than pk.attention alone.
+ * measured: ulysses_attention_notes.md, "Measurements moved from code comments (issue 37)".
  */
 template <class Self>
 struct step_stream {
