@@ -54,7 +54,7 @@ BUILD_FILTER := { grep --line-buffered -E '^ *\[[0-9]+/[0-9]+\]|pk_jax:|error|Er
 
 .PHONY: setup demo test test-min-jax wheels docs clean
 
-$(VENV)/.installed: pyproject.toml CMakeLists.txt $(wildcard ffi/* cuda/include/pk/* cuda/kernels/*)
+$(VENV)/.installed: pyproject.toml CMakeLists.txt $(wildcard ffi/* cuda/include/pk/* cuda/include/pk/attn/* cuda/kernels/*)
 	@test -n "$(PYTHON)" || { echo 'pk_jax needs Python >= 3.12 (set PYTHON=...)'; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip

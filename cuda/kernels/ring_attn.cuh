@@ -9,8 +9,8 @@
  *
  * Schedule. One grid per call (after the epoch kernel): C communication blocks first (so they
  * are resident before any compute block spins on them), then one compute block per (q tile of
- * 128 rows, head, batch), the attention forward's block (kernels/attention.cuh). At step t
- * rank r holds the K/V block of rank j = (r - t) mod P:
+ * 128 rows, head, batch), the attention forward's block (attn::fwd_block,
+ * pk/attn/fwd_mainloop.cuh). At step t rank r holds the K/V block of rank j = (r - t) mod P:
  *
  *     step t    comm block cb of rank r (its chunks     compute block (any tile of rank r)
  *               ch = cb, cb + C, ... in order)
@@ -59,6 +59,7 @@
 #pragma once
 
 #include "kernels/attention.cuh"
+#include "pk/attn/peers.cuh"
 #include "pk/collective.cuh"
 #include "pk/tp.cuh"
 
@@ -94,7 +95,7 @@ struct globals {
   const void* k_local;
   const void* v_local;
   tp::comm c;
-  attention::dims d;     // s = Sl
+  attn::dims d;          // s = Sl
   int zigzag;            // causal with the zigzag layout
   int comm_blocks;       // C
   int q_tiles;           // ceil(Sl / 128)
@@ -186,47 +187,7 @@ __device__ void communicate(const globals& g, int cb, void* smem) {
 }
 
 /**
- * @brief What the fused forwards' attention::fwd_block sources share (ring_keys here, and
- * ulysses_attn's pushed_keys): a K/V stream of P steps, step t holding the keys of rank
- * owner(t) = (r - t) mod P (the ring's K/V block, Ulysses' source), Self::count(g, t) tiles
- * of them; its total n; and softmax's place in it, which every consumer thread walks in order
- * (key tile at_kt of step at_t, whose owner is at_o and which has at_n tiles). Self's
- * constructor sets n and the place at the first tile (written out in each: shared, the loop
- * compiled differently for one of them). No division per step: with one, a Ulysses call at
- * P = 1, S = 16384 took 2397 us against pk.attention's 1914; without, 2114 (H200, 2026-12-03).
- */
-template <class Self>
-struct step_stream {
-  int n;
-  mutable int at_t = 0, at_kt = 0, at_o, at_n;
-
-  /** @brief The rank whose keys step t holds (0 <= t < P). */
-  template <class G>
-  __device__ static int owner(const G& g, int t) {
-    return g.c.rank >= t ? g.c.rank - t : g.c.rank - t + g.c.world;
-  }
-  /** @brief Softmax's place moves past a tile. */
-  template <class G>
-  __device__ void next(const G& g) const {
-    if (++at_kt == at_n) {
-      at_kt = 0;
-      do {
-        ++at_t;
-      } while (at_t < g.c.world && (at_n = static_cast<const Self&>(*this).count(g, at_t)) == 0);
-      if (at_t < g.c.world) at_o = owner(g, at_t);
-    }
-  }
-  /** @brief The compute blocks' mbarrier bound: the communicator's (peer_wait_bound, a quarter
-   * longer than the signal waits, so a missing peer is named by a signal wait). */
-  template <class G>
-  __device__ wait_bound bound(const G& g) const {
-    return g.c.bound();
-  }
-  __device__ int n_tiles() const { return n; }
-};
-
-/**
- * @brief attention::fwd_block's source in a compute block (see the schedule): the local query
+ * @brief attn::fwd_block's source in a compute block (see the schedule): the local query
  * tile (q tile, head, batch from the block index), its K/V stream over the steps t = 0..P-1
  * (the block of rank (r - t) mod P: the local k, v at t = 0, workspace slot t after), causally
  * hidden tiles left out (a step's visible tiles are a prefix: key positions grow with the
@@ -234,15 +195,15 @@ struct step_stream {
  * acquired last, and softmax's place in the stream (walked in order, no division per step).
  */
 template <class C, bool CAUSAL>
-struct ring_keys : step_stream<ring_keys<C, CAUSAL>> {
-  using step_stream<ring_keys>::owner;
+struct ring_keys : attn::step_stream<ring_keys<C, CAUSAL>> {
+  using attn::step_stream<ring_keys>::owner;
   int h, hk, b, q0, n_kv;
   int2 qspan;                        // smallest and largest global position of the block's rows
   mutable int w_t = 0, w_ch = -1;    // the last FULL[t][ch] this thread acquired
   mutable int it_t = 0, it_j = 0;    // causal: item's cursor (step it_t starts at tile it_j)
 
   __device__ explicit ring_keys(const globals& g) {
-    const attention::dims& dm = g.d;
+    const attn::dims& dm = g.d;
     const int idx = blockIdx.x - g.comm_blocks;
     h = idx % dm.h;
     const int qb_raw = (idx / dm.h) % g.q_tiles;
@@ -291,7 +252,7 @@ struct ring_keys : step_stream<ring_keys<C, CAUSAL>> {
   }
   __device__ int row0() const { return q0; }
   __device__ void load_q(const globals& g, typename C::q_tile& t, mbarrier* bar) const {
-    attention::load_rows(t, &g.q, bar, b, q0, h);
+    attn::load_rows(t, &g.q, bar, b, q0, h);
   }
   /** @brief K (v = false) or V of stream tile j: the local k, v at step 0, else slot t once
    * its chunk's FULL is acquired. */
@@ -311,7 +272,7 @@ struct ring_keys : step_stream<ring_keys<C, CAUSAL>> {
       }
     }
     const CUtensorMap* map = step == 0 ? (v ? &g.v : &g.k) : (v ? &g.vs : &g.ks);
-    attention::load_rows(t, map, bar, step == 0 ? b : (step - 1) * g.d.b + b, kt * C::BN, hk);
+    attn::load_rows(t, map, bar, step == 0 ? b : (step - 1) * g.d.b + b, kt * C::BN, hk);
   }
   __device__ void load_k(const globals& g, typename C::kv_tile& t, mbarrier* bar, int j) const {
     load_kv(g, t, bar, j, false);
@@ -322,7 +283,7 @@ struct ring_keys : step_stream<ring_keys<C, CAUSAL>> {
   /** @brief Masks keys past Sl and, on tiles whose last key comes after the block's first row,
    * keys at later global positions than the row; then the online-softmax update. Called for
    * stream tiles 0, 1, .. in order. */
-  __device__ void softmax(const globals& g, attention::fwd_rows<C>& r, int /*j*/,
+  __device__ void softmax(const globals& g, attn::fwd_rows<C>& r, int /*j*/,
                           int /*wg_row0*/, const int (&rows)[2], float sl2) const {
     const int k0 = this->at_kt * C::BN;
     const bool tail = k0 + C::BN > g.d.s;
@@ -335,37 +296,23 @@ struct ring_keys : step_stream<ring_keys<C, CAUSAL>> {
     r.softmax(sl2);
     this->next(g);
   }
-  __device__ void store(const globals& g, attention::fwd_rows<C>& r, int wg_row0) const {
-    const attention::dims& dm = g.d;
+  __device__ void store(const globals& g, attn::fwd_rows<C>& r, int wg_row0) const {
+    const attn::dims& dm = g.d;
     r.store(g.o, g.lse + (int64_t(b) * dm.h + h) * dm.s, b, wg_row0, h, dm.h, dm.s, dm.scale);
   }
 };
 
-/** @brief A fused forward kernel's body (this file's and ulysses_attn.cuh's): blocks
- * [0, comm_blocks) run comm(smem), the exchange, on the block's shared memory; the others are
- * attention::fwd_block over Src. */
-template <class C, class Src, class G, class Comm>
-__device__ __forceinline__ void comm_or_compute(const G& g, const Comm& comm) {
-  if (static_cast<int>(blockIdx.x) < g.comm_blocks) {
-    if (threadIdx.x == 0) block_wait_bound() = g.c.bound();
-    __syncthreads();
-    comm(&dynamic_smem<typename C::storage_t>());
-    return;
-  }
-  attention::fwd_block<C, Src>(g);
-}
-
 /** @brief The kernel (see the schedule); CAUSAL = g.d.causal. */
 template <class C, bool CAUSAL>
 __global__ void __launch_bounds__(C::THREADS, 1) kernel(const __grid_constant__ globals g) {
-  comm_or_compute<C, ring_keys<C, CAUSAL>>(
+  attn::comm_or_compute<C, ring_keys<C, CAUSAL>>(
       g, [&](void* smem) { communicate<C>(g, blockIdx.x, smem); });
 }
 
 /** @brief Launches the grid of one call (after the caller's epoch kernel): C comm blocks,
  * then ceil(Sl / 128) H B compute blocks. Key tiles of 128 at both head dims: pk.attention's
- * 176-key tiles (D = 128, no causal mask; K and V freed apart) made this kernel 6-10% slower
- * at P = 4 and 8 in the emulator (H200, 2026-12-03; bench/results/ring_attention_notes.md). */
+ * 176-key tiles (D = 128, no causal mask; K and V freed apart) made this kernel slower here.
+ * measured: ring_attention_notes.md, "Measurements moved from code comments (issue 37)". */
 template <typename T, int D, bool CAUSAL>
 inline cudaError_t launch_as(const globals& g, cudaStream_t stream, int device) {
   using C = attention::fwd_config<T, D>;

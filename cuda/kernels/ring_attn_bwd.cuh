@@ -22,17 +22,18 @@
  *                against the 64-row q/dO tiles of every  FULL[1][ch] before the first write
  *                head of the group it meets, as          to rank r+1 (rank r-1 signals it
  *                attention's one-pass backward           after its entry barrier with every
- *                (bwd_block: dK/dV in registers, dQ      rank, so r+1's earlier kernels are
- *                parts added to the local dq_acc by TMA  over)
- *                reductions); + the incoming partial;
- *                the sum to slot t+1 of rank r+1, DKV[l]
- *                there. Slot P is home: after the last
- *                step the lane waits for its item's sum,
- *                scales, stores dk, dv
+ *                (attn::bwd_block: dK/dV in registers,   rank, so r+1's earlier kernels are
+ *                dQ parts added to the local dq_acc by   over)
+ *                TMA reductions); + the incoming
+ *                partial; the sum to slot t+1 of rank
+ *                r+1, DKV[l] there. Slot P is home:
+ *                after the last step the lane waits for
+ *                its item's sum, scales, stores dk, dv
  *
  * Five GEMMs per (query tile, key tile) pair: the lanes compute dQ's parts themselves, from the
- * dS^T they already hold. Until 2026-12-03 separate dq blocks recomputed S and dP for dQ, seven
- * GEMMs per pair, as the two-pass attention backward did (bench/results/ring_attention_notes.md).
+ * dS^T they already hold. Separate dq blocks used to recompute S and dP for dQ, seven GEMMs per
+ * pair, as the two-pass attention backward did.
+ * measured: ring_attention_notes.md, "Measurements moved from code comments (issue 37)".
  *
  * "dK and dV travel with their K/V block": the partial sum of block j is at rank j + t after
  * step t and goes home to j after step P - 1 (one more hop). Tile classes as the forward:
@@ -68,9 +69,9 @@
 
 namespace pk::ring_attn_bwd {
 
-using attention::CONSUMERS;
-using attention::LOG2E;
-using attention::THREADS;
+using attn::CONSUMERS;
+using attn::LOG2E;
+using attn::THREADS;
 using ring_attn::FULL;
 using ring_attn::FULL_TILE;
 using ring_attn::HIDDEN;
@@ -96,7 +97,7 @@ template <typename T, int D>
 struct config {
   using dtype = T;
   static constexpr int HEAD_DIM = D;
-  using CB = attention::bwd_config<T, D>;  // the lanes' storage and steps: bwd_block's
+  using CB = attention::bwd_config<T, D>;  // the lanes' storage and steps: attn::bwd_block's
   static constexpr int BN = CB::BN;        // key tile of the K/V ring chunks and of the lanes
   static constexpr size_t SMEM = CB::SMEM;
 };
@@ -134,10 +135,10 @@ struct stream_tile {
 };
 
 /** @brief Lane `ln`: its work items over the P steps (see the schedule). A step's tiles run as
- * attention::bwd_block's D = 128 loop does: S^T and dP^T, dS^T, dV and dK, dS^T shared through
- * the ds tile, dQ's part (dq_part) added to dq_acc. The q/dO stream runs on across steps and
- * items; both warpgroup leaders walk it (their cursors next_tile[c] advance together, one tile
- * per release), so whichever releases a stage last refills it (as attention::release_stage). */
+ * attn::bwd_block's D = 128 loop does: S^T and dP^T, dS^T, dV and dK, dS^T shared through the
+ * ds tile, dQ's part (dq_part) added to dq_acc. The q/dO stream runs on across steps and items;
+ * both warpgroup leaders walk it (their cursors next_tile[c] advance together, one tile per
+ * release), so whichever releases a stage last refills it (as attn::release_stage). */
 template <class C>
 __device__ void lane(const globals& g, int ln) {
   using CB = typename C::CB;
@@ -146,7 +147,7 @@ __device__ void lane(const globals& g, int ln) {
   static_assert(BN == C::BN, "ring_attn_bwd: the lanes' key tile is the ring's chunk tile");
   auto& s = dynamic_smem<typename CB::storage_t>();
   const ring_attn::globals& f = g.f;
-  const attention::dims& dm = f.d;
+  const attn::dims& dm = f.d;
   const tp::comm& cm = f.c;
   const int P = cm.world, rank = cm.rank, next = (rank + 1) % P, prev = (rank + P - 1) % P;
   const int group = dm.h / dm.hkv;
@@ -197,8 +198,8 @@ __device__ void lane(const globals& g, int ln) {
     const int b = batch(x.id), h = kv_head(x.id) * group + x.h, q0 = x.qb * BQ;
     auto& stage = s.st[st];
     mbar_arrive_expect_tx(&s.full[st], CB::STAGE_BYTES);
-    attention::load_rows(stage.q, &g.q64, &s.full[st], b, q0, h);
-    attention::load_rows(stage.d_o, &g.do64, &s.full[st], b, q0, h);
+    attn::load_rows(stage.q, &g.q64, &s.full[st], b, q0, h);
+    attn::load_rows(stage.d_o, &g.do64, &s.full[st], b, q0, h);
     const int64_t at = (int64_t(b) * dm.h + h) * g.sp + q0;  // q0 + 64 <= sp: padded
     tma::load_1d(s.lse[st], g.lse + at, BQ * sizeof(float), &s.full[st]);
     tma::load_1d(s.delta[st], g.delta + at, BQ * sizeof(float), &s.full[st]);
@@ -227,8 +228,8 @@ __device__ void lane(const globals& g, int ln) {
     next_j[c] = k;
   }
   __syncthreads();
-  // The calling warpgroup is done with stream tile r (attention::release_stage, with the
-  // leader's cursor in place of the tile number).
+  // The calling warpgroup is done with stream tile r (attn::release_stage, with the leader's
+  // cursor in place of the tile number).
   auto release = [&](int r) {
     if (leader) {
       __threadfence_block();
@@ -250,7 +251,7 @@ __device__ void lane(const globals& g, int ln) {
   };
 
   float dk[D / 2], dv[D / 2];
-  attention::dkdv_step<CB> step;
+  attn::dkdv_step<CB> step;
   int j = 0;  // stream tiles consumed
   uint32_t kv_phase = 0;
   tile cur = first;
@@ -273,8 +274,8 @@ __device__ void lane(const globals& g, int ln) {
           const CUtensorMap* vm = t == 0 ? &f.v : &f.vs;
           const int bz = t == 0 ? b : (t - 1) * dm.b + b;
           mbar_arrive_expect_tx(&s.kv_full, 2 * CB::kv_tile::BYTES);
-          attention::load_rows(s.k, km, &s.kv_full, bz, k0, hk);
-          attention::load_rows(s.v, vm, &s.kv_full, bz, k0, hk);
+          attn::load_rows(s.k, km, &s.kv_full, bz, k0, hk);
+          attn::load_rows(s.v, vm, &s.kv_full, bz, k0, hk);
         }
         mbar_wait(&s.kv_full, kv_phase);
         kv_phase ^= 1;
@@ -294,7 +295,7 @@ __device__ void lane(const globals& g, int ln) {
                            [&](int col) { return ring_attn::global_pos(f, rank, q0 + col); },
                            kg);
           step.issue(sm.st[st], dk, dv);
-          attention::dq_part<CB> part;
+          attn::dq_part<CB> part;
           part.share(sm.ds[j & 1], step.dsa, key_lo - k0, lane);
           part.issue(sm.ds[j & 1], sm.k, nbeg);
           wgmma::wait<0>();
@@ -361,9 +362,8 @@ __device__ void lane(const globals& g, int ln) {
       dv[4 * i4 + 2] = y.z;
       dv[4 * i4 + 3] = y.w;
     }
-    attention::store_rows<T, D>(g.dk, dk, dm.scale, dm.scale, b, k0 + c * 64, hk, dm.hkv,
-                                dm.s);
-    attention::store_rows<T, D>(g.dv, dv, 1.f, 1.f, b, k0 + c * 64, hk, dm.hkv, dm.s);
+    attn::store_rows<T, D>(g.dk, dk, dm.scale, dm.scale, b, k0 + c * 64, hk, dm.hkv, dm.s);
+    attn::store_rows<T, D>(g.dv, dv, 1.f, 1.f, b, k0 + c * 64, hk, dm.hkv, dm.s);
   }
   if (leader) tma::store_wait<0>();  // the staging stays valid until the last reduction is done
 }

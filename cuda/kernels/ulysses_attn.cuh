@@ -27,12 +27,13 @@
  *   the rows of q[:, :, head group g], k[...], v[...] into rank g's QW/KW/VW at index r (bulk
  *   copies through shared memory, pk/comm_ops.cuh row_pieces), then FULL[r][cb] on rank g
  *   (release at system scope); FULL[r][cb] on itself (no copy); finally wait FULL[s][cb] for
- *   every source s (after this kernel nobody writes my QW/KW/VW). One block moves about 25
- *   GB/s (H200, emulated, 2026-12-03), so the exchange wants several (num_comm_sms).
+ *   every source s (after this kernel nobody writes my QW/KW/VW). One block copies too
+ *   slowly for the exchange, which wants several (num_comm_sms).
+ *   measured: ulysses_attention_notes.md, "Measurements moved from code comments (issue 37)".
  *
  *   main kernel, compute block (query tile of 128 rows of source s, local head h, batch b;
  *   not causal, the sources in the order r, r-1, ..., the order their rows arrive; causal,
- *   the longest rows first): pk.attention's forward block (attention::fwd_block: the same
+ *   the longest rows first): pk.attention's forward block (attn::fwd_block: the same
  *   machine code around its source's hooks; two warpgroups at both head dims, 176-key tiles
  *   at D = 128 without a causal mask) over the source `pushed_keys`: its issuing thread
  *   waits FULL[s][*] before loading its Q tile (s != r), then streams the K/V tiles of the
@@ -64,6 +65,7 @@
 
 #include "kernels/attention.cuh"
 #include "kernels/ring_attn.cuh"
+#include "pk/attn/peers.cuh"
 #include "pk/collective.cuh"
 #include "pk/tp.cuh"
 
@@ -124,7 +126,7 @@ struct globals {
   void* o;                 // [B, Sl, H, D]
   float* lse;              // [B, H, Sl]
   tp::comm c;
-  attention::dims d;       // s = Sl, h = G, hkv = Gk (per head group)
+  attn::dims d;            // s = Sl, h = G, hkv = Gk (per head group)
   int heads, kv_heads;     // H, Hkv
   int head_dim;            // D
   int comm_blocks;         // C
@@ -203,20 +205,20 @@ __device__ void communicate(const globals& g, int cb, void* smem) {
 }
 
 /**
- * @brief attention::fwd_block's source in a compute block (see the schedule): the block's
+ * @brief attn::fwd_block's source in a compute block (see the schedule): the block's
  * query tile (q_tiles tiles of BM rows per source, for every source, local head and batch),
  * its K/V stream over the sources in the order their rows arrive (mine, read in place, then
  * r-1, r-2, ...; causally hidden tiles left out), and where its O and lse go. Each thread has
  * its own copy: `seen`, the sources whose FULL signals this thread has acquired.
  */
 template <class C, bool CAUSAL>
-struct pushed_keys : ring_attn::step_stream<pushed_keys<C, CAUSAL>> {
-  using ring_attn::step_stream<pushed_keys>::owner;
+struct pushed_keys : attn::step_stream<pushed_keys<C, CAUSAL>> {
+  using attn::step_stream<pushed_keys>::owner;
   int h, hk, b, src, q0, n_kv, own;  // own: causal, the visible key tiles of source src
   mutable uint32_t seen = 0;
 
   __device__ explicit pushed_keys(const globals& g) {
-    const attention::dims& dm = g.d;
+    const attn::dims& dm = g.d;
     const int P = g.c.world, rank = g.c.rank;
     const int idx = blockIdx.x - g.comm_blocks;
     h = idx % dm.h;
@@ -273,10 +275,10 @@ struct pushed_keys : ring_attn::step_stream<pushed_keys<C, CAUSAL>> {
   __device__ void load_q(const globals& g, typename C::q_tile& t, mbarrier* bar) const {
     const int rank = g.c.rank;
     if (src == rank) {
-      attention::load_rows(t, &g.ql, bar, b, q0, rank * g.d.h + h);
+      attn::load_rows(t, &g.ql, bar, b, q0, rank * g.d.h + h);
     } else {
       acquire(g, src);
-      attention::load_rows(t, &g.qw, bar, src * g.d.b + b, q0, h);
+      attn::load_rows(t, &g.qw, bar, src * g.d.b + b, q0, h);
     }
   }
   /** @brief K (v = false) or V of stream tile j: my local k, v (head r Gk + hk) or my
@@ -288,7 +290,7 @@ struct pushed_keys : ring_attn::step_stream<pushed_keys<C, CAUSAL>> {
     acquire(g, o);
     const bool local = o == rank;
     const CUtensorMap* map = local ? (v ? &g.vl : &g.kl) : (v ? &g.vw : &g.kw);
-    attention::load_rows(t, map, bar, local ? b : o * g.d.b + b, kt * C::BN,
+    attn::load_rows(t, map, bar, local ? b : o * g.d.b + b, kt * C::BN,
                          local ? rank * g.d.hkv + hk : hk);
   }
   __device__ void load_k(const globals& g, typename C::kv_tile& t, mbarrier* bar, int j) const {
@@ -300,7 +302,7 @@ struct pushed_keys : ring_attn::step_stream<pushed_keys<C, CAUSAL>> {
   /** @brief Masks keys past Sl and, in the block's own source, keys after the row (local
    * positions of one source compare as global ones); then the online-softmax update. Called
    * for stream tiles 0, 1, .. in order (j is at_t's tile at_kt). */
-  __device__ void softmax(const globals& g, attention::fwd_rows<C>& r, int /*j*/, int wg_row0,
+  __device__ void softmax(const globals& g, attn::fwd_rows<C>& r, int /*j*/, int wg_row0,
                           const int (&rows)[2], float sl2) const {
     const int k0 = this->at_kt * C::BN;
     const bool tail = k0 + C::BN > g.d.s;
@@ -311,8 +313,8 @@ struct pushed_keys : ring_attn::step_stream<pushed_keys<C, CAUSAL>> {
   }
   /** @brief O and lse of the warpgroup's rows: mine straight into o and lse (head r G + h),
    * a peer's into my OW / LW at index src B + b. */
-  __device__ void store(const globals& g, attention::fwd_rows<C>& r, int wg_row0) const {
-    const attention::dims& dm = g.d;
+  __device__ void store(const globals& g, attn::fwd_rows<C>& r, int wg_row0) const {
+    const attn::dims& dm = g.d;
     const int rank = g.c.rank, sl = dm.s;
     if (src == rank) {
       const int hh = rank * dm.h + h;
@@ -331,7 +333,7 @@ struct pushed_keys : ring_attn::step_stream<pushed_keys<C, CAUSAL>> {
 /** @brief The main kernel (see the schedule); CAUSAL = g.d.causal. */
 template <class C, bool CAUSAL>
 __global__ void __launch_bounds__(C::THREADS, 1) kernel(const __grid_constant__ globals g) {
-  ring_attn::comm_or_compute<C, pushed_keys<C, CAUSAL>>(
+  attn::comm_or_compute<C, pushed_keys<C, CAUSAL>>(
       g, [&](void* smem) { communicate<C>(g, blockIdx.x, smem); });
 }
 

@@ -28,11 +28,11 @@
  *   every source s. So rank g receives the sources g, g+1, ... in that order.
  *
  *   main kernel, compute block (key block kb, K/V head hk, batch b): the attention backward's
- *   block (attention.cuh bwd_block) over head group r, its q/dO stages through `pushed_rows`:
- *   before loading the stage of query rows [q0, q0 + 64) the issuer waits FULL[s][*] of the
- *   sources s of those rows; each head's query tiles start at the first tile of source r's
- *   rows and go up, wrapping around (the order in which they arrive). dQ is added to DQA by
- *   TMA reductions, dk and dv stored into DKW/DVW.
+ *   block (attn::bwd_block, pk/attn/bwd_mainloop.cuh) over head group r, its q/dO stages
+ *   through `pushed_rows`: before loading the stage of query rows [q0, q0 + 64) the issuer
+ *   waits FULL[s][*] of the sources s of those rows; each head's query tiles start at the
+ *   first tile of source r's rows and go up, wrapping around (the order in which they
+ *   arrive). dQ is added to DQA by TMA reductions, dk and dv stored into DKW/DVW.
  *
  *   tail kernel (TAIL blocks): block i barriers READY with block i of every peer (every main
  *   kernel is over), then pulls my rows of every head group g from rank g: dq = T(scale DQA),
@@ -54,7 +54,7 @@
 
 namespace pk::ulysses_attn_bwd {
 
-using attention::THREADS;
+using attn::THREADS;
 using ulysses_attn::MAX_COMM;
 using ulysses_attn::MAX_PEERS;
 using ulysses_attn::TAIL;
@@ -163,9 +163,10 @@ __device__ void communicate(const globals& g, int cb, void* smem) {
   ulysses_attn::wait_all_full(c, cb, e);
 }
 
-/** @brief bwd_block's source of q/dO stages here (attention.cuh local_rows): dO and delta rows
- * of source s are in my workspace once FULL[s][*] is raised; each head's tiles start at the
- * first tile wholly of my own rows (pushed first, locally) and go up, wrapping around. */
+/** @brief attn::bwd_block's source of q/dO stages here (as pk/attn/local.cuh local_rows): dO
+ * and delta rows of source s are in my workspace once FULL[s][*] is raised; each head's tiles
+ * start at the first tile wholly of my own rows (pushed first, locally) and go up, wrapping
+ * around. */
 template <class C>
 struct pushed_rows {
   const globals* g;
@@ -210,7 +211,7 @@ __global__ void __launch_bounds__(THREADS, 1) kernel(const __grid_constant__ glo
   const int kb = rest % g.key_blocks, b = rest / g.key_blocks;
   const int nq = ceil_div(g.a.d.s, C::BQ);
   const int first = min(ceil_div(g.c.rank * g.sl, C::BQ), nq - 1);
-  attention::bwd_block<C>(g.a, hk, kb, b, pushed_rows<C>{&g, g.c.epoch(), first});
+  attn::bwd_block<C>(g.a, hk, kb, b, pushed_rows<C>{&g, g.c.epoch(), first});
 }
 
 /** @brief Units first, first + step, .. below total: store(u, load(u)), U loads in flight. */
@@ -297,7 +298,7 @@ static __global__ void __launch_bounds__(BWD_TAIL_THREADS) tail_kernel(
 template <typename T, int D>
 inline cudaError_t launch(const globals& g, cudaStream_t stream, int device) {
   using C = attention::bwd_config<T, D>;
-  const attention::dims& dm = g.a.d;
+  const attn::dims& dm = g.a.d;
   char* const mine = static_cast<char*>(g.c.ws[g.c.rank]);
   if (cudaError_t err = cudaMemsetAsync(mine + g.ws.dqa, 0,
                                         uint64_t(dm.b) * dm.s * dm.h * D * sizeof(float), stream);
