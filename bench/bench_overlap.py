@@ -255,7 +255,7 @@ def ring_bench(world: World, shape: dict, rng, backward: bool) -> Bench:
                      "causal": int(causal and j == r)}
                 if backward:
                     bufs = fused.buffers[r]
-                    a.update(o=0, lse=0, backward=1, do=bufs["do"], lse_in=bufs["lse"],
+                    a.update(backward=1, do=bufs["do"], lse_in=bufs["lse"],
                              delta=bufs["delta"], dq=grads[r][0], dk=grads[r][1],
                              dv=grads[r][2], dq_acc=grads[r][3], sp=sp)
                 else:

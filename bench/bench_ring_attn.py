@@ -192,8 +192,8 @@ def run_shape_bwd(world: World, p: int, sl: int, causal: bool, rng, rows: list) 
                     continue
                 world.launch("attention", r, {
                     "dtype": DTYPES[BF16], "q": bufs["q"], "k": y + 2 * j * block,
-                    "v": y + (2 * j + 1) * block, "o": 0, "lse": 0, "b": B, "s": sl, "h": H,
-                    "hkv": HKV, "d": D, "scale": scale, "causal": int(causal and j == r),
+                    "v": y + (2 * j + 1) * block, "b": B, "s": sl, "h": H, "hkv": HKV,
+                    "d": D, "scale": scale, "causal": int(causal and j == r),
                     "backward": 1, "do": bufs["do"], "lse_in": bufs["lse"],
                     "delta": bufs["delta"], "dq": grads[r][0], "dk": grads[r][1],
                     "dv": grads[r][2], "dq_acc": grads[r][3], "sp": sp})

@@ -99,8 +99,8 @@ ffi::Error AgGemmCuda(cudaStream_t stream, int32_t device, CommState* state, ffi
                       ffi::Result<ffi::AnyBuffer> x_full, int64_t /*comm_id*/, int64_t config,
                       int64_t group_m, int64_t num_comm_sms) {
   ffi::AnyBuffer full = *x_full;
-  return tp::RunGemm("all_gather_gemm", LaunchAgGemm, stream, device, state, x, w, rank, *y,
-                     &full, config, group_m, num_comm_sms);
+  return tp::RunGemm("all_gather_gemm", kOpAgGemm, LaunchAgGemm, stream, device, state, x, w,
+                     rank, *y, &full, config, group_m, num_comm_sms);
 }
 
 }  // namespace

@@ -27,8 +27,8 @@ namespace {
 ffi::Error AllGatherCuda(cudaStream_t stream, int32_t device, CommState* state, ffi::AnyBuffer x,
                          ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> y,
                          int64_t /*comm_id*/, int64_t run) {
-  return RunCollective("all_gather", LaunchAllGather, stream, device, state, x, rank, *y, run,
-                       0);
+  return RunCollective("all_gather", kOpAllGather, LaunchAllGather, stream, device, state, x,
+                       rank, *y, run, 0);
 }
 
 }  // namespace

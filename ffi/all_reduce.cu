@@ -34,8 +34,8 @@ namespace {
 ffi::Error AllReduceCuda(cudaStream_t stream, int32_t device, CommState* state, ffi::AnyBuffer x,
                          ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> y,
                          int64_t /*comm_id*/, int64_t algo) {
-  return RunCollective("all_reduce", LaunchAllReduce, stream, device, state, x, rank, *y, algo,
-                       0);
+  return RunCollective("all_reduce", kOpAllReduce, LaunchAllReduce, stream, device, state, x,
+                       rank, *y, algo, 0);
 }
 
 }  // namespace

@@ -31,8 +31,8 @@ namespace {
 ffi::Error AllToAllCuda(cudaStream_t stream, int32_t device, CommState* state, ffi::AnyBuffer x,
                         ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> y,
                         int64_t /*comm_id*/, int64_t split_run, int64_t concat_run) {
-  return RunCollective("all_to_all", LaunchAllToAll, stream, device, state, x, rank, *y,
-                       split_run, concat_run);
+  return RunCollective("all_to_all", kOpAllToAll, LaunchAllToAll, stream, device, state, x,
+                       rank, *y, split_run, concat_run);
 }
 
 }  // namespace

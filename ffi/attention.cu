@@ -106,6 +106,7 @@ ffi::Error AttentionCuda(cudaStream_t stream, int32_t device, ffi::RemainingArgs
                          int64_t backward) {
   AttnArgs a{};
   a.backward = backward != 0;
+  MarkFields(kOpAttention, &a);  // after backward, which decides the fields
   a.causal = causal != 0;
   a.scale = scale;
   const size_t want_args = a.backward ? 6 : 3, want_rets = a.backward ? 4 : 2;
@@ -149,6 +150,7 @@ ffi::Error AttentionCuda(cudaStream_t stream, int32_t device, ffi::RemainingArgs
     }
     a.dq_acc = static_cast<float*>(acc->untyped_data());
   }
+  if (ffi::Error e = CheckFilled(kOpAttention, a); e.failure()) return e;
   return ToError(LaunchAttention(Where{stream, device, 0}, a));
 }
 

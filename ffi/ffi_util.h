@@ -3,7 +3,10 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
+#include <cstring>
 #include <string>
+#include <type_traits>
 
 #include "comm.h"
 #include "launch.h"
@@ -40,12 +43,91 @@ struct CommState;  // comm_state.h: the executable's communicator, bound at inst
 
 // The body of the four collective handlers: binds XLA's x, rank and y into CollArgs (p0, p1:
 // the op's parameters, see launch.h), takes the communicator from the executable's state, and
-// calls `launch`.
-ffi::Error RunCollective(const char* op, Status (*launch)(const Where&, const CollArgs&,
-                                                         const CommView&),
+// calls `launch`. op: the stem, op_id: its id (the fields it fills).
+ffi::Error RunCollective(const char* op, int op_id,
+                         Status (*launch)(const Where&, const CollArgs&, const CommView&),
                          cudaStream_t stream, int32_t device, CommState* state,
                          const ffi::AnyBuffer& x, const ffi::Buffer<ffi::S32>& rank,
                          ffi::AnyBuffer y, int64_t p0, int64_t p1);
+
+// The FFI side of the field visitor (launch.h VisitFields). A handler marks the fields its op
+// names, fills its args from XLA's buffers and attributes, and checks that it wrote every marked
+// one before it launches: a field added to an args struct and its visitor (and so to the rank
+// emulator's decoder) cannot reach a launch function unfilled from XLA. Marked are the fields
+// with no fallback, other than flags (a bool has no spare value to mark); the marks are values
+// no buffer, shape or sane attribute takes (an odd, non-canonical address; INT64_MIN; a
+// signalling NaN's bits; DType -1). A handler whose op's fields depend on a flag (attention's
+// backward) sets the flag first.
+namespace filled {
+
+inline constexpr uintptr_t kPointer = 0xDEAD000000000001u;
+inline constexpr int64_t kInteger = INT64_MIN;
+inline constexpr uint32_t kFloatBits = 0x7FA0D0EDu;
+inline constexpr int32_t kDType = -1;
+
+// Marks (Marker) or finds the first still marked (Finder) of the fields with no fallback.
+struct Marker {
+  bool When(bool cond) const { return cond; }
+  template <class T>
+  void operator()(const char*, T& field) const {
+    if constexpr (std::is_pointer_v<T>) {
+      field = reinterpret_cast<T>(kPointer);
+    } else if constexpr (std::is_same_v<T, int64_t>) {
+      field = kInteger;
+    } else if constexpr (std::is_same_v<T, float>) {
+      std::memcpy(&field, &kFloatBits, sizeof(field));
+    } else if constexpr (std::is_same_v<T, DType>) {
+      field = static_cast<DType>(kDType);
+    } else {
+      static_assert(std::is_same_v<T, bool>, "a field type the marks do not cover");
+    }
+  }
+  template <class T>
+  void operator()(const char*, T&, int64_t /*fallback*/) const {}
+};
+
+struct Finder {
+  const char** first;  // the first marked field's name; stays nullptr when none is
+  bool When(bool cond) const { return cond; }
+  template <class T>
+  void operator()(const char* name, const T& field) const {
+    if (*first != nullptr) return;
+    bool marked = false;
+    if constexpr (std::is_pointer_v<T>) {
+      marked = reinterpret_cast<uintptr_t>(field) == kPointer;
+    } else if constexpr (std::is_same_v<T, int64_t>) {
+      marked = field == kInteger;
+    } else if constexpr (std::is_same_v<T, float>) {
+      uint32_t bits;
+      std::memcpy(&bits, &field, sizeof(bits));
+      marked = bits == kFloatBits;
+    } else if constexpr (std::is_same_v<T, DType>) {
+      marked = static_cast<int32_t>(field) == kDType;
+    }
+    if (marked) *first = name;
+  }
+  template <class T>
+  void operator()(const char*, const T&, int64_t /*fallback*/) const {}
+};
+
+}  // namespace filled
+
+// Marks the fields op `op` (op_table.h OpId) must fill in `a`.
+template <class Args>
+void MarkFields(int op, Args* a) {
+  VisitFields(filled::Marker{}, op, *a);
+}
+
+// Internal error naming the first field of `a` that op `op`'s handler left marked.
+template <class Args>
+ffi::Error CheckFilled(int op, Args& a) {
+  const char* first = nullptr;
+  VisitFields(filled::Finder{&first}, op, a);
+  if (first == nullptr) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string("pk_jax: the ") + op_table::Name(op) +
+                              " handler did not fill its argument '" + first +
+                              "' (ffi/launch.h VisitFields)");
+}
 
 // NOTES: every CUDA call in a handler goes through PK_CUDA_CHECK so that a failure becomes an
 // ffi::Error (a Python exception naming the call) instead of a crash or a silent wrong answer.

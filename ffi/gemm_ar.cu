@@ -15,8 +15,8 @@ ffi::Error GemmArCuda(cudaStream_t stream, int32_t device, CommState* state, ffi
                       ffi::AnyBuffer w, ffi::Buffer<ffi::S32> rank,
                       ffi::Result<ffi::AnyBuffer> y, int64_t /*comm_id*/, int64_t config,
                       int64_t group_m) {
-  return tp::RunGemm("gemm_all_reduce", LaunchGemmAr, stream, device, state, x, w, rank, *y,
-                     nullptr, config, group_m, 0);
+  return tp::RunGemm("gemm_all_reduce", kOpGemmAr, LaunchGemmAr, stream, device, state, x, w,
+                     rank, *y, nullptr, config, group_m, 0);
 }
 
 }  // namespace

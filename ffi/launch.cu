@@ -35,15 +35,16 @@ Status CheckRecord(const char* op, const CommView& v) {
       "pk.shutdown() and pk.init() once every process is back).");
 }
 
-ffi::Error RunCollective(const char* op, Status (*launch)(const Where&, const CollArgs&,
-                                                         const CommView&),
+ffi::Error RunCollective(const char* op, int op_id,
+                         Status (*launch)(const Where&, const CollArgs&, const CommView&),
                          cudaStream_t stream, int32_t device, CommState* state,
                          const ffi::AnyBuffer& x, const ffi::Buffer<ffi::S32>& rank,
                          ffi::AnyBuffer y, int64_t p0, int64_t p1) {
   const CommView* v = nullptr;
   int num_sms = 0;
   if (ffi::Error e = BindComm(op, state, device, &v, &num_sms); e.failure()) return e;
-  CollArgs a;
+  CollArgs a{};
+  MarkFields(op_id, &a);
   if (!ToDType(x.element_type(), &a.dtype) || y.element_type() != x.element_type()) {
     return ffi::Error::InvalidArgument(std::string("pk.") + op +
                                        ": x and y must have one dtype of bf16, fp16, fp32 or "
@@ -56,6 +57,7 @@ ffi::Error RunCollective(const char* op, Status (*launch)(const Where&, const Co
   a.n_out = static_cast<int64_t>(y.element_count());
   a.p0 = p0;
   a.p1 = p1;
+  if (ffi::Error e = CheckFilled(op_id, a); e.failure()) return e;
   return ToError(launch(Where{stream, device, num_sms}, a, *v));
 }
 

@@ -35,6 +35,25 @@ struct Status {
   static Status Internal(std::string m) { return {kInternal, std::move(m)}; }
 };
 
+// The field visitor: each op's arguments, named once, next to its args struct.
+//
+// VisitFields(visit, op, a) calls, for every field of `a` that op `op` (op_table.h OpId) reads,
+// in order:
+//   visit(name, field)            a field every call gives;
+//   visit(name, field, fallback)  one the rank emulator sets to `fallback` when a launch dict
+//                                 leaves it out (XLA's typed attributes have no defaults);
+// and guards the fields that only some calls of an op read with `if (visit.When(cond))`
+// (attention's backward fields): a visitor that reads, writes or checks a struct follows cond,
+// one that lists the names takes every branch. `name` is the field's key in the emulator's
+// launch dicts (pk_jax/testing) and in _pk_ffi.op_fields(). A field an op does not name is no
+// argument of its calls: it stays value-initialized, or the op itself sets it (the MoE modes),
+// in the FFI handlers and in the emulator alike.
+//
+// Users: the emulator's decoder (module.cc: a launch dict into the struct), the FFI handlers'
+// check that they filled every named field (ffi_util.h MarkFields, CheckFilled), and the export
+// of the names (module.cc OpFields), which tests/test_op_table.py holds pk_jax/testing's launch
+// dicts to.
+
 // Status of a CUDA runtime error, naming the call; Ok for cudaSuccess.
 Status CudaStatus(cudaError_t err, const char* what);
 
@@ -65,6 +84,22 @@ struct CollArgs {
   int64_t p1;     // all_to_all: concat_run
 };
 
+template <class V>
+void VisitFields(V&& visit, int op, CollArgs& a) {
+  visit("dtype", a.dtype);
+  visit("x", a.x);
+  visit("y", a.y);
+  visit("rank", a.rank);
+  visit("n", a.n);
+  visit("n_out", a.n_out);
+  if (op == kOpAllReduce) {
+    visit("p0", a.p0, 0);  // 0: the launcher picks the algorithm
+  } else {
+    visit("p0", a.p0);
+  }
+  if (op == kOpAllToAll) visit("p1", a.p1);
+}
+
 Status LaunchAllReduce(const Where& at, const CollArgs& a, const CommView& v);
 Status LaunchAllGather(const Where& at, const CollArgs& a, const CommView& v);
 Status LaunchReduceScatter(const Where& at, const CollArgs& a, const CommView& v);
@@ -85,6 +120,24 @@ struct GemmArgs {
   int64_t group_m;           // block-rows per band of the tile order
   int64_t num_comm_sms;      // ag_gemm: communication blocks (the same on every rank)
 };
+
+template <class V>
+void VisitFields(V&& visit, int op, GemmArgs& a) {
+  visit("dtype", a.dtype);
+  visit("x", a.x);
+  visit("w", a.w);
+  visit("y", a.y);
+  if (op == kOpAgGemm) visit("x_full", a.x_full);
+  if (op != kOpMatmul) visit("rank", a.rank);
+  visit("m", a.m);
+  visit("k", a.k);
+  visit("n", a.n);
+  visit("y_rows", a.y_rows);
+  visit("y_cols", a.y_cols);
+  visit("config", a.config, op_table::kTile128x128);
+  visit("group_m", a.group_m, 8);
+  if (op == kOpAgGemm) visit("num_comm_sms", a.num_comm_sms);
+}
 
 // The local GEMM (no communicator; x [m, k], w [k, n], y [m, n]; config: any op_table.h Tile).
 Status LaunchMatmul(const Where& at, const GemmArgs& a);
@@ -109,6 +162,43 @@ struct AttnArgs {
   bool backward;
 };
 
+// q, k, v, the shape, the scale and the causal flag (with the dtype): the fields every attention
+// op's args have (AttnArgs, RingAttnArgs, UlyssesAttnArgs, AttnBwdArgs).
+template <class V, class A>
+void VisitAttentionFields(V&& visit, A& a) {
+  visit("dtype", a.dtype);
+  visit("q", a.q);
+  visit("k", a.k);
+  visit("v", a.v);
+  visit("b", a.b);
+  visit("s", a.s);
+  visit("h", a.h);
+  visit("hkv", a.hkv);
+  visit("d", a.d);
+  visit("scale", a.scale);
+  visit("causal", a.causal);
+}
+
+template <class V>
+void VisitFields(V&& visit, int /*op*/, AttnArgs& a) {
+  VisitAttentionFields(visit, a);
+  visit("backward", a.backward, 0);
+  if (visit.When(!a.backward)) {
+    visit("o", a.o);
+    visit("lse", a.lse);
+  }
+  if (visit.When(a.backward)) {
+    visit("do", a.d_o);
+    visit("lse_in", a.lse_in);
+    visit("delta", a.delta);
+    visit("dq", a.dq);
+    visit("dk", a.dk);
+    visit("dv", a.dv);
+    visit("dq_acc", a.dq_acc);
+    visit("sp", a.sp);
+  }
+}
+
 Status LaunchAttention(const Where& at, const AttnArgs& a);
 
 // Expert-parallel dispatch and combine (cuda/kernels/moe.cuh). Dispatch (mode 0): x [t, h] and
@@ -130,6 +220,30 @@ struct MoeDispatchArgs {
   int64_t mode;  // 0 dispatch, 1 scatter
 };
 
+// mode is not a field of the call: the handler's (the scatter handler sets 1), or in the
+// emulator the op's (moe_scatter).
+template <class V>
+void VisitFields(V&& visit, int op, MoeDispatchArgs& a) {
+  const bool dispatch = op != kOpMoeScatter;  // the scatter reads the handle, counts no drops
+  visit("dtype", a.dtype);
+  visit("x", a.x);
+  if (dispatch) visit("ids", a.ids);
+  visit("rank", a.rank);
+  visit("dest", a.dest);
+  visit("pos", a.pos);
+  if (dispatch) {
+    visit("dropped", a.dropped);
+    visit("recv_dropped", a.recv_dropped);
+  }
+  visit("group_sizes", a.group_sizes);
+  visit("tokens", a.tokens);
+  visit("t", a.t);
+  visit("k", a.k);
+  visit("h", a.h);
+  visit("num_experts", a.num_experts);
+  visit("capacity", a.capacity);
+}
+
 // Combine (mode 0): out [t, h] = sum_j weights[t, j] y_{dest}[pos] (fp32 weights, y's dtype
 // out). Gather (mode 1, in the combine's VJP): out [t k, h] = the row of each slot (zero when
 // dropped).
@@ -144,6 +258,23 @@ struct MoeCombineArgs {
   int64_t t, k, h, capacity;
   int64_t mode;  // 0 combine, 1 gather
 };
+
+// mode is not a field of the call: the combine's mode attribute, or in the emulator the op's
+// (moe_gather).
+template <class V>
+void VisitFields(V&& visit, int /*op*/, MoeCombineArgs& a) {
+  visit("dtype", a.dtype);
+  visit("y", a.y);
+  visit("weights", a.weights);
+  visit("dest", a.dest);
+  visit("pos", a.pos);
+  visit("rank", a.rank);
+  visit("out", a.out);
+  visit("t", a.t);
+  visit("k", a.k);
+  visit("h", a.h);
+  visit("capacity", a.capacity);
+}
 
 Status LaunchMoeDispatch(const Where& at, const MoeDispatchArgs& a, const CommView& v);
 
@@ -165,8 +296,34 @@ struct MoeDispatchGemmArgs {
   int32_t* order;
   int32_t* order_off;
   int64_t t, k, h, n, num_experts, capacity;
-  int64_t num_comm_sms;  // 0: a quarter of the SMs
+  int64_t num_comm_sms;  // 0: the launcher's choice
 };
+
+// num_comm_sms is the emulator's alone (benchmarks sweep it): pk_moe_dispatch_gemm has no such
+// attribute, so XLA's calls take the fallback.
+template <class V>
+void VisitFields(V&& visit, int /*op*/, MoeDispatchGemmArgs& a) {
+  visit("dtype", a.dtype);
+  visit("x", a.x);
+  visit("ids", a.ids);
+  visit("w", a.w);
+  visit("rank", a.rank);
+  visit("dest", a.dest);
+  visit("pos", a.pos);
+  visit("dropped", a.dropped);
+  visit("recv_dropped", a.recv_dropped);
+  visit("group_sizes", a.group_sizes);
+  visit("y", a.y);
+  visit("order", a.order);
+  visit("order_off", a.order_off);
+  visit("t", a.t);
+  visit("k", a.k);
+  visit("h", a.h);
+  visit("n", a.n);
+  visit("num_experts", a.num_experts);
+  visit("capacity", a.capacity);
+  visit("num_comm_sms", a.num_comm_sms, 0);
+}
 
 Status LaunchMoeDispatchGemm(const Where& at, const MoeDispatchGemmArgs& a, const CommView& v);
 Status LaunchMoeCombine(const Where& at, const MoeCombineArgs& a, const CommView& v);
@@ -188,6 +345,25 @@ struct MoeGemmCombineArgs {
   int64_t t, k, f, n, groups, capacity;
 };
 
+template <class V>
+void VisitFields(V&& visit, int /*op*/, MoeGemmCombineArgs& a) {
+  visit("dtype", a.dtype);
+  visit("h", a.h);
+  visit("w", a.w);
+  visit("weights", a.weights);
+  visit("dest", a.dest);
+  visit("pos", a.pos);
+  visit("group_sizes", a.group_sizes);
+  visit("rank", a.rank);
+  visit("out", a.out);
+  visit("t", a.t);
+  visit("k", a.k);
+  visit("f", a.f);
+  visit("n", a.n);
+  visit("groups", a.groups);
+  visit("capacity", a.capacity);
+}
+
 Status LaunchMoeGemmCombine(const Where& at, const MoeGemmCombineArgs& a, const CommView& v);
 
 // Ring attention forward (cuda/kernels/ring_attn.cuh): q [b, s, h, d], k and v [b, s, hkv, d]
@@ -205,6 +381,16 @@ struct RingAttnArgs {
   int64_t num_comm_sms;
 };
 
+template <class V>
+void VisitFields(V&& visit, int /*op*/, RingAttnArgs& a) {
+  VisitAttentionFields(visit, a);
+  visit("o", a.o);
+  visit("lse", a.lse);
+  visit("rank", a.rank);
+  visit("zigzag", a.zigzag);
+  visit("num_comm_sms", a.num_comm_sms, 2);
+}
+
 Status LaunchRingAttn(const Where& at, const RingAttnArgs& a, const CommView& v);
 // The grouped GEMM's forward (cuda/kernels/grouped_matmul.cuh, mode FWD) on `at`: y [m, n] =
 // x [m, k] @ w[e] [k, n] over the row groups of group_sizes [groups] (device). The rank
@@ -217,6 +403,20 @@ struct GroupedMatmulArgs {
   void* y;
   int64_t m, k, n, groups, group_m;
 };
+
+template <class V>
+void VisitFields(V&& visit, int /*op*/, GroupedMatmulArgs& a) {
+  visit("dtype", a.dtype);
+  visit("x", a.x);
+  visit("w", a.w);
+  visit("group_sizes", a.group_sizes);
+  visit("y", a.y);
+  visit("m", a.m);
+  visit("k", a.k);
+  visit("n", a.n);
+  visit("groups", a.groups);
+  visit("group_m", a.group_m, 8);
+}
 
 Status LaunchGroupedMatmul(const Where& at, const GroupedMatmulArgs& a);
 
@@ -234,6 +434,15 @@ struct UlyssesAttnArgs {
   bool causal;
   int64_t num_comm_sms;
 };
+
+template <class V>
+void VisitFields(V&& visit, int /*op*/, UlyssesAttnArgs& a) {
+  VisitAttentionFields(visit, a);
+  visit("o", a.o);
+  visit("lse", a.lse);
+  visit("rank", a.rank);
+  visit("num_comm_sms", a.num_comm_sms, 2);
+}
 
 Status LaunchUlyssesAttn(const Where& at, const UlyssesAttnArgs& a, const CommView& v);
 // The checks both Ulysses kernels make (ffi/ulysses_attn.cu): the error record, the signal
@@ -258,6 +467,19 @@ struct AttnBwdArgs {
   int64_t num_comm_sms;
 };
 
+template <class V>
+void VisitFields(V&& visit, int /*op*/, AttnBwdArgs& a) {
+  VisitAttentionFields(visit, a);
+  visit("do", a.d_o);
+  visit("lse", a.lse);
+  visit("delta", a.delta);
+  visit("dq", a.dq);
+  visit("dk", a.dk);
+  visit("dv", a.dv);
+  visit("rank", a.rank);
+  visit("num_comm_sms", a.num_comm_sms, 2);
+}
+
 // Ulysses attention backward (cuda/kernels/ulysses_attn_bwd.cuh) after the composed forward:
 // d_o [b, s, h, d] and delta float32 [b, h, s], the head shards q [b, P s, h/P, d], k and v
 // [b, P s, hkv/P, d] and lse float32 [b, h/P, SP] (SP = P s rounded up to 128, +inf past P s)
@@ -272,6 +494,12 @@ Status LaunchUlyssesAttnBwd(const Where& at, const UlyssesAttnBwdArgs& a, const 
 struct RingAttnBwdArgs : AttnBwdArgs {
   bool zigzag;
 };
+
+template <class V>
+void VisitFields(V&& visit, int op, RingAttnBwdArgs& a) {
+  VisitFields(visit, op, static_cast<AttnBwdArgs&>(a));
+  visit("zigzag", a.zigzag);
+}
 
 // Bytes of symmetric workspace one backward call uses at world P.
 uint64_t RingAttnBwdWorkspace(int64_t b, int64_t s, int64_t h, int64_t hkv, int64_t d,
@@ -292,5 +520,36 @@ Status LaunchOccupy(cudaStream_t stream, int blocks, int smem_bytes, uint64_t ns
 // `error` as op `op`, rank `rank`, and trap after timeout_ns).
 Status LaunchMbarStall(cudaStream_t stream, int32_t* error, int op, int rank,
                        uint64_t timeout_ns);
+
+// The rank emulator's ops and their launch functions: calls f(launch) with the launch function
+// of op `id` and returns what it returns, or none() for an op the emulator does not run. The
+// args struct an op decodes is its launch function's parameter. module.cc checks at compile time
+// that this map and the op table's emu and comm flags agree.
+template <class F, class G>
+constexpr auto WithLauncher(int id, F&& f, G&& none) {
+  switch (id) {
+    case kOpAllReduce: return f(LaunchAllReduce);
+    case kOpAllGather: return f(LaunchAllGather);
+    case kOpReduceScatter: return f(LaunchReduceScatter);
+    case kOpAllToAll: return f(LaunchAllToAll);
+    case kOpMatmul: return f(LaunchMatmul);
+    case kOpGemmRs: return f(LaunchGemmRs);
+    case kOpAgGemm: return f(LaunchAgGemm);
+    case kOpGemmAr: return f(LaunchGemmAr);
+    case kOpGroupedMatmul: return f(LaunchGroupedMatmul);
+    case kOpAttention: return f(LaunchAttention);
+    case kOpMoeDispatch: return f(LaunchMoeDispatch);
+    case kOpMoeScatter: return f(LaunchMoeDispatch);  // mode 1
+    case kOpMoeCombine: return f(LaunchMoeCombine);
+    case kOpMoeGather: return f(LaunchMoeCombine);  // mode 1
+    case kOpMoeDispatchGemm: return f(LaunchMoeDispatchGemm);
+    case kOpMoeGemmCombine: return f(LaunchMoeGemmCombine);
+    case kOpRingAttn: return f(LaunchRingAttn);
+    case kOpRingAttnBwd: return f(LaunchRingAttnBwd);
+    case kOpUlyssesAttn: return f(LaunchUlyssesAttn);
+    case kOpUlyssesAttnBwd: return f(LaunchUlyssesAttnBwd);
+    default: return none();
+  }
+}
 
 }  // namespace pk_ffi

@@ -76,6 +76,7 @@ namespace {
 ffi::Error MatmulCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer w,
                       ffi::Result<ffi::AnyBuffer> y, int64_t config, int64_t group_m) {
   GemmArgs a{};
+  MarkFields(kOpMatmul, &a);
   const ffi::DataType dt = x.element_type();
   if (!ToDType(dt, &a.dtype) || w.element_type() != dt || y->element_type() != dt) {
     return ffi::Error::InvalidArgument("pk_matmul: x, w and y must all be bf16 or all fp16.");
@@ -94,6 +95,7 @@ ffi::Error MatmulCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi
   a.y_cols = yd[1];
   a.config = config;
   a.group_m = group_m;
+  if (ffi::Error e = CheckFilled(kOpMatmul, a); e.failure()) return e;
   int num_sms = 0;
   if (ffi::Error e = NumSms(device, &num_sms); e.failure()) return e;
   return ToError(LaunchMatmul(Where{stream, device, num_sms}, a));

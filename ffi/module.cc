@@ -7,9 +7,11 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <type_traits>
 
 #include "comm.h"
 #include "comm_state.h"
@@ -124,263 +126,254 @@ void Raise(const pk_ffi::Status& s) {
   throw std::runtime_error(s.message);
 }
 
-int64_t Get(const nb::dict& d, const char* key, int64_t fallback = 0) {
-  return d.contains(key) ? nb::cast<int64_t>(d[key]) : fallback;
-}
+// The emulator's decoder: reads each field an op's visitor names (launch.h VisitFields) from the
+// launch dict by its key. A missing integer, flag or pointer reads as its fallback (0 unless the
+// visitor gives one); a missing float (scale) raises KeyError. Keys the visitor does not name are
+// ignored (tests/test_op_table.py checks that pk_jax/testing passes exactly the named ones).
+class DictReader {
+ public:
+  explicit DictReader(const nb::dict& d) : d_(d) {}
 
-template <class T>
-T* Ptr(const nb::dict& d, const char* key) {
-  return reinterpret_cast<T*>(static_cast<uintptr_t>(Get(d, key)));
-}
+  bool When(bool cond) const { return cond; }
 
-// The fields the attention launchers' arguments share (AttnArgs, RingAttnArgs,
-// UlyssesAttnArgs, AttnBwdArgs): q, k, v, the shape, the scale and the causal flag.
+  template <class T>
+  void operator()(const char* key, T& field) const {
+    if constexpr (std::is_same_v<T, float>) {
+      field = static_cast<float>(nb::cast<double>(d_[key]));
+    } else {
+      (*this)(key, field, 0);
+    }
+  }
+
+  template <class T>
+  void operator()(const char* key, T& field, int64_t fallback) const {
+    static_assert(!std::is_same_v<T, float>, "a float field has no fallback");
+    const int64_t value = d_.contains(key) ? nb::cast<int64_t>(d_[key]) : fallback;
+    if constexpr (std::is_pointer_v<T>) {
+      field = reinterpret_cast<T>(static_cast<uintptr_t>(value));
+    } else if constexpr (std::is_same_v<T, bool>) {
+      field = value != 0;
+    } else {
+      field = static_cast<T>(value);  // int64_t, DType
+    }
+  }
+
+ private:
+  const nb::dict& d_;
+};
+
+// moe_scatter and moe_gather are moe_dispatch's and moe_combine's mode 1: the op says which, no
+// field of the call does.
+void SetMode(int op, pk_ffi::MoeDispatchArgs* a) { a->mode = op == pk_ffi::kOpMoeScatter; }
+void SetMode(int op, pk_ffi::MoeCombineArgs* a) { a->mode = op == pk_ffi::kOpMoeGather; }
 template <class A>
-void AttentionFields(const nb::dict& d, A* a) {
-  a->q = Ptr<const void>(d, "q");
-  a->k = Ptr<const void>(d, "k");
-  a->v = Ptr<const void>(d, "v");
-  a->b = Get(d, "b");
-  a->s = Get(d, "s");
-  a->h = Get(d, "h");
-  a->hkv = Get(d, "hkv");
-  a->d = Get(d, "d");
-  a->scale = static_cast<float>(nb::cast<double>(d["scale"]));
-  a->causal = Get(d, "causal") != 0;
+void SetMode(int, A*) {}
+
+// Op `op`'s args decoded from a launch dict.
+template <class A>
+A Decode(int op, const nb::dict& d) {
+  A a{};
+  pk_ffi::VisitFields(DictReader(d), op, a);
+  SetMode(op, &a);
+  return a;
 }
 
-// The fields of the fused attention backwards' arguments (AttnBwdArgs): AttentionFields', dO,
-// lse, delta, the gradients, the rank operand and the communication blocks.
-void BackwardFields(const nb::dict& d, pk_ffi::AttnBwdArgs* a) {
-  AttentionFields(d, a);
-  a->d_o = Ptr<const void>(d, "do");
-  a->lse = Ptr<const float>(d, "lse");
-  a->delta = Ptr<const float>(d, "delta");
-  a->dq = Ptr<void>(d, "dq");
-  a->dk = Ptr<void>(d, "dk");
-  a->dv = Ptr<void>(d, "dv");
-  a->rank = Ptr<const int32_t>(d, "rank");
-  a->num_comm_sms = Get(d, "num_comm_sms", 2);
+// The args struct of a launch function (its parameter), for WithLauncher's callers.
+template <class A>
+A ArgsOf(pk_ffi::Status (*)(const pk_ffi::Where&, const A&));
+template <class A>
+A ArgsOf(pk_ffi::Status (*)(const pk_ffi::Where&, const A&, const pk_ffi::CommView&));
+
+// 1 for a launch function without a communicator, 2 for one with.
+template <class A>
+constexpr int LauncherKind(pk_ffi::Status (*)(const pk_ffi::Where&, const A&)) {
+  return 1;
+}
+template <class A>
+constexpr int LauncherKind(pk_ffi::Status (*)(const pk_ffi::Where&, const A&,
+                                              const pk_ffi::CommView&)) {
+  return 2;
 }
 
-// Runs op `op` ("all_reduce", ..., "ulysses_attn"; "matmul", "attention" and "grouped_matmul"
-// without a communicator) for the communicator registered under (comm_id, device) on
-// `stream`, with `num_sms` SMs; `args` holds the launcher's fields (ffi/launch.h) by name,
-// buffers as device addresses.
-void EmuLaunch(const std::string& op, int64_t comm_id, int device, uint64_t stream,
-               int num_sms, const nb::dict& args) {
+// An op runs in the emulator exactly when it has a launch function (launch.h WithLauncher), and
+// takes a communicator exactly when that function takes a CommView.
+constexpr bool LaunchersMatchTable() {
+  for (const pk_ffi::op_table::Op& op : pk_ffi::op_table::kOps) {
+    const int kind = pk_ffi::WithLauncher(
+        op.id, [](auto launch) { return LauncherKind(launch); }, [] { return 0; });
+    if (kind != (op.emu ? (op.comm ? 2 : 1) : 0)) return false;
+  }
+  return true;
+}
+static_assert(LaunchersMatchTable(),
+              "op_table.h's emu and comm flags must match launch.h WithLauncher");
+
+// The id of emulator op `op`; ValueError for any other name.
+int EmuOp(const std::string& op) {
   const pk_ffi::op_table::Op* entry = pk_ffi::op_table::Find(op.c_str());
   if (entry == nullptr || !entry->emu) {
     throw std::invalid_argument("pk_jax emulator: unknown op '" + op + "'");
   }
-  const pk_ffi::Where at{reinterpret_cast<cudaStream_t>(stream), device, num_sms};
-  auto gemm_args = [&]() {
-    return pk_ffi::GemmArgs{static_cast<pk_ffi::DType>(Get(args, "dtype")),
-                            Ptr<const void>(args, "x"),
-                            Ptr<const void>(args, "w"),
-                            Ptr<void>(args, "y"),
-                            Ptr<void>(args, "x_full"),
-                            Ptr<const int32_t>(args, "rank"),
-                            Get(args, "m"),
-                            Get(args, "k"),
-                            Get(args, "n"),
-                            Get(args, "y_rows"),
-                            Get(args, "y_cols"),
-                            Get(args, "config", 1),
-                            Get(args, "group_m", 8),
-                            Get(args, "num_comm_sms")};
-  };
-  if (op == "matmul") {  // local: no communicator (the serial path's GEMM)
-    Raise(pk_ffi::LaunchMatmul(at, gemm_args()));
-    return;
-  }
-  if (op == "attention") {  // local, no communicator (the unfused ring's per-block step)
-    pk_ffi::AttnArgs a{};
-    a.dtype = static_cast<pk_ffi::DType>(Get(args, "dtype"));
-    AttentionFields(args, &a);
-    a.o = Ptr<void>(args, "o");
-    a.lse = Ptr<float>(args, "lse");
-    a.backward = Get(args, "backward", 0) != 0;  // the unfused ring backward's per-block step
-    if (a.backward) {
-      a.d_o = Ptr<const void>(args, "do");
-      a.lse_in = Ptr<const float>(args, "lse_in");
-      a.delta = Ptr<const float>(args, "delta");
-      a.dq = Ptr<void>(args, "dq");
-      a.dk = Ptr<void>(args, "dk");
-      a.dv = Ptr<void>(args, "dv");
-      a.dq_acc = Ptr<float>(args, "dq_acc");  // float32 scratch of q's shape
-      a.sp = Get(args, "sp");
-    }
-    Raise(pk_ffi::LaunchAttention(at, a));
-    return;
-  }
-  if (op == "grouped_matmul") {  // local: the serial MoE path's expert GEMM (FWD)
-    const pk_ffi::GroupedMatmulArgs a{static_cast<pk_ffi::DType>(Get(args, "dtype")),
-                                      Ptr<const void>(args, "x"),
-                                      Ptr<const void>(args, "w"),
-                                      Ptr<const int32_t>(args, "group_sizes"),
-                                      Ptr<void>(args, "y"),
-                                      Get(args, "m"),
-                                      Get(args, "k"),
-                                      Get(args, "n"),
-                                      Get(args, "groups"),
-                                      Get(args, "group_m", 8)};
-    Raise(pk_ffi::LaunchGroupedMatmul(at, a));
-    return;
-  }
-  const pk_ffi::CommView* v = pk_ffi::FindComm(comm_id, device);
+  return entry->id;
+}
+
+// A launch without a communicator (matmul, grouped_matmul, attention).
+template <class A>
+void Run(pk_ffi::Status (*launch)(const pk_ffi::Where&, const A&), int op,
+         const pk_ffi::Where& at, int64_t /*comm_id*/, const nb::dict& args) {
+  Raise(launch(at, Decode<A>(op, args)));
+}
+
+// A launch on the communicator registered under (comm_id, the device), found before decoding.
+template <class A>
+void Run(pk_ffi::Status (*launch)(const pk_ffi::Where&, const A&, const pk_ffi::CommView&),
+         int op, const pk_ffi::Where& at, int64_t comm_id, const nb::dict& args) {
+  const pk_ffi::CommView* v = pk_ffi::FindComm(comm_id, at.device);
   if (v == nullptr) {
     throw std::invalid_argument("pk_jax emulator: no communicator " + std::to_string(comm_id) +
-                                " on device " + std::to_string(device));
+                                " on device " + std::to_string(at.device));
   }
-  const auto dtype = static_cast<pk_ffi::DType>(Get(args, "dtype"));
-  using Coll = pk_ffi::Status (*)(const pk_ffi::Where&, const pk_ffi::CollArgs&,
-                                  const pk_ffi::CommView&);
-  using Gemm = pk_ffi::Status (*)(const pk_ffi::Where&, const pk_ffi::GemmArgs&,
-                                  const pk_ffi::CommView&);
-  Coll coll = op == "all_reduce"       ? pk_ffi::LaunchAllReduce
-              : op == "all_gather"     ? pk_ffi::LaunchAllGather
-              : op == "reduce_scatter" ? pk_ffi::LaunchReduceScatter
-              : op == "all_to_all"     ? pk_ffi::LaunchAllToAll
-                                       : nullptr;
-  Gemm gemm = op == "gemm_rs"   ? pk_ffi::LaunchGemmRs
-              : op == "gemm_ar" ? pk_ffi::LaunchGemmAr
-              : op == "ag_gemm" ? pk_ffi::LaunchAgGemm
-                                : nullptr;
-  if (coll != nullptr) {
-    const pk_ffi::CollArgs a{dtype,
-                             Ptr<const void>(args, "x"),
-                             Ptr<void>(args, "y"),
-                             Ptr<const int32_t>(args, "rank"),
-                             Get(args, "n"),
-                             Get(args, "n_out"),
-                             Get(args, "p0"),
-                             Get(args, "p1")};
-    Raise(coll(at, a, *v));
-    return;
+  Raise(launch(at, Decode<A>(op, args), *v));
+}
+
+// Runs op `op` (an emulator op of the op table) for the communicator registered under
+// (comm_id, device) on `stream`, with `num_sms` SMs; `args` holds the launcher's fields by the
+// names its visitor gives them (launch.h VisitFields), buffers as device addresses.
+void EmuLaunch(const std::string& op, int64_t comm_id, int device, uint64_t stream,
+               int num_sms, const nb::dict& args) {
+  const int id = EmuOp(op);
+  const pk_ffi::Where at{reinterpret_cast<cudaStream_t>(stream), device, num_sms};
+  pk_ffi::WithLauncher(
+      id, [&](auto launch) { Run(launch, id, at, comm_id, args); },
+      [&] { throw std::invalid_argument("pk_jax emulator: unknown op '" + op + "'"); });
+}
+
+// The decoder check, for CPU tests: `args` decoded as EmuLaunch decodes it for op `op`, back as
+// {key: value} of the fields the decode read (pointers as integers; the MoE ops also give their
+// mode). Launches nothing and needs no GPU.
+class DictWriter {
+ public:
+  explicit DictWriter(nb::dict& out) : out_(out) {}
+
+  bool When(bool cond) const { return cond; }
+
+  template <class T>
+  void operator()(const char* key, T& field, int64_t /*fallback*/ = 0) const {
+    if constexpr (std::is_pointer_v<T>) {
+      out_[key] = reinterpret_cast<uintptr_t>(field);
+    } else if constexpr (std::is_same_v<T, pk_ffi::DType>) {
+      out_[key] = static_cast<int>(field);
+    } else {
+      out_[key] = field;
+    }
   }
-  if (gemm != nullptr) {
-    Raise(gemm(at, gemm_args(), *v));
-    return;
+
+ private:
+  nb::dict& out_;
+};
+
+nb::dict EmuDecode(const std::string& op, const nb::dict& args) {
+  const int id = EmuOp(op);
+  nb::dict out;
+  pk_ffi::WithLauncher(
+      id,
+      [&](auto launch) {
+        using A = decltype(ArgsOf(launch));
+        A a = Decode<A>(id, args);
+        pk_ffi::VisitFields(DictWriter(out), id, a);
+        if constexpr (std::is_same_v<A, pk_ffi::MoeDispatchArgs> ||
+                      std::is_same_v<A, pk_ffi::MoeCombineArgs>) {
+          out["mode"] = a.mode;
+        }
+      },
+      [] {});
+  return out;
+}
+
+// The FFI handlers' fill check (ffi_util.h MarkFields, CheckFilled) on a CPU, for tests: marks
+// op `op`'s args, writes the fields named in `keys` as a handler fills them (its flags first,
+// then the rest), and returns CheckFilled's error message, or None when it passes.
+class KeyWriter {
+ public:
+  KeyWriter(const nb::set& keys, bool flags_only) : keys_(keys), flags_only_(flags_only) {}
+
+  bool When(bool cond) const { return cond; }
+
+  template <class T>
+  void operator()(const char* key, T& field, int64_t /*fallback*/ = 0) const {
+    if (!keys_.contains(key) || (flags_only_ && !std::is_same_v<T, bool>)) return;
+    if constexpr (std::is_pointer_v<T>) {
+      field = reinterpret_cast<T>(uintptr_t{256});
+    } else if constexpr (std::is_same_v<T, pk_ffi::DType>) {
+      field = pk_ffi::DType::kBF16;
+    } else {
+      field = static_cast<T>(1);  // int64_t, float, bool
+    }
   }
-  if (op == "moe_dispatch" || op == "moe_scatter") {
-    pk_ffi::MoeDispatchArgs a{dtype,
-                              Ptr<const void>(args, "x"),
-                              Ptr<const int32_t>(args, "ids"),
-                              Ptr<const int32_t>(args, "rank"),
-                              Ptr<int32_t>(args, "dest"),
-                              Ptr<int32_t>(args, "pos"),
-                              Ptr<int32_t>(args, "dropped"),
-                              Ptr<int32_t>(args, "recv_dropped"),
-                              Ptr<int32_t>(args, "group_sizes"),
-                              Ptr<void>(args, "tokens"),
-                              Get(args, "t"),
-                              Get(args, "k"),
-                              Get(args, "h"),
-                              Get(args, "num_experts"),
-                              Get(args, "capacity"),
-                              op == "moe_scatter" ? 1 : 0};
-    Raise(pk_ffi::LaunchMoeDispatch(at, a, *v));
-    return;
+
+ private:
+  const nb::set& keys_;
+  bool flags_only_;
+};
+
+nb::object FfiFillCheck(const std::string& op, const nb::set& keys) {
+  const int id = EmuOp(op);
+  nb::object out = nb::none();
+  pk_ffi::WithLauncher(
+      id,
+      [&](auto launch) {
+        decltype(ArgsOf(launch)) a{};
+        pk_ffi::VisitFields(KeyWriter(keys, true), id, a);
+        pk_ffi::MarkFields(id, &a);
+        pk_ffi::VisitFields(KeyWriter(keys, false), id, a);
+        const xla::ffi::Error e = pk_ffi::CheckFilled(id, a);
+        if (e.failure()) out = nb::str(e.message().c_str());
+      },
+      [] {});
+  return out;
+}
+
+// Every name VisitFields gives, taking every branch, with its fallback (None: none).
+class NameRecorder {
+ public:
+  explicit NameRecorder(nb::dict& out) : out_(out) {}
+
+  bool When(bool) const { return true; }
+
+  template <class T>
+  void operator()(const char* key, T& /*field*/) const {
+    Add(key, nb::none());
   }
-  if (op == "moe_dispatch_gemm") {  // the fused dispatch + first expert GEMM
-    const pk_ffi::MoeDispatchGemmArgs a{dtype,
-                                        Ptr<const void>(args, "x"),
-                                        Ptr<const int32_t>(args, "ids"),
-                                        Ptr<const void>(args, "w"),
-                                        Ptr<const int32_t>(args, "rank"),
-                                        Ptr<int32_t>(args, "dest"),
-                                        Ptr<int32_t>(args, "pos"),
-                                        Ptr<int32_t>(args, "dropped"),
-                                        Ptr<int32_t>(args, "recv_dropped"),
-                                        Ptr<int32_t>(args, "group_sizes"),
-                                        Ptr<void>(args, "y"),
-                                        Ptr<int32_t>(args, "order"),
-                                        Ptr<int32_t>(args, "order_off"),
-                                        Get(args, "t"),
-                                        Get(args, "k"),
-                                        Get(args, "h"),
-                                        Get(args, "n"),
-                                        Get(args, "num_experts"),
-                                        Get(args, "capacity"),
-                                        Get(args, "num_comm_sms")};
-    Raise(pk_ffi::LaunchMoeDispatchGemm(at, a, *v));
-    return;
+
+  template <class T>
+  void operator()(const char* key, T& /*field*/, int64_t fallback) const {
+    Add(key, nb::int_(fallback));
   }
-  if (op == "moe_gemm_combine") {  // the fused second expert GEMM + combine
-    const pk_ffi::MoeGemmCombineArgs a{dtype,
-                                       Ptr<const void>(args, "h"),
-                                       Ptr<const void>(args, "w"),
-                                       Ptr<const float>(args, "weights"),
-                                       Ptr<const int32_t>(args, "dest"),
-                                       Ptr<const int32_t>(args, "pos"),
-                                       Ptr<const int32_t>(args, "group_sizes"),
-                                       Ptr<const int32_t>(args, "rank"),
-                                       Ptr<void>(args, "out"),
-                                       Get(args, "t"),
-                                       Get(args, "k"),
-                                       Get(args, "f"),
-                                       Get(args, "n"),
-                                       Get(args, "groups"),
-                                       Get(args, "capacity")};
-    Raise(pk_ffi::LaunchMoeGemmCombine(at, a, *v));
-    return;
+
+ private:
+  void Add(const char* key, nb::object fallback) const {
+    if (out_.contains(key)) throw std::logic_error(std::string("field named twice: ") + key);
+    out_[key] = fallback;
   }
-  if (op == "moe_combine" || op == "moe_gather") {
-    const pk_ffi::MoeCombineArgs a{dtype,
-                                   Ptr<const void>(args, "y"),
-                                   Ptr<const float>(args, "weights"),
-                                   Ptr<const int32_t>(args, "dest"),
-                                   Ptr<const int32_t>(args, "pos"),
-                                   Ptr<const int32_t>(args, "rank"),
-                                   Ptr<void>(args, "out"),
-                                   Get(args, "t"),
-                                   Get(args, "k"),
-                                   Get(args, "h"),
-                                   Get(args, "capacity"),
-                                   op == "moe_gather" ? 1 : 0};
-    Raise(pk_ffi::LaunchMoeCombine(at, a, *v));
-    return;
+
+  nb::dict& out_;
+};
+
+// {op stem: {field name: fallback or None}} for every emulator op, fields in decoding order.
+nb::dict OpFields() {
+  nb::dict out;
+  for (const pk_ffi::op_table::Op& o : pk_ffi::op_table::kOps) {
+    nb::dict fields;
+    pk_ffi::WithLauncher(
+        o.id,
+        [&](auto launch) {
+          decltype(ArgsOf(launch)) a{};
+          pk_ffi::VisitFields(NameRecorder(fields), o.id, a);
+          out[o.name] = fields;
+        },
+        [] {});
   }
-  if (op == "ring_attn") {
-    pk_ffi::RingAttnArgs a{};
-    a.dtype = dtype;
-    AttentionFields(args, &a);
-    a.o = Ptr<void>(args, "o");
-    a.lse = Ptr<float>(args, "lse");
-    a.rank = Ptr<const int32_t>(args, "rank");
-    a.zigzag = Get(args, "zigzag") != 0;
-    a.num_comm_sms = Get(args, "num_comm_sms", 2);
-    Raise(pk_ffi::LaunchRingAttn(at, a, *v));
-    return;
-  }
-  if (op == "ulysses_attn") {
-    pk_ffi::UlyssesAttnArgs a{};
-    a.dtype = dtype;
-    AttentionFields(args, &a);
-    a.o = Ptr<void>(args, "o");
-    a.lse = Ptr<float>(args, "lse");
-    a.rank = Ptr<const int32_t>(args, "rank");
-    a.num_comm_sms = Get(args, "num_comm_sms", 2);
-    Raise(pk_ffi::LaunchUlyssesAttn(at, a, *v));
-    return;
-  }
-  if (op == "ulysses_attn_bwd") {
-    pk_ffi::UlyssesAttnBwdArgs a{};
-    a.dtype = dtype;
-    BackwardFields(args, &a);
-    Raise(pk_ffi::LaunchUlyssesAttnBwd(at, a, *v));
-    return;
-  }
-  if (op == "ring_attn_bwd") {
-    pk_ffi::RingAttnBwdArgs a{};
-    a.dtype = dtype;
-    BackwardFields(args, &a);
-    a.zigzag = Get(args, "zigzag") != 0;
-    Raise(pk_ffi::LaunchRingAttnBwd(at, a, *v));
-    return;
-  }
-  throw std::invalid_argument("pk_jax emulator: unknown op '" + op + "'");
+  return out;
 }
 
 void EmuDelay(uint64_t stream, uint64_t ns) {
@@ -459,6 +452,14 @@ NB_MODULE(_pk_ffi, m) {
   m.def("emu_launch", &EmuLaunch, nb::arg("op"), nb::arg("comm_id"), nb::arg("device"),
         nb::arg("stream"), nb::arg("num_sms"), nb::arg("args"),
         "Runs an op's launch function (the one its FFI handler calls) on a stream.");
+  m.def("emu_decode", &EmuDecode, nb::arg("op"), nb::arg("args"),
+        "Decoder check: args decoded as emu_launch decodes them, as a dict; launches nothing.");
+  m.def("ffi_fill_check", &FfiFillCheck, nb::arg("op"), nb::arg("keys"),
+        "Fill check: the FFI handlers' fill-check error when only `keys` are written, or "
+        "None; launches nothing.");
+  m.def("op_fields", &OpFields,
+        "{op: {field: fallback or None}}: each emulator op's launch fields (ffi/launch.h "
+        "VisitFields), in order.");
   m.def("emu_delay", &EmuDelay, nb::arg("stream"), nb::arg("ns"),
         "Queues a kernel that spins for ns nanoseconds.");
   m.def("emu_occupy", &EmuOccupy, nb::arg("stream"), nb::arg("blocks"), nb::arg("smem_bytes"),

@@ -455,6 +455,7 @@ ffi::Error DispatchCuda(cudaStream_t stream, int32_t device, CommState* state,
   int num_sms = 0;
   if (ffi::Error e = BindComm("moe_dispatch", state, device, &v, &num_sms); e.failure()) return e;
   MoeDispatchArgs a{};
+  MarkFields(kOpMoeDispatch, &a);
   const auto id = ids.dimensions();
   if (!ToDType(x.element_type(), &a.dtype) || tokens->element_type() != x.element_type() ||
       !Is2d(x) || id.size() != 2 || id[0] != x.dimensions()[0] || !Is2d(*tokens) ||
@@ -481,6 +482,7 @@ ffi::Error DispatchCuda(cudaStream_t stream, int32_t device, CommState* state,
   a.num_experts = num_experts;
   a.capacity = capacity;
   a.mode = 0;
+  if (ffi::Error e = CheckFilled(kOpMoeDispatch, a); e.failure()) return e;
   return ToError(LaunchMoeDispatch(Where{stream, device, num_sms}, a, *v));
 }
 
@@ -494,6 +496,7 @@ ffi::Error ScatterCuda(cudaStream_t stream, int32_t device, CommState* state,
   int num_sms = 0;
   if (ffi::Error e = BindComm("moe_dispatch", state, device, &v, &num_sms); e.failure()) return e;
   MoeDispatchArgs a{};
+  MarkFields(kOpMoeScatter, &a);
   const auto dd = dest.dimensions();
   if (!ToDType(rows.element_type(), &a.dtype) || tokens->element_type() != rows.element_type() ||
       !Is2d(rows) || dd.size() != 2 || rows.dimensions()[0] != dd[0] * dd[1] ||
@@ -516,6 +519,7 @@ ffi::Error ScatterCuda(cudaStream_t stream, int32_t device, CommState* state,
   a.num_experts = num_experts;
   a.capacity = capacity;
   a.mode = 1;
+  if (ffi::Error e = CheckFilled(kOpMoeScatter, a); e.failure()) return e;
   return ToError(LaunchMoeDispatch(Where{stream, device, num_sms}, a, *v));
 }
 
@@ -528,6 +532,7 @@ ffi::Error CombineCuda(cudaStream_t stream, int32_t device, CommState* state,
   int num_sms = 0;
   if (ffi::Error e = BindComm("moe_combine", state, device, &v, &num_sms); e.failure()) return e;
   MoeCombineArgs a{};
+  MarkFields(kOpMoeCombine, &a);
   const auto dd = dest.dimensions();
   const int64_t out_rows = dd.size() == 2 ? (mode == 1 ? dd[0] * dd[1] : dd[0]) : -1;
   if (!ToDType(y.element_type(), &a.dtype) || out->element_type() != y.element_type() ||
@@ -549,6 +554,7 @@ ffi::Error CombineCuda(cudaStream_t stream, int32_t device, CommState* state,
   a.h = y.dimensions()[1];
   a.capacity = y.dimensions()[0];
   a.mode = mode;
+  if (ffi::Error e = CheckFilled(kOpMoeCombine, a); e.failure()) return e;
   return ToError(LaunchMoeCombine(Where{stream, device, num_sms}, a, *v));
 }
 
@@ -570,6 +576,7 @@ ffi::Error DispatchGemmCuda(cudaStream_t stream, int32_t device, CommState* stat
     return e;
   }
   MoeDispatchGemmArgs a{};
+  MarkFields(kOpMoeDispatchGemm, &a);
   const auto id = ids.dimensions();
   const auto wd = w.dimensions();
   if (!ToDType(x.element_type(), &a.dtype) || w.element_type() != x.element_type() ||
@@ -604,6 +611,7 @@ ffi::Error DispatchGemmCuda(cudaStream_t stream, int32_t device, CommState* stat
   a.n = wd[2];
   a.num_experts = num_experts;
   a.capacity = capacity;
+  if (ffi::Error e = CheckFilled(kOpMoeDispatchGemm, a); e.failure()) return e;
   return ToError(LaunchMoeDispatchGemm(Where{stream, device, num_sms}, a, *v));
 }
 
@@ -619,6 +627,7 @@ ffi::Error GemmCombineCuda(cudaStream_t stream, int32_t device, CommState* state
     return e;
   }
   MoeGemmCombineArgs a{};
+  MarkFields(kOpMoeGemmCombine, &a);
   const auto dd = dest.dimensions();
   const auto wd = w.dimensions();
   if (!ToDType(h.element_type(), &a.dtype) || w.element_type() != h.element_type() ||
@@ -645,6 +654,7 @@ ffi::Error GemmCombineCuda(cudaStream_t stream, int32_t device, CommState* state
   a.n = wd[2];
   a.groups = wd[0];
   a.capacity = h.dimensions()[0];
+  if (ffi::Error e = CheckFilled(kOpMoeGemmCombine, a); e.failure()) return e;
   return ToError(LaunchMoeGemmCombine(Where{stream, device, num_sms}, a, *v));
 }
 

@@ -147,7 +147,7 @@ struct Op {
   Range slots;         // its range of the signal pad (kNoSlots: no communicator)
   bool comm;           // takes a communicator (pk.init's symmetric memory)
   bool target;         // the module registers the FFI target pk_<name> (module.cc)
-  bool emu;            // the rank emulator runs it (module.cc EmuLaunch)
+  bool emu;            // the rank emulator runs it (its launch function: launch.h WithLauncher)
   int record_id;       // the id its kernels write into the error record
 };
 

@@ -38,8 +38,8 @@ ffi::Error ReduceScatterCuda(cudaStream_t stream, int32_t device, CommState* sta
                              ffi::AnyBuffer x,
                              ffi::Buffer<ffi::S32> rank, ffi::Result<ffi::AnyBuffer> y,
                              int64_t /*comm_id*/, int64_t run) {
-  return RunCollective("reduce_scatter", LaunchReduceScatter, stream, device, state, x, rank,
-                       *y, run, 0);
+  return RunCollective("reduce_scatter", kOpReduceScatter, LaunchReduceScatter, stream, device,
+                       state, x, rank, *y, run, 0);
 }
 
 }  // namespace

@@ -81,7 +81,7 @@ ffi::Error RingAttnCuda(cudaStream_t stream, int32_t device, CommState* state, f
                         int64_t /*comm_id*/, float scale, int64_t causal, int64_t zigzag,
                         int64_t num_comm_sms) {
   return sp::Run(
-      sp::Call{stream, device, state, rank, scale, causal, num_comm_sms}, kOp,
+      sp::Call{stream, device, state, rank, scale, causal, num_comm_sms}, kOpRingAttn, kOp,
       "pk.ring_attention: expected q and o [B, S/P, H, D], k and v [B, S/P, Hkv, D] of one "
       "2-byte dtype, lse float32.",
       LaunchRingAttn, [&](const CommView&, RingAttnArgs* a) {

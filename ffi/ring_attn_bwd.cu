@@ -109,7 +109,7 @@ ffi::Error RingAttnBwdCuda(cudaStream_t stream, int32_t device, CommState* state
                            ffi::Result<ffi::AnyBuffer> dv, int64_t /*comm_id*/, float scale,
                            int64_t causal, int64_t zigzag, int64_t num_comm_sms) {
   return sp::Run(
-      sp::Call{stream, device, state, rank, scale, causal, num_comm_sms}, kFamily,
+      sp::Call{stream, device, state, rank, scale, causal, num_comm_sms}, kOpRingAttnBwd, kFamily,
       "pk.ring_attention (backward): expected q, dO [B, S/P, H, D], k and v "
       "[B, S/P, Hkv, D] and the gradients like them, of one 2-byte dtype; lse and delta "
       "float32 [B, H, S/P rounded up to 128].",

@@ -148,19 +148,22 @@ struct Call {
 
 // The body of the four handlers: binds the call's communicator (errors name `name`), lets
 // `bind(view, &args)` fill the op's own fields from XLA's buffers and attributes (false when
-// they do not fit: an InvalidArgument of `shapes`), sets the fields every op shares and runs
-// `launch` on XLA's stream.
+// they do not fit: an InvalidArgument of `shapes`), sets the fields every op shares, checks that
+// every field of op `op_id` is filled (ffi_util.h CheckFilled) and runs `launch` on XLA's
+// stream.
 template <class Args, class Bind>
-ffi::Error Run(const Call& call, const char* name, const char* shapes,
+ffi::Error Run(const Call& call, int op_id, const char* name, const char* shapes,
                Status (*launch)(const Where&, const Args&, const CommView&), Bind&& bind) {
   const CommView* view = nullptr;
   if (ffi::Error e = BindComm(name, call.state, call.device, &view); e.failure()) return e;
   Args a{};
+  MarkFields(op_id, &a);
   if (!bind(*view, &a)) return ffi::Error::InvalidArgument(shapes);
   a.rank = call.rank.typed_data();
   a.scale = call.scale;
   a.causal = call.causal != 0;
   a.num_comm_sms = call.num_comm_sms;
+  if (ffi::Error e = CheckFilled(op_id, a); e.failure()) return e;
   return ToError(launch(Where{call.stream, call.device, 0}, a, *view));
 }
 

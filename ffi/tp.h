@@ -117,9 +117,9 @@ inline Status WorkspaceCheck(const char* op, uint64_t need, uint64_t have) {
 
 // The body of the three handlers: binds XLA's buffers into GemmArgs, takes the communicator,
 // SM count and peer-map cache from the executable's state and calls `launch`. x_full is
-// ag_gemm's second result (nullptr for the others).
-inline ffi::Error RunGemm(const char* op, Status (*launch)(const Where&, const GemmArgs&,
-                                                          const CommView&),
+// ag_gemm's second result (nullptr for the others); op_id: the op (the fields it fills).
+inline ffi::Error RunGemm(const char* op, int op_id,
+                          Status (*launch)(const Where&, const GemmArgs&, const CommView&),
                           cudaStream_t stream, int32_t device, CommState* state,
                           const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
                           const ffi::Buffer<ffi::S32>& rank, ffi::AnyBuffer y,
@@ -129,7 +129,8 @@ inline ffi::Error RunGemm(const char* op, Status (*launch)(const Where&, const G
   int num_sms = 0;
   PeerMaps* maps = nullptr;
   if (ffi::Error e = BindComm(op, state, device, &v, &num_sms, &maps); e.failure()) return e;
-  GemmArgs a;
+  GemmArgs a{};
+  MarkFields(op_id, &a);
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y.dimensions();
   const bool same = w.element_type() == x.element_type() &&
                     y.element_type() == x.element_type() &&
@@ -162,6 +163,7 @@ inline ffi::Error RunGemm(const char* op, Status (*launch)(const Where&, const G
   a.config = config;
   a.group_m = group_m;
   a.num_comm_sms = num_comm_sms;
+  if (ffi::Error e = CheckFilled(op_id, a); e.failure()) return e;
   return ToError(launch(Where{stream, device, num_sms, maps}, a, *v));
 }
 

@@ -86,7 +86,8 @@ ffi::Error UlyssesAttnBwdCuda(cudaStream_t stream, int32_t device, CommState* st
   // q, k, v are head shards [B, S, H/P, D], [B, S, Hkv/P, D]; d_o and the gradients sequence
   // shards [B, S/P, H, D], [B, S/P, Hkv, D].
   return sp::Run(
-      sp::Call{stream, device, state, rank, scale, causal, num_comm_sms}, kFamily,
+      sp::Call{stream, device, state, rank, scale, causal, num_comm_sms}, kOpUlyssesAttnBwd,
+      kFamily,
       "pk.ulysses_attention (backward): expected dO [B, S/P, H, D], the head shards q "
       "[B, S, H/P, D], k and v [B, S, Hkv/P, D] of one 2-byte dtype, lse float32 [B, H/P, S "
       "rounded up to 128], delta float32 [B, H, S/P], and dq, dk, dv like dO and the "

@@ -2,10 +2,12 @@
 dtype codes and tile ids: the module's export, the checked-in Python mirror, the header, the
 registered FFI handlers, the Python ops and the emulator must all agree with it."""
 
+import ast
 import itertools
 import pathlib
 import re
 
+import numpy as np
 import pytest
 
 from pk_jax import _ffi, _gen_op_table, _op_table, _op_table_data
@@ -125,7 +127,9 @@ def test_emulator_ops_are_the_tables():
     from pk_jax.testing import ops
 
     emu = {name for name, op in MIRROR_OPS.items() if op["emu"]}
-    launched = set(re.findall(r'\bop == "(\w+)"', (ROOT / "ffi" / "module.cc").read_text()))
+    launch_h = (ROOT / "ffi" / "launch.h").read_text()
+    body = launch_h[launch_h.index("constexpr auto WithLauncher("):]
+    launched = {_snake(name) for name in re.findall(r"case kOp(\w+): return f\(", body)}
     assert launched == emu
     used = set(ops.OPS + ops.MOE + ops.ATTENTION + ops.FUSED_MOE)
     assert used | {"ulysses_attn_bwd", "matmul", "attention", "grouped_matmul"} == emu
@@ -136,3 +140,285 @@ def test_emulator_ops_are_the_tables():
 def test_the_emulator_refuses_ops_outside_the_table(op):
     with pytest.raises(ValueError, match=f"unknown op '{op}'"):
         _ffi._pk_ffi.emu_launch(op, 0, 0, 0, 1, {})
+
+
+# ---------------------------------------------------------------------------------------------
+# Each op's argument list, written once: its field visitor (ffi/launch.h VisitFields), which the
+# emulator's decoder, the FFI handlers' fill check and _pk_ffi.op_fields() all walk. The launch
+# dicts that pk_jax/testing (and the benchmarks) build must pass exactly the fields it names.
+
+
+@pytest.mark.needs_ext
+def test_op_fields_name_every_emulator_ops_arguments():
+    fields = _ffi._pk_ffi.op_fields()
+    assert set(fields) == {name for name, op in MIRROR_OPS.items() if op["emu"]}
+    for name, named in fields.items():
+        assert next(iter(named)) == "dtype", name
+        # The rank operand is a communicator op's, as in the FFI handlers' Bind().
+        assert ("rank" in named) == MIRROR_OPS[name]["comm"], name
+    # The fallbacks the decoder has always used, now written once in the visitor.
+    assert fields["matmul"]["config"] == MIRROR["tiles"]["128x128"]
+    assert fields["matmul"]["group_m"] == fields["grouped_matmul"]["group_m"] == 8
+    for name in ("ring_attn", "ring_attn_bwd", "ulysses_attn", "ulysses_attn_bwd"):
+        assert fields[name]["num_comm_sms"] == 2, name
+    assert fields["ag_gemm"]["num_comm_sms"] is None  # every call gives it
+    assert fields["all_reduce"]["p0"] == fields["moe_dispatch_gemm"]["num_comm_sms"] == 0
+    assert fields["attention"]["backward"] == 0
+
+
+@pytest.mark.needs_ext
+def test_the_emulator_decodes_each_field_by_its_key():
+    """emu_launch's decoder on a CPU: the struct it would launch with, as a dict."""
+    decode = _ffi._pk_ffi.emu_decode
+    call = {"dtype": 1, "x": 4096, "w": 8192, "y": 12288, "m": 256, "k": 64, "n": 128,
+            "y_rows": 256, "y_cols": 128}
+    assert decode("matmul", call) == {**call, "config": 1, "group_m": 8}
+    # Keys an op does not read are ignored: matmul has no rank operand and no x_full.
+    assert decode("matmul", {**call, "rank": 5, "x_full": 7, "config": 0}) == {
+        **call, "config": 0, "group_m": 8}
+    assert decode("ag_gemm", {**call, "x_full": 7, "num_comm_sms": 3})["x_full"] == 7
+    # A missing integer or pointer reads as its fallback (0 without one), as it always did.
+    assert decode("all_reduce", {}) == {"dtype": 0, "x": 0, "y": 0, "rank": 0, "n": 0,
+                                        "n_out": 0, "p0": 0}
+    assert "p1" in decode("all_to_all", {}) and "p1" not in decode("all_gather", {})
+    # A missing float does not: scale has no fallback.
+    with pytest.raises(KeyError):
+        decode("ring_attn", {})
+    fwd = decode("attention", {"scale": 0.5, "causal": 2, "o": 64, "lse": 128, "do": 256})
+    assert (fwd["scale"], fwd["causal"], fwd["backward"], fwd["o"]) == (0.5, True, False, 64)
+    assert "do" not in fwd and "sp" not in fwd
+    bwd = decode("attention", {"scale": 0.5, "backward": 1, "o": 64, "do": 256, "sp": 384})
+    assert (bwd["do"], bwd["sp"], bwd["backward"]) == (256, 384, True) and "o" not in bwd
+    ring = decode("ring_attn_bwd", {"scale": 1.0, "zigzag": 1, "lse": 512})
+    assert (ring["num_comm_sms"], ring["zigzag"], ring["lse"]) == (2, True, 512)
+    # The MoE ops' mode is the op's.
+    assert [decode(op, {})["mode"] for op in ("moe_dispatch", "moe_scatter", "moe_combine",
+                                              "moe_gather")] == [0, 1, 0, 1]
+    assert "ids" not in decode("moe_scatter", {}) and "ids" in decode("moe_dispatch", {})
+    with pytest.raises(ValueError, match="unknown op 'ping'"):
+        decode("ping", {})
+
+
+@pytest.mark.needs_ext
+def test_the_ffi_fill_check_names_the_field_a_handler_left_out():
+    """ffi_util.h MarkFields and CheckFilled, which every handler runs around its fill, on a
+    CPU: a handler that writes every field its op's visitor names passes; one that leaves out a
+    field without a fallback fails naming it (flags cannot be marked and are not checked)."""
+    fields, decode = _ffi._pk_ffi.op_fields(), _ffi._pk_ffi.emu_decode
+    check = lambda op, keys: _ffi._pk_ffi.ffi_fill_check(op, set(keys))  # noqa: E731
+    for op, named in fields.items():
+        for backward in (0, 1) if "backward" in named else (None,):
+            call = {k: 0.5 if k == "scale" else 1 for k in named if k != "backward"}
+            if backward:
+                call["backward"] = 1
+            read = decode(op, call)  # the fields of this call, typed
+            keys = [k for k in read if k in call]
+            assert check(op, keys) is None, op
+            for k in keys:
+                if k == "backward":  # a flag that picks the fields, which the handler sets first
+                    continue
+                message = check(op, [x for x in keys if x != k])
+                if named[k] is not None or isinstance(read[k], bool):
+                    assert message is None, (op, k)
+                else:
+                    assert message == (f"pk_jax: the {op} handler did not fill its argument "
+                                       f"'{k}' (ffi/launch.h VisitFields)"), (op, k, message)
+
+
+def _field_problems(op: str, args: dict, fields: dict, complete: bool = True) -> list[str]:
+    """What is wrong with `args` as a launch dict of `op`: keys the op's decoder does not read,
+    and (when `args` is all the call passes) fields without a fallback it leaves out."""
+    if not complete:
+        return [f"{op}: passes {k!r}, which it does not read"
+                for k in sorted(set(args) - set(fields[op]))]
+    try:
+        read = _ffi._pk_ffi.emu_decode(op, args)
+    except KeyError as e:
+        return [f"{op}: leaves out {e.args[0]!r}"]
+    unknown = sorted(set(args) - set(read))
+    missing = sorted(k for k in read
+                     if k in fields[op] and fields[op][k] is None and k not in args)
+    return ([f"{op}: passes {k!r}, which it does not read" for k in unknown]
+            + [f"{op}: leaves out {k!r}" for k in missing])
+
+
+def _testing_launches(monkeypatch) -> list[tuple[str, dict]]:
+    """(op, fields) of every launch pk_jax.testing's cases, its composed Ulysses backward and
+    World.matmul_tflops make, exactly as World.launch hands them to emu_launch, on a World
+    whose buffers are addresses and whose emu_launch records instead of launching."""
+    from pk_jax.testing import emulator, ops, ulysses_bwd
+
+    addresses = itertools.count(1)
+
+    class Buffer(emulator.DeviceBuffer):
+        def __init__(self, nbytes: int):
+            self.nbytes, self.ptr = int(nbytes), next(addresses) << 12
+
+        def write(self, a) -> None:
+            pass
+
+        def fill(self, byte: int) -> None:
+            pass
+
+        def free(self) -> None:
+            self.ptr = 0
+
+    class Module:  # _pk_ffi's emulator entry points
+        def __init__(self):
+            self.calls = []
+
+        def emu_launch(self, op, comm_id, device, stream, num_sms, fields):
+            self.calls.append((op, dict(fields)))
+
+        def emu_delay(self, stream, ns):
+            pass
+
+    for module in (emulator, ops, ulysses_bwd):
+        monkeypatch.setattr(module, "DeviceBuffer", Buffer)
+    p = 2
+    world = emulator.World.__new__(emulator.World)
+    world.world, world.device, world.comm_base, world.scale = p, 0, 1 << 40, None
+    world.parts = [emulator.Partition(None, 10 + r, 20 + r, 16) for r in range(p)]
+    world.ranks = [Buffer(4) for _ in range(p)]
+    world._ffi = Module()
+    world.synchronize = lambda timeout_s=None: 0.0
+
+    rng = np.random.default_rng(0)
+    rand = lambda *shape: ops.integers(rng, shape)  # noqa: E731
+    xs, ws = [rand(256, 64) for _ in range(p)], [rand(64, 64) for _ in range(p)]
+    ids = rng.integers(0, 4, size=(p, 4, 2))
+    moe = {"num_experts": 4, "capacity": 8}
+    q, k, v, do = ([rand(1, 64, 2, 8) for _ in range(p)] for _ in range(4))
+    bwd = ops.ring_attn_bwd(q, k, v, do, "bfloat16", causal=True)
+    cases = [
+        ops.all_reduce([rand(4, 8) for _ in range(p)], "float32"),
+        ops.all_gather([rand(4, 8) for _ in range(p)], "float32"),
+        ops.reduce_scatter([rand(4, 8) for _ in range(p)], "float32"),
+        ops.all_to_all([rand(4, 8) for _ in range(p)], "float32", 0, 1),
+        ops.gemm_rs(xs, ws, "bfloat16"), ops.gemm_ar(xs, ws, "bfloat16"),
+        ops.ag_gemm(xs, ws, "bfloat16"),
+        ops.moe_dispatch([rand(4, 8) for _ in range(p)], ids, "bfloat16", **moe),
+        ops.moe_scatter([rand(8, 8) for _ in range(p)], ids, "bfloat16", **moe),
+        ops.moe_combine([rand(8, 8) for _ in range(p)], rng.random((p, 4, 2)), ids, "bfloat16",
+                        num_experts=4),
+        ops.moe_combine([rand(8, 8) for _ in range(p)], rng.random((p, 4, 2)), ids, "bfloat16",
+                        num_experts=4, gather=True),
+        ops.moe_dispatch_gemm([rand(4, 8) for _ in range(p)], ids,
+                              [rand(2, 8, 8) for _ in range(p)], "bfloat16", **moe),
+        ops.moe_gemm_combine([rand(8, 8) for _ in range(p)], [rand(2, 8, 8) for _ in range(p)],
+                             rng.random((p, 4, 2)), ids, "bfloat16", **moe),
+        ops.ring_attn(q, k, v, "bfloat16", causal=True, zigzag=True),
+        ops.ulysses_attn(q, k, v, "bfloat16", causal=False), bwd,
+        ulysses_bwd.fused_reference(bwd),
+    ]
+    for case in cases:
+        ops.Call(world, case).launch()
+    ulysses_bwd.UlyssesBackward(world, "bfloat16", *ulysses_bwd.reference_inputs(bwd),
+                                causal=True, scale=bwd.params["scale"]).launch()
+    world.matmul_tflops(m=128, n=128, k=64)
+    return world._ffi.calls
+
+
+@pytest.mark.needs_ext
+def test_pk_jax_testing_passes_exactly_the_fields_each_op_reads(monkeypatch):
+    fields = _ffi._pk_ffi.op_fields()
+    calls = _testing_launches(monkeypatch)
+    problems = sorted({p for op, args in calls for p in _field_problems(op, args, fields)})
+    assert not problems, problems
+    # Every emulator op is launched but grouped_matmul, which only the benchmarks launch (the
+    # next test reads their dicts).
+    assert {op for op, _ in calls} == set(fields) - {"grouped_matmul"}
+
+
+def _written_launch_dicts(paths) -> list[tuple[str, str, dict, bool]]:
+    """(where, op, keys, complete) of every launch dict written out in `paths`: the dict of a
+    World.launch(op, rank, dict) or World.call(op, dicts) call, a literal or one assigned (or
+    appended) to the name it passes, with the literal's keys (values: 1, scale 0.5, backward
+    as written). complete: the literal is all the call passes (no ** and no later update)."""
+    out = []
+    for path in paths:
+        tree = ast.parse(path.read_text())
+        for fn in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
+            bound, updated = {}, set()
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(
+                        node.targets[0], ast.Name):
+                    value = node.value
+                    value = value.elt if isinstance(value, ast.ListComp) else value
+                    if isinstance(value, ast.Dict):
+                        bound.setdefault(node.targets[0].id, []).append(value)
+                elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                      and isinstance(node.func.value, ast.Name)):
+                    name = node.func.value.id
+                    if (node.func.attr == "append" and node.args
+                            and isinstance(node.args[0], ast.Dict)):
+                        bound.setdefault(name, []).append(node.args[0])
+                    elif node.func.attr == "update":
+                        updated.add(name)
+            for node in ast.walk(fn):
+                if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and node.func.attr in ("launch", "call") and node.args
+                        and isinstance(node.args[0], ast.Constant)):
+                    continue
+                op, arg = node.args[0].value, node.args[-1]
+                if isinstance(arg, ast.Dict):
+                    dicts, direct = [arg], True
+                else:
+                    name = arg.value if isinstance(arg, ast.Subscript) else arg
+                    if not isinstance(name, ast.Name) or name.id not in bound:
+                        continue
+                    dicts, direct = bound[name.id], name.id not in updated
+                for d in dicts:
+                    keys, complete = {}, direct
+                    for key, value in zip(d.keys, d.values):
+                        if not isinstance(key, ast.Constant):  # **other, or a computed key
+                            complete = False
+                        elif key.value == "scale":
+                            keys[key.value] = 0.5
+                        elif key.value == "backward" and isinstance(value, ast.Constant):
+                            keys[key.value] = value.value
+                        else:
+                            keys[key.value] = 1
+                    out.append((f"{path.relative_to(ROOT)}:{node.lineno}", op, keys, complete))
+    return out
+
+
+@pytest.mark.needs_ext
+def test_the_benchmarks_launch_dicts_pass_only_fields_their_ops_read():
+    fields = _ffi._pk_ffi.op_fields()
+    paths = sorted([*(ROOT / "bench").glob("*.py"), *(ROOT / "tests" / "gpu").glob("*.py")])
+    found = [w for w in _written_launch_dicts(paths) if w[1] in fields]
+    problems = set()
+    for where, op, keys, complete in found:
+        if MIRROR_OPS[op]["comm"]:  # World.launch passes the rank operand
+            keys = {**keys, "rank": 1}
+        problems |= {f"{where}: {p}" for p in _field_problems(op, keys, fields, complete)}
+    problems = sorted(problems)
+    assert not problems, problems
+    assert "grouped_matmul" in {op for _, op, _, _ in found}
+
+
+# FFI attributes that are no visitor field of their own name: the communicator handlers'
+# comm_id (their instantiate stage's), the collectives' parameters (CollArgs' p0 and p1), and
+# the modes the emulator spells as ops (moe_combine's: moe_gather) or does not run
+# (grouped_matmul's DX and DW).
+FFI_ATTRIBUTE_FIELDS = {"comm_id": None, "algo": "p0", "run": "p0", "split_run": "p0",
+                        "concat_run": "p1", "mode": None}
+
+
+@pytest.mark.needs_ext
+def test_ffi_attributes_are_named_as_the_visitor_names_them():
+    """XLA's typed Bind() keeps its own attribute list (compile time); its names are the
+    visitor's, so a Python lowering, the handler and the emulator's dicts say one name."""
+    fields = _ffi._pk_ffi.op_fields()
+    files: dict[str, set] = {}
+    for name in fields:
+        own = ROOT / "ffi" / f"{name}.cu"
+        path = own if own.exists() else ROOT / "ffi" / f"{MIRROR_OPS[name]['family']}.cu"
+        files.setdefault(path, set()).update(fields[name])
+    for path, named in files.items():
+        attributes = set(re.findall(r'\.Attr<[^>]*>\("(\w+)"\)', path.read_text()))
+        assert attributes, path
+        for attribute in attributes:
+            field = FFI_ATTRIBUTE_FIELDS.get(attribute, attribute)
+            assert field is None or field in named, f"{path.name}: attribute {attribute!r}"

@@ -442,9 +442,10 @@ class World:
                num_sms: int | None = None) -> None:
         """Queues op `op` of `rank` on its stream (after a delay kernel when delay_ns > 0).
 
-        `args` are the launcher's fields (ffi/launch.h) by name, buffers as DeviceBuffers or
-        device addresses; `rank` (the rank operand) is filled in. Raises ValueError when the
-        launcher refuses the call (the same message the FFI handler returns).
+        `args` are the launcher's fields by the names its visitor gives them (ffi/launch.h
+        VisitFields, `_pk_ffi.op_fields()`), buffers as DeviceBuffers or device addresses;
+        `rank` (the rank operand of an op with a communicator) is filled in. Raises ValueError
+        when the launcher refuses the call (the same message the FFI handler returns).
         """
         part = self.parts[rank]
         if delay_ns > 0:
@@ -454,7 +455,9 @@ class World:
                   for k, v in args.items()}
         if self.scale and "num_comm_sms" in fields:  # the node's count, scaled to the partition
             fields["num_comm_sms"] = self.comm_sms(fields["num_comm_sms"])
-        fields["rank"] = self.ranks[rank].ptr
+        entry = _op_table.OPS.get(op)
+        if entry is None or entry["comm"]:  # matmul, attention, grouped_matmul take no rank
+            fields["rank"] = self.ranks[rank].ptr
         try:
             self._ffi.emu_launch(op, self.comm_base + rank, self.device, part.stream,
                                  int(num_sms if num_sms is not None else part.sms), fields)

@@ -286,7 +286,7 @@ def moe_combine(ys: list[np.ndarray], weights: np.ndarray, ids: np.ndarray, dtyp
     return Case("moe_gather" if gather else "moe_combine", dtype,
                 [{"y": ys[r], "weights": weights[r].astype(np.float32), "dest": dest[r],
                   "pos": pos[r]} for r in range(p)],
-                [{"out": o} for o in outs], _moe_params(t, k, h, num_experts, capacity))
+                [{"out": o} for o in outs], {"t": t, "k": k, "h": h, "capacity": capacity})
 
 
 # ---------------------------------------------------------------------------------------------

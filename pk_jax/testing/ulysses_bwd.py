@@ -121,9 +121,9 @@ class UlyssesBackward:
                              else self.padded[r])
             self.args.append({
                 "dtype": DTYPES[dtype], "q": self.ins[0].buffers[r]["y"],
-                "k": self.ins[2].buffers[r]["y"], "v": self.ins[3].buffers[r]["y"], "o": 0,
-                "lse": 0, "b": b, "s": s, "h": h // p, "hkv": hkv // p, "d": d,
-                "scale": float(scale), "causal": int(causal), "backward": 1,
+                "k": self.ins[2].buffers[r]["y"], "v": self.ins[3].buffers[r]["y"], "b": b,
+                "s": s, "h": h // p, "hkv": hkv // p, "d": d, "scale": float(scale),
+                "causal": int(causal), "backward": 1,
                 "do": self.ins[1].buffers[r]["y"], "lse_in": lse_in, "delta": delta,
                 "dq": self.outs[0].buffers[r]["x"], "dk": self.outs[1].buffers[r]["x"],
                 "dv": self.outs[2].buffers[r]["x"], "dq_acc": self.dq_acc[r], "sp": self.sp})
