@@ -379,7 +379,7 @@ def test_fused_path_traces_to_the_kernels_with_their_attributes(monkeypatch, cau
     pk_ring_attn_bwd (NUM_COMM_SMS), each with the mask, the layout and the scale."""
     from pk_jax.ops import ring_attn
 
-    monkeypatch.setattr(ring_attn, "forward_path", lambda *a: "fused")
+    monkeypatch.setattr(ring_attn, "forward_path", lambda *a, **kw: "fused")
     monkeypatch.setattr(ring_attn._tp, "check_workspace", lambda *a: None)
     shapes = [(1, 8, 4, 64), (1, 8, 2, 64), (1, 8, 2, 64)]
     jaxpr, _ = traced_p1(monkeypatch, pk.ring_attention, cpu_mesh((2,), ("sp",)), shapes,
