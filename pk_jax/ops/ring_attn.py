@@ -343,10 +343,6 @@ def _held(blocks, masks):
     return kb, vb, masks._replace(k_seg=k_seg[0] if k_seg else None)
 
 
-def _residual_axes(*xs) -> frozenset:
-    return frozenset().union(*(_ffi.vma(x) for x in xs if isinstance(x, jax.Array)))
-
-
 def _ring_fwd(q, k, v, masks, axis_name, causal, scale, p, window, softcap):
     rank = lax.axis_index(axis_name)
     s_loc = q.shape[1]
@@ -382,7 +378,7 @@ def _ring_bwd(axis_name, causal, scale, p, window, softcap, res, do):
     q_pos0 = rank * s_loc
     do = do.astype(jnp.float32)
     delta = jnp.sum(do * out.astype(jnp.float32), axis=-1)
-    axes = _residual_axes(q, k, v, do, lse, q_pos0, *masks)
+    axes = _attention._axes(q, k, v, do, lse, q_pos0, *masks)
     zeros = lambda x: _vjp.vary(jnp.zeros(x.shape, jnp.float32), axes)
 
     def visit(t, dq, blocks, travelling):
@@ -470,7 +466,7 @@ def _zigzag_bwd(axis_name, scale, p, causal, window, softcap, res, do):
     opts = {"causal": causal, "window": window}
     do = do.astype(jnp.float32)
     delta = jnp.sum(do * out.astype(jnp.float32), axis=-1)
-    axes = _residual_axes(q, k, v, do, lse, rank, *masks)
+    axes = _attention._axes(q, k, v, do, lse, rank, *masks)
     zeros = lambda x: _vjp.vary(jnp.zeros(x.shape, jnp.float32), axes)
     qs, dos, lses, deltas = (_halves(x) for x in (q, do, lse, delta))
     q_pos = _chunk_starts(rank, p, c)
