@@ -12,7 +12,7 @@ from pk_jax.ops.ag_gemm import all_gather_gemm
 from pk_jax.ops.all_gather import all_gather
 from pk_jax.ops.all_reduce import all_reduce
 from pk_jax.ops.all_to_all import all_to_all
-from pk_jax.ops.attention import attention
+from pk_jax.ops.attention import SegmentIds, attention
 from pk_jax.ops.gemm_ar import gemm_all_reduce
 from pk_jax.ops.gemm_rs import gemm_reduce_scatter
 from pk_jax.ops.grouped_matmul import grouped_matmul
@@ -47,6 +47,7 @@ zigzag_indices = _profile.named(zigzag_indices)
 
 __all__ = [
     "HAS_CUDA",
+    "SegmentIds",
     "__version__",
     "all_gather",
     "all_gather_gemm",

@@ -1,6 +1,9 @@
 """pk.attention (one device) against jax.nn.dot_product_attention on CPU: causal and not, GQA
-and MQA, odd lengths, bf16 and fp32, gradients, and the trace-time errors; on an H200 (marker
-gpu) the CUDA kernels' forward and gradients against a float32 reference."""
+and MQA, odd lengths, bf16 and fp32, gradients, and the trace-time errors; the masks (segment
+ids, local_window_size, logits_soft_cap, query/key_value_seq_lengths), alone and combined,
+forward and gradients, against a float64 numpy reference (tests/masks.py) and XLA's attention,
+their skipped tiles and errors, and that a masked call never reaches the kernels; on an H200
+(marker gpu) the CUDA kernels' forward and gradients against a float32 reference."""
 
 from __future__ import annotations
 
@@ -8,9 +11,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from masks import (
+    CASES,
+    MASKS,
+    attention_targets,
+    check_close,
+    custom_calls,
+    dense_for,
+    dense_masked,
+    mask_args,
+    mask_kw,
+    packed_ids,
+    randn,
+)
 from util import poison
 
 import pk_jax as pk
+from pk_jax.ops import _attention
 
 
 def _qkv(b, s, h, hkv, d, dtype, seed=0):
@@ -117,6 +134,190 @@ def test_kernel_path_calls_pk_attention_forward_and_backward(monkeypatch):
                  _qkv(1, 40, 2, 2, 32, jnp.bfloat16)):
         jaxpr = jax.make_jaxpr(lambda a, b, c: pk.attention(a, b, c))(*args)
         assert "pk_attention" not in str(jaxpr)
+
+
+# ---------------------------------------------------------------------------------------------
+# Masks (segment ids, local_window_size, logits_soft_cap, query/key_value_seq_lengths), alone and
+# combined, against masks.dense_masked (float64 numpy), jax.nn.dot_product_attention where it
+# takes them, the skipped tiles, the errors, and the reference with the kernels available.
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_attention_masks_match_dense(monkeypatch, name):
+    """S = 37 in tiles of 8 queries by 16 keys (padded, and skipped where hidden), GQA 4:2,
+    B = 2 (3 for lengths), float32: output and gradients of sum(out * w)."""
+    monkeypatch.setattr(_attention, "QUERY_BLOCK", 8)
+    monkeypatch.setattr(_attention, "KEY_BLOCK", 16)
+    b, s = (3 if name in ("lengths", "kv_len+causal") else 2), 37
+    q, k, v, w = randn((b, s, 4, 8), 0), randn((b, s, 2, 8), 1), randn((b, s, 2, 8), 2), \
+        randn((b, s, 4, 8), 3)
+    kw = mask_args(CASES[name], b, s, seed=7)
+
+    def f(q, k, v, w):
+        loss = lambda *x: jnp.sum(pk.attention(*x, **kw) * w)
+        return pk.attention(q, k, v, **kw), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    check_close(jax.jit(f)(q, k, v, w), dense_for(q, k, v, w, kw))
+
+
+def test_attention_one_tile_bf16_and_scale():
+    """The default tiles (one tile here), bf16 operands, a scale: within bf16's tolerance."""
+    b, s = 2, 45
+    q, k, v = (randn((b, s, 2, 16), i).astype(jnp.bfloat16) for i in range(3))
+    kw = dict(mask_args(CASES["all"], b, s, seed=3), scale=0.3)
+    got = pk.attention(q, k, v, **kw)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float64),
+                               dense_for(*(np.asarray(x, np.float32) for x in (q, k, v)), None, kw),
+                               atol=3e-2, rtol=3e-2)
+
+
+def test_separate_segment_ids_and_rows_that_see_no_key():
+    """pk.SegmentIds(q, kv): query rows whose id no key has (and a batch row with
+    key_value_seq_lengths 0) give 0 with zero gradients, not NaN; jax.nn.dot_product_attention
+    ("xla") gives the mean of v there, and agrees everywhere else."""
+    b, s = 2, 21
+    q, k, v, w = (randn((b, s, 2, 8), i) for i in range(4))
+    q_ids = packed_ids(b, s, 1, mean=4)
+    kv_ids = np.where(q_ids == 2, 1, q_ids)  # no key has id 2
+    kw = {"segment_ids": pk.SegmentIds(q=jnp.asarray(q_ids), kv=jnp.asarray(kv_ids)),
+          "causal": True}
+    loss = lambda *x: jnp.sum(pk.attention(*x, **kw) * w)
+    out = pk.attention(q, k, v, **kw)
+    grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    want = dense_masked(q, k, v, causal=True, segment_ids=(q_ids, kv_ids), w=w)
+    check_close((out, grads), want)
+    hidden = q_ids == 2
+    assert hidden.any()
+    np.testing.assert_array_equal(np.asarray(out)[hidden], 0)
+    np.testing.assert_array_equal(np.asarray(grads[0])[hidden], 0)
+    mask = jnp.asarray(q_ids[:, None, :, None] == kv_ids[:, None, None, :])
+    xla = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation="xla")
+    np.testing.assert_allclose(np.asarray(out)[~hidden], np.asarray(xla)[~hidden], atol=2e-5)
+    assert not np.allclose(np.asarray(xla)[hidden], 0)
+    kv_len = jnp.array([s, 0], jnp.int32)
+    out = pk.attention(q, k, v, key_value_seq_lengths=kv_len)
+    np.testing.assert_array_equal(np.asarray(out[1]), 0)
+    g = jax.grad(lambda *x: jnp.sum(pk.attention(*x, key_value_seq_lengths=kv_len) * w),
+                 argnums=(0, 1, 2))(q, k, v)
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in g)
+
+
+@pytest.mark.parametrize("name", ["window", "window+causal", "lengths", "segments+causal"])
+def test_attention_matches_xla_dot_product_attention(name):
+    """The masks jax.nn.dot_product_attention takes (segments as its boolean mask), where every
+    valid query row sees a key: output and gradients equal (GQA 4:2, S = 30)."""
+    b, s = 2, 30
+    q, k, v, w = randn((b, s, 4, 8), 4), randn((b, s, 2, 8), 5), randn((b, s, 2, 8), 6), \
+        randn((b, s, 4, 8), 7)
+    kw = mask_args(CASES[name], b, s, seed=2)
+    if name == "lengths":
+        kw["query_seq_lengths"], kw["key_value_seq_lengths"] = (
+            np.array([25, 11], np.int32), np.array([17, 30], np.int32))
+    xkw = {"is_causal": kw.get("causal", False), "implementation": "xla"}
+    for ours, theirs in (("local_window_size", "local_window_size"),
+                         ("query_seq_lengths", "query_seq_lengths"),
+                         ("key_value_seq_lengths", "key_value_seq_lengths")):
+        if ours in kw:
+            xkw[theirs] = kw[ours]
+    if "segment_ids" in kw:
+        ids = kw["segment_ids"]
+        xkw["mask"] = jnp.asarray(ids[:, None, :, None] == ids[:, None, None, :])
+
+    def both(fn):
+        loss = lambda *x: jnp.sum(fn(*x) * w)
+        return jax.jit(lambda *x: (fn(*x), jax.grad(loss, argnums=(0, 1, 2))(*x)))(q, k, v)
+
+    got = both(lambda *x: pk.attention(*x, **kw))
+    want = both(lambda *x: jax.nn.dot_product_attention(*x, **xkw))
+    for a, b_ in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b_), atol=5e-5, rtol=5e-5)
+
+
+def _tiles_computed(monkeypatch, fn, *args) -> int:
+    """How many (query tile, key tile) updates the forward of `fn` computes (the rest were
+    skipped), counted at run time."""
+    count = []
+    inner = _attention.update
+
+    def counted(*a, **kw):
+        jax.debug.callback(lambda: count.append(1))
+        return inner(*a, **kw)
+
+    monkeypatch.setattr(_attention, "update", counted)
+    jax.block_until_ready(jax.jit(fn)(*args))
+    jax.effects_barrier()
+    return len(count)
+
+
+def test_hidden_tiles_are_skipped(monkeypatch):
+    """S = 256 in 8 x 8 tiles of 32: a causal window of 16 keys computes at most 3 key tiles per
+    query tile (O(S W)), causal alone 36 of 64, and documents of 32 aligned to the tiles one
+    tile each; padding by key_value_seq_lengths = 100 (both rows) 4 key tiles of 8."""
+    monkeypatch.setattr(_attention, "QUERY_BLOCK", 32)
+    monkeypatch.setattr(_attention, "KEY_BLOCK", 32)
+    s = 256
+    q, k, v = (randn((2, s, 1, 8), i) for i in range(3))
+    run = lambda **kw: _tiles_computed(monkeypatch, lambda *x: pk.attention(*x, **kw), q, k, v)
+    assert run() == 64
+    assert run(causal=True) == 36
+    assert run(causal=True, local_window_size=(15, 0)) == 8 + 7
+    assert run(local_window_size=(15, 15)) == 8 + 2 * 7
+    ids = np.repeat(np.arange(8), 32)[None].repeat(2, 0)
+    assert run(segment_ids=ids) == 8
+    assert run(key_value_seq_lengths=np.array([100, 100], np.int32)) == 8 * 4
+
+
+
+MASK_ERRORS = [  # (keyword arguments, error, message)
+    ({"segment_ids": np.zeros((2, 9), np.int32)}, ValueError,
+     r"segment_ids must have shape \[batch, seq\] = \(2, 8\), got \(2, 9\)"),
+    ({"segment_ids": np.zeros((2, 8), np.float32)}, TypeError,
+     "segment_ids must be an integer array .*float32"),
+    ({"segment_ids": (np.zeros((2, 8), np.int32),) * 3}, TypeError, "a tuple of 3"),
+    ({"segment_ids": pk.SegmentIds(np.zeros((2, 8), np.int32), np.zeros((2, 7), np.int32))},
+     ValueError, r"segment_ids.kv must have shape"),
+    ({"segment_ids": "doc"}, TypeError, "segment_ids must be an integer array"),
+    ({"local_window_size": -1}, ValueError, r"local_window_size=\(-1, -1\) has a negative"),
+    ({"local_window_size": (3, -2)}, ValueError, "negative"),
+    ({"local_window_size": (3,)}, TypeError, "local_window_size must be an int or a"),
+    ({"local_window_size": 2.5}, TypeError, "local_window_size must be an int"),
+    ({"local_window_size": (True, 1)}, TypeError, "local_window_size must be an int"),
+    ({"logits_soft_cap": 0.0}, ValueError, "logits_soft_cap must be a finite positive"),
+    ({"logits_soft_cap": -3}, ValueError, "logits_soft_cap must be a finite positive"),
+    ({"logits_soft_cap": float("inf")}, ValueError, "finite positive"),
+    ({"logits_soft_cap": jnp.float32(5)}, TypeError, "logits_soft_cap must be a positive Python"),
+    ({"query_seq_lengths": np.array([3], np.int32)}, ValueError,
+     r"query_seq_lengths must have shape \[batch\] = \(2,\), got \(1,\)"),
+    ({"key_value_seq_lengths": np.array([3.0, 2.0])}, TypeError,
+     "key_value_seq_lengths must be an integer array"),
+    ({"key_value_seq_lengths": 4}, TypeError, "key_value_seq_lengths must be an integer array"),
+]
+
+
+@pytest.mark.parametrize("kw,err,msg", MASK_ERRORS)
+def test_mask_errors_name_the_argument(kw, err, msg):
+    q = jnp.zeros((2, 8, 2, 4))
+    with pytest.raises(err, match="pk.attention: .*" + msg):
+        pk.attention(q, q, q, **kw)
+
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=lambda m: next(iter(m)))
+def test_masked_attention_takes_the_reference_with_kernels_available(monkeypatch, mask):
+    """bf16, head dim 64: the kernels' operands. Unmasked, the gradient traces to the two
+    pk_attention calls; with any one mask, to none, and the lowering has no pk custom call."""
+    from pk_jax import _backend
+    from pk_jax.ops import attention as att
+
+    monkeypatch.setattr(_backend, "use_kernel", lambda stem, axis_name=None: True)
+    q = jnp.zeros((2, 40, 4, 64), jnp.bfloat16)
+    grad = lambda **kw: jax.grad(lambda q: jnp.sum(pk.attention(q, q, q, causal=True, **kw)
+                                                   .astype(jnp.float32)))
+    assert attention_targets(jax.make_jaxpr(grad())(q)) == ["pk_attention"] * 2
+    kw = mask_kw(mask, 2, 40)
+    assert att.forward_path(q, q, q, masked=True) == "reference"
+    assert attention_targets(jax.make_jaxpr(grad(**kw))(q)) == []
+    assert not custom_calls(jax.jit(grad(**kw)).lower(q).as_text())
 
 
 # GPU tests

@@ -1,5 +1,7 @@
 """examples/03_transformer.py, a few steps on 8 CPU host devices: the loss falls with either
-sequence-parallel attention, and a checkpoint restores into a fresh model and resumes."""
+sequence-parallel attention, and a checkpoint restores into a fresh model and resumes;
+examples/05_packed_documents.py: training on packed documents with segment ids lowers the loss,
+and the packed forward equals per-document forward calls."""
 
 import importlib.util
 import pathlib
@@ -55,7 +57,23 @@ def test_stdlib_text_and_batches():
     assert (inputs[1:] == targets[:-1]).all()
 
 
-EXAMPLES = ("01_tp_mlp_flax.py", "02_tp_mlp_equinox.py", "03_transformer.py", "04_moe_flax.py")
+def test_packed_documents_train_and_match_per_document_calls(capsys):
+    """The ring with segment ids on sp=4 x tp=2: 20 steps lower the loss by over 1, and
+    the packed forward equals the documents' separate forward calls (bf16 layers), while
+    without segment ids it does not."""
+    import pk_jax as pk
+
+    pk.shutdown()
+    result = _example("05_packed_documents.py").main(["--steps", "20"])
+    out = capsys.readouterr().out
+    assert "sp=4 x tp=2; ring attention (contiguous) with segment ids" in out, out
+    assert result["losses"][-1] < result["losses"][0] - 1.0, result["losses"]
+    assert result["doc_err"] <= 0.02 * result["scale"] + 1e-2, result
+    assert result["unmasked_err"] > 10 * max(result["doc_err"], 1e-2), result
+
+
+EXAMPLES = ("01_tp_mlp_flax.py", "02_tp_mlp_equinox.py", "03_transformer.py", "04_moe_flax.py",
+            "05_packed_documents.py")
 
 
 @pytest.mark.parametrize("name", EXAMPLES)

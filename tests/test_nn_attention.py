@@ -1,6 +1,7 @@
 """pk_jax.nn ParallelAttention (Flax nnx and Equinox) on a 2 x 4 ("tp", "sp") CPU mesh: ring
 (contiguous and zigzag) and Ulysses attention with tensor-parallel projections, grouped-query
-heads, against the block on one device with the full weights."""
+heads, against the block on one device with the full weights; with masks (packed documents'
+segment ids, a sliding window, a soft cap, key padding by lengths) too."""
 
 from __future__ import annotations
 
@@ -107,3 +108,70 @@ def test_heads_that_do_not_split_fail_at_the_first_call():
                               in_specs=(pkf.partition_specs(state), SEQ), out_specs=SEQ))
     with pytest.raises(ValueError, match=r"num_heads=6 .*'tp' of size 4"):
         f(state, jnp.zeros((B, S, 96)))
+
+
+def _packed_ids(seed: int = 0) -> np.ndarray:
+    """int32 [B, S]: documents of 1..11 positions packed back to back (crossing the shards)."""
+    rng = np.random.default_rng(seed)
+    ids = np.zeros((B, S), np.int32)
+    for r in range(B):
+        pos, doc = 0, 0
+        while pos < S:
+            n = int(rng.integers(1, 12))
+            ids[r, pos:pos + n], pos, doc = doc, pos + n, doc + 1
+    return ids
+
+
+@pytest.mark.parametrize("kind,layout", [("ring", "zigzag"), ("ulysses", "contiguous")])
+def test_flax_block_with_masks_matches_one_device(kind, layout):
+    """Packed documents (segment ids, laid out like x), a causal sliding window and a soft cap
+    (the block's), key padding by lengths (the call's): the block equals the one-device block
+    with the same masks, and its gradients are finite."""
+    mesh = _mesh()
+    model = pkf.ParallelAttention(F, H, num_kv_heads=HKV, axis_name="tp", seq_axis="sp",
+                                  attention=kind, layout=layout, local_window_size=(9, 0),
+                                  logits_soft_cap=5.0, rngs=nnx.Rngs(3))
+    graph, state = nnx.split(model)
+    specs = pkf.partition_specs(state)
+    f = jax.shard_map(lambda st, x, ids, n: nnx.merge(graph, st)(
+        x, segment_ids=ids, key_value_seq_lengths=n), mesh=mesh,
+        in_specs=(specs, SEQ, P(None, "sp"), P()), out_specs=SEQ)
+    x, idx = _x(layout)
+    ids = _packed_ids()
+    lengths = jnp.array([S, S - 5], jnp.int32)
+    y = np.asarray(jax.jit(f)(state, x[:, idx], ids[:, idx], lengths), np.float32)
+    want = _attn.reference_block(x, model.q.kernel[...], model.k.kernel[...],
+                                 model.v.kernel[...], model.o.kernel[...], num_heads=H,
+                                 num_kv_heads=HKV, causal=True, segment_ids=jnp.asarray(ids),
+                                 local_window_size=(9, 0), logits_soft_cap=5.0,
+                                 key_value_seq_lengths=lengths)
+    np.testing.assert_allclose(y[:, np.argsort(idx)], np.asarray(want), atol=4e-2, rtol=4e-2)
+    loss = lambda st: jnp.sum(f(st, x[:, idx], ids[:, idx], lengths).astype(jnp.float32) ** 2)
+    grads = jax.jit(jax.grad(loss))(state)
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+
+
+def test_equinox_block_with_segments_matches_one_device():
+    mesh = _mesh()
+    model = pkq.ParallelAttention(F, H, key=jax.random.key(4), num_kv_heads=HKV,
+                                  axis_name="tp", seq_axis="sp", attention="ring")
+    params, static = eqx.partition(model, eqx.is_array)
+    specs = pkq.partition_specs(params)
+    f = jax.shard_map(lambda prm, x, ids: eqx.combine(prm, static)(x, segment_ids=ids),
+                      mesh=mesh, in_specs=(specs, SEQ, P(None, "sp")), out_specs=SEQ)
+    x, _ = _x("contiguous")
+    ids = _packed_ids(1)
+    y = np.asarray(jax.jit(f)(params, x, ids), np.float32)
+    want = _attn.reference_block(x, model.q.weight, model.k.weight, model.v.weight,
+                                 model.o.weight, num_heads=H, num_kv_heads=HKV, causal=True,
+                                 segment_ids=jnp.asarray(ids))
+    np.testing.assert_allclose(y, np.asarray(want), atol=4e-2, rtol=4e-2)
+
+
+def test_bad_static_masks_fail_when_the_block_is_built():
+    with pytest.raises(ValueError, match=r"nn.flax.ParallelAttention: local_window_size=\(-1, 0\)"):
+        pkf.ParallelAttention(F, H, local_window_size=(-1, 0), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="nn.equinox.ParallelAttention: logits_soft_cap"):
+        pkq.ParallelAttention(F, H, key=jax.random.key(0), logits_soft_cap=0.0)
+    block = pkq.ParallelAttention(F, H, key=jax.random.key(0), local_window_size=16)
+    assert block.local_window_size == (16, 16)

@@ -1,8 +1,10 @@
 """pk.ring_attention on host devices against dense softmax attention over the whole sequence:
 P in {1,2,3,4,8}, causal or not, every dtype, odd local lengths, B > 1, a 2-D mesh, blocks of
-keys smaller than the local length, gradients, and the error messages; at P = 1 with the
-kernels forced, the choice of the pk.attention kernels and (with jax.lax stand-ins for them)
-its wiring; on an H200 (marker gpu) P = 1 against pk.attention and a float32 reference."""
+keys smaller than the local length, gradients, and the error messages; the masks at P = 2, 4, 8
+in both layouts (segments crossing chunks) against a float64 numpy reference (tests/masks.py),
+and that a masked call takes no attention kernel; at P = 1 with the kernels forced, the choice
+of the pk.attention kernels and (with jax.lax stand-ins for them) its wiring; on an H200 (marker
+gpu) P = 1 against pk.attention and a float32 reference."""
 
 import functools
 import re
@@ -13,6 +15,19 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.test_util import check_grads
+from masks import (
+    CASES,
+    check_close,
+    check_masked_sp_routing,
+    check_sharded_mask_errors,
+    crosses_chunks,
+    dense_for,
+    dense_masked,
+    mask_args,
+    packed_ids,
+    randn,
+    sharded_run,
+)
 from util import (
     FLOAT_DTYPES,
     WORLD_SIZES,
@@ -379,7 +394,7 @@ def test_fused_path_traces_to_the_kernels_with_their_attributes(monkeypatch, cau
     pk_ring_attn_bwd (NUM_COMM_SMS), each with the mask, the layout and the scale."""
     from pk_jax.ops import ring_attn
 
-    monkeypatch.setattr(ring_attn, "forward_path", lambda *a: "fused")
+    monkeypatch.setattr(ring_attn, "forward_path", lambda *a, **kw: "fused")
     monkeypatch.setattr(ring_attn._tp, "check_workspace", lambda *a: None)
     shapes = [(1, 8, 4, 64), (1, 8, 2, 64), (1, 8, 2, 64)]
     jaxpr, _ = traced_p1(monkeypatch, pk.ring_attention, cpu_mesh((2,), ("sp",)), shapes,
@@ -393,6 +408,94 @@ def test_fused_path_traces_to_the_kernels_with_their_attributes(monkeypatch, cau
                and np.isclose(a["scale"], 0.3) for a in attrs), attrs
     assert [x.aval.shape for x in calls[0].invars[:3]] == [(1, 4, 4, 64), (1, 4, 2, 64),
                                                            (1, 4, 2, 64)]
+
+
+# --- masks: segment ids, local_window_size, logits_soft_cap, query/key_value_seq_lengths ------
+# against masks.dense_masked (float64 numpy) over the whole sequence, P = 2, 4, 8, both layouts.
+
+RING = [  # (P, layout, case, S/P)
+    (2, "contiguous", "segments+causal", 7),
+    (2, "zigzag", "window+causal", 6),
+    (4, "contiguous", "all", 5),
+    (4, "zigzag", "segments+causal", 6),
+    (4, "zigzag", "window", 4),
+    (4, "contiguous", "softcap+segments+causal", 3),
+    (8, "zigzag", "all", 4),
+    (8, "contiguous", "kv_len+causal", 5),
+]
+
+
+@pytest.mark.parametrize("p,layout,name,sl", RING)
+def test_ring_masks_match_dense(monkeypatch, p, layout, name, sl):
+    """Output and gradients over the whole sequence against `dense_masked`, in tiles of 3 queries
+    by 2 keys (several per chunk, padded); segments cross the chunk boundaries; GQA 4:2; the
+    lengths are global (replicated)."""
+    monkeypatch.setattr(_attention, "QUERY_BLOCK", 3)
+    monkeypatch.setattr(_attention, "KEY_BLOCK", 2)
+    b, s = 2, sl * p
+    q, k, v, w = randn((b, s, 4, 8), p), randn((b, s, 2, 8), p + 1), \
+        randn((b, s, 2, 8), p + 2), randn((b, s, 4, 8), p + 3)
+    case = dict(CASES[name])
+    # Global lengths that end inside some rank's block; no key at all in one row.
+    if "q_len" in case:
+        case["q_len"] = (s - 3, s // 2 + 1)
+    if "kv_len" in case:
+        case["kv_len"] = (s // 2 + 1, 0 if name == "kv_len+causal" else s - 2)
+    kw = mask_args(case, b, s, seed=p)
+    if "segment_ids" in kw:
+        chunk = sl // 2 if layout == "zigzag" else sl
+        assert crosses_chunks(kw["segment_ids"], chunk)
+    got = sharded_run(pk.ring_attention, p, q, k, v, w, kw, layout=layout)
+    check_close(got, dense_for(q, k, v, w, kw), atol=3e-5)
+
+
+def test_ring_separate_segment_ids_and_hidden_rows():
+    """pk.SegmentIds in the zigzag ring at P = 4 with rows whose id no key has: those give 0."""
+    p, b, s = 4, 1, 24
+    q, k, v, w = (randn((b, s, 2, 8), 10 + i) for i in range(4))
+    q_ids = packed_ids(b, s, 3, mean=3)
+    kv_ids = np.where(q_ids == 1, 0, q_ids)
+    kw = {"segment_ids": (q_ids, kv_ids), "causal": True}
+    got = sharded_run(pk.ring_attention, p, q, k, v, w, kw, layout="zigzag")
+    check_close(got, dense_for(q, k, v, w, kw), atol=3e-5)
+    assert np.all(got[0][q_ids == 1] == 0)
+
+
+@pytest.mark.parametrize("check_vma", (True, False))
+def test_ring_masks_on_a_2d_mesh(check_vma):
+    """A (dp 2, sp 4) mesh with explicit axes: batch rows, their segment ids and their key
+    lengths sharded over dp (the lengths vary along dp, not along the ring's axis), the zigzag
+    ring with a causal window; check_vma on and off."""
+    mesh = cpu_mesh((2, 4), ("dp", "sp"))
+    pk.init(mesh)
+    b, s = 4, 24
+    q, k, v, w = (randn((b, s, 2, 8), 30 + i) for i in range(4))
+    ids, kv_len = packed_ids(b, s, 5), np.array([24, 10, 0, 17], np.int32)
+    idx, spec = pk.zigzag_indices(s, 4), P("dp", "sp")
+    f = jax.shard_map(lambda q, k, v, ids, n: pk.ring_attention(
+        q, k, v, "sp", causal=True, layout="zigzag", segment_ids=ids, local_window_size=5,
+        key_value_seq_lengths=n), mesh=mesh, in_specs=(spec,) * 4 + (P("dp"),),
+        out_specs=spec, check_vma=check_vma)
+    args = [jax.device_put(x[:, idx], NamedSharding(mesh, spec)) for x in (q, k, v, ids)]
+    args.append(jax.device_put(kv_len, NamedSharding(mesh, P("dp"))))
+    loss = lambda *a: jnp.sum(f(*a) * w[:, idx])
+    got = jax.jit(lambda *a: (f(*a), jax.grad(loss, argnums=(0, 1, 2))(*a)))(*args)
+    back = np.argsort(idx)
+    got = (np.asarray(got[0])[:, back], [np.asarray(g)[:, back] for g in got[1]])
+    check_close(got, dense_masked(q, k, v, causal=True, segment_ids=ids, window=5, kv_len=kv_len,
+                             w=w), atol=3e-5)
+
+
+
+def test_ring_mask_errors():
+    check_sharded_mask_errors(pk.ring_attention)
+
+
+@pytest.mark.parametrize("p", (1, 2))
+def test_masked_ring_takes_the_reference_with_kernels_available(monkeypatch, p):
+    """At P = 1 (where the pk.attention kernels run) and P = 2 (the fused ring), with the
+    kernels forced: unmasked calls trace to attention kernels, masked ones to none."""
+    check_masked_sp_routing(monkeypatch, "ring", p)
 
 
 # --- P = 1 (a 1-device axis): the pk.attention kernels (forward_path "local") ----------------

@@ -1,6 +1,8 @@
 """pk.ulysses_attention on host devices against dense softmax attention over the whole
 sequence: P in {1,2,3,4,8} with H divisible by P, causal or not, every dtype, odd local lengths,
-B > 1, a 2-D mesh, key blocks shorter than the sequence, gradients, and the error messages; and,
+B > 1, a 2-D mesh, key blocks shorter than the sequence, gradients, and the error messages; the
+masks at P = 2, 4 against a float64 numpy reference (tests/masks.py), and that a masked call
+takes no attention kernel; and,
 with jax.lax stand-ins for the FFI calls, the GPU paths' wiring: the default composed kernels
 (pk.all_to_all, the pk.attention forward and backward kernels on the head group), the fused
 forward behind PK_JAX_ULYSSES_FUSED=1, the fused backward behind PK_JAX_ULYSSES_FUSED=bwd and, at
@@ -13,6 +15,17 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.test_util import check_grads
+from masks import (
+    CASES,
+    check_close,
+    check_masked_sp_routing,
+    check_sharded_mask_errors,
+    crosses_chunks,
+    dense_for,
+    mask_args,
+    randn,
+    sharded_run,
+)
 from test_ring_attn import (  # the shared references
     GPU_P1,
     GPU_P1_GRAD,
@@ -768,6 +781,46 @@ def test_forward_path_is_decided_once(monkeypatch):
     pk.shutdown()
     monkeypatch.setenv(ulysses_attn.FUSED_ENV, "bwd")  # the composed forward; fused backward
     assert path(2) == "composed" and path(1) == "local" and path(2, jnp.float32) == "reference"
+
+
+# ---------------------------------------------------------------------------------------------
+# Masks (segment ids, local_window_size, logits_soft_cap, query/key_value_seq_lengths) after the
+# all-to-all, against masks.dense_masked (float64 numpy), P = 2, 4.
+
+ULYSSES = [(2, "segments+causal", 7), (2, "all", 5), (4, "window+causal", 3),
+           (4, "softcap+segments+causal", 5), (4, "lengths", 4)]
+
+
+@pytest.mark.parametrize("p,name,sl", ULYSSES)
+def test_ulysses_masks_match_dense(monkeypatch, p, name, sl):
+    """As test_ring_attn's mask test: the masks apply after the all-to-all, over the whole
+    sequence of the head group (H = 2P query heads, P K/V heads)."""
+    monkeypatch.setattr(_attention, "QUERY_BLOCK", 4)
+    monkeypatch.setattr(_attention, "KEY_BLOCK", 3)
+    b, s = 2, sl * p
+    q, k, v, w = randn((b, s, 2 * p, 8), p), randn((b, s, p, 8), p + 1), \
+        randn((b, s, p, 8), p + 2), randn((b, s, 2 * p, 8), p + 3)
+    case = dict(CASES[name])
+    for n in ("q_len", "kv_len"):
+        if n in case:
+            case[n] = (s - 2, s // 2 + 1)
+    kw = mask_args(case, b, s, seed=p + 20)
+    if "segment_ids" in kw:
+        assert crosses_chunks(kw["segment_ids"], sl)
+    got = sharded_run(pk.ulysses_attention, p, q, k, v, w, kw)
+    check_close(got, dense_for(q, k, v, w, kw), atol=3e-5)
+
+
+
+def test_ulysses_mask_errors():
+    check_sharded_mask_errors(pk.ulysses_attention)
+
+
+@pytest.mark.parametrize("p", (1, 2))
+def test_masked_ulysses_takes_the_reference_with_kernels_available(monkeypatch, p):
+    """At P = 1 (the pk.attention kernels) and P = 2 (the composed or fused kernels), with the
+    kernels forced: unmasked calls trace to attention kernels, masked ones to none."""
+    check_masked_sp_routing(monkeypatch, "ulysses", p)
 
 
 # P = 1 (a 1-device axis): the pk.attention kernels (forward_path "local").

@@ -186,7 +186,8 @@ class ParallelMLP(eqx.Module):
 
 class ParallelAttention(eqx.Module):
     """Multi-head attention with tensor-parallel projections and sequence-parallel attention
-    (see `pk_jax.nn.flax.ParallelAttention`, the same block).
+    (see `pk_jax.nn.flax.ParallelAttention`, the same block, with the same masks:
+    `block(x, segment_ids=..., query_seq_lengths=..., key_value_seq_lengths=...)`).
 
     Args:
         key: PRNG key for the four projections.
@@ -203,11 +204,15 @@ class ParallelAttention(eqx.Module):
     kind: str = eqx.field(static=True)
     causal: bool = eqx.field(static=True)
     layout: str = eqx.field(static=True)
+    local_window_size: tuple[int, int] | None = eqx.field(static=True)
+    logits_soft_cap: float | None = eqx.field(static=True)
 
     def __init__(self, features: int, num_heads: int, *, key: jax.Array,
                  num_kv_heads: int | None = None, axis_name: str = _nn.DEFAULT_AXIS,
                  seq_axis: str = "sp", attention: str = "ring", causal: bool = True,
-                 layout: str = "contiguous", use_bias: bool = False,
+                 layout: str = "contiguous",
+                 local_window_size: int | tuple[int, int] | None = None,
+                 logits_soft_cap: float | None = None, use_bias: bool = False,
                  dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32,
                  kernel_init: Initializer = default_kernel_init,
                  bias_init: Initializer = default_bias_init):
@@ -217,6 +222,8 @@ class ParallelAttention(eqx.Module):
         self.head_dim = _attn.check_heads("equinox.ParallelAttention", features, num_heads, kv,
                                           attention, axis_name=axis_name, seq_axis=seq_axis)
         self.seq_axis, self.kind, self.causal, self.layout = seq_axis, attention, causal, layout
+        self.local_window_size, self.logits_soft_cap = _attn.check_masks(
+            "equinox.ParallelAttention", local_window_size, logits_soft_cap)
         common = {"axis_name": axis_name, "use_bias": use_bias, "dtype": dtype,
                   "param_dtype": param_dtype, "kernel_init": kernel_init,
                   "bias_init": bias_init}
@@ -226,10 +233,16 @@ class ParallelAttention(eqx.Module):
         self.v = ColumnParallelLinear(features, kv * self.head_dim, key=kv_, **common)
         self.o = RowParallelLinear(num_heads * self.head_dim, features, key=ko, **common)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None,
+                 query_seq_lengths: jax.Array | None = None,
+                 key_value_seq_lengths: jax.Array | None = None) -> jax.Array:
+        """x [B, S/Psp, features] -> [B, S/Psp, features]; segment ids [B, S/Psp] (laid out
+        like x), lengths [B]."""
         from pk_jax.nn import _attn
 
-        return _attn.forward(self, x)
+        return _attn.forward(self, x, segment_ids=segment_ids,
+                             query_seq_lengths=query_seq_lengths,
+                             key_value_seq_lengths=key_value_seq_lengths)
 
 
 class MoE(eqx.Module):

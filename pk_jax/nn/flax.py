@@ -252,6 +252,13 @@ class ParallelAttention(nnx.Module):
     over `seq_axis`, and the output projection is a RowParallelLinear (GEMM + all-reduce over
     `axis_name`). Either axis may have size 1.
 
+    Masks: `local_window_size` and `logits_soft_cap` are the block's (static); segment ids
+    (packed documents) and sequence lengths (padding) are the call's: `block(x,
+    segment_ids=ids)` with `ids` int32 [B, S/Psp], this device's ids laid out like x's
+    sequence, and `query_seq_lengths` / `key_value_seq_lengths` int32 [B] (the whole
+    sequence's lengths, replicated). They go to `pk.ring_attention` / `pk.ulysses_attention`,
+    whose reference runs wherever a mask is given (no kernel takes masks yet).
+
     Args:
         features: model width, divisible by num_heads.
         num_heads: query heads, divisible by the size of `axis_name` (and, for Ulysses, by
@@ -263,6 +270,9 @@ class ParallelAttention(nnx.Module):
         attention: "ring" or "ulysses".
         causal: causal masking over global positions.
         layout: ring only: "contiguous" or "zigzag" (see `pk.zigzag_indices`).
+        local_window_size: (left, right) or an int, static: sliding-window attention over
+            global positions (as in `jax.nn.dot_product_attention`); None: no window.
+        logits_soft_cap: a float c > 0: logits x become c * tanh(x / c); None: no cap.
         use_bias: as for the linear layers.
         dtype: as for the linear layers.
         param_dtype: as for the linear layers.
@@ -274,6 +284,8 @@ class ParallelAttention(nnx.Module):
     def __init__(self, features: int, num_heads: int, *, num_kv_heads: int | None = None,
                  axis_name: str = _nn.DEFAULT_AXIS, seq_axis: str = "sp",
                  attention: str = "ring", causal: bool = True, layout: str = "contiguous",
+                 local_window_size: int | tuple[int, int] | None = None,
+                 logits_soft_cap: float | None = None,
                  use_bias: bool = False, dtype: Any = jnp.bfloat16,
                  param_dtype: Any = jnp.float32,
                  kernel_init: Initializer = default_kernel_init,
@@ -284,6 +296,8 @@ class ParallelAttention(nnx.Module):
         self.head_dim = _attn.check_heads("flax.ParallelAttention", features, num_heads, kv,
                                           attention, axis_name=axis_name, seq_axis=seq_axis)
         self.seq_axis, self.kind, self.causal, self.layout = seq_axis, attention, causal, layout
+        self.local_window_size, self.logits_soft_cap = _attn.check_masks(
+            "flax.ParallelAttention", local_window_size, logits_soft_cap)
         common = {"axis_name": axis_name, "use_bias": use_bias, "dtype": dtype,
                   "param_dtype": param_dtype, "kernel_init": kernel_init,
                   "bias_init": bias_init, "rngs": rngs}
@@ -292,10 +306,16 @@ class ParallelAttention(nnx.Module):
         self.v = ColumnParallelLinear(features, kv * self.head_dim, **common)
         self.o = RowParallelLinear(num_heads * self.head_dim, features, **common)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None,
+                 query_seq_lengths: jax.Array | None = None,
+                 key_value_seq_lengths: jax.Array | None = None) -> jax.Array:
+        """x [B, S/Psp, features] -> [B, S/Psp, features]; the masks as in the class
+        docstring."""
         from pk_jax.nn import _attn
 
-        return _attn.forward(self, x)
+        return _attn.forward(self, x, segment_ids=segment_ids,
+                             query_seq_lengths=query_seq_lengths,
+                             key_value_seq_lengths=key_value_seq_lengths)
 
 
 __all__ = ["ColumnParallelLinear", "MoE", "ParallelAttention", "ParallelMLP", "RowParallelLinear",

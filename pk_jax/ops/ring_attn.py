@@ -35,6 +35,15 @@ rank holds the whole sequence (and zigzag is the identity permutation), so where
 pk.attention kernels take the operands (bf16/fp16, head dim 64 or 128) the call is exactly
 pk.attention: its forward kernel and its kernel backward, no ring. `forward_path` is the one
 place that decides.
+
+Masks (segment_ids, local_window_size, logits_soft_cap, query_seq_lengths,
+key_value_seq_lengths; see `ring_attention`) run the jax.lax ring on every platform: the fused
+kernels do not take them yet. There each rank's K/V block travels with its key segment ids
+(one more ppermuted [B, S/P] int32 array); the block's global positions follow from its owner
+rank and the layout, so every mask compares global positions and segments may cross chunk
+and rank boundaries. A step's block, or a zigzag step's half-block pair, that no mask lets
+through is skipped whole (lax.cond), and within a block `_attention.blockwise` skips the tiles
+that no mask lets through.
 """
 
 from __future__ import annotations
@@ -94,7 +103,12 @@ def zigzag_indices(seq_len: int, world: int) -> np.ndarray:
 
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, *,
                    causal: bool = False, scale: float | None = None,
-                   layout: str = "contiguous") -> jax.Array:
+                   layout: str = "contiguous",
+                   segment_ids: jax.Array | _attention.SegmentIds | None = None,
+                   local_window_size: int | tuple[int, int] | None = None,
+                   logits_soft_cap: float | None = None,
+                   query_seq_lengths: jax.Array | None = None,
+                   key_value_seq_lengths: jax.Array | None = None) -> jax.Array:
     """Attention of the local queries over the whole (sharded) sequence, by a ring of K/V.
 
     Call inside `jax.shard_map` with q, k, v sharded alike along the sequence dimension over
@@ -112,16 +126,36 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, *,
         layout: "contiguous" (rank r holds positions [r S/P, (r+1) S/P)) or "zigzag" (rank r
             holds chunks r and 2P-1-r of 2P, see `pk.zigzag_indices`: balanced causal work;
             S/P must be even).
+        segment_ids: packed sequences: int32 [B, S/P], this device's ids, laid out like q (in
+            the zigzag layout: permuted like q); a query sees only keys with its own id, in
+            any rank's block (segments may cross shard boundaries). `pk.SegmentIds(q=...,
+            kv=...)` gives the queries' and the keys' ids separately (each [B, S/P]).
+        local_window_size: (left, right) or an int w for (w, w), static ints >= 0, over global
+            positions: query i sees keys i - left ... i + right only (as in
+            `jax.nn.dot_product_attention`).
+        logits_soft_cap: a static float c > 0: logits x become c * tanh(x / c).
+        query_seq_lengths: int32 [B], the same on every device of the axis (replicated):
+            query rows at global positions >= it are padding, with output and gradient 0.
+        key_value_seq_lengths: int32 [B], replicated likewise: keys at global positions >= it
+            are hidden.
 
     Returns:
         [B, S/P, H, D] in q's dtype: softmax(scale * q k^T) v over all S keys for the local
-        queries, computed with float32 statistics and accumulation.
+        queries, computed with float32 statistics and accumulation; with masks as
+        `pk.attention` over the whole sequence (rows that no key is visible to give 0).
+
+    Any mask argument runs the jax.lax ring (on GPUs too: the fused kernels do not take masks
+    yet).
 
     Raises:
         ValueError: `pk.init` not called, a bad axis, q/k/v not rank 4 or of mismatched
             shapes, Hkv not dividing H, a local sequence, head count or head_dim of 0,
-            a scale that is not positive, an unknown layout, zigzag with an odd S/P.
-        TypeError: an unsupported or mismatched dtype, a non-bool causal, a non-number scale.
+            a scale that is not positive, an unknown layout, zigzag with an odd S/P; segment
+            ids not [B, S/P], lengths not [B] or varying along the axis, a negative window, a
+            soft cap that is not positive.
+        TypeError: an unsupported or mismatched dtype, a non-bool causal, a non-number scale;
+            segment ids or lengths that are not integer arrays, a window that is not an int
+            or a pair of ints, a soft cap that is not a Python number.
     """
     p = _checks.axis_size(NAME, axis_name)
     _attention.check_nonempty(NAME, q, k, "seq_local")
@@ -134,9 +168,17 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, *,
     if layout == "zigzag" and q.shape[1] % 2:
         raise ValueError(f"pk.{NAME}: layout='zigzag' holds two equal chunks per rank, so the "
                          f"local sequence length must be even, got {q.shape[1]}; pad it.")
-    # Without causal masking attention ignores positions: zigzag is the contiguous ring.
-    zigzag = layout == "zigzag" and causal
-    path = forward_path(q, k, v, p, axis_name)
+    mask_args = {"segment_ids": segment_ids, "local_window_size": local_window_size,
+                 "logits_soft_cap": logits_soft_cap, "query_seq_lengths": query_seq_lengths,
+                 "key_value_seq_lengths": key_value_seq_lengths}
+    masks, window, softcap = _attention.check_masks(
+        NAME, q, seq_total=q.shape[1] * p, axis_name=axis_name, seq="seq_local", **mask_args)
+    masked = _attention.mask_arguments_given(**mask_args)
+    # Without masks by position attention ignores positions: zigzag is the contiguous ring.
+    positional = (causal or window is not None or masks.q_len is not None
+                  or masks.kv_len is not None)
+    zigzag = layout == "zigzag" and positional
+    path = forward_path(q, k, v, p, axis_name, masked=masked)
     if path == "local":
         # One rank holds the whole sequence, and the zigzag layout at P = 1 (chunks 0 and 1 of
         # 2) is the identity: plain attention, forward and backward.
@@ -145,17 +187,20 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, *,
         _tp.check_workspace(NAME, workspace_need(k, p), f"{p - 1} K/V blocks of {k.shape}")
         return _kernel_ring(q, k, v, axis_name, causal, float(scale), p, zigzag)
     k, v = _attention.repeat_kv(q, k, v)  # grouped-query attention (a no-op at H = Hkv)
-    return reference(q, k, v, axis_name, causal=causal, scale=scale, p=p, zigzag=zigzag)
+    return reference(q, k, v, axis_name, causal=causal, scale=scale, p=p, zigzag=zigzag,
+                     window=window, softcap=softcap, masks=masks)
 
 
-def forward_path(q: jax.Array, k: jax.Array, v: jax.Array, p: int, axis_name: str) -> str:
+def forward_path(q: jax.Array, k: jax.Array, v: jax.Array, p: int, axis_name: str, *,
+                 masked: bool = False) -> str:
     """How the call runs, forward and backward, decided once at trace time for (already
     checked) operands: "local" (P = 1: the pk.attention forward kernel and its kernel
     backward, on q, k, v as given), "fused" (P > 1: pk_ring_attn and pk_ring_attn_bwd) or
-    "reference" (the jax.lax ring; also wherever those kernels do not take the operands)."""
+    "reference" (the jax.lax ring; also wherever those kernels do not take the operands, and
+    with any mask argument (`masked`), which no kernel takes yet)."""
     if p == 1:
-        return _attention_op.p1_path(q, k, v, axis_name)
-    route = _backend.route(STEM, axis_name, supported=kernel_supports(q, k, p))
+        return _attention_op.p1_path(q, k, v, axis_name, masked=masked)
+    route = _backend.route(STEM, axis_name, supported=kernel_supports(q, k, p) and not masked)
     return "fused" if route.path == "kernel" else "reference"
 
 
@@ -239,20 +284,30 @@ _kernel_ring.defvjp(_kernel_ring_fwd, _kernel_ring_bwd)
 
 
 def reference(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, *, causal: bool,
-              scale: float, p: int, zigzag: bool = False) -> jax.Array:
-    """The blockwise ring in `jax.lax`: P-1 ppermutes of K/V, an online softmax across steps,
-    and a ring-shaped custom VJP (module docstring). zigzag: causal with the zigzag layout."""
+              scale: float, p: int, zigzag: bool = False,
+              window: tuple[int, int] | None = None, softcap: float | None = None,
+              masks: _attention.Masks | None = None) -> jax.Array:
+    """The blockwise ring in `jax.lax`: P-1 ppermutes of K/V (and of the key segment ids), an
+    online softmax across steps, and a ring-shaped custom VJP (module docstring). zigzag: the
+    zigzag layout's positions (with causal or another mask by position); the masks as
+    `_attention.blockwise` takes them, segment ids for this rank's rows and keys."""
+    masks = _attention.NO_MASKS if masks is None else masks
+    window = None if window is None else tuple(window)
+    softcap = None if softcap is None else float(softcap)
     if zigzag:
-        return _zigzag_attention(q, k, v, axis_name, float(scale), int(p))
-    return _ring_attention(q, k, v, axis_name, bool(causal), float(scale), int(p))
+        return _zigzag_attention(q, k, v, masks, axis_name, float(scale), int(p), bool(causal),
+                                 window, softcap)
+    return _ring_attention(q, k, v, masks, axis_name, bool(causal), float(scale), int(p), window,
+                           softcap)
 
 
 def _ring(axis_name: str, p: int, visit, acc, blocks: tuple, travelling: tuple):
     """Runs the P ring steps: `acc, travelling = visit(t, acc, blocks, travelling)` at step t.
 
-    `blocks` (K/V, read-only) go to rank+1 before each visit but the last, so the transfer can
-    overlap the math; `travelling` (per-block accumulators) go after every visit, the last
-    included, so after P steps they are back at the rank that owns the block.
+    `blocks` (K/V and the key segment ids, read-only) go to rank+1 before each visit but the
+    last, so the transfer can overlap the math; `travelling` (per-block accumulators) go after
+    every visit, the last included, so after P steps they are back at the rank that owns the
+    block.
     """
     if p == 1:
         return visit(0, acc, blocks, travelling)
@@ -277,141 +332,176 @@ def _ring(axis_name: str, p: int, visit, acc, blocks: tuple, travelling: tuple):
     return acc, travelling
 
 
-def _visit(causal: bool, t, owner, rank, fn, operands: tuple) -> tuple:
-    """`fn(masked, operands)` for the block of rank `owner` held at step t, or `operands`
-    unchanged when causal masking hides that whole block."""
-    if not causal:
-        return fn(False, operands)
-    if isinstance(t, int) and t == 0:
-        return fn(True, operands)  # the own, diagonal block
-    # Later steps hold another rank's block: all visible (owner < rank) or all hidden.
-    return lax.cond(owner < rank, functools.partial(fn, False), lambda ops: ops, operands)
+def _blocks(k, v, masks):
+    """What travels around the ring: K, V and, with segment ids, the keys' ids."""
+    return (k, v) if masks.k_seg is None else (k, v, masks.k_seg)
 
 
-def _ring_fwd(q, k, v, axis_name, causal, scale, p):
+def _held(blocks, masks):
+    """(k, v, the masks with the held block's key segment ids) from a ring step's blocks."""
+    kb, vb, *k_seg = blocks
+    return kb, vb, masks._replace(k_seg=k_seg[0] if k_seg else None)
+
+
+def _ring_fwd(q, k, v, masks, axis_name, causal, scale, p, window, softcap):
     rank = lax.axis_index(axis_name)
     s_loc = q.shape[1]
+    opts = {"causal": causal, "window": window}
+    q_pos0 = rank * s_loc
 
     def visit(t, state, blocks, travelling):
-        kb, vb = blocks
-        owner = (rank - t) % p
+        kb, vb, held = _held(blocks, masks)
+        k_pos0 = ((rank - t) % p) * s_loc  # the block's owner's first position
 
-        def fold(masked, ops):
-            return (_attention.blockwise(ops[0], q, kb, vb, scale=scale, causal=masked,
-                                         q_pos0=rank * s_loc, k_pos0=owner * s_loc),)
+        def fold(st):
+            return _attention.blockwise(st, q, kb, vb, scale=scale, softcap=softcap,
+                                        q_pos0=q_pos0, k_pos0=k_pos0, masks=held, **opts)
 
-        (state,) = _visit(causal, t, owner, rank, fold, (state,))
-        return state, travelling
+        pred = _attention.visible(q_pos0, s_loc, k_pos0, s_loc, masks=held, **opts)
+        return _attention.when(pred, fold, lambda st: st, state), travelling
 
-    state, _ = _ring(axis_name, p, visit, _attention.init_state(q, k, v), (k, v), ())
+    # The state varies like everything it is made of (the rank's position too), so the skip
+    # branch's and the fold's types agree.
+    state0 = _attention.init_state(q, k, v, q_pos0, *masks)
+    state, _ = _ring(axis_name, p, visit, state0, _blocks(k, v, masks), ())
     out = _attention.finalize(state, q.dtype)
-    return out, (q, k, v, out, _attention.log_sum_exp(state))
+    return out, (q, k, v, out, _attention.log_sum_exp(state), masks)
 
 
-def _ring_bwd(axis_name, causal, scale, p, res, do):
+def _ring_bwd(axis_name, causal, scale, p, window, softcap, res, do):
     # The same ring again: K/V travel as in the forward pass, with their gradient accumulators
     # (dk, dv) right behind them; dq stays home.
-    q, k, v, out, lse = res
+    q, k, v, out, lse, masks = res
     rank = lax.axis_index(axis_name)
     s_loc = q.shape[1]
+    opts = {"causal": causal, "window": window}
+    q_pos0 = rank * s_loc
     do = do.astype(jnp.float32)
     delta = jnp.sum(do * out.astype(jnp.float32), axis=-1)
-    axes = frozenset().union(*(_ffi.vma(x) for x in (q, k, v, do, lse)))
+    axes = _attention._axes(q, k, v, do, lse, q_pos0, *masks)
     zeros = lambda x: _vjp.vary(jnp.zeros(x.shape, jnp.float32), axes)
 
     def visit(t, dq, blocks, travelling):
-        kb, vb = blocks
-        owner = (rank - t) % p
+        kb, vb, held = _held(blocks, masks)
+        k_pos0 = ((rank - t) % p) * s_loc
 
-        def grads(masked, ops):
+        def grads(ops):
             gq, gk, gv = _attention.blockwise_grads(
-                q, kb, vb, do, lse, delta, scale=scale, causal=masked, q_pos0=rank * s_loc,
-                k_pos0=owner * s_loc)
-            return ops[0] + gq, ops[1] + gk, ops[2] + gv
+                q, kb, vb, do, lse, delta, scale=scale, softcap=softcap, q_pos0=q_pos0,
+                k_pos0=k_pos0, masks=held, **opts)
+            return tuple(_vjp.vary(a + g, axes) for a, g in zip(ops, (gq, gk, gv)))
 
-        dq, dk, dv = _visit(causal, t, owner, rank, grads, (dq, *travelling))
+        pred = _attention.visible(q_pos0, s_loc, k_pos0, s_loc, masks=held, **opts)
+        dq, dk, dv = _attention.when(pred, grads, lambda ops: ops, (dq, *travelling))
         return dq, (dk, dv)
 
-    dq, (dk, dv) = _ring(axis_name, p, visit, zeros(q), (k, v), (zeros(k), zeros(v)))
-    return tuple(_vjp.fit(g.astype(x.dtype), x) for g, x in ((dq, q), (dk, k), (dv, v)))
+    dq, (dk, dv) = _ring(axis_name, p, visit, zeros(q), _blocks(k, v, masks),
+                         (zeros(k), zeros(v)))
+    return (*(_vjp.fit(g.astype(x.dtype), x) for g, x in ((dq, q), (dk, k), (dv, v))), None)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _ring_attention(q, k, v, axis_name, causal, scale, p):
-    return _ring_fwd(q, k, v, axis_name, causal, scale, p)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+def _ring_attention(q, k, v, masks, axis_name, causal, scale, p, window, softcap):
+    return _ring_fwd(q, k, v, masks, axis_name, causal, scale, p, window, softcap)[0]
 
 
 _ring_attention.defvjp(_ring_fwd, _ring_bwd)
 
 
 # ---------------------------------------------------------------------------------------------
-# Causal attention in the zigzag layout: rank r's rows are two chunks of c = S / (2P) positions,
-# a (chunk r) and b (chunk 2P-1-r), and so is every K/V block. Each ring step folds the four
-# (query half, key half) pairs with their global positions; blockwise's causal skip drops the
-# hidden key tiles (a vs a hidden when the owner j > r, a vs b always, b vs b when j < r), so
-# every step does about the same work on every rank.
+# The zigzag layout: rank r's rows are two chunks of c = S / (2P) positions, a (chunk r) and b
+# (chunk 2P-1-r), and so is every K/V block. Each ring step folds the four (query half, key
+# half) pairs with their global positions; a pair that no mask lets through is skipped (with
+# causal: a vs a hidden when the owner j > r, a vs b always, b vs b when j < r), so every step
+# does about the same work on every rank.
 
 def _halves(x):
     c = x.shape[1] // 2
     return x[:, :c], x[:, c:]
 
 
+def _halves_or_none(x):
+    return (None, None) if x is None else _halves(x)
+
+
 def _chunk_starts(rank, p: int, c: int):
     return rank * c, (2 * p - 1 - rank) * c
 
 
-def _zigzag_fwd(q, k, v, axis_name, scale, p):
+def _zigzag_fwd(q, k, v, masks, axis_name, scale, p, causal, window, softcap):
     rank = lax.axis_index(axis_name)
     c = q.shape[1] // 2
+    opts = {"causal": causal, "window": window}
     qs, q_pos = _halves(q), _chunk_starts(rank, p, c)
+    q_segs = _halves_or_none(masks.q_seg)
 
     def visit(t, state, blocks, travelling):
-        kb, vb = blocks
+        kb, vb, held = _held(blocks, masks)
         k_pos = _chunk_starts((rank - t) % p, p, c)
+        k_segs = _halves_or_none(held.k_seg)
         states = [_attention.State(*h) for h in zip(*(_halves(x) for x in state))]
         for i in range(2):
-            for kh, vh, kp in zip(_halves(kb), _halves(vb), k_pos):
-                states[i] = _attention.blockwise(states[i], qs[i], kh, vh, scale=scale,
-                                                 causal=True, q_pos0=q_pos[i], k_pos0=kp)
+            for kh, vh, kp, ks in zip(_halves(kb), _halves(vb), k_pos, k_segs):
+                pair = masks._replace(q_seg=q_segs[i], k_seg=ks)
+
+                def fold(st, i=i, kh=kh, vh=vh, kp=kp, pair=pair):
+                    return _attention.blockwise(st, qs[i], kh, vh, scale=scale,
+                                                softcap=softcap, q_pos0=q_pos[i], k_pos0=kp,
+                                                masks=pair, **opts)
+
+                pred = _attention.visible(q_pos[i], c, kp, c, masks=pair, **opts)
+                states[i] = _attention.when(pred, fold, lambda st: st, states[i])
         return _attention.State(*(jnp.concatenate(xs, axis=1) for xs in zip(*states))), ()
 
-    state, _ = _ring(axis_name, p, visit, _attention.init_state(q, k, v), (k, v), ())
+    state0 = _attention.init_state(q, k, v, rank, *masks)
+    state, _ = _ring(axis_name, p, visit, state0, _blocks(k, v, masks), ())
     out = _attention.finalize(state, q.dtype)
-    return out, (q, k, v, out, _attention.log_sum_exp(state))
+    return out, (q, k, v, out, _attention.log_sum_exp(state), masks)
 
 
-def _zigzag_bwd(axis_name, scale, p, res, do):
-    q, k, v, out, lse = res
+def _zigzag_bwd(axis_name, scale, p, causal, window, softcap, res, do):
+    q, k, v, out, lse, masks = res
     rank = lax.axis_index(axis_name)
     c = q.shape[1] // 2
+    opts = {"causal": causal, "window": window}
     do = do.astype(jnp.float32)
     delta = jnp.sum(do * out.astype(jnp.float32), axis=-1)
-    axes = frozenset().union(*(_ffi.vma(x) for x in (q, k, v, do, lse)))
+    axes = _attention._axes(q, k, v, do, lse, rank, *masks)
     zeros = lambda x: _vjp.vary(jnp.zeros(x.shape, jnp.float32), axes)
     qs, dos, lses, deltas = (_halves(x) for x in (q, do, lse, delta))
     q_pos = _chunk_starts(rank, p, c)
+    q_segs = _halves_or_none(masks.q_seg)
 
     def visit(t, dq, blocks, travelling):
-        kb, vb = blocks
+        kb, vb, held = _held(blocks, masks)
         k_pos = _chunk_starts((rank - t) % p, p, c)
+        k_segs = _halves_or_none(held.k_seg)
         dqs, dks, dvs = list(_halves(dq)), list(_halves(travelling[0])), \
             list(_halves(travelling[1]))
         for i in range(2):
             for j, (kh, vh, kp) in enumerate(zip(_halves(kb), _halves(vb), k_pos)):
-                gq, gk, gv = _attention.blockwise_grads(
-                    qs[i], kh, vh, dos[i], lses[i], deltas[i], scale=scale, causal=True,
-                    q_pos0=q_pos[i], k_pos0=kp)
-                dqs[i], dks[j], dvs[j] = dqs[i] + gq, dks[j] + gk, dvs[j] + gv
+                pair = masks._replace(q_seg=q_segs[i], k_seg=k_segs[j])
+
+                def grads(ops, i=i, kh=kh, vh=vh, kp=kp, pair=pair):
+                    gs = _attention.blockwise_grads(
+                        qs[i], kh, vh, dos[i], lses[i], deltas[i], scale=scale,
+                        softcap=softcap, q_pos0=q_pos[i], k_pos0=kp, masks=pair, **opts)
+                    return tuple(_vjp.vary(a + g, axes) for a, g in zip(ops, gs))
+
+                pred = _attention.visible(q_pos[i], c, kp, c, masks=pair, **opts)
+                dqs[i], dks[j], dvs[j] = _attention.when(pred, grads, lambda ops: ops,
+                                                         (dqs[i], dks[j], dvs[j]))
         cat = lambda xs: jnp.concatenate(xs, axis=1)
         return cat(dqs), (cat(dks), cat(dvs))
 
-    dq, (dk, dv) = _ring(axis_name, p, visit, zeros(q), (k, v), (zeros(k), zeros(v)))
-    return tuple(_vjp.fit(g.astype(x.dtype), x) for g, x in ((dq, q), (dk, k), (dv, v)))
+    dq, (dk, dv) = _ring(axis_name, p, visit, zeros(q), _blocks(k, v, masks),
+                         (zeros(k), zeros(v)))
+    return (*(_vjp.fit(g.astype(x.dtype), x) for g, x in ((dq, q), (dk, k), (dv, v))), None)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _zigzag_attention(q, k, v, axis_name, scale, p):
-    return _zigzag_fwd(q, k, v, axis_name, scale, p)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+def _zigzag_attention(q, k, v, masks, axis_name, scale, p, causal, window, softcap):
+    return _zigzag_fwd(q, k, v, masks, axis_name, scale, p, causal, window, softcap)[0]
 
 
 _zigzag_attention.defvjp(_zigzag_fwd, _zigzag_bwd)

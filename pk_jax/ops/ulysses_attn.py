@@ -44,6 +44,13 @@ At P = 1 (a 1-device axis) the rank holds the whole sequence and every head, so 
 pk.attention kernels take the operands the call is exactly pk.attention (its forward kernel
 and its kernel backward, no exchange). `forward_path` is the one place that decides the
 forward, `backward_path` the backward of the composed forward; both at trace time.
+
+Masks (segment_ids, local_window_size, logits_soft_cap, query_seq_lengths,
+key_value_seq_lengths; see `ulysses_attention`) run the reference on every platform: no kernel
+takes them yet. They apply after the all-to-all, where each rank holds the whole sequence of its
+head group in global order: the segment ids are all-gathered along the axis ([B, S/P] int32 per
+rank to [B, S]), positions are the global ones, and the blockwise attention skips the tiles
+that no mask lets through.
 """
 
 from __future__ import annotations
@@ -66,7 +73,12 @@ NAME = "ulysses_attention"  # the public name, used in error messages
 
 
 def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, *,
-                      causal: bool = False, scale: float | None = None) -> jax.Array:
+                      causal: bool = False, scale: float | None = None,
+                      segment_ids: jax.Array | _attention.SegmentIds | None = None,
+                      local_window_size: int | tuple[int, int] | None = None,
+                      logits_soft_cap: float | None = None,
+                      query_seq_lengths: jax.Array | None = None,
+                      key_value_seq_lengths: jax.Array | None = None) -> jax.Array:
     """Attention of the local queries over the whole (sharded) sequence, by head all-to-all.
 
     Call inside `jax.shard_map` with q, k, v sharded alike along the sequence dimension over
@@ -81,10 +93,26 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, 
             `pk.init`).
         causal: mask keys at later global positions than the query.
         scale: multiplies q . k before the softmax; default 1/sqrt(D).
+        segment_ids: packed sequences: int32 [B, S/P], this device's ids (contiguous shards);
+            a query sees only keys with its own id, on any rank (segments may cross shard
+            boundaries). `pk.SegmentIds(q=..., kv=...)` gives the queries' and the keys' ids
+            separately (each [B, S/P]).
+        local_window_size: (left, right) or an int w for (w, w), static ints >= 0, over global
+            positions: query i sees keys i - left ... i + right only (as in
+            `jax.nn.dot_product_attention`).
+        logits_soft_cap: a static float c > 0: logits x become c * tanh(x / c).
+        query_seq_lengths: int32 [B], the same on every device of the axis (replicated):
+            query rows at global positions >= it are padding, with output and gradient 0.
+        key_value_seq_lengths: int32 [B], replicated likewise: keys at global positions >= it
+            are hidden.
 
     Returns:
         [B, S/P, H, D] in q's dtype: softmax(scale * q k^T) v over all S keys for the local
-        queries, computed with float32 statistics and accumulation.
+        queries, computed with float32 statistics and accumulation; with masks as
+        `pk.attention` over the whole sequence (rows that no key is visible to give 0).
+
+    Any mask argument runs the reference (all_to_all, the blockwise jax.lax attention, all_to_all
+    back), on GPUs too: the kernels do not take masks yet.
 
     Raises:
         ValueError: `pk.init` not called, a bad axis, q/k/v not rank 4 or of mismatched
@@ -94,8 +122,11 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, 
             for the fused kernel that runs (the forward with PK_JAX_ULYSSES_FUSED=1:
             `workspace_need`; the backward with PK_JAX_ULYSSES_FUSED=bwd:
             `fused_bwd_workspace_need`, checked when the forward is traced; the message names
-            workspace_bytes).
-        TypeError: an unsupported or mismatched dtype, a non-bool causal, a non-number scale.
+            workspace_bytes); segment ids not [B, S/P], lengths not [B] or varying along the
+            axis, a negative window, a soft cap that is not positive.
+        TypeError: an unsupported or mismatched dtype, a non-bool causal, a non-number scale;
+            segment ids or lengths that are not integer arrays, a window that is not an int
+            or a pair of ints, a soft cap that is not a Python number.
     """
     p = _checks.axis_size(NAME, axis_name)
     _attention.check_nonempty(NAME, q, k, "seq_local")
@@ -107,13 +138,20 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, 
     causal = _checks.is_bool(NAME, "causal", causal)
     scale = (_attention.default_scale(q.shape[-1]) if scale is None
              else _checks.positive_float(NAME, "scale", scale))
-    path = forward_path(q, k, v, p, axis_name, causal=causal)
+    mask_args = {"segment_ids": segment_ids, "local_window_size": local_window_size,
+                 "logits_soft_cap": logits_soft_cap, "query_seq_lengths": query_seq_lengths,
+                 "key_value_seq_lengths": key_value_seq_lengths}
+    masks, window, softcap = _attention.check_masks(
+        NAME, q, seq_total=q.shape[1] * p, axis_name=axis_name, seq="seq_local", **mask_args)
+    masked = _attention.mask_arguments_given(**mask_args)
+    path = forward_path(q, k, v, p, axis_name, causal=causal, masked=masked)
     if path == "local":
         # One rank holds the whole sequence and every head: plain attention, no exchange.
         return _attention_op._kernel_attention(q, k, v, float(scale), causal)
     if path == "reference":
         k, v = _attention.repeat_kv(q, k, v)  # grouped-query attention (a no-op at H = Hkv)
-        return reference(q, k, v, axis_name, causal=causal, scale=scale)
+        return reference(q, k, v, axis_name, causal=causal, scale=scale, window=window,
+                         softcap=softcap, masks=masks)
     rep = kv_repeats(k.shape[2], p)
     kr = jax.ShapeDtypeStruct((*k.shape[:2], k.shape[2] * rep, k.shape[3]), k.dtype)
     if path == "composed":
@@ -167,14 +205,17 @@ def _decided(op: str, q: jax.Array, k: jax.Array, p: int, causal: bool) -> bool:
 
 
 def forward_path(q: jax.Array, k: jax.Array, v: jax.Array, p: int, axis_name: str, *,
-                 causal: bool = False) -> str:
+                 causal: bool = False, masked: bool = False) -> str:
     """How the forward runs, decided once at trace time for (already checked) operands:
     "local" (P = 1: the pk.attention kernels on q, k, v as given, forward and backward, with
     no exchange), "fused" (pk_ulysses_attn, where it takes the operands and the decider,
     cost_model.choose, picks it, or PK_JAX_ULYSSES_FUSED=1 forces it), "composed"
     (pk.all_to_all, the pk.attention forward kernel on the head group, all_to_all back,
-    wherever that kernel runs at P > 1 otherwise) or "reference"."""
+    wherever that kernel runs at P > 1 otherwise) or "reference" (also with any mask argument,
+    `masked`: no kernel takes masks yet)."""
     mode = fused_mode()
+    if masked:
+        return "reference"
     if p == 1:
         return _attention_op.p1_path(q, k, v, axis_name)
     if ((mode == "1" or mode == "auto" and _decided(STEM, q, k, p, causal))
@@ -404,9 +445,20 @@ _kernel_ulysses.defvjp(_kernel_ulysses_fwd, _kernel_ulysses_bwd)
 
 
 def reference(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, *, causal: bool,
-              scale: float) -> jax.Array:
-    """all_to_all to head shards, blockwise attention over the whole sequence, all_to_all back."""
+              scale: float, window: tuple[int, int] | None = None,
+              softcap: float | None = None,
+              masks: _attention.Masks | None = None) -> jax.Array:
+    """all_to_all to head shards, blockwise attention over the whole sequence, all_to_all back;
+    the masks (`_attention.check_masks`) after the exchange: segment ids all-gathered to the
+    whole sequence, positions global."""
+    masks = _attention.NO_MASKS if masks is None else masks
     # [B, S/P, H, D] -> [B, S, H/P, D]: split heads (dim 2), gather the sequence (dim 1).
     qh, kh, vh = (all_to_all(x, axis_name, 2, 1) for x in (q, k, v))
-    out = _attention.attention(qh, kh, vh, scale=scale, causal=causal)
+    if masks.q_seg is not None:
+        gather = lambda ids: jax.lax.all_gather(ids, axis_name, axis=1, tiled=True)
+        q_seg = gather(masks.q_seg)
+        k_seg = q_seg if masks.k_seg is masks.q_seg else gather(masks.k_seg)
+        masks = masks._replace(q_seg=q_seg, k_seg=k_seg)
+    out = _attention.attention(qh, kh, vh, scale=scale, causal=causal, window=window,
+                               softcap=softcap, masks=masks)
     return all_to_all(out, axis_name, 1, 2)
