@@ -2,9 +2,9 @@
  * moe_dispatch_gemm: expert-parallel dispatch fused with every local expert's first GEMM
  * (pk.moe_dispatch_gemm; reference: moe_dispatch then grouped_matmul, pk_jax/ops/moe.py).
  * Exact on the H200 in the rank emulator (tests/gpu/test_emulator_moe_fused.py) and through
- * JAX (tests/gpu/moe_fused_mp.py), and 0.91-1.02x of the composition's speed there (emulated
- * P = 8, bench/results/moe_notes.md): pk.moe_dispatch_gemm runs it only with
- * PK_JAX_MOE_FUSED=1 and composes the two ops otherwise.
+ * JAX (tests/gpu/moe_fused_mp.py). pk.moe_dispatch_gemm runs it where the one decider
+ * (pk_jax/cost_model.py, choose) picks it for the shape, or with PK_JAX_MOE_FUSED=1, and
+ * composes the two ops otherwise (measured: bench/results/overlap.md, moe_notes.md).
  *
  * Per rank r (P ranks, E experts, EL = E / P local experts, k slots per token):
  *   x [T, H], ids [T, k] int32, w1 [EL, H, N]  ->  h [C, N] = grouped GEMM of the rows r's

@@ -2,10 +2,10 @@
  * moe_gemm_combine: every local expert's second GEMM fused with the combine
  * (pk.moe_gemm_combine; reference: grouped_matmul then moe_combine, pk_jax/ops/moe.py).
  * Exact on the H200 in the rank emulator (tests/gpu/test_emulator_moe_fused.py) and through
- * JAX (tests/gpu/moe_fused_mp.py), and 1.02-1.06x of the composition's speed there (emulated
- * P = 8, bench/results/moe_notes.md): pk.moe_gemm_combine runs it by default (PK_JAX_MOE_FUSED
- * unset or "auto", where the workspace fits) and composes grouped_matmul and moe_combine with
- * PK_JAX_MOE_FUSED=0.
+ * JAX (tests/gpu/moe_fused_mp.py). pk.moe_gemm_combine runs it where the one decider
+ * (pk_jax/cost_model.py, choose) picks it for the shape and the workspace fits, or with
+ * PK_JAX_MOE_FUSED=1, and composes grouped_matmul and moe_combine otherwise (measured:
+ * bench/results/overlap.md, moe_notes.md).
  *
  * Per rank r (P ranks, EL local experts, k slots per token, T tokens, C rows):
  *   h [C, F] (the rows r's experts received, moe_dispatch's order), w2 [EL, F, H], the
