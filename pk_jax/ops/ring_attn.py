@@ -343,6 +343,22 @@ def _held(blocks, masks):
     return kb, vb, masks._replace(k_seg=k_seg[0] if k_seg else None)
 
 
+def _ring_out(axis_name, p, visit, state0, q, k, v, masks):
+    """The forward ring of both layouts from the online-softmax state `state0`: (out, the
+    residuals of the backward)."""
+    state, _ = _ring(axis_name, p, visit, state0, _blocks(k, v, masks), ())
+    out = _attention.finalize(state, q.dtype)
+    return out, (q, k, v, out, _attention.log_sum_exp(state), masks)
+
+
+def _ring_grads(axis_name, p, visit, zeros, q, k, v, masks):
+    """The backward ring of both layouts: dq accumulates at home, dk and dv travel behind their
+    blocks; the gradients in the operands' dtypes (and none for the masks)."""
+    dq, (dk, dv) = _ring(axis_name, p, visit, zeros(q), _blocks(k, v, masks),
+                         (zeros(k), zeros(v)))
+    return (*(_vjp.fit(g.astype(x.dtype), x) for g, x in ((dq, q), (dk, k), (dv, v))), None)
+
+
 def _ring_fwd(q, k, v, masks, axis_name, causal, scale, p, window, softcap):
     rank = lax.axis_index(axis_name)
     s_loc = q.shape[1]
@@ -363,9 +379,7 @@ def _ring_fwd(q, k, v, masks, axis_name, causal, scale, p, window, softcap):
     # The state varies like everything it is made of (the rank's position too), so the skip
     # branch's and the fold's types agree.
     state0 = _attention.init_state(q, k, v, q_pos0, *masks)
-    state, _ = _ring(axis_name, p, visit, state0, _blocks(k, v, masks), ())
-    out = _attention.finalize(state, q.dtype)
-    return out, (q, k, v, out, _attention.log_sum_exp(state), masks)
+    return _ring_out(axis_name, p, visit, state0, q, k, v, masks)
 
 
 def _ring_bwd(axis_name, causal, scale, p, window, softcap, res, do):
@@ -395,9 +409,7 @@ def _ring_bwd(axis_name, causal, scale, p, window, softcap, res, do):
         dq, dk, dv = _attention.when(pred, grads, lambda ops: ops, (dq, *travelling))
         return dq, (dk, dv)
 
-    dq, (dk, dv) = _ring(axis_name, p, visit, zeros(q), _blocks(k, v, masks),
-                         (zeros(k), zeros(v)))
-    return (*(_vjp.fit(g.astype(x.dtype), x) for g, x in ((dq, q), (dk, k), (dv, v))), None)
+    return _ring_grads(axis_name, p, visit, zeros, q, k, v, masks)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
@@ -454,9 +466,7 @@ def _zigzag_fwd(q, k, v, masks, axis_name, scale, p, causal, window, softcap):
         return _attention.State(*(jnp.concatenate(xs, axis=1) for xs in zip(*states))), ()
 
     state0 = _attention.init_state(q, k, v, rank, *masks)
-    state, _ = _ring(axis_name, p, visit, state0, _blocks(k, v, masks), ())
-    out = _attention.finalize(state, q.dtype)
-    return out, (q, k, v, out, _attention.log_sum_exp(state), masks)
+    return _ring_out(axis_name, p, visit, state0, q, k, v, masks)
 
 
 def _zigzag_bwd(axis_name, scale, p, causal, window, softcap, res, do):
@@ -494,9 +504,7 @@ def _zigzag_bwd(axis_name, scale, p, causal, window, softcap, res, do):
         cat = lambda xs: jnp.concatenate(xs, axis=1)
         return cat(dqs), (cat(dks), cat(dvs))
 
-    dq, (dk, dv) = _ring(axis_name, p, visit, zeros(q), _blocks(k, v, masks),
-                         (zeros(k), zeros(v)))
-    return (*(_vjp.fit(g.astype(x.dtype), x) for g, x in ((dq, q), (dk, k), (dv, v))), None)
+    return _ring_grads(axis_name, p, visit, zeros, q, k, v, masks)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
