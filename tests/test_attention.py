@@ -267,7 +267,6 @@ def test_hidden_tiles_are_skipped(monkeypatch):
     assert run(key_value_seq_lengths=np.array([100, 100], np.int32)) == 8 * 4
 
 
-
 MASK_ERRORS = [  # (keyword arguments, error, message)
     ({"segment_ids": np.zeros((2, 9), np.int32)}, ValueError,
      r"segment_ids must have shape \[batch, seq\] = \(2, 8\), got \(2, 9\)"),
@@ -299,7 +298,6 @@ def test_mask_errors_name_the_argument(kw, err, msg):
     q = jnp.zeros((2, 8, 2, 4))
     with pytest.raises(err, match="pk.attention: .*" + msg):
         pk.attention(q, q, q, **kw)
-
 
 
 @pytest.mark.parametrize("mask", MASKS, ids=lambda m: next(iter(m)))

@@ -486,7 +486,6 @@ def test_ring_masks_on_a_2d_mesh(check_vma):
                              w=w), atol=3e-5)
 
 
-
 def test_ring_mask_errors():
     check_sharded_mask_errors(pk.ring_attention)
 

@@ -811,7 +811,6 @@ def test_ulysses_masks_match_dense(monkeypatch, p, name, sl):
     check_close(got, dense_for(q, k, v, w, kw), atol=3e-5)
 
 
-
 def test_ulysses_mask_errors():
     check_sharded_mask_errors(pk.ulysses_attention)
 
