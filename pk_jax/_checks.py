@@ -162,14 +162,16 @@ def is_bool(op: str, arg: str, value) -> bool:
     return bool(value)
 
 
-def positive_float(op: str, arg: str, value) -> float:
-    """Checks a static scalar is a finite positive number (not an array), and returns it."""
+def positive_float(op: str, arg: str, value, *, example: str = "0.125",
+                   none_means: str = "1/sqrt(head_dim)") -> float:
+    """Checks a static scalar is a finite positive number (not an array), and returns it.
+    `example` and `none_means` (what leaving the argument None gives) go into the messages."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
                                                                      np.floating)):
         raise TypeError(f"pk.{op}: {arg} must be a positive Python float (static, not a jax "
                         f"array), got {value!r} ({type(value).__name__}). Pass e.g. "
-                        f"{arg}=0.125, or float(...) of a concrete value.")
+                        f"{arg}={example}, or float(...) of a concrete value.")
     if not (np.isfinite(value) and value > 0):
         raise ValueError(f"pk.{op}: {arg} must be a finite positive number, got {value!r}. "
-                         "Leave it None for 1/sqrt(head_dim).")
+                         f"Leave it None for {none_means}.")
     return float(value)

@@ -60,7 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pk_jax import _ffi
+from pk_jax import _checks, _ffi
 from pk_jax.ops import _vjp
 
 # Tile sizes of the blockwise passes: query rows and keys per tile. Module-level so that tests
@@ -182,16 +182,8 @@ def _window(op: str, value, seq_total: int) -> tuple[int, int] | None:
 def _soft_cap(op: str, value) -> float | None:
     if value is None:
         return None
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
-                                                                     np.floating)):
-        raise TypeError(f"pk.{op}: logits_soft_cap must be a positive Python float (static, "
-                        f"not a jax array), got {value!r} ({type(value).__name__}). Pass e.g. "
-                        "logits_soft_cap=30.0.")
-    if not (np.isfinite(value) and value > 0):
-        raise ValueError(f"pk.{op}: logits_soft_cap must be a finite positive number (logits "
-                         f"become cap * tanh(logits / cap)), got {value!r}. Leave it None for "
-                         "no cap.")
-    return float(value)
+    return _checks.positive_float(op, "logits_soft_cap", value, example="30.0",
+                                  none_means="no cap (logits become cap * tanh(logits / cap))")
 
 
 def check_masks(op: str, q: jax.Array, *, segment_ids=None, local_window_size=None,
