@@ -41,7 +41,7 @@ Status LaunchAgGemm(const Where& at, const GemmArgs& a, const CommView& v) {
                            std::to_string(pk::tp::MAX_BLOCKS) + ", got " +
                            std::to_string(a.num_comm_sms));
   }
-  if (Status s = tp::WorkspaceCheck(op, uint64_t(mp) * uint64_t(k) * 2, v.workspace_bytes);
+  if (Status s = tp::WorkspaceCheck(op, WorkspaceNeed(kOpAgGemm, a, c.world), v.workspace_bytes);
       !s.ok()) {
     return s;
   }
@@ -121,3 +121,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkAgGemm, pk_ffi::AgGemmCuda,
                                   .Attr<int64_t>("group_m")        // block-rows per band
                                   .Attr<int64_t>("num_comm_sms"),  // communication blocks
                               PK_FFI_COMM_TRAITS);
+PK_FFI_REGISTER(pk_ffi::kOpAgGemm, "CUDA", PkAgGemm);

@@ -45,3 +45,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkAllGather, pk_ffi::AllGatherCuda,
                                   .Attr<int64_t>("comm_id")                       // comm_id
                                   .Attr<int64_t>("run"),  // run: x elements from axis on,
                               PK_FFI_COMM_TRAITS);
+PK_FFI_REGISTER(pk_ffi::kOpAllGather, "CUDA", PkAllGather);

@@ -52,3 +52,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkAllReduce, pk_ffi::AllReduceCuda,
                                   .Attr<int64_t>("comm_id")                       // comm_id
                                   .Attr<int64_t>("algo"),  // algo: 0 auto, 1 one-shot, 2 two-shot,
                               PK_FFI_COMM_TRAITS);
+PK_FFI_REGISTER(pk_ffi::kOpAllReduce, "CUDA", PkAllReduce);

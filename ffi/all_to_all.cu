@@ -50,3 +50,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkAllToAll, pk_ffi::AllToAllCuda,
                                   .Attr<int64_t>("split_run")    // x elements from split on
                                   .Attr<int64_t>("concat_run"),  // y elements from concat on,
                               PK_FFI_COMM_TRAITS);
+PK_FFI_REGISTER(pk_ffi::kOpAllToAll, "CUDA", PkAllToAll);

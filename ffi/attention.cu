@@ -167,3 +167,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkAttention, pk_ffi::AttentionCuda,
                                   .Attr<int64_t>("causal")    // 1: query i sees keys 0..i
                                   .Attr<int64_t>("backward"),  // 0 forward, 1 backward
                               PK_FFI_CUDA_TRAITS);
+PK_FFI_REGISTER(pk_ffi::kOpAttention, "CUDA", PkAttention);

@@ -1,5 +1,5 @@
 // The per-executable communicator state (see comm_state.h) and the instantiate stage every
-// communicator handler shares (PkCommInstantiate, registered in ffi/module.cc).
+// communicator handler shares (PkCommInstantiate; module.cc pairs it with each execute stage).
 #include "comm_state.h"
 
 #include <string>

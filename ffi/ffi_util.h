@@ -1,4 +1,4 @@
-// Shared helpers for the FFI handlers: the CUDA error macro and the handler declarations.
+// Shared helpers for the FFI handlers: the CUDA error macro and the handlers' registration.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -7,6 +7,7 @@
 #include <cstring>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "comm.h"
 #include "launch.h"
@@ -179,24 +180,26 @@ bool BindQkv(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuf
 // them. The communicator handlers are not (comm_state.h PK_FFI_COMM_TRAITS).
 #define PK_FFI_CUDA_TRAITS {xla::ffi::Traits::kCmdBufferCompatible}
 
-// Handler symbols, one block per op; module.cc registers them.
-XLA_FFI_DECLARE_HANDLER_SYMBOL(PkCommInstantiate);  // every communicator handler's instantiate
-XLA_FFI_DECLARE_HANDLER_SYMBOL(PkPing);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(PkPingCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(PkAllReduce);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(PkAllGather);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(PkReduceScatter);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(PkAllToAll);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(PkMatmul);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(PkGemmRs);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(PkAgGemm);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(PkGemmAr);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(PkGroupedMatmul);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(PkAttention);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(PkMoeDispatch);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(PkMoeScatter);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(PkMoeCombine);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(PkRingAttn);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(PkUlyssesAttn);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(PkRingAttnBwd);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(PkUlyssesAttnBwd);
+// Every communicator handler's instantiate stage (comm_state.cu).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(PkCommInstantiate);
+
+// FFI targets register themselves: the file that defines a handler names its op right after it
+// (PK_FFI_REGISTER), and module.cc's registrations() hands the list to Python, which registers
+// each with jax.ffi. The target's name (pk_<stem>) and whether it takes a communicator (and so
+// the shared instantiate stage) come from the op's row in the op table.
+namespace pk_ffi {
+struct Registration {
+  int op;                // op_table.h OpId
+  const char* platform;  // "CUDA" or "cpu"
+  void* handler;         // XLA_FFI_Handler* (the execute stage)
+};
+// The registrations of every linked handler file (defined in module.cc).
+std::vector<Registration>& Registrations();
+inline bool Register(int op, const char* platform, void* handler) {
+  Registrations().push_back({op, platform, handler});
+  return true;
+}
+}  // namespace pk_ffi
+#define PK_FFI_REGISTER(op, platform, handler)                   \
+  [[maybe_unused]] static const bool pk_ffi_registered_##handler = \
+      ::pk_ffi::Register(op, platform, reinterpret_cast<void*>(handler))

@@ -35,3 +35,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkGemmAr, pk_ffi::GemmArCuda,
                                   .Attr<int64_t>("config")                        // tile config
                                   .Attr<int64_t>("group_m"),  // block-rows per band
                               PK_FFI_COMM_TRAITS);
+PK_FFI_REGISTER(pk_ffi::kOpGemmAr, "CUDA", PkGemmAr);

@@ -217,3 +217,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkGroupedMatmul, pk_ffi::GroupedMatmulCuda,
                                   .Attr<int64_t>("mode")         // 0 FWD, 1 DX, 2 DW
                                   .Attr<int64_t>("group_m"),     // block-rows per band
                               PK_FFI_CUDA_TRAITS);
+PK_FFI_REGISTER(pk_ffi::kOpGroupedMatmul, "CUDA", PkGroupedMatmul);

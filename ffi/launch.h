@@ -278,9 +278,9 @@ void VisitFields(V&& visit, int /*op*/, MoeCombineArgs& a) {
 
 Status LaunchMoeDispatch(const Where& at, const MoeDispatchArgs& a, const CommView& v);
 
-// Dispatch fused with the first expert GEMM (cuda/kernels/moe_dispatch_gemm.cuh, work in
-// progress): x [t, h], ids [t, k], w [E / P, h, n] in; y [capacity, n], group_sizes, the
-// handle out; order [t k] and order_off [E + 1] int32 are scratch.
+// Dispatch fused with the first expert GEMM (cuda/kernels/moe_dispatch_gemm.cuh): x [t, h],
+// ids [t, k], w [E / P, h, n] in; y [capacity, n], group_sizes, the handle out; order [t k]
+// and order_off [E + 1] int32 are scratch.
 struct MoeDispatchGemmArgs {
   DType dtype;  // bf16 or fp16
   const void* x;
@@ -328,9 +328,9 @@ void VisitFields(V&& visit, int /*op*/, MoeDispatchGemmArgs& a) {
 Status LaunchMoeDispatchGemm(const Where& at, const MoeDispatchGemmArgs& a, const CommView& v);
 Status LaunchMoeCombine(const Where& at, const MoeCombineArgs& a, const CommView& v);
 
-// The second expert GEMM fused with the combine (cuda/kernels/moe_gemm_combine.cuh, work in
-// progress): h [capacity, f] (the rows this rank's experts received), w [groups, f, n], the
-// handle (dest, pos [t, k], group_sizes [groups]) and weights [t, k] fp32 in; out [t, n] =
+// The second expert GEMM fused with the combine (cuda/kernels/moe_gemm_combine.cuh): h
+// [capacity, f] (the rows this rank's experts received), w [groups, f, n], the handle (dest,
+// pos [t, k], group_sizes [groups]) and weights [t, k] fp32 in; out [t, n] =
 // moe_combine(grouped_matmul(h, w, group_sizes), weights) out.
 struct MoeGemmCombineArgs {
   DType dtype;  // bf16 or fp16
@@ -501,10 +501,57 @@ void VisitFields(V&& visit, int op, RingAttnBwdArgs& a) {
   visit("zigzag", a.zigzag);
 }
 
-// Bytes of symmetric workspace one backward call uses at world P.
-uint64_t RingAttnBwdWorkspace(int64_t b, int64_t s, int64_t h, int64_t hkv, int64_t d,
-                              int world);
 Status LaunchRingAttnBwd(const Where& at, const RingAttnBwdArgs& a, const CommView& v);
+
+// The symmetric workspace, in bytes per rank, that one call of op `op` with `a` needs at world
+// size `world`: the launch function checks the communicator's workspace against it, and the
+// Python op checks pk.init's at trace time through the same function
+// (_pk_ffi.workspace_need). The collectives use whatever workspace there is, in chunks; the
+// single-GPU ops use none.
+inline uint64_t WorkspaceNeed(int, const CollArgs&, int) { return 0; }
+inline uint64_t WorkspaceNeed(int, const AttnArgs&, int) { return 0; }
+inline uint64_t WorkspaceNeed(int, const GroupedMatmulArgs&, int) { return 0; }
+// gemm_rs: the owner buffer of M/P rows of N; gemm_ar: of ceil(M/P) rows (its last owner's
+// rows may run past M); ag_gemm: the staged shard, x's [Mp, K]. 2-byte dtypes.
+inline uint64_t WorkspaceNeed(int op, const GemmArgs& a, int world) {
+  if (op == kOpAgGemm) return uint64_t(a.m) * uint64_t(a.k) * 2;
+  if (op != kOpGemmRs && op != kOpGemmAr) return 0;
+  const int64_t mp = op == kOpGemmAr ? (a.m + world - 1) / world : a.m / world;
+  return uint64_t(mp) * uint64_t(a.n) * 2;
+}
+// moe_dispatch / moe_scatter: the capacity rows of H this rank's experts receive.
+inline uint64_t WorkspaceNeed(int, const MoeDispatchArgs& a, int) {
+  return uint64_t(a.capacity) * uint64_t(a.h) * ByteWidth(a.dtype);
+}
+// moe_combine / moe_gather: the experts' capacity rows of y, read by the tokens' ranks.
+inline uint64_t WorkspaceNeed(int, const MoeCombineArgs& a, int) {
+  return uint64_t(a.capacity) * uint64_t(a.h) * ByteWidth(a.dtype);
+}
+// moe_dispatch_gemm: the capacity rows of H received (bf16 / fp16).
+inline uint64_t WorkspaceNeed(int, const MoeDispatchGemmArgs& a, int) {
+  return uint64_t(a.capacity) * uint64_t(a.h) * 2;
+}
+// moe_gemm_combine: T k slot rows of N (bf16 / fp16), then the inverse map (capacity x 8
+// bytes) 256-byte aligned.
+inline uint64_t WorkspaceNeed(int, const MoeGemmCombineArgs& a, int) {
+  return (uint64_t(a.t) * uint64_t(a.k) * uint64_t(a.n) * 2 + 255) / 256 * 256 +
+         uint64_t(a.capacity) * 8;
+}
+// Ring attention forward: P - 1 K blocks and P - 1 V blocks of [b, s, hkv, d].
+inline uint64_t WorkspaceNeed(int, const RingAttnArgs& a, int world) {
+  return 2 * uint64_t(world - 1) * uint64_t(a.b) * a.s * a.hkv * a.d * 2;
+}
+// Ring attention backward: the forward's K/V blocks, then P fp32 dK/dV blocks of
+// ceil(s / 128) 128-row tiles per K/V head and batch, then an fp32 dQ of q's shape.
+inline uint64_t WorkspaceNeed(int, const RingAttnBwdArgs& a, int world) {
+  const uint64_t items = uint64_t((a.s + 127) / 128) * a.hkv * a.b;
+  return 2 * uint64_t(world - 1) * uint64_t(a.b) * a.s * a.hkv * a.d * 2 +
+         uint64_t(world) * items * 2 * 128 * a.d * 4 + uint64_t(a.b) * a.s * a.h * a.d * 4;
+}
+// Ulysses forward and backward: their kernels' workspace layouts (ulysses_attn::make_layout,
+// ulysses_attn_bwd::make_layout), defined beside their launch functions.
+uint64_t WorkspaceNeed(int op, const UlyssesAttnArgs& a, int world);
+uint64_t WorkspaceNeed(int op, const UlyssesAttnBwdArgs& a, int world);
 
 // Refuses a launch once the communicator's error record holds an error (a peer timed out in
 // an earlier call): the message names op, rank and missing peer, and the call never starts

@@ -114,3 +114,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkMatmul, pk_ffi::MatmulCuda,
                                   .Attr<int64_t>("config")                        // tile config
                                   .Attr<int64_t>("group_m"),  // block-rows per band
                               PK_FFI_CUDA_TRAITS);
+PK_FFI_REGISTER(pk_ffi::kOpMatmul, "CUDA", PkMatmul);

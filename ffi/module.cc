@@ -1,5 +1,6 @@
-// The nanobind module: one registration table for every FFI target, registered by one Python
-// loop in pk_jax/_ffi.py.
+// The nanobind module: the FFI targets the handler files registered (ffi_util.h PK_FFI_REGISTER),
+// for one Python loop in pk_jax/_ffi.py, the op table, the communicator table and the rank
+// emulator's entry points.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/vector.h>
 
@@ -7,7 +8,9 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -21,44 +24,14 @@
 
 namespace nb = nanobind;
 
-// ffi/moe.cu's fused MoE handlers (declared here; ffi_util.h declares the other ops' handlers).
-XLA_FFI_DECLARE_HANDLER_SYMBOL(PkMoeDispatchGemm);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(PkMoeGemmCombine);
+namespace pk_ffi {
+std::vector<Registration>& Registrations() {
+  static std::vector<Registration> registrations;  // filled as the module loads, in any order
+  return registrations;
+}
+}  // namespace pk_ffi
 
 namespace {
-
-struct Registration {
-  const char* target;    // FFI target name, pk_<stem>
-  const char* platform;  // "CUDA" or "cpu"
-  void* handler;         // XLA_FFI_Handler* (the execute stage)
-  bool comm = false;     // takes its communicator from a CommState (comm_state.h), made by
-                         // the shared instantiate stage PkCommInstantiate
-};
-
-// One line per (target, platform).
-const Registration kRegistrations[] = {
-    {"pk_ping", "CUDA", reinterpret_cast<void*>(PkPing)},
-    {"pk_ping", "cpu", reinterpret_cast<void*>(PkPingCpu)},
-    {"pk_all_reduce", "CUDA", reinterpret_cast<void*>(PkAllReduce), true},
-    {"pk_all_gather", "CUDA", reinterpret_cast<void*>(PkAllGather), true},
-    {"pk_reduce_scatter", "CUDA", reinterpret_cast<void*>(PkReduceScatter), true},
-    {"pk_all_to_all", "CUDA", reinterpret_cast<void*>(PkAllToAll), true},
-    {"pk_matmul", "CUDA", reinterpret_cast<void*>(PkMatmul)},
-    {"pk_gemm_rs", "CUDA", reinterpret_cast<void*>(PkGemmRs), true},
-    {"pk_ag_gemm", "CUDA", reinterpret_cast<void*>(PkAgGemm), true},
-    {"pk_gemm_ar", "CUDA", reinterpret_cast<void*>(PkGemmAr), true},
-    {"pk_grouped_matmul", "CUDA", reinterpret_cast<void*>(PkGroupedMatmul)},
-    {"pk_attention", "CUDA", reinterpret_cast<void*>(PkAttention)},
-    {"pk_moe_dispatch", "CUDA", reinterpret_cast<void*>(PkMoeDispatch), true},
-    {"pk_moe_scatter", "CUDA", reinterpret_cast<void*>(PkMoeScatter), true},
-    {"pk_moe_combine", "CUDA", reinterpret_cast<void*>(PkMoeCombine), true},
-    {"pk_ring_attn", "CUDA", reinterpret_cast<void*>(PkRingAttn), true},
-    {"pk_moe_dispatch_gemm", "CUDA", reinterpret_cast<void*>(PkMoeDispatchGemm), true},
-    {"pk_moe_gemm_combine", "CUDA", reinterpret_cast<void*>(PkMoeGemmCombine), true},
-    {"pk_ulysses_attn", "CUDA", reinterpret_cast<void*>(PkUlyssesAttn), true},
-    {"pk_ring_attn_bwd", "CUDA", reinterpret_cast<void*>(PkRingAttnBwd), true},
-    {"pk_ulysses_attn_bwd", "CUDA", reinterpret_cast<void*>(PkUlyssesAttnBwd), true},
-};
 
 // The communicator table's view of one key, for tests; None when nothing is registered.
 nb::object CommInfo(int64_t comm_id, int device_ordinal) {
@@ -132,14 +105,17 @@ void Raise(const pk_ffi::Status& s) {
 // ignored (tests/test_op_table.py checks that pk_jax/testing passes exactly the named ones).
 class DictReader {
  public:
-  explicit DictReader(const nb::dict& d) : d_(d) {}
+  // floats_required = false: a missing float reads 0 (for workspace_need, which reads no float).
+  explicit DictReader(const nb::dict& d, bool floats_required = true)
+      : d_(d), floats_required_(floats_required) {}
 
   bool When(bool cond) const { return cond; }
 
   template <class T>
   void operator()(const char* key, T& field) const {
     if constexpr (std::is_same_v<T, float>) {
-      field = static_cast<float>(nb::cast<double>(d_[key]));
+      field = floats_required_ || d_.contains(key)
+                  ? static_cast<float>(nb::cast<double>(d_[key])) : 0.0f;
     } else {
       (*this)(key, field, 0);
     }
@@ -160,6 +136,7 @@ class DictReader {
 
  private:
   const nb::dict& d_;
+  bool floats_required_;
 };
 
 // moe_scatter and moe_gather are moe_dispatch's and moe_combine's mode 1: the op says which, no
@@ -171,9 +148,9 @@ void SetMode(int, A*) {}
 
 // Op `op`'s args decoded from a launch dict.
 template <class A>
-A Decode(int op, const nb::dict& d) {
+A Decode(int op, const nb::dict& d, bool floats_required = true) {
   A a{};
-  pk_ffi::VisitFields(DictReader(d), op, a);
+  pk_ffi::VisitFields(DictReader(d, floats_required), op, a);
   SetMode(op, &a);
   return a;
 }
@@ -246,6 +223,21 @@ void EmuLaunch(const std::string& op, int64_t comm_id, int device, uint64_t stre
   pk_ffi::WithLauncher(
       id, [&](auto launch) { Run(launch, id, at, comm_id, args); },
       [&] { throw std::invalid_argument("pk_jax emulator: unknown op '" + op + "'"); });
+}
+
+// The symmetric workspace (bytes per rank) a call of op `op` needs at world size `world`
+// (launch.h WorkspaceNeed, what its launch function checks): `args` holds the call's sizes by
+// its launch field names, as for emu_launch; fields left out read 0.
+uint64_t WorkspaceNeedOf(const std::string& op, const nb::dict& args, int world) {
+  const int id = EmuOp(op);
+  if (world < 1) throw std::invalid_argument("pk_jax: workspace_need: world must be positive");
+  return pk_ffi::WithLauncher(
+      id,
+      [&](auto launch) {
+        return pk_ffi::WorkspaceNeed(id, Decode<decltype(ArgsOf(launch))>(id, args, false),
+                                     world);
+      },
+      [] { return uint64_t{0}; });
 }
 
 // The decoder check, for CPU tests: `args` decoded as EmuLaunch decodes it for op `op`, back as
@@ -389,19 +381,31 @@ void EmuMbarStall(uint64_t stream, uint64_t error_ptr, int op, int rank, uint64_
                                 reinterpret_cast<int32_t*>(error_ptr), op, rank, timeout_ns));
 }
 
-// (target, platform, handler): handler is the execute stage's capsule, or for a communicator
-// handler the dict of its stages {"instantiate": ..., "execute": ...}.
-nb::list Registrations() {
+// (target, platform, handler) for every handler file's PK_FFI_REGISTER, by op id: handler is
+// the execute stage's capsule, or for a communicator op the dict of its stages {"instantiate":
+// ..., "execute": ...}.
+nb::list RegistrationList() {
+  std::vector<pk_ffi::Registration> regs = pk_ffi::Registrations();
+  std::sort(regs.begin(), regs.end(), [](const auto& a, const auto& b) {
+    return a.op != b.op ? a.op < b.op : std::strcmp(a.platform, b.platform) < 0;
+  });
   nb::list out;
-  for (const Registration& r : kRegistrations) {
-    if (!r.comm) {
-      out.append(nb::make_tuple(r.target, r.platform, nb::capsule(r.handler)));
+  for (const pk_ffi::Registration& r : regs) {
+    const pk_ffi::op_table::Op* op = pk_ffi::op_table::Find(r.op);
+    if (op == nullptr || !op->target) {
+      throw std::logic_error(std::string("pk_jax: a handler registered for ") +
+                             pk_ffi::op_table::Name(r.op) + ", which the op table does not "
+                             "list as an FFI target");
+    }
+    const std::string target = std::string("pk_") + op->name;
+    if (!op->comm) {
+      out.append(nb::make_tuple(target, r.platform, nb::capsule(r.handler)));
       continue;
     }
     nb::dict stages;
     stages["instantiate"] = nb::capsule(reinterpret_cast<void*>(PkCommInstantiate));
     stages["execute"] = nb::capsule(r.handler);
-    out.append(nb::make_tuple(r.target, r.platform, stages));
+    out.append(nb::make_tuple(target, r.platform, stages));
   }
   return out;
 }
@@ -422,7 +426,7 @@ int64_t CommStateTypeId() { return pk_ffi::CommState::id.type_id; }
 
 NB_MODULE(_pk_ffi, m) {
   m.doc() = "pk_jax XLA FFI handlers";
-  m.def("registrations", &Registrations,
+  m.def("registrations", &RegistrationList,
         "List of (target_name, platform, handler capsule or dict of stage capsules) for "
         "jax.ffi.register_ffi_target.");
   m.def("op_table", &OpTable,
@@ -452,6 +456,9 @@ NB_MODULE(_pk_ffi, m) {
   m.def("emu_launch", &EmuLaunch, nb::arg("op"), nb::arg("comm_id"), nb::arg("device"),
         nb::arg("stream"), nb::arg("num_sms"), nb::arg("args"),
         "Runs an op's launch function (the one its FFI handler calls) on a stream.");
+  m.def("workspace_need", &WorkspaceNeedOf, nb::arg("op"), nb::arg("args"), nb::arg("world"),
+        "Bytes of symmetric workspace per rank a call of `op` needs at `world` ranks, from its "
+        "launch fields by name (ffi/launch.h WorkspaceNeed, the launch function's own check).");
   m.def("emu_decode", &EmuDecode, nb::arg("op"), nb::arg("args"),
         "Decoder check: args decoded as emu_launch decodes them, as a dict; launches nothing.");
   m.def("ffi_fill_check", &FfiFillCheck, nb::arg("op"), nb::arg("keys"),

@@ -62,9 +62,10 @@ Status MoeComm(const char* op, int op_id, const CommView& v, const int32_t* rank
   return Status::Ok();
 }
 
-// Shape checks shared by dispatch and combine: k slots, capacity rows of row_bytes.
+// Shape checks shared by the MoE launchers: k slots, capacity, and the call's workspace `need`
+// (launch.h WorkspaceNeed), which the message explains as `what`.
 Status CheckRows(const char* op, const CommView& v, int64_t t, int64_t k, int64_t capacity,
-                 int64_t row_bytes) {
+                 uint64_t need, const char* what) {
   if (k < 1 || k > pk::moe::MAX_K) {
     return Invalid(op, "k (slots per token) must be in [1, " + std::to_string(pk::moe::MAX_K) +
                            "], got " + std::to_string(k));
@@ -72,12 +73,10 @@ Status CheckRows(const char* op, const CommView& v, int64_t t, int64_t k, int64_
   if (t < 0 || capacity < 1 || capacity > INT32_MAX || t * k * v.world > INT32_MAX) {
     return Invalid(op, "T k P and capacity must be below 2^31 (capacity at least 1)");
   }
-  const uint64_t need = uint64_t(capacity) * uint64_t(row_bytes);
   if (need > v.workspace_bytes) {
     return Invalid(op, "the symmetric workspace has " + std::to_string(v.workspace_bytes) +
-                           " bytes and this call needs " + std::to_string(need) +
-                           " (capacity x row bytes); call pk.init(mesh, workspace_bytes=...) "
-                           "with at least that.");
+                           " bytes and this call needs " + std::to_string(need) + " (" + what +
+                           "); call pk.init(mesh, workspace_bytes=...) with at least that.");
   }
   return Status::Ok();
 }
@@ -121,7 +120,11 @@ Status LaunchMoeDispatch(const Where& at, const MoeDispatchArgs& a, const CommVi
   }
   if (a.mode != 0 && a.mode != 1) return Invalid(op, "unknown mode " + std::to_string(a.mode));
   const int64_t row_bytes = a.h * ByteWidth(a.dtype);
-  if (Status s = CheckRows(op, v, a.t, a.k, a.capacity, row_bytes); !s.ok()) return s;
+  if (Status s = CheckRows(op, v, a.t, a.k, a.capacity, WorkspaceNeed(kOpMoeDispatch, a, P),
+                           "capacity x row bytes");
+      !s.ok()) {
+    return s;
+  }
   const int unit = UnitBytes(row_bytes, 2, {a.x, a.tokens});
   if (unit == 0) return Invalid(op, "rows and buffers must be 2-byte aligned");
 
@@ -176,7 +179,11 @@ Status LaunchMoeCombine(const Where& at, const MoeCombineArgs& a, const CommView
   if (a.mode != 0 && a.mode != 1) return Invalid(op, "unknown mode " + std::to_string(a.mode));
   const int esize = ByteWidth(a.dtype);
   const int64_t row_bytes = a.h * esize;
-  if (Status s = CheckRows(op, v, a.t, a.k, a.capacity, row_bytes); !s.ok()) return s;
+  if (Status s = CheckRows(op, v, a.t, a.k, a.capacity, WorkspaceNeed(kOpMoeCombine, a, v.world),
+                           "capacity x row bytes");
+      !s.ok()) {
+    return s;
+  }
   const int unit = UnitBytes(row_bytes, esize, {a.y, a.out});
   if (unit == 0) return Invalid(op, "rows and buffers must be aligned to the element size");
 
@@ -264,7 +271,11 @@ Status LaunchMoeDispatchGemm(const Where& at, const MoeDispatchGemmArgs& a, cons
     return Invalid(op, "H and N must be multiples of 8 (16-byte rows)");
   }
   const int64_t row_bytes = a.h * 2;
-  if (Status s = CheckRows(op, v, a.t, a.k, a.capacity, row_bytes); !s.ok()) return s;
+  if (Status s = CheckRows(op, v, a.t, a.k, a.capacity, WorkspaceNeed(kOpMoeDispatchGemm, a, P),
+                           "capacity x row bytes");
+      !s.ok()) {
+    return s;
+  }
   // NOTES: XLA's buffers are at least 16-byte aligned, so every rank takes the same branch.
   if (reinterpret_cast<uintptr_t>(a.x) % 16 != 0) return Invalid(op, "x must be 16-byte aligned");
   const int type = a.dtype == DType::kBF16 ? 0 : 1;
@@ -369,16 +380,14 @@ Status LaunchMoeGemmCombine(const Where& at, const MoeGemmCombineArgs& a, const 
     return Invalid(op, "F and H must be multiples of 8 (16-byte rows)");
   }
   const int64_t row_bytes = a.n * 2;
-  if (Status s = CheckRows(op, v, a.t, a.k, a.capacity, 0); !s.ok()) return s;
+  const uint64_t need = WorkspaceNeed(kOpMoeGemmCombine, a, v.world);
+  if (Status s = CheckRows(op, v, a.t, a.k, a.capacity, need,
+                           "T k x H x 2 for the slot rows + capacity x 8");
+      !s.ok()) {
+    return s;
+  }
   // Workspace: T k slot rows of H, then the inverse map (C x 8 bytes) 256-byte aligned.
   const uint64_t inv_off = (uint64_t(a.t) * a.k * row_bytes + 255) / 256 * 256;
-  const uint64_t need = inv_off + uint64_t(a.capacity) * 8;
-  if (need > v.workspace_bytes) {
-    return Invalid(op, "the symmetric workspace has " + std::to_string(v.workspace_bytes) +
-                           " bytes and this call needs " + std::to_string(need) +
-                           " (T k x H x 2 for the slot rows + capacity x 8); call "
-                           "pk.init(mesh, workspace_bytes=...) with at least that.");
-  }
   const int type = a.dtype == DType::kBF16 ? 0 : 1;
 
   gm::globals g{};
@@ -682,6 +691,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkMoeDispatchGemm, pk_ffi::DispatchGemmCuda,
                                   .Attr<int64_t>("num_experts")                // E
                                   .Attr<int64_t>("capacity"),                  // C
                               PK_FFI_COMM_TRAITS);
+PK_FFI_REGISTER(pk_ffi::kOpMoeDispatchGemm, "CUDA", PkMoeDispatchGemm);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PkMoeDispatch, pk_ffi::DispatchCuda,
                               xla::ffi::Ffi::Bind()
@@ -701,6 +711,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkMoeDispatch, pk_ffi::DispatchCuda,
                                   .Attr<int64_t>("num_experts")                // E
                                   .Attr<int64_t>("capacity"),                  // C
                               PK_FFI_COMM_TRAITS);
+PK_FFI_REGISTER(pk_ffi::kOpMoeDispatch, "CUDA", PkMoeDispatch);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PkMoeScatter, pk_ffi::ScatterCuda,
                               xla::ffi::Ffi::Bind()
@@ -717,6 +728,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkMoeScatter, pk_ffi::ScatterCuda,
                                   .Attr<int64_t>("num_experts")                // E
                                   .Attr<int64_t>("capacity"),                  // C
                               PK_FFI_COMM_TRAITS);
+PK_FFI_REGISTER(pk_ffi::kOpMoeScatter, "CUDA", PkMoeScatter);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PkMoeCombine, pk_ffi::CombineCuda,
                               xla::ffi::Ffi::Bind()
@@ -732,6 +744,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkMoeCombine, pk_ffi::CombineCuda,
                                   .Attr<int64_t>("comm_id")                    // comm_id
                                   .Attr<int64_t>("mode"),   // 0 combine, 1 gather (VJP)
                               PK_FFI_COMM_TRAITS);
+PK_FFI_REGISTER(pk_ffi::kOpMoeCombine, "CUDA", PkMoeCombine);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PkMoeGemmCombine, pk_ffi::GemmCombineCuda,
                               xla::ffi::Ffi::Bind()
@@ -748,3 +761,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkMoeGemmCombine, pk_ffi::GemmCombineCuda,
                                   .Ret<xla::ffi::AnyBuffer>()                  // out [T, H]
                                   .Attr<int64_t>("comm_id"),                   // comm_id
                               PK_FFI_COMM_TRAITS);
+PK_FFI_REGISTER(pk_ffi::kOpMoeGemmCombine, "CUDA", PkMoeGemmCombine);

@@ -146,7 +146,7 @@ struct Op {
   const char* family;  // the stem of its files
   Range slots;         // its range of the signal pad (kNoSlots: no communicator)
   bool comm;           // takes a communicator (pk.init's symmetric memory)
-  bool target;         // the module registers the FFI target pk_<name> (module.cc)
+  bool target;         // an FFI target pk_<name> (its handler file's PK_FFI_REGISTER)
   bool emu;            // the rank emulator runs it (its launch function: launch.h WithLauncher)
   int record_id;       // the id its kernels write into the error record
 };

@@ -33,9 +33,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkPing, pk_ffi::PingCuda,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // rank
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),       // y
                               PK_FFI_CUDA_TRAITS);
+PK_FFI_REGISTER(pk_ffi::kOpPing, "CUDA", PkPing);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PkPingCpu, pk_ffi::PingCpu,
                               xla::ffi::Ffi::Bind()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // x
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // rank
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());  // y
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());
+PK_FFI_REGISTER(pk_ffi::kOpPing, "cpu", PkPingCpu);  // y

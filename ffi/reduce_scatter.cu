@@ -56,3 +56,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkReduceScatter, pk_ffi::ReduceScatterCuda,
                                   .Attr<int64_t>("comm_id")                       // comm_id
                                   .Attr<int64_t>("run"),  // run: elements of one slice row,
                               PK_FFI_COMM_TRAITS);
+PK_FFI_REGISTER(pk_ffi::kOpReduceScatter, "CUDA", PkReduceScatter);

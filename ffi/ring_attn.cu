@@ -31,13 +31,13 @@ Status LaunchRingAttn(const Where& at, const RingAttnArgs& a, const CommView& v)
                        "sizes too large (batch and heads below 65536, S * H * D below 2^31).");
   }
   const int P = v.world;
-  const uint64_t block_bytes = uint64_t(a.b) * a.s * a.hkv * a.d * 2;
-  if (Status s = sp::WorkspaceCheck(kOp, 2 * uint64_t(P - 1) * block_bytes, v.workspace_bytes,
-                                    "2 (P-1) K/V blocks");
+  if (Status s = sp::WorkspaceCheck(kOp, WorkspaceNeed(kOpRingAttn, a, P),
+                                    v.workspace_bytes, "2 (P-1) K/V blocks");
       !s.ok()) {
     return s;
   }
   if (sp::Empty(a)) return Status::Ok();
+  const uint64_t block_bytes = uint64_t(a.b) * a.s * a.hkv * a.d * 2;
 
   ra::globals g{};
   tp::View(kOpRingAttn, op_table::kRingSlots.base, v, a.rank, &g.c);
@@ -116,3 +116,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkRingAttn, pk_ffi::RingAttnCuda,
                                   .Attr<int64_t>("zigzag")                 // 1: zigzag layout
                                   .Attr<int64_t>("num_comm_sms"),          // comm blocks
                               PK_FFI_COMM_TRAITS);
+PK_FFI_REGISTER(pk_ffi::kOpRingAttn, "CUDA", PkRingAttn);

@@ -14,14 +14,6 @@ constexpr char kFamily[] = "ring_attention";  // the name in BindComm's and the 
 
 }  // namespace
 
-uint64_t RingAttnBwdWorkspace(int64_t b, int64_t s, int64_t h, int64_t hkv, int64_t d,
-                              int world) {
-  const uint64_t block_bytes = uint64_t(b) * s * hkv * d * 2;
-  const uint64_t items = uint64_t((s + 127) / 128) * hkv * b;
-  return 2 * uint64_t(world - 1) * block_bytes + uint64_t(world) * items * 2 * 128 * d * 4 +
-         uint64_t(b) * s * h * d * 4;
-}
-
 Status LaunchRingAttnBwd(const Where& at, const RingAttnBwdArgs& a, const CommView& v) {
   if (Status s = sp::CheckComm(kOp, op_table::kRingSlots, v); !s.ok()) return s;
   if (v.world < 2) return sp::Invalid(kOp, "the fused backward needs at least 2 ranks.");
@@ -46,7 +38,7 @@ Status LaunchRingAttnBwd(const Where& at, const RingAttnBwdArgs& a, const CommVi
   }
   const uint64_t block_bytes = uint64_t(a.b) * a.s * a.hkv * a.d * 2;
   if (Status s = sp::WorkspaceCheck(
-          kOp, RingAttnBwdWorkspace(a.b, a.s, a.h, a.hkv, a.d, P), v.workspace_bytes,
+          kOp, WorkspaceNeed(kOpRingAttnBwd, a, P), v.workspace_bytes,
           "2 (P-1) K/V blocks, P fp32 dK/dV blocks and an fp32 dQ");
       !s.ok()) {
     return s;
@@ -160,3 +152,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkRingAttnBwd, pk_ffi::RingAttnBwdCuda,
                                   .Attr<int64_t>("zigzag")                 // 1: zigzag layout
                                   .Attr<int64_t>("num_comm_sms"),          // comm blocks
                               PK_FFI_COMM_TRAITS);
+PK_FFI_REGISTER(pk_ffi::kOpRingAttnBwd, "CUDA", PkRingAttnBwd);

@@ -53,7 +53,7 @@ Status RowSplitGemm(const char* op, int op_id, const Where& at, const GemmArgs& 
   }
 
   const int64_t mp = GATHER ? (m + world - 1) / world : m / world;
-  const uint64_t owner_bytes = uint64_t(mp) * uint64_t(n) * 2;  // 16-byte multiple: n % 8 == 0
+  const uint64_t owner_bytes = WorkspaceNeed(op_id, a, world);  // 16-byte multiple: n % 8 == 0
   if (Status s = WorkspaceCheck(op, owner_bytes, v.workspace_bytes); !s.ok()) return s;
   pk::gemm_rs::globals g;
   std::memset(&g, 0, sizeof(g));

@@ -32,6 +32,10 @@ Status CheckUlysses(const std::string& op, DType dtype, int64_t d, int64_t h, in
   return sp::CheckCommSms(op, num_comm_sms);
 }
 
+uint64_t WorkspaceNeed(int, const UlyssesAttnArgs& a, int world) {
+  return ua::make_layout(world, a.b, a.s, a.h, a.hkv, a.d).total;
+}
+
 Status LaunchUlyssesAttn(const Where& at, const UlyssesAttnArgs& a, const CommView& v) {
   if (Status s = CheckUlysses(kOp, a.dtype, a.d, a.h, a.hkv, a.num_comm_sms, v); !s.ok()) {
     return s;
@@ -44,7 +48,8 @@ Status LaunchUlyssesAttn(const Where& at, const UlyssesAttnArgs& a, const CommVi
         kOp, "sizes too large (P * batch and heads below 65536, S * H * D below 2^31).");
   }
   const ua::layout ws = ua::make_layout(P, a.b, a.s, a.h, a.hkv, a.d);
-  if (Status s = sp::WorkspaceCheck(kOp, ws.total, v.workspace_bytes,
+  if (Status s = sp::WorkspaceCheck(kOp, WorkspaceNeed(kOpUlyssesAttn, a, P),
+                                    v.workspace_bytes,
                                     "head-group copies of q, k, v, the output and lse");
       !s.ok()) {
     return s;
@@ -133,3 +138,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkUlyssesAttn, pk_ffi::UlyssesAttnCuda,
                                   .Attr<int64_t>("causal")                 // 1: causal mask
                                   .Attr<int64_t>("num_comm_sms"),          // comm blocks
                               PK_FFI_COMM_TRAITS);
+PK_FFI_REGISTER(pk_ffi::kOpUlyssesAttn, "CUDA", PkUlyssesAttn);

@@ -13,6 +13,10 @@ constexpr char kFamily[] = "ulysses_attention";  // the name in BindComm's and t
 
 }  // namespace
 
+uint64_t WorkspaceNeed(int, const UlyssesAttnBwdArgs& a, int world) {
+  return ub::make_layout(world, a.b, a.s, a.h, a.hkv, a.d).total;
+}
+
 Status LaunchUlyssesAttnBwd(const Where& at, const UlyssesAttnBwdArgs& a, const CommView& v) {
   if (Status s = CheckUlysses(kOp, a.dtype, a.d, a.h, a.hkv, a.num_comm_sms, v); !s.ok()) {
     return s;
@@ -27,7 +31,8 @@ Status LaunchUlyssesAttnBwd(const Where& at, const UlyssesAttnBwdArgs& a, const 
         kOp, "sizes too large (batch and heads below 65536, B * S * H/P * D below 2^31).");
   }
   const ub::layout ws = ub::make_layout(P, a.b, a.s, a.h, a.hkv, a.d);
-  if (Status s = sp::WorkspaceCheck(kOp, ws.total, v.workspace_bytes,
+  if (Status s = sp::WorkspaceCheck(kOp, WorkspaceNeed(kOpUlyssesAttnBwd, a, P),
+                                    v.workspace_bytes,
                                     "the head group's dO, delta, float32 dq and dk, dv");
       !s.ok()) {
     return s;
@@ -151,3 +156,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkUlyssesAttnBwd, pk_ffi::UlyssesAttnBwdCuda,
                                   .Attr<int64_t>("causal")                 // 1: causal mask
                                   .Attr<int64_t>("num_comm_sms"),          // comm blocks
                               PK_FFI_COMM_TRAITS);
+PK_FFI_REGISTER(pk_ffi::kOpUlyssesAttnBwd, "CUDA", PkUlyssesAttnBwd);

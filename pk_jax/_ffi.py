@@ -13,6 +13,7 @@ import pathlib
 import threading
 
 import jax
+import numpy as np
 
 MODULE = "pk_jax._pk_ffi"
 BUILD_HINT = ("To build it, reinstall on a machine with nvcc (CUDA 12.4 or newer): "
@@ -97,6 +98,21 @@ def registrations() -> list[tuple[str, str, object]]:
     instantiate stage once per executable and it binds the communicator then.
     """
     return list(_pk_ffi.registrations()) if HAS_CUDA else []
+
+
+def workspace_need(op: str, world: int, **sizes: int) -> int:
+    """Bytes of symmetric workspace per device one call of FFI op `op` needs at `world` ranks.
+
+    The op's launch function checks the communicator's workspace against the same C++ function
+    (ffi/launch.h `WorkspaceNeed`), so the trace-time check and the launch agree. `sizes` are
+    the call's launch fields by name (`_pk_ffi.op_fields()`); those left out read 0; `dtype`
+    may be given as a dtype. Only on the kernel path, which needs the extension.
+    """
+    if "dtype" in sizes:
+        from pk_jax import _op_table
+
+        sizes["dtype"] = _op_table.DTYPES[np.dtype(sizes["dtype"]).name]
+    return int(_pk_ffi.workspace_need(op, sizes, world))
 
 
 def targets(platform: str = "CUDA") -> set[str]:

@@ -148,3 +148,14 @@ def _fresh_pk_state():
     pk_jax.shutdown()
     yield
     pk_jax.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def _workspace_need_without_extension(monkeypatch):
+    """Without the extension no kernel runs, but the tests that stand in for the kernels
+    (tests/util.py stand_in_kernels and the like) still trace the kernel paths, whose workspace
+    need is the extension's (ffi/launch.h WorkspaceNeed through `_ffi.workspace_need`). There
+    it reads as 0; the tests of the need itself and of a workspace too small for it are
+    `needs_ext`."""
+    if not pk_jax.HAS_CUDA:
+        monkeypatch.setattr(pk_jax._ffi, "workspace_need", lambda op, world, **sizes: 0)

@@ -316,6 +316,7 @@ def test_kernel_path_vjps_against_model(kernel_path, p, t, k, h, experts, capaci
     assert "moe_dispatch" in kernel_path and "moe_combine" in kernel_path
 
 
+@pytest.mark.needs_ext  # the workspace need is the extension's (ffi/launch.h)
 def test_kernel_path_workspace_too_small_names_the_setting(kernel_path, monkeypatch):
     from pk_jax.runtime import state
 
@@ -453,6 +454,7 @@ def _counting_gemm_combine(monkeypatch) -> list:
     return taken
 
 
+@pytest.mark.needs_ext  # the workspace need is the extension's (ffi/launch.h)
 @pytest.mark.parametrize("mode,decided,fused", [("auto", "fused", True), ("auto", "serial", False),
                                                 ("1", "serial", True), ("0", "fused", False)])
 def test_gemm_combine_default_is_the_deciders(kernel_path, monkeypatch, mode, decided, fused):

@@ -365,6 +365,7 @@ def test_zigzag_errors():
         ring(mesh, *qkv((1, 8, 2, 8), np.float32), layout="striped")
 
 
+@pytest.mark.needs_ext  # the workspace need is the extension's (ffi/launch.h)
 def test_fused_kernel_takes_what_it_compiles():
     """The fused forward (pk_ring_attn) takes P > 1, bf16/fp16 and head dims 64/128; it needs
     2 (P - 1) K/V blocks of workspace. Everything else, and every CPU mesh, runs the reference

@@ -425,6 +425,7 @@ def test_kernel_backward_exchanges(monkeypatch):
     assert targets.count("pk_all_to_all") == 8, targets
 
 
+@pytest.mark.needs_ext  # the workspace need is the extension's (ffi/launch.h)
 def test_fused_kernel_takes_what_it_compiles(monkeypatch):
     """bf16/fp16, head dims 64/128, P > 1; anything else runs the reference. The workspace
     need is the kernel's layout; too small a workspace is a trace-time ValueError naming
@@ -669,6 +670,7 @@ def test_fused_bwd_typing_on_2d_mesh_with_q_replicated_over_dp(monkeypatch):
         "pk_attention", "pk_ulysses_attn_bwd"], calls
 
 
+@pytest.mark.needs_ext  # the workspace need is the extension's (ffi/launch.h)
 def test_fused_bwd_takes_what_it_compiles(monkeypatch):
     """The fused backward's workspace need is its kernel's layout; too small a workspace is a
     ValueError naming workspace_bytes when the forward is traced (no gradient asked for);

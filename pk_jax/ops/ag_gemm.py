@@ -17,6 +17,8 @@ from pk_jax.ops import _tp, _vjp
 from pk_jax.ops import matmul as _mm
 from pk_jax.runtime import state
 
+__all__ = ["all_gather_gemm"]  # exported by pk_jax/__init__.py
+
 STEM = "ag_gemm"
 NAME = "all_gather_gemm"  # the public name, used in error messages
 
@@ -89,7 +91,8 @@ def _fused(x: jax.Array, w: jax.Array, axis_name: str, num_comm_sms: int):
     p = jax.lax.axis_size(axis_name)
     mp, k, n = x.shape[0], x.shape[1], w.shape[1]
     w, n_pad = _tp.pad_n(w)
-    _tp.check_workspace(NAME, mp * k * x.dtype.itemsize, f"staging its [{mp}, {k}] shard")
+    _tp.check_workspace(NAME, _ffi.workspace_need("ag_gemm", p, m=mp, k=k),
+                        f"staging its [{mp}, {k}] shard")
     # NOTES: the results vary along axis_name and every axis x or w varies along, which is
     # _ffi.call's default out_vma once the rank operand (varying along axis_name) is passed.
     y, x_full = _ffi.call(

@@ -9,6 +9,8 @@ from pk_jax import _backend, _checks, _ffi
 from pk_jax.ops import _vjp
 from pk_jax.runtime import state
 
+__all__ = ["all_reduce"]  # exported by pk_jax/__init__.py
+
 STEM = "all_reduce"
 ALGORITHMS = {"auto": 0, "one_shot": 1, "two_shot": 2}
 

@@ -12,6 +12,8 @@ from pk_jax import _backend, _checks, _ffi
 from pk_jax.ops import _vjp
 from pk_jax.runtime import state
 
+__all__ = ["all_to_all"]  # exported by pk_jax/__init__.py
+
 STEM = "all_to_all"
 
 

@@ -25,6 +25,8 @@ from pk_jax import _backend, _checks, _ffi
 from pk_jax.ops import _attention, _vjp
 from pk_jax.ops._attention import SegmentIds
 
+__all__ = ["SegmentIds", "attention"]  # exported by pk_jax/__init__.py
+
 NAME = "attention"
 
 

@@ -13,6 +13,8 @@ from pk_jax.ops import _tp, _vjp
 from pk_jax.ops import matmul as _mm
 from pk_jax.runtime import state
 
+__all__ = ["gemm_all_reduce"]  # exported by pk_jax/__init__.py
+
 STEM = "gemm_ar"
 NAME = "gemm_all_reduce"  # the public name, used in error messages
 
@@ -67,7 +69,7 @@ def gemm_ar_impl(x: jax.Array, w: jax.Array, axis_name: str) -> jax.Array:
         return ar.kernel(_mm.cuda_matmul(x, w), axis_name, 0)
     w, n_pad = _tp.pad_n(w)
     mp = -(-m // p)
-    _tp.check_workspace(NAME, mp * n_pad * x.dtype.itemsize,
+    _tp.check_workspace(NAME, _ffi.workspace_need("gemm_ar", p, m=m, n=n_pad),
                         f"its [{mp}, {n_pad}] accumulation buffer")
     # NOTES: like psum, the result is invariant along axis_name.
     y = _ffi.call("pk_gemm_ar", jax.ShapeDtypeStruct((m, n_pad), x.dtype), x, w,

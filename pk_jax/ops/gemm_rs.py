@@ -17,6 +17,8 @@ from pk_jax.ops import _tp, _vjp
 from pk_jax.ops import matmul as _mm
 from pk_jax.runtime import state
 
+__all__ = ["gemm_reduce_scatter"]  # exported by pk_jax/__init__.py
+
 STEM = "gemm_rs"
 NAME = "gemm_reduce_scatter"  # the public name, used in error messages
 
@@ -80,7 +82,7 @@ def gemm_rs_impl(x: jax.Array, w: jax.Array, axis_name: str) -> jax.Array:
 
         return rs.kernel(_mm.cuda_matmul(x, w), axis_name, 0)
     w, n_pad = _tp.pad_n(w)
-    _tp.check_workspace(NAME, (m // p) * n_pad * x.dtype.itemsize,
+    _tp.check_workspace(NAME, _ffi.workspace_need("gemm_rs", p, m=m, n=n_pad),
                         f"its [{m // p}, {n_pad}] accumulation buffer")
     # NOTES: the result varies along axis_name and every axis x or w varies along, which is
     # _ffi.call's default out_vma once the rank operand (varying along axis_name) is passed.

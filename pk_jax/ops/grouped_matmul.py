@@ -14,6 +14,8 @@ import numpy as np
 from pk_jax import _backend, _checks, _ffi
 from pk_jax.ops import _vjp
 
+__all__ = ["grouped_matmul"]  # exported by pk_jax/__init__.py
+
 STEM = "grouped_matmul"
 
 # Kernel modes (cuda/kernels/grouped_matmul.cuh, enum mode_id).

@@ -13,6 +13,8 @@ from pk_jax import _backend, _checks, _ffi
 from pk_jax.ops import _vjp
 from pk_jax.runtime import state
 
+__all__ = ["matmul"]  # exported by pk_jax/__init__.py
+
 STEM = "matmul"
 
 

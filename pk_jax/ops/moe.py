@@ -44,6 +44,9 @@ from pk_jax.ops import _tp, _vjp
 from pk_jax.ops.grouped_matmul import grouped_matmul as pk_grouped_matmul
 from pk_jax.runtime import state
 
+# exported by pk_jax/__init__.py
+__all__ = ["moe_combine", "moe_dispatch", "moe_dispatch_gemm", "moe_gemm_combine"]
+
 # Limits of the kernels (cuda/kernels/moe.cuh: MAX_PEERS, MAX_EXPERTS, MAX_K, MAX_COUNTS);
 # outside them the reference runs.
 KERNEL_MAX_PEERS = 16
@@ -139,7 +142,9 @@ def moe_dispatch(x: jax.Array, expert_ids: jax.Array, axis_name: str, *, num_exp
     p = _checks.axis_size("moe_dispatch", axis_name)
     _check_dispatch(x, expert_ids, p, num_experts, capacity)
     if _dispatch_kernel_applies(x, expert_ids, p, num_experts, capacity, axis_name):
-        _tp.check_workspace("moe_dispatch", capacity * x.shape[1] * x.dtype.itemsize,
+        _tp.check_workspace("moe_dispatch", _ffi.workspace_need(
+                                "moe_dispatch", p, dtype=x.dtype, h=x.shape[1],
+                                capacity=capacity),
                             f"its [{capacity}, {x.shape[1]}] rows received from every rank")
         tokens, sizes, dest, pos, dropped, received = _dispatch_k(
             x, expert_ids, axis_name, num_experts, capacity)
@@ -193,7 +198,9 @@ def moe_combine(y: jax.Array, weights: jax.Array, handle: MoeHandle,
             f"{tuple(handle.position.shape)}; got y {tuple(y.shape)}, weights "
             f"{tuple(weights.shape)}.")
     if _combine_kernel_applies(y, weights, p, axis_name):
-        _tp.check_workspace("moe_combine", y.shape[0] * y.shape[1] * y.dtype.itemsize,
+        _tp.check_workspace("moe_combine", _ffi.workspace_need(
+                                "moe_combine", p, dtype=y.dtype, h=y.shape[1],
+                                capacity=y.shape[0]),
                             f"its [{y.shape[0]}, {y.shape[1]}] expert outputs, staged for the "
                             "tokens' ranks")
         return _combine_k(y, weights, handle.dest_rank, handle.position, handle.group_sizes,
@@ -239,9 +246,10 @@ def moe_dispatch_gemm(x: jax.Array, expert_ids: jax.Array, w1: jax.Array, axis_n
     """
     p = _checks.axis_size("moe_dispatch_gemm", axis_name)
     _check_dispatch(x, expert_ids, p, num_experts, capacity)
-    need = capacity * x.shape[1] * x.dtype.itemsize
-    if (_fused_applies(x, expert_ids, w1, p, num_experts, capacity, axis_name)
-            and not (_fused_by_default() and need > state.workspace_bytes())):
+    fused = _fused_applies(x, expert_ids, w1, p, num_experts, capacity, axis_name)
+    need = _ffi.workspace_need("moe_dispatch_gemm", p, h=x.shape[1],
+                               capacity=capacity) if fused else 0
+    if fused and not (_fused_by_default() and need > state.workspace_bytes()):
         _tp.check_workspace("moe_dispatch_gemm", need,
                             f"its [{capacity}, {x.shape[1]}] rows received from every rank")
         h, sizes, dest, pos, dropped, received = _dispatch_gemm_k(
@@ -280,7 +288,8 @@ def moe_gemm_combine(h: jax.Array, w2: jax.Array, weights: jax.Array, handle: Mo
     p = _checks.axis_size("moe_gemm_combine", axis_name)
     if _gemm_combine_applies(h, w2, weights, handle, p, axis_name):
         t, k = weights.shape
-        need = -(-t * k * w2.shape[2] * h.dtype.itemsize // 256) * 256 + h.shape[0] * 8
+        need = _ffi.workspace_need("moe_gemm_combine", p, t=t, k=k, n=w2.shape[2],
+                                   capacity=h.shape[0])
         if not (_fused_by_default() and need > state.workspace_bytes()):
             _tp.check_workspace("moe_gemm_combine", need,
                                 f"its [{t} x {k}, {w2.shape[2]}] expert rows received for its "

@@ -12,6 +12,8 @@ from pk_jax import _backend, _checks, _ffi
 from pk_jax.ops import _vjp
 from pk_jax.runtime import state
 
+__all__ = ["reduce_scatter"]  # exported by pk_jax/__init__.py
+
 STEM = "reduce_scatter"
 
 

@@ -60,6 +60,8 @@ from pk_jax.ops import _attention, _tp, _vjp
 from pk_jax.ops import attention as _attention_op
 from pk_jax.runtime import state
 
+__all__ = ["ring_attention", "zigzag_indices"]  # exported by pk_jax/__init__.py
+
 STEM = "ring_attn"
 NAME = "ring_attention"  # the public name, used in error messages
 
@@ -224,17 +226,18 @@ def kernel_supports(q: jax.Array, k: jax.Array, p: int) -> bool:
 
 
 def workspace_need(k: jax.Array, p: int) -> int:
-    """Bytes of symmetric workspace the kernel uses: P - 1 K blocks and P - 1 V blocks."""
-    return 2 * (p - 1) * int(np.prod(k.shape)) * k.dtype.itemsize
+    """Bytes of symmetric workspace the kernel uses: P - 1 K blocks and P - 1 V blocks
+    (ffi/launch.h WorkspaceNeed, which the launch function checks too)."""
+    b, s, hkv, d = k.shape
+    return _ffi.workspace_need("ring_attn", p, b=b, s=s, hkv=hkv, d=d)
 
 
 def workspace_need_bwd(q: jax.Array, k: jax.Array, p: int) -> int:
     """Bytes of symmetric workspace the fused backward uses: the forward's P - 1 K and V
     blocks, then P fp32 dK/dV blocks of ceil(S/P / 128) 128-row tiles per K/V head and batch,
-    then an fp32 dQ of q's shape (ffi/ring_attn_bwd.cu RingAttnBwdWorkspace)."""
+    then an fp32 dQ of q's shape (ffi/launch.h WorkspaceNeed)."""
     b, s, hkv, d = k.shape
-    tiles = -(-s // 128) * hkv * b
-    return workspace_need(k, p) + p * tiles * 2 * 128 * d * 4 + int(np.prod(q.shape)) * 4
+    return _ffi.workspace_need("ring_attn_bwd", p, b=b, s=s, h=q.shape[2], hkv=hkv, d=d)
 
 
 def _kernel_call(q, k, v, axis_name, causal, scale, zigzag):

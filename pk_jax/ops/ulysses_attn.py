@@ -68,6 +68,8 @@ from pk_jax.ops import attention as _attention_op
 from pk_jax.ops.all_to_all import all_to_all
 from pk_jax.runtime import state
 
+__all__ = ["ulysses_attention"]  # exported by pk_jax/__init__.py
+
 STEM = "ulysses_attn"
 NAME = "ulysses_attention"  # the public name, used in error messages
 
@@ -349,27 +351,22 @@ def kv_repeats(hkv: int, p: int) -> int:
 
 
 def workspace_need(q: jax.Array, k: jax.Array, p: int) -> int:
-    """Bytes of symmetric workspace the kernel uses (ulysses_attn::make_layout): q's and the
-    output's head-group copies (each the size of q), k's and v's (each the size of k, with the
-    heads the kernel is given), and lse, each section rounded up to 1 KiB."""
-    up = lambda x: -(-x // 1024) * 1024
+    """Bytes of symmetric workspace the kernel uses (ulysses_attn::make_layout, through
+    ffi/launch.h WorkspaceNeed): q's and the output's head-group copies (each the size of q),
+    k's and v's (each the size of k, with the heads the kernel is given), and lse, each
+    section rounded up to 1 KiB."""
     b, s, h, d = q.shape
-    qb = b * s * h * d * 2
-    kb = int(np.prod(k.shape)) * 2
-    return up(up(up(up(up(qb) + kb) + kb) + qb) + b * h * s * 4)
+    return _ffi.workspace_need("ulysses_attn", p, b=b, s=s, h=h, hkv=k.shape[2], d=d)
 
 
 def fused_bwd_workspace_need(q: jax.Array, k: jax.Array, p: int) -> int:
-    """Bytes of symmetric workspace the fused backward uses (ulysses_attn_bwd::make_layout):
-    the head group's dO (the size of q), its delta rows (float32 [B, H/P, S] padded to whole
-    128-row tiles), float32 dq (twice the size of q), dk and dv (each the size of k, with the
-    heads the kernel is given), each section rounded up to 1 KiB."""
-    up = lambda x: -(-x // 1024) * 1024
+    """Bytes of symmetric workspace the fused backward uses (ulysses_attn_bwd::make_layout,
+    through ffi/launch.h WorkspaceNeed): the head group's dO (the size of q), its delta rows
+    (float32 [B, H/P, S] padded to whole 128-row tiles), float32 dq (twice the size of q), dk
+    and dv (each the size of k, with the heads the kernel is given), each section rounded up
+    to 1 KiB."""
     b, s, h, d = q.shape
-    qb = b * s * h * d * 2
-    kb = int(np.prod(k.shape)) * 2
-    stats = b * (h // p) * (-(-(s * p) // 128) * 128) * 4
-    return up(up(up(up(up(qb) + stats) + 2 * qb) + kb) + kb)
+    return _ffi.workspace_need("ulysses_attn_bwd", p, b=b, s=s, h=h, hkv=k.shape[2], d=d)
 
 
 def _repeat(x: jax.Array, rep: int) -> jax.Array:

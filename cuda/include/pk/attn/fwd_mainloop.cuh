@@ -56,8 +56,6 @@ struct fwd_config {
     kv_tile k[STAGES];
     kv_tile v[STAGES];
     mbarrier q_full, k_full[STAGES], v_full[STAGES];
-    mbarrier empty[STAGES];  // unused (fwd_block frees stages by release_stage); kept, so that
-                             // fwd_kernel's machine code stays the one measured
     int released[STAGES];    // see release_stage
     int released_v[STAGES];  // fwd_block with SPLIT_RELEASE: V's (released: K's)
   };
