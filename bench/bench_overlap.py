@@ -30,8 +30,9 @@ sms_per_rank: a projection to one GPU of the node, labelled so).
     CUDA_MODULE_LOADING=EAGER python bench/bench_overlap.py [--worlds 2,4,8] [--ops ...]
         [--quick] [--cases FILE] [--tag TAG] [--workspace-mib 1024]
 
---cases reads a JSON list of {"op", "pass", "world", "shape"} (bench/results/decider_cases.json)
-and runs exactly those, rows tagged with --tag.
+--cases reads a JSON list of {"op", "pass", "world", "shape"} (bench/results/decider_cases.json,
+decider_cases_2.json) and runs exactly those, rows tagged with --tag, by default the file's
+"tag" (else "overlap").
 """
 
 from __future__ import annotations
@@ -682,13 +683,17 @@ def main() -> None:
     ap.add_argument("--ops", default=",".join(PASSES), help="comma-separated op stems")
     ap.add_argument("--quick", action="store_true", help="fewer K and sequence lengths")
     ap.add_argument("--cases", default=None, help="a JSON list of cases to run instead")
-    ap.add_argument("--tag", default="overlap", help="the rows' tag")
+    ap.add_argument("--tag", default=None,
+                    help="the rows' tag (default: the cases file's \"tag\", else overlap)")
     ap.add_argument("--workspace-mib", type=int, default=1024)
     args = ap.parse_args()
     which = set(args.ops.split(","))
+    tag = args.tag or "overlap"
     if args.cases:
         with open(args.cases) as f:
-            listed = json.load(f)["cases"]
+            spec = json.load(f)
+        listed = spec["cases"]
+        tag = args.tag or spec.get("tag", "overlap")
     rows: list = []
     failed: list[str] = []
     t0 = time.monotonic()
@@ -706,7 +711,7 @@ def main() -> None:
                   f"{world.scale['link_gbps']} GB/s per rank (1750 FLOP/B)", flush=True)
             for c in cases:
                 try:
-                    measure(world, c["op"], c["shape"], rng, args.tag, rows)
+                    measure(world, c["op"], c["shape"], rng, tag, rows)
                 except WrongResult as e:
                     failed.append(f"P={p} {c['op']} {c['shape']}: {e}")
                     print(f"WRONG: {failed[-1]}", flush=True)

@@ -9,9 +9,9 @@ their commit picked; this recomputes it, so a model change can be judged on reco
 
 Prints one line per case and the summary: how often the model picks the faster mode, and
 whether every fused pick was faster. First it derives the margin "auto" needs before it picks
-fused (cost_model.FUSED_MARGIN, per op) from data that are not these cases: the model's error on
-each fused kernel's time in the P = 1 rows of bench_tp on the H200 (`fused_margin`). Runs anywhere
-(no GPU).
+fused (cost_model.FUSED_MARGIN, ag_gemm's; gemm_rs and gemm_ar take the overlap form's margin)
+from data that are not these cases: the model's error on each fused kernel's time in the P = 1
+rows of bench_tp on the H200 (`fused_margin`). Runs anywhere (no GPU).
 """
 
 from __future__ import annotations
@@ -138,9 +138,12 @@ def main() -> None:
         print(f"P=1 fused {op:8s} {s['m']}x{s['n']}x{s['k']:<5d} ({commit}): measured "
               f"{meas:8.1f} us predicted {pred:8.1f} us: {meas / pred - 1:+.3f}")
     for op in OPS:
+        margin = (f"cost_model.FUSED_MARGIN[{op!r}] = {cost_model.FUSED_MARGIN[op]}"
+                  if op in cost_model.FUSED_MARGIN else
+                  f"auto's margin at P > 1 is the overlap form's, {cost_model.margin(op)}")
         print(f"the model's largest error on {op}'s fused time at P = 1: "
               f"{fused_margin(op, errs):.3f} over {sum(e[0] == op for e in errs)} rows "
-              f"(cost_model.FUSED_MARGIN[{op!r}] = {cost_model.FUSED_MARGIN[op]})")
+              f"({margin})")
     print()
     right = picks = bad_picks = total = 0
     for op in OPS:

@@ -18,32 +18,36 @@ contraction length each device multiplies, N = output columns):
 - T_comp: 2 M N K / (peak x GEMM efficiency x compute SMs / SMs), and for the fused kernels
   x FUSED_EFFICIENCY (their GEMM rate against pk.matmul's, measured at P = 1).
 - T_mem: the GEMM's HBM traffic (A, B once, C once) / HBM bandwidth.
-- T_comm: what crosses NVLink while the GEMM runs: gemm_rs and gemm_ar push (P-1)/P of the
-  M x N partial product to its owners; ag_gemm's communication SMs copy M/P x K rows into the
-  workspace (P > 1) and the other ranks' (P-1) M/P x K rows into the gathered x over NVLink
-  (none at P = 1): the slower of the NVLink part and everything at num_comm_sms x the per-SM
-  copy bandwidth. At P > 1 GATHER_EXPOSED (half) of ag_gemm's T_comm is also counted in
-  T_non_overlap: measured in the rank emulator, its fused kernel hides only part of it.
+- T_comm: what crosses NVLink while the GEMM runs: ag_gemm's communication SMs copy M/P x K
+  rows into the workspace (P > 1) and the other ranks' (P-1) M/P x K rows into the gathered x
+  over NVLink (none at P = 1): the slower of the NVLink part and everything at num_comm_sms x
+  the per-SM copy bandwidth. At P > 1 GATHER_EXPOSED (half) of ag_gemm's T_comm is also counted
+  in T_non_overlap: measured in the rank emulator, its fused kernel hides only part of it.
 - ag_gemm's own M/P x K rows of the gathered x (at P = 1 all of it): an HBM read and write in
   T_mem; the communication SMs copy them during the GEMM (T_comp), and what they have not
   copied by then is copied by every SM after the last tile, at the copy rate, in T_non_overlap.
   Too few communication SMs leave much of it to that tail; too many cost the GEMM SMs.
-- T_non_overlap: work before the first or after the last tile: gemm_rs zeroes its owner buffer
-  and copies it out (3 M/P N bytes of HBM at the copy rate) plus the last wave's pushes;
-  gemm_ar also gathers every owner's rows ((P-1)/P M N over NVLink, M N of HBM writes at the
-  copy rate); ag_gemm waits for the first remote row block (none at P = 1) and copies the rest
-  of its own rows (above). At P = 1 (fused forced) gemm_rs and gemm_ar store their tiles
-  straight into y (no owner buffer, no enter or leave kernel): none of it.
+- T_non_overlap: work before the first or after the last tile: ag_gemm waits for the first
+  remote row block (none at P = 1) and copies the rest of its own rows (above). At P = 1 (fused
+  forced) gemm_rs and gemm_ar store their tiles straight into y (no owner buffer, no enter or
+  leave kernel): none of it.
 - T_sync: barriers x one NVLink round trip; T_launch: kernels x launch cost.
+- gemm_rs and gemm_ar at P > 1 take the form of the sequence- and expert-parallel ops below:
+  T_comp = max(T_comp, T_mem) of pk.matmul, T_comm = the serial path's collective, and
+  T_non_overlap = a T_comp + b T_comm (FUSED_OVERHEAD[op] = (a, b), fitted on the rank
+  emulator's scale-model rows): what the fused kernel adds to its GEMM (its pushes from the
+  epilogue, the owner buffer's zero-fill and copy-out, the flags) and what it leaves exposed of
+  the collective.
 
 "serial" is T_launch + max(T_comp, T_mem) at all SMs + the collective as pk's collective engine
 runs it (`collective_phases`): a staging copy into the symmetric workspace, then the pulls from
 the peers, each phase at the slower of its HBM traffic at the copy rate and its peer bytes over
-NVLink.
+NVLink, and never less than COLLECTIVE_FLOOR_US a call.
 
 "auto" (P > 1) runs fused only where the model predicts it faster than serial by more than its
-own measured error on that op's fused times (FUSED_MARGIN[op]): a near-tie goes to the simpler
-serial path.
+own error (`margin`: for ag_gemm its measured error on the fused kernel's time,
+FUSED_MARGIN[op]; for the overlap form, OVERLAP_MARGIN): a near-tie goes to the simpler serial
+path.
 
 Overrides: the context manager `override(mode=..., num_comm_sms=...)`, which is part of what
 jit caches on (a jitted function called inside and outside the block is traced for each), or
@@ -104,19 +108,18 @@ COMM_SMS_CANDIDATES = (2, 4, 8, 12, 16, 20, 24, 32)
 # measured: bench/results/tp_notes.md, "Measurements moved from code comments (issue 37)".
 FUSED_EFFICIENCY = {"gemm_rs": 0.95, "ag_gemm": 0.94, "gemm_ar": 0.96}
 
-# "auto" picks fused only where fused's predicted time x (1 + FUSED_MARGIN[op]) is below
+# "auto" picks fused ag_gemm only where fused's predicted time x (1 + FUSED_MARGIN[op]) is below
 # serial's (`auto_pick`). FUSED_MARGIN[op] is the model's largest error on that op's fused
 # kernel time measured on the H200 with nothing crossing ranks: |measured / predicted - 1| over
 # the op's P = 1 forced-fused rows of bench_tp (bench/results/<op>.jsonl, world 1, the rows
 # since the kernel the model costs at P = 1 landed, those predicted at 100 us or more), each
 # shape's measured time the median of its runs (one run alone moves a shape by several %).
-# Per op: one op's outlier shape should not make "auto" shy of the others.
-# measured (each op's largest error): bench/results/tp_notes.md, "Measurements moved from code
-# comments (issue 37)".
-# `python bench/check_cost_model.py` recomputes them (fused_margin) and tests/test_cost_model.py
-# checks the constants against it. None of the rank emulator's fused-vs-serial cases they are
-# judged on went into them.
-FUSED_MARGIN = {"gemm_rs": 0.071, "ag_gemm": 0.044, "gemm_ar": 0.081}
+# measured: bench/results/tp_notes.md, "Measurements moved from code comments (issue 37)".
+# `python bench/check_cost_model.py` recomputes it (fused_margin) and tests/test_cost_model.py
+# checks the constant against it. gemm_rs and gemm_ar, whose fused time at P > 1 is the overlap
+# form fitted on the emulator's rows (TP_OVERLAP_FORM), take that form's OVERLAP_MARGIN.
+FUSED_MARGIN = {"ag_gemm": 0.044}
+TP_OVERLAP_FORM = ("gemm_rs", "gemm_ar")
 
 
 # The share of ag_gemm's gather (T_comm) that its fused kernel does not hide at P > 1: the
@@ -127,6 +130,16 @@ FUSED_MARGIN = {"gemm_rs": 0.071, "ag_gemm": 0.044, "gemm_ar": 0.081}
 # cases that check_cost_model also judges (an earlier run): not an independent check.
 # measured: bench/results/emulated_notes.md, "Measurements moved from code comments (issue 37)".
 GATHER_EXPOSED = 0.5
+
+# The least time of one call of pk's collective engine at P > 1 (all_gather, reduce_scatter,
+# all_reduce, all_to_all), whatever its bytes: below it the bandwidth terms of
+# `collective_phases` underpredict short messages. Fitted by bench/fit_decider.py on the
+# serial collectives timed alone (t_comm_us) of the TP rows of bench/results/overlap.jsonl (all
+# tags), each taken to a node's time by the row's link rate. It is what the scale model
+# measures; the rows point at the emulator's per-rank launch path rather than NVLink, so a real
+# node may well pay less (the rows and the fit: bench/results/overlap.md, "The decider, second
+# round").
+COLLECTIVE_FLOOR_US = 50.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,20 +246,22 @@ def collective_phases(op: str, out_bytes: float, shard_bytes: float,
 
 def collective_us(op: str, out_bytes: float, shard_bytes: float, p: int, gpu: GPU) -> float:
     """Microseconds of the serial path's collective: each phase of collective_phases at the
-    slower of its HBM traffic at copy_gbps and its pulls at the link rate.
+    slower of its HBM traffic at copy_gbps and its pulls at the link rate, and at P > 1 never
+    less than COLLECTIVE_FLOOR_US.
 
     On NVLink the pulls bind (e.g. reduce_scatter of 128 MiB at P = 8: 261 us of link after 81 us
     of staging); in the rank emulator, where a rank's link is the shared HBM, the HBM traffic
-    does. Checked against the emulator's collective rows: every measured time is above this
-    prediction; the rest is a per-call cost that the rows cannot separate from the emulator's
-    launch path, so no fixed cost beyond the launch and barrier terms is added (measured:
-    bench/results/emulated_notes.md, "Measurements moved from code comments (issue 37)"). At
-    P = 1 (bench_collectives, kernels forced) a 4 KiB collective costs what XLA's own dispatch
-    does, within the noise.
+    does. Short messages take a per-call time that the bandwidth terms miss; where it comes from
+    (the emulator's launch path or the engine) the rows cannot tell, so it enters as the floor
+    the scale-model rows measure (bench/results/emulated_notes.md, "Measurements moved from code
+    comments (issue 37)"; bench/results/overlap.md, "The decider, second round"). At P = 1
+    (bench_collectives, kernels forced) a 4 KiB collective costs what XLA's own dispatch does,
+    within the noise.
     """
     hbm, nvl = gpu.copy_gbps * 1e9, gpu.nvlink_gbps * 1e9
-    return sum(max(h / hbm, x / nvl) for h, x in collective_phases(op, out_bytes, shard_bytes, p)
-               ) * 1e6
+    us = sum(max(h / hbm, x / nvl) for h, x in collective_phases(op, out_bytes, shard_bytes, p)
+             ) * 1e6
+    return max(us, COLLECTIVE_FLOOR_US) if p > 1 else us
 
 
 def predict(op: str, m: int, n: int, k: int, p: int, *, mode: str, num_comm_sms: int = 0,
@@ -276,18 +291,15 @@ def predict(op: str, m: int, n: int, k: int, p: int, *, mode: str, num_comm_sms:
         if c >= gpu.sms:  # no SM left for the GEMM (a small GPU or an emulated partition)
             return Plan(mode, c, float("inf"), dict(t))
         t["comp"] = flops / (rate * (gpu.sms - c) / gpu.sms * FUSED_EFFICIENCY[op]) * us
-        tile_wave = gpu.sms * 128 * 256 * itemsize
         if op in ("gemm_rs", "gemm_ar") and p == 1:  # direct: the epoch kernel + the GEMM
             t["launch"] = 2 * gpu.launch_us
-        elif op in ("gemm_rs", "gemm_ar"):
-            pushed = (p - 1) / p * out_bytes
-            t["comm"] = pushed / nvl * us
-            t["non_overlap"] = (3 * mp * n * itemsize / copy + min(pushed, tile_wave) / nvl) * us
+        elif op in TP_OVERLAP_FORM:  # pk.matmul's time and the collective's, overlapped
+            a, b = FUSED_OVERHEAD[op]
+            t["comp"] = max(flops / rate * us, t["mem"])
+            t["comm"] = collective_us(op, out_bytes, 0.0, p, gpu)
+            t["non_overlap"] = a * t["comp"] + b * t["comm"]
             t["launch"] = 4 * gpu.launch_us
-            t["sync"] = 3 * gpu.barrier_us
-            if op == "gemm_ar":
-                t["non_overlap"] += ((p - 1) / p * out_bytes / nvl + out_bytes / copy) * us
-                t["sync"] += gpu.barrier_us
+            t["sync"] = (4 if op == "gemm_ar" else 3) * gpu.barrier_us
         else:
             pull = max(c, 1) * gpu.pull_gbps_per_sm * 1e9
             # my shard staged for the peers and the peers' rows of the gather (P > 1 only)
@@ -313,7 +325,7 @@ def predict(op: str, m: int, n: int, k: int, p: int, *, mode: str, num_comm_sms:
 def plan(op: str, m: int, n: int, k: int, p: int, *, itemsize: int = 2,
          gpu: GPU = H200) -> Plan:
     """How one call runs, after the overrides: the mode forced, else at P = 1 "local", else the
-    faster of fused and serial as predicted, fused only beyond FUSED_MARGIN[op] (`auto_pick`).
+    faster of fused and serial as predicted, fused only beyond `margin(op)` (`auto_pick`).
 
     Args:
         op: "gemm_rs", "ag_gemm" or "gemm_ar".
@@ -350,10 +362,17 @@ def plan(op: str, m: int, n: int, k: int, p: int, *, itemsize: int = 2,
     return best
 
 
+def margin(op: str) -> float:
+    """How much faster than serial "auto" wants op's fused predicted at P > 1, as a fraction of
+    fused's time: the error of the model that predicts it (FUSED_MARGIN for ag_gemm's kernel
+    model, OVERLAP_MARGIN for the overlap form of the other ops)."""
+    return FUSED_MARGIN.get(op, OVERLAP_MARGIN)
+
+
 def auto_pick(op: str, fused: Plan, serial: Plan) -> Plan:
     """What "auto" runs given op's best fused and serial plans: fused only where it is predicted
-    faster by more than FUSED_MARGIN[op] of its own time, else serial."""
-    return fused if fused.predicted_us * (1 + FUSED_MARGIN[op]) < serial.predicted_us else serial
+    faster by more than `margin(op)` of its own time, else serial."""
+    return fused if fused.predicted_us * (1 + margin(op)) < serial.predicted_us else serial
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,8 +385,10 @@ def auto_pick(op: str, fused: Plan, serial: Plan) -> Plan:
 #
 #     fused = max(t_compute, t_comm) + a t_compute + b t_comm       (FUSED_OVERHEAD[op] = (a, b))
 #
-# what it fails to hide of each part. "auto" picks fused where fused x (1 + OVERLAP_MARGIN) <
-# t_compute + t_comm. The shape dicts are bench/bench_overlap.py's (per device).
+# what it fails to hide of each part (gemm_rs and gemm_ar at P > 1 take the same form, their
+# parts pk.matmul and the collective: `predict`). "auto" picks fused where
+# fused x (1 + OVERLAP_MARGIN) < t_compute + t_comm. The shape dicts are bench/bench_overlap.py's
+# (per device).
 
 OVERLAP_OPS = ("ring_attn", "ring_attn_bwd", "ulysses_attn", "ulysses_attn_bwd",
                "moe_dispatch_gemm", "moe_gemm_combine")
@@ -380,20 +401,25 @@ ATTN_FWD_TFLOPS = 530.0
 ATTN_BWD_TFLOPS = 440.0
 GROUPED_TFLOPS = 600.0
 
-# Fitted on the first scale-model run's rows (bench/results/overlap.jsonl, tag "overlap") by
-# bench/fit_decider.py, least squares on fused / serial; judged on other cases
-# (bench/results/decider_cases.json, bench/check_decider.py; bench/results/overlap.md).
-FUSED_OVERHEAD = {"ring_attn": (0.227, 2.087), "ring_attn_bwd": (0.161, 1.5),
-                  "ulysses_attn": (0.021, 2.313), "ulysses_attn_bwd": (0.098, 0.0),
+# Fitted by bench/fit_decider.py, least squares on fused / serial (a, b >= 0) over the rows of
+# bench/results/overlap.jsonl: gemm_rs and gemm_ar on all their rows (tags "overlap",
+# "overlap-full", "decider-validation"), the ops below on the first run's (tag "overlap": fitted
+# on every tag, they scored worse left out shape by shape). Judged on cases committed after
+# them (bench/results/decider_cases_2.json, bench/check_decider.py; bench/results/overlap.md).
+FUSED_OVERHEAD = {"gemm_rs": (0.333, 0.01), "gemm_ar": (0.531, 0.006),
+                  "ring_attn": (0.227, 2.087), "ring_attn_bwd": (0.161, 1.5),
+                  "ulysses_attn": (0.023, 2.266), "ulysses_attn_bwd": (0.132, 0.0),
                   "moe_dispatch_gemm": (0.059, 0.373), "moe_gemm_combine": (0.0, 0.247)}
 OVERLAP_MARGIN = 0.03
 
 
 def _all_to_all_us(nbytes: float, p: int, gpu: GPU) -> float:
     """pk's all_to_all of `nbytes` per rank: staged (read, write), then 1/P pulled from each
-    peer (read, write), each phase at the slower of its HBM traffic and its peer bytes."""
+    peer (read, write), each phase at the slower of its HBM traffic and its peer bytes, never
+    less than COLLECTIVE_FLOOR_US (as `collective_us`)."""
     hbm, nvl = gpu.copy_gbps * 1e3, gpu.nvlink_gbps * 1e3  # bytes per us
-    return 2 * nbytes / hbm + max(2 * nbytes / hbm, (p - 1) / p * nbytes / nvl)
+    us = 2 * nbytes / hbm + max(2 * nbytes / hbm, (p - 1) / p * nbytes / nvl)
+    return max(us, COLLECTIVE_FLOOR_US) if p > 1 else us
 
 
 def overlap_parts(op: str, shape: dict, p: int, *, itemsize: int = 2,
@@ -471,4 +497,4 @@ def choose(op: str, shape: dict, p: int, *, itemsize: int = 2, gpu: GPU = H200) 
         return plan(op, shape["m"], shape["n"], shape["k_per_rank"], p, itemsize=itemsize,
                     gpu=gpu).mode
     fused, serial = predict_overlap(op, shape, p, itemsize=itemsize, gpu=gpu)
-    return "fused" if fused * (1 + OVERLAP_MARGIN) < serial else "serial"
+    return "fused" if fused * (1 + margin(op)) < serial else "serial"

@@ -19,38 +19,40 @@ def test_p1_runs_local(op):
 @pytest.mark.parametrize("op,n,p", product(cm.OPS, (4096, 16384), (2, 8)))
 def test_plan_is_the_fastest_prediction_beyond_the_margin(op, n, p):
     # "auto": the fastest prediction of each mode; fused only where it beats serial's by more
-    # than FUSED_MARGIN of its own time.
+    # than the model's margin of its own time.
     k = n if op == "ag_gemm" else n // p
     pl = cm.plan(op, n, n, k, p)
     best = {mode: min(cm.predict(op, n, n, k, p, mode=mode, num_comm_sms=c).predicted_us
                       for c in (cm.COMM_SMS_CANDIDATES if op == "ag_gemm" and mode == "fused"
                                 else (0,)))
             for mode in ("fused", "serial")}
-    want = "fused" if best["fused"] * (1 + cm.FUSED_MARGIN[op]) < best["serial"] else "serial"
+    want = "fused" if best["fused"] * (1 + cm.margin(op)) < best["serial"] else "serial"
     assert pl.mode == want and pl.predicted_us == pytest.approx(best[want])
     if pl.mode == "fused" and op == "ag_gemm":
         assert pl.num_comm_sms in cm.COMM_SMS_CANDIDATES
 
 
 def test_a_near_tie_goes_to_serial():
-    # gemm_rs 8192 x 8192 x 16384 at P = 2 on the H200: fused predicted 3% faster, less than
-    # FUSED_MARGIN["gemm_rs"]; "auto" runs serial, a forced fused still runs fused.
-    k = 16384 // 2
-    fused = cm.predict("gemm_rs", 8192, 8192, k, 2, mode="fused").predicted_us
-    serial = cm.predict("gemm_rs", 8192, 8192, k, 2, mode="serial").predicted_us
-    assert fused < serial < fused * (1 + cm.FUSED_MARGIN["gemm_rs"])
-    assert cm.plan("gemm_rs", 8192, 8192, k, 2).mode == "serial"
+    # gemm_rs 8192 x 8192 x 4096 at P = 4 on the H200: fused predicted 2% faster, less than its
+    # margin; "auto" runs serial, a forced fused still runs fused.
+    k = 16384 // 4
+    fused = cm.predict("gemm_rs", 8192, 8192, k, 4, mode="fused").predicted_us
+    serial = cm.predict("gemm_rs", 8192, 8192, k, 4, mode="serial").predicted_us
+    assert fused < serial < fused * (1 + cm.margin("gemm_rs"))
+    assert cm.plan("gemm_rs", 8192, 8192, k, 4).mode == "serial"
     with cm.override(mode="fused"):
-        assert cm.plan("gemm_rs", 8192, 8192, k, 2).mode == "fused"
+        assert cm.plan("gemm_rs", 8192, 8192, k, 4).mode == "fused"
     f, s = (cm.Plan(md, 0, us, {}) for md, us in (("fused", 100.0), ("serial", 100.0)))
     assert cm.auto_pick("gemm_rs", f, s) is s
-    beyond = dataclasses.replace(s, predicted_us=100.0 * (1 + cm.FUSED_MARGIN["gemm_rs"]) + 1e-6)
+    beyond = dataclasses.replace(s, predicted_us=100.0 * (1 + cm.margin("gemm_rs")) + 1e-6)
     assert cm.auto_pick("gemm_rs", f, beyond) is f
-    # each op its own margin: gemm_ar's is the largest since 861c0cf (ag_gemm's 4096^3 outlier
-    # gone)
-    wider = dataclasses.replace(s, predicted_us=100.0 * (1 + cm.FUSED_MARGIN["gemm_ar"]) - 1e-6)
-    assert cm.FUSED_MARGIN["gemm_ar"] > cm.FUSED_MARGIN["gemm_rs"] > cm.FUSED_MARGIN["ag_gemm"]
-    assert cm.auto_pick("gemm_rs", f, wider) is f and cm.auto_pick("gemm_ar", f, wider) is wider
+    # the margin is the error of the model that predicts fused: ag_gemm's kernel model its
+    # measured P = 1 error, the overlap form (gemm_rs, gemm_ar, ring, Ulysses, MoE) its own
+    assert cm.margin("ag_gemm") == cm.FUSED_MARGIN["ag_gemm"]
+    assert all(cm.margin(op) == cm.OVERLAP_MARGIN for op in cm.TP_OVERLAP_FORM + cm.OVERLAP_OPS)
+    wider = dataclasses.replace(s, predicted_us=100.0 * (1 + cm.margin("gemm_rs")) + 1e-6)
+    assert cm.margin("ag_gemm") > cm.margin("gemm_rs")
+    assert cm.auto_pick("gemm_rs", f, wider) is f and cm.auto_pick("ag_gemm", f, wider) is wider
 
 
 def test_fused_margin_is_the_measured_p1_error():
@@ -61,7 +63,8 @@ def test_fused_margin_is_the_measured_p1_error():
 
     errs = check_cost_model.fused_p1_errors()
     assert len(errs) >= 30 and {op for op, *_ in errs} == set(cm.OPS)
-    for op in cm.OPS:
+    assert set(cm.FUSED_MARGIN) == set(cm.OPS) - set(cm.TP_OVERLAP_FORM)
+    for op in cm.FUSED_MARGIN:
         assert cm.FUSED_MARGIN[op] == pytest.approx(check_cost_model.fused_margin(op), abs=5e-4)
 
 
@@ -214,6 +217,68 @@ def test_serial_collective_hbm_bound_on_a_shared_hbm():
     us = cm.collective_us("gemm_rs", out, 0, p, part)
     assert us == pytest.approx((2 * out + out + out / p) / (part.copy_gbps * 1e3))
     assert us > (p - 1) / p * out / (part.nvlink_gbps * 1e3)
+
+
+@pytest.mark.parametrize("op,p", product(cm.OPS, (2, 8)))
+def test_a_short_collective_costs_the_floor(op, p):
+    # Every call of pk's collective engine at P > 1 takes at least COLLECTIVE_FLOOR_US (the
+    # short all_gathers of the scale-model rows); the bandwidth terms decide above it, and at
+    # P = 1 (a local copy) there is no floor.
+    g = cm.H200
+    assert cm.collective_us(op, 4096, 4096, p, g) == cm.COLLECTIVE_FLOOR_US
+    assert cm.collective_us(op, 4096, 4096, 1, g) < 1.0
+    big = 1 << 28
+    want = sum(max(h / (g.copy_gbps * 1e3), x / (g.nvlink_gbps * 1e3))
+               for h, x in cm.collective_phases(op, big, big, p))
+    assert want > cm.COLLECTIVE_FLOOR_US
+    assert cm.collective_us(op, big, big, p, g) == pytest.approx(want)
+
+
+def test_ulysses_all_to_alls_cost_the_floor_each():
+    # The serial Ulysses backward is eight all_to_alls; at a small shape each costs the floor.
+    g = cm.H200
+    tiny = {"s": 256, "h": 8, "d": 64, "causal": False}
+    _, tm = cm.overlap_parts("ulysses_attn_bwd", tiny, 4)
+    assert tm == pytest.approx(8 * (cm.COLLECTIVE_FLOOR_US + g.launch_us + g.barrier_us))
+
+
+@pytest.mark.parametrize("op,p", product(cm.TP_OVERLAP_FORM, (2, 4, 8)))
+def test_gemm_rs_ar_fused_is_the_overlap_form(op, p):
+    # At P > 1 the fused gemm_rs / gemm_ar time is the overlap form over the serial path's own
+    # parts: pk.matmul's time tc and the collective's tm, max(tc, tm) + a tc + b tm, plus the
+    # fused kernel's launches and barriers.
+    m = n = 8192
+    for k in (512, 8192):
+        serial = cm.predict(op, m, n, k, p, mode="serial")
+        tc, tm = max(serial.terms["comp"], serial.terms["mem"]), serial.terms["non_overlap"]
+        assert serial.predicted_us == pytest.approx(tc + tm + serial.terms["launch"]
+                                                    + serial.terms["sync"])
+        fused = cm.predict(op, m, n, k, p, mode="fused")
+        a, b = cm.FUSED_OVERHEAD[op]
+        t = fused.terms
+        assert (t["comp"], t["comm"]) == pytest.approx((tc, tm))
+        assert fused.predicted_us == pytest.approx(t["launch"] + max(tc, tm) + a * tc + b * tm
+                                                   + t["sync"])
+    # the fused kernel slows its GEMM by a third or more and hides nearly all the collective:
+    # fused where the collective is a large share (K = 512), serial where the GEMM dominates
+    assert cm.FUSED_OVERHEAD[op][0] > 0.3 and cm.FUSED_OVERHEAD[op][1] < 0.05
+    assert cm.plan(op, m, n, 512, p).mode == "fused"
+    assert cm.plan(op, m, n, 8192, p).mode == "serial"
+
+
+def test_decider_constants_are_the_fit():
+    # COLLECTIVE_FLOOR_US and every FUSED_OVERHEAD are what bench/fit_decider.py fits on the
+    # committed scale-model rows (tags overlap, overlap-full, decider-validation).
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
+    import fit_decider
+
+    rows = fit_decider.load()
+    assert len(rows) == 153
+    floor, overhead = fit_decider.fit(rows)
+    assert cm.COLLECTIVE_FLOOR_US == floor
+    assert set(overhead) == set(cm.FUSED_OVERHEAD) == set(cm.TP_OVERLAP_FORM + cm.OVERLAP_OPS)
+    for op, ab in overhead.items():
+        assert cm.FUSED_OVERHEAD[op] == pytest.approx(ab, abs=5e-4)
 
 
 def test_choose_overlap_families():
