@@ -127,7 +127,7 @@ def tp_bench(world: World, op: str, shape: dict, rng) -> Bench:
         ws = [ints((kr, n)) for _ in range(p)]
         rows = m // p if op == "gemm_rs" else m
         outs = [{"y": np.zeros((rows, n), dt)} for _ in range(p)]
-    params = {"config": ops.TILE_128x256, "group_m": 8}
+    params = {"config": ops.TILE_128x256_S3, "group_m": 8}
     comm_node = 0
     if op == "ag_gemm":  # the comm SMs the model picks for the whole node
         comm_node = cost_model.plan(op, m, n, kr, p).num_comm_sms or 8
