@@ -33,10 +33,11 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common
+import fit_decider
 
 from pk_jax import cost_model
 
-TIE = 0.03
+TIE = fit_decider.TIE
 
 
 def load(path) -> list[dict]:
@@ -54,29 +55,12 @@ def latest(rows: list[dict], tag: str) -> dict:
 
 
 def score(cases: list[dict], rows: dict, pick) -> dict:
-    n = ties = correct = 0
-    picked = best = 0.0
-    missing = []
-    for c in cases:
-        r = rows.get((c["op"], c["world"], json.dumps(c["shape"], sort_keys=True)))
-        if r is None:
-            missing.append(c)
-            continue
-        n += 1
-        fused, serial = r["fused_us"], r["serial_us"]
-        choice = pick(c)
-        t = fused if choice == "fused" else serial
-        picked += t
-        best += min(fused, serial)
-        if abs(serial / fused - 1) <= TIE:
-            ties += 1
-        elif (choice == "fused") == (fused < serial):
-            correct += 1
-    judged = n - ties
-    return {"cases": n, "ties": ties, "correct": correct,
-            "accuracy": round(correct / judged, 4) if judged else None,
-            "time_lost": round(picked / best - 1, 4) if best else None,
-            "missing": len(missing)}
+    """fit_decider.score over the cases that have a row, `pick(case)` each one's choice."""
+    found = [(c, rows.get((c["op"], c["world"], json.dumps(c["shape"], sort_keys=True))))
+             for c in cases]
+    have = [(c, r) for c, r in found if r is not None]
+    result = fit_decider.score([r for _, r in have], [pick(c) for c, _ in have])
+    return {**result, "missing": len(found) - len(have)}
 
 
 # What a cases file without "tag", "train_tags" or "scores" means: the first round.
