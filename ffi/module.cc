@@ -282,49 +282,6 @@ nb::dict EmuDecode(const std::string& op, const nb::dict& args) {
   return out;
 }
 
-// The FFI handlers' fill check (ffi_util.h MarkFields, CheckFilled) on a CPU, for tests: marks
-// op `op`'s args, writes the fields named in `keys` as a handler fills them (its flags first,
-// then the rest), and returns CheckFilled's error message, or None when it passes.
-class KeyWriter {
- public:
-  KeyWriter(const nb::set& keys, bool flags_only) : keys_(keys), flags_only_(flags_only) {}
-
-  bool When(bool cond) const { return cond; }
-
-  template <class T>
-  void operator()(const char* key, T& field, int64_t /*fallback*/ = 0) const {
-    if (!keys_.contains(key) || (flags_only_ && !std::is_same_v<T, bool>)) return;
-    if constexpr (std::is_pointer_v<T>) {
-      field = reinterpret_cast<T>(uintptr_t{256});
-    } else if constexpr (std::is_same_v<T, pk_ffi::DType>) {
-      field = pk_ffi::DType::kBF16;
-    } else {
-      field = static_cast<T>(1);  // int64_t, float, bool
-    }
-  }
-
- private:
-  const nb::set& keys_;
-  bool flags_only_;
-};
-
-nb::object FfiFillCheck(const std::string& op, const nb::set& keys) {
-  const int id = EmuOp(op);
-  nb::object out = nb::none();
-  pk_ffi::WithLauncher(
-      id,
-      [&](auto launch) {
-        decltype(ArgsOf(launch)) a{};
-        pk_ffi::VisitFields(KeyWriter(keys, true), id, a);
-        pk_ffi::MarkFields(id, &a);
-        pk_ffi::VisitFields(KeyWriter(keys, false), id, a);
-        const xla::ffi::Error e = pk_ffi::CheckFilled(id, a);
-        if (e.failure()) out = nb::str(e.message().c_str());
-      },
-      [] {});
-  return out;
-}
-
 // Every name VisitFields gives, taking every branch, with its fallback (None: none).
 class NameRecorder {
  public:
@@ -461,9 +418,6 @@ NB_MODULE(_pk_ffi, m) {
         "launch fields by name (ffi/launch.h WorkspaceNeed, the launch function's own check).");
   m.def("emu_decode", &EmuDecode, nb::arg("op"), nb::arg("args"),
         "Decoder check: args decoded as emu_launch decodes them, as a dict; launches nothing.");
-  m.def("ffi_fill_check", &FfiFillCheck, nb::arg("op"), nb::arg("keys"),
-        "Fill check: the FFI handlers' fill-check error when only `keys` are written, or "
-        "None; launches nothing.");
   m.def("op_fields", &OpFields,
         "{op: {field: fallback or None}}: each emulator op's launch fields (ffi/launch.h "
         "VisitFields), in order.");

@@ -4,6 +4,7 @@ registered FFI handlers, the Python ops and the emulator must all agree with it.
 
 import ast
 import itertools
+import os
 import pathlib
 import re
 
@@ -199,13 +200,46 @@ def test_the_emulator_decodes_each_field_by_its_key():
         decode("ping", {})
 
 
+def _fill_check_program(tmp_path_factory) -> pathlib.Path:
+    """tests/cpp/fill_check.cc built with the host compiler against ffi/'s headers, the launch
+    functions stubbed from ffi/launch.h's declarations (it launches nothing, so no kernel is
+    compiled); skips where there is no C++ compiler, CUDA's headers or XLA's FFI headers."""
+    import shutil
+    import subprocess
+
+    import jax.ffi
+
+    cxx, nvcc = shutil.which("g++") or shutil.which("c++"), shutil.which("nvcc")
+    homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda",
+             nvcc and pathlib.Path(nvcc).resolve().parent.parent]
+    includes = [pathlib.Path(h) / "include" for h in homes if h]
+    cuda_include = next((i for i in includes if (i / "cuda_runtime_api.h").exists()), None)
+    if cxx is None or cuda_include is None:
+        pytest.skip("needs a C++ compiler and the CUDA toolkit's headers")
+    launch_h = (ROOT / "ffi" / "launch.h").read_text()
+    stubs = "".join(f"Status {name}({params}) {{ return Status::Invalid(\"stub\"); }}\n"
+                    for name, params in re.findall(r"^Status (Launch\w+)\(([^;]*?)\);",
+                                                   launch_h, re.MULTILINE | re.DOTALL))
+    out = tmp_path_factory.mktemp("fill_check")
+    (out / "stubs.cc").write_text(f'#include "launch.h"\nnamespace pk_ffi {{\n{stubs}}}\n')
+    program = out / "fill_check"
+    subprocess.run([cxx, "-std=c++17", "-O0", f"-I{ROOT / 'ffi'}", f"-I{cuda_include}",
+                    f"-I{jax.ffi.include_dir()}", str(ROOT / "tests" / "cpp" / "fill_check.cc"),
+                    str(out / "stubs.cc"), "-o", str(program)], check=True)
+    return program
+
+
 @pytest.mark.needs_ext
-def test_the_ffi_fill_check_names_the_field_a_handler_left_out():
+def test_the_ffi_fill_check_names_the_field_a_handler_left_out(tmp_path_factory):
     """ffi_util.h MarkFields and CheckFilled, which every handler runs around its fill, on a
-    CPU: a handler that writes every field its op's visitor names passes; one that leaves out a
-    field without a fallback fails naming it (flags cannot be marked and are not checked)."""
+    CPU (tests/cpp/fill_check.cc): a handler that writes every field its op's visitor names
+    passes; one that leaves out a field without a fallback fails naming it (flags cannot be
+    marked and are not checked)."""
+    import subprocess
+
+    program = _fill_check_program(tmp_path_factory)
     fields, decode = _ffi._pk_ffi.op_fields(), _ffi._pk_ffi.emu_decode
-    check = lambda op, keys: _ffi._pk_ffi.ffi_fill_check(op, set(keys))  # noqa: E731
+    queries = []  # (op, keys written, the message expected, or None)
     for op, named in fields.items():
         for backward in (0, 1) if "backward" in named else (None,):
             call = {k: 0.5 if k == "scale" else 1 for k in named if k != "backward"}
@@ -213,16 +247,21 @@ def test_the_ffi_fill_check_names_the_field_a_handler_left_out():
                 call["backward"] = 1
             read = decode(op, call)  # the fields of this call, typed
             keys = [k for k in read if k in call]
-            assert check(op, keys) is None, op
+            queries.append((op, keys, None))
             for k in keys:
                 if k == "backward":  # a flag that picks the fields, which the handler sets first
                     continue
-                message = check(op, [x for x in keys if x != k])
-                if named[k] is not None or isinstance(read[k], bool):
-                    assert message is None, (op, k)
-                else:
-                    assert message == (f"pk_jax: the {op} handler did not fill its argument "
-                                       f"'{k}' (ffi/launch.h VisitFields)"), (op, k, message)
+                expect = None
+                if named[k] is None and not isinstance(read[k], bool):
+                    expect = (f"pk_jax: the {op} handler did not fill its argument '{k}' "
+                              "(ffi/launch.h VisitFields)")
+                queries.append((op, [x for x in keys if x != k], expect))
+    lines = "".join(f"{op} {' '.join(keys)}\n" for op, keys, _ in queries)
+    answers = subprocess.run([str(program)], input=lines, capture_output=True, text=True,
+                             check=True).stdout.splitlines()
+    assert len(answers) == len(queries)
+    for (op, keys, expect), answer in zip(queries, answers):
+        assert answer == (expect or "ok"), (op, keys, answer)
 
 
 def _field_problems(op: str, args: dict, fields: dict, complete: bool = True) -> list[str]:
@@ -284,7 +323,7 @@ def _testing_launches(monkeypatch) -> list[tuple[str, dict]]:
     world.synchronize = lambda timeout_s=None: 0.0
 
     rng = np.random.default_rng(0)
-    rand = lambda *shape: ops.integers(rng, shape)  # noqa: E731
+    rand = lambda *shape: ops.integers(rng, shape)
     xs, ws = [rand(256, 64) for _ in range(p)], [rand(64, 64) for _ in range(p)]
     ids = rng.integers(0, 4, size=(p, 4, 2))
     moe = {"num_experts": 4, "capacity": 8}

@@ -325,3 +325,44 @@ def test_every_public_op_is_named_in_profiles():
             continue
         if callable(obj) and getattr(obj, "__module__", "").startswith("pk_jax.ops."):
             assert getattr(obj, "__pk_scope__", None) == f"pk.{name}", name
+
+
+def test_gpu_scripts_name_only_what_pk_jax_has():
+    """The benchmarks and the GPU suite's scripts run only on the GPU machine; a name they take
+    from pk_jax that a change removed or renamed would first fail there (bench_overlap.py named
+    testing.ops.TILE_128x256 for a day after the op table renamed it). Every `from pk_jax... import
+    name` and every `alias.attr` on a module imported from pk_jax must exist here."""
+    import ast
+    import importlib
+    import inspect
+
+    problems = []
+    for path in sorted([*ROOT.glob("bench/*.py"), *ROOT.glob("tests/gpu/*.py")]):
+        tree = ast.parse(path.read_text())
+        assigned = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)
+                    and isinstance(n.ctx, ast.Store)}
+        modules = {}  # alias -> module
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pk_jax"):
+                base = importlib.import_module(node.module)
+                for a in node.names:
+                    if not hasattr(base, a.name):
+                        try:
+                            value = importlib.import_module(f"{node.module}.{a.name}")
+                        except ImportError:
+                            problems.append(f"{path.name}: {node.module} has no {a.name}")
+                            continue
+                    else:
+                        value = getattr(base, a.name)
+                    if inspect.ismodule(value):
+                        modules[a.asname or a.name] = value
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.startswith("pk_jax.") and a.asname:
+                        modules[a.asname] = importlib.import_module(a.name)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in modules and node.value.id not in assigned
+                    and not hasattr(modules[node.value.id], node.attr)):
+                problems.append(f"{path.name}:{node.lineno}: {node.value.id}.{node.attr}")
+    assert not problems, problems
