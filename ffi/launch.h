@@ -49,7 +49,7 @@ struct Status {
 // argument of its calls: it stays value-initialized, or the op itself sets it (the MoE modes),
 // in the FFI handlers and in the emulator alike.
 //
-// Users: the emulator's decoder (module.cc: a launch dict into the struct), the FFI handlers'
+// Users: the emulator's decoder (emu_decode.h: a launch dict into the struct), the FFI handlers'
 // check that they filled every named field (ffi_util.h MarkFields, CheckFilled), and the export
 // of the names (module.cc OpFields), which tests/test_op_table.py holds pk_jax/testing's launch
 // dicts to.

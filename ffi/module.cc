@@ -18,6 +18,7 @@
 
 #include "comm.h"
 #include "comm_state.h"
+#include "emu_decode.h"
 #include "ffi_util.h"
 #include "launch.h"
 #include "op_table.h"
@@ -99,67 +100,27 @@ void Raise(const pk_ffi::Status& s) {
   throw std::runtime_error(s.message);
 }
 
-// The emulator's decoder: reads each field an op's visitor names (launch.h VisitFields) from the
-// launch dict by its key. A missing integer, flag or pointer reads as its fallback (0 unless the
-// visitor gives one); a missing float (scale) raises KeyError. Keys the visitor does not name are
-// ignored (tests/test_op_table.py checks that pk_jax/testing passes exactly the named ones).
-class DictReader {
+// A launch dict of Python's for the emulator's decoder (emu_decode.h): a missing float raises
+// KeyError, as indexing the dict does.
+class PyDict {
  public:
-  // floats_required = false: a missing float reads 0 (for workspace_need, which reads no float).
-  explicit DictReader(const nb::dict& d, bool floats_required = true)
-      : d_(d), floats_required_(floats_required) {}
-
-  bool When(bool cond) const { return cond; }
-
-  template <class T>
-  void operator()(const char* key, T& field) const {
-    if constexpr (std::is_same_v<T, float>) {
-      field = floats_required_ || d_.contains(key)
-                  ? static_cast<float>(nb::cast<double>(d_[key])) : 0.0f;
-    } else {
-      (*this)(key, field, 0);
-    }
-  }
-
-  template <class T>
-  void operator()(const char* key, T& field, int64_t fallback) const {
-    static_assert(!std::is_same_v<T, float>, "a float field has no fallback");
-    const int64_t value = d_.contains(key) ? nb::cast<int64_t>(d_[key]) : fallback;
-    if constexpr (std::is_pointer_v<T>) {
-      field = reinterpret_cast<T>(static_cast<uintptr_t>(value));
-    } else if constexpr (std::is_same_v<T, bool>) {
-      field = value != 0;
-    } else {
-      field = static_cast<T>(value);  // int64_t, DType
-    }
-  }
+  explicit PyDict(const nb::dict& d) : d_(d) {}
+  bool Has(const char* key) const { return d_.contains(key); }
+  int64_t Int(const char* key) const { return nb::cast<int64_t>(d_[key]); }
+  double Float(const char* key) const { return nb::cast<double>(d_[key]); }
 
  private:
   const nb::dict& d_;
-  bool floats_required_;
 };
 
-// moe_scatter and moe_gather are moe_dispatch's and moe_combine's mode 1: the op says which, no
-// field of the call does.
-void SetMode(int op, pk_ffi::MoeDispatchArgs* a) { a->mode = op == pk_ffi::kOpMoeScatter; }
-void SetMode(int op, pk_ffi::MoeCombineArgs* a) { a->mode = op == pk_ffi::kOpMoeGather; }
-template <class A>
-void SetMode(int, A*) {}
-
-// Op `op`'s args decoded from a launch dict.
+// Op `op`'s args decoded from a Python launch dict.
 template <class A>
 A Decode(int op, const nb::dict& d, bool floats_required = true) {
-  A a{};
-  pk_ffi::VisitFields(DictReader(d, floats_required), op, a);
-  SetMode(op, &a);
-  return a;
+  return pk_ffi::emu::Decode<A>(op, PyDict(d), floats_required);
 }
 
-// The args struct of a launch function (its parameter), for WithLauncher's callers.
-template <class A>
-A ArgsOf(pk_ffi::Status (*)(const pk_ffi::Where&, const A&));
-template <class A>
-A ArgsOf(pk_ffi::Status (*)(const pk_ffi::Where&, const A&, const pk_ffi::CommView&));
+using pk_ffi::emu::ArgsOf;
+using pk_ffi::emu::EmuOp;
 
 // 1 for a launch function without a communicator, 2 for one with.
 template <class A>
@@ -184,15 +145,6 @@ constexpr bool LaunchersMatchTable() {
 }
 static_assert(LaunchersMatchTable(),
               "op_table.h's emu and comm flags must match launch.h WithLauncher");
-
-// The id of emulator op `op`; ValueError for any other name.
-int EmuOp(const std::string& op) {
-  const pk_ffi::op_table::Op* entry = pk_ffi::op_table::Find(op.c_str());
-  if (entry == nullptr || !entry->emu) {
-    throw std::invalid_argument("pk_jax emulator: unknown op '" + op + "'");
-  }
-  return entry->id;
-}
 
 // A launch without a communicator (matmul, grouped_matmul, attention).
 template <class A>
@@ -238,48 +190,6 @@ uint64_t WorkspaceNeedOf(const std::string& op, const nb::dict& args, int world)
                                      world);
       },
       [] { return uint64_t{0}; });
-}
-
-// The decoder check, for CPU tests: `args` decoded as EmuLaunch decodes it for op `op`, back as
-// {key: value} of the fields the decode read (pointers as integers; the MoE ops also give their
-// mode). Launches nothing and needs no GPU.
-class DictWriter {
- public:
-  explicit DictWriter(nb::dict& out) : out_(out) {}
-
-  bool When(bool cond) const { return cond; }
-
-  template <class T>
-  void operator()(const char* key, T& field, int64_t /*fallback*/ = 0) const {
-    if constexpr (std::is_pointer_v<T>) {
-      out_[key] = reinterpret_cast<uintptr_t>(field);
-    } else if constexpr (std::is_same_v<T, pk_ffi::DType>) {
-      out_[key] = static_cast<int>(field);
-    } else {
-      out_[key] = field;
-    }
-  }
-
- private:
-  nb::dict& out_;
-};
-
-nb::dict EmuDecode(const std::string& op, const nb::dict& args) {
-  const int id = EmuOp(op);
-  nb::dict out;
-  pk_ffi::WithLauncher(
-      id,
-      [&](auto launch) {
-        using A = decltype(ArgsOf(launch));
-        A a = Decode<A>(id, args);
-        pk_ffi::VisitFields(DictWriter(out), id, a);
-        if constexpr (std::is_same_v<A, pk_ffi::MoeDispatchArgs> ||
-                      std::is_same_v<A, pk_ffi::MoeCombineArgs>) {
-          out["mode"] = a.mode;
-        }
-      },
-      [] {});
-  return out;
 }
 
 // Every name VisitFields gives, taking every branch, with its fallback (None: none).
@@ -416,8 +326,6 @@ NB_MODULE(_pk_ffi, m) {
   m.def("workspace_need", &WorkspaceNeedOf, nb::arg("op"), nb::arg("args"), nb::arg("world"),
         "Bytes of symmetric workspace per rank a call of `op` needs at `world` ranks, from its "
         "launch fields by name (ffi/launch.h WorkspaceNeed, the launch function's own check).");
-  m.def("emu_decode", &EmuDecode, nb::arg("op"), nb::arg("args"),
-        "Decoder check: args decoded as emu_launch decodes them, as a dict; launches nothing.");
   m.def("op_fields", &OpFields,
         "{op: {field: fallback or None}}: each emulator op's launch fields (ffi/launch.h "
         "VisitFields), in order.");

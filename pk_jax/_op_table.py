@@ -28,4 +28,13 @@ OP_NAMES: dict[int, str] = {op["id"]: op["name"] for op in TABLE["ops"]}
 DTYPES: dict[str, int] = dict(TABLE["dtypes"])
 TILES: dict[str, int] = dict(TABLE["tiles"])
 LIMITS: dict[str, int] = dict(TABLE["limits"])
+# The limits the Python ops check before they pick a kernel (outside them the reference runs):
+MAX_PEERS: int = LIMITS["max_peers"]  # ranks of a communicator
+MAX_DIM: int = LIMITS["max_dim"]  # sizes and products the kernels index in int32
+MAX_GRID_Y: int = LIMITS["max_grid_y"]  # batch and heads: a grid's y and z extents
+MAX_GROUPS: int = LIMITS["max_groups"]  # grouped GEMM groups (experts per rank)
+MAX_EXPERTS: int = LIMITS["max_experts"]  # moe: E
+MAX_SLOTS_PER_TOKEN: int = LIMITS["max_slots_per_token"]  # moe: k
+MOE_MAX_COUNTS: int = LIMITS["moe_max_counts"]  # moe: P x E counts
+MOE_MAX_FUSED_COUNTS: int = LIMITS["moe_max_fused_counts"]  # the fused dispatch + GEMM's
 SIGNAL_COUNT: int = TABLE["signal_count"]

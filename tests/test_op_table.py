@@ -168,9 +168,23 @@ def test_op_fields_name_every_emulator_ops_arguments():
 
 
 @pytest.mark.needs_ext
+def test_emu_launch_decodes_python_dicts():
+    """emu_launch's own decoding of a Python dict (module.cc PyDict over ffi/emu_decode.h), on a
+    CPU: the launch functions' checks see what the dict holds, and return before any kernel."""
+    launch = _ffi._pk_ffi.emu_launch
+    with pytest.raises(KeyError, match="scale"):  # a float has no fallback
+        launch("attention", 0, 0, 0, 1, {})
+    assert launch("attention", 0, 0, 0, 1, {"scale": 0.5, "h": 1, "hkv": 1, "d": 64}) is None
+    with pytest.raises(ValueError, match=r"pk_matmul: expected x \[M, K\]"):
+        launch("matmul", 0, 0, 0, 1, {"m": 4, "n": 8, "k": 8, "y_rows": 3, "y_cols": 8})
+    with pytest.raises(ValueError, match="unknown op 'ping'"):
+        launch("ping", 0, 0, 0, 1, {})
+
+
 def test_the_emulator_decodes_each_field_by_its_key():
-    """emu_launch's decoder on a CPU: the struct it would launch with, as a dict."""
-    decode = _ffi._pk_ffi.emu_decode
+    """emu_launch's decoder (ffi/emu_decode.h) on a CPU, through tests/cpp/fields.cc: the
+    struct it would launch with, as a dict."""
+    decode = _Fields.get().decode
     call = {"dtype": 1, "x": 4096, "w": 8192, "y": 12288, "m": 256, "k": 64, "n": 128,
             "y_rows": 256, "y_cols": 128}
     assert decode("matmul", call) == {**call, "config": 1, "group_m": 8}
@@ -200,68 +214,100 @@ def test_the_emulator_decodes_each_field_by_its_key():
         decode("ping", {})
 
 
-def _fill_check_program(tmp_path_factory) -> pathlib.Path:
-    """tests/cpp/fill_check.cc built with the host compiler against ffi/'s headers, the launch
-    functions stubbed from ffi/launch.h's declarations (it launches nothing, so no kernel is
-    compiled); skips where there is no C++ compiler, CUDA's headers or XLA's FFI headers."""
-    import shutil
-    import subprocess
+class _Fields:
+    """tests/cpp/fields.cc, built with the host compiler against ffi/'s headers (the launch
+    functions stubbed from ffi/launch.h's declarations: it launches nothing, so no kernel is
+    compiled) and run once for the session: the emulator's decoder and the FFI handlers' fill
+    check on a CPU, one command per line. Skips where there is no C++ compiler, CUDA's headers
+    or XLA's FFI headers."""
 
-    import jax.ffi
+    _shared = None
 
-    cxx, nvcc = shutil.which("g++") or shutil.which("c++"), shutil.which("nvcc")
-    homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda",
-             nvcc and pathlib.Path(nvcc).resolve().parent.parent]
-    includes = [pathlib.Path(h) / "include" for h in homes if h]
-    cuda_include = next((i for i in includes if (i / "cuda_runtime_api.h").exists()), None)
-    if cxx is None or cuda_include is None:
-        pytest.skip("needs a C++ compiler and the CUDA toolkit's headers")
-    launch_h = (ROOT / "ffi" / "launch.h").read_text()
-    stubs = "".join(f"Status {name}({params}) {{ return Status::Invalid(\"stub\"); }}\n"
-                    for name, params in re.findall(r"^Status (Launch\w+)\(([^;]*?)\);",
-                                                   launch_h, re.MULTILINE | re.DOTALL))
-    out = tmp_path_factory.mktemp("fill_check")
-    (out / "stubs.cc").write_text(f'#include "launch.h"\nnamespace pk_ffi {{\n{stubs}}}\n')
-    program = out / "fill_check"
-    subprocess.run([cxx, "-std=c++17", "-O0", f"-I{ROOT / 'ffi'}", f"-I{cuda_include}",
-                    f"-I{jax.ffi.include_dir()}", str(ROOT / "tests" / "cpp" / "fill_check.cc"),
-                    str(out / "stubs.cc"), "-o", str(program)], check=True)
-    return program
+    @classmethod
+    def get(cls) -> "_Fields":
+        if cls._shared is None:
+            cls._shared = cls()
+        return cls._shared
+
+    def __init__(self):
+        import shutil
+        import subprocess
+        import tempfile
+
+        import jax.ffi
+
+        cxx, nvcc = shutil.which("g++") or shutil.which("c++"), shutil.which("nvcc")
+        homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda",
+                 nvcc and pathlib.Path(nvcc).resolve().parent.parent]
+        includes = [pathlib.Path(h) / "include" for h in homes if h]
+        cuda = next((i for i in includes if (i / "cuda_runtime_api.h").exists()), None)
+        if cxx is None or cuda is None:
+            pytest.skip("needs a C++ compiler and the CUDA toolkit's headers")
+        launch_h = (ROOT / "ffi" / "launch.h").read_text()
+        stubs = "".join(
+            f"Status {name}({params}) {{ return Status::Invalid(\"stub\"); }}\n"
+            for name, params in re.findall(r"^Status (Launch\w+)\(([^;]*?)\);", launch_h,
+                                           re.MULTILINE | re.DOTALL))
+        out = pathlib.Path(tempfile.mkdtemp(prefix="pk_jax_fields_"))
+        (out / "stubs.cc").write_text(f'#include "launch.h"\nnamespace pk_ffi {{\n{stubs}}}\n')
+        program = out / "fields"
+        subprocess.run([cxx, "-std=c++17", "-O0", f"-I{ROOT / 'ffi'}", f"-I{cuda}",
+                        f"-I{jax.ffi.include_dir()}", str(ROOT / "tests" / "cpp" / "fields.cc"),
+                        str(out / "stubs.cc"), "-o", str(program)], check=True)
+        self.proc = subprocess.Popen([str(program)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+
+    def _ask(self, line: str) -> str:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        return self.proc.stdout.readline().rstrip("\n")
+
+    def decode(self, op: str, args: dict) -> dict:
+        """The launch dict `args` as the emulator decodes it for `op`: {field: value} of the
+        fields it read (pointers as integers; the MoE ops also give their mode). KeyError for a
+        float left out, ValueError for an unknown op, as emu_launch raises them."""
+        text = " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in args.items())
+        answer = self._ask(f"decode {op} {text}")
+        kind, _, rest = answer.partition(" ")
+        if kind == "KeyError":
+            raise KeyError(rest)
+        if kind == "ValueError":
+            raise ValueError(rest)
+        assert kind == "ok", answer
+        parse = {"i": int, "b": lambda v: v == "1", "f": float}
+        fields = (item.split("=", 1) for item in rest.split())
+        return {k: parse[v[0]](v[2:]) for k, v in fields}
+
+    def fill(self, op: str, keys) -> str | None:
+        """The FFI handlers' fill-check message when only `keys` are written, or None."""
+        answer = self._ask(f"fill {op} {' '.join(keys)}")
+        return None if answer == "ok" else answer
 
 
 @pytest.mark.needs_ext
-def test_the_ffi_fill_check_names_the_field_a_handler_left_out(tmp_path_factory):
+def test_the_ffi_fill_check_names_the_field_a_handler_left_out():
     """ffi_util.h MarkFields and CheckFilled, which every handler runs around its fill, on a
     CPU (tests/cpp/fill_check.cc): a handler that writes every field its op's visitor names
     passes; one that leaves out a field without a fallback fails naming it (flags cannot be
     marked and are not checked)."""
-    import subprocess
-
-    program = _fill_check_program(tmp_path_factory)
-    fields, decode = _ffi._pk_ffi.op_fields(), _ffi._pk_ffi.emu_decode
-    queries = []  # (op, keys written, the message expected, or None)
+    fields, program = _ffi._pk_ffi.op_fields(), _Fields.get()
     for op, named in fields.items():
         for backward in (0, 1) if "backward" in named else (None,):
             call = {k: 0.5 if k == "scale" else 1 for k in named if k != "backward"}
             if backward:
                 call["backward"] = 1
-            read = decode(op, call)  # the fields of this call, typed
+            read = program.decode(op, call)  # the fields of this call, typed
             keys = [k for k in read if k in call]
-            queries.append((op, keys, None))
+            assert program.fill(op, keys) is None, op
             for k in keys:
                 if k == "backward":  # a flag that picks the fields, which the handler sets first
                     continue
-                expect = None
-                if named[k] is None and not isinstance(read[k], bool):
-                    expect = (f"pk_jax: the {op} handler did not fill its argument '{k}' "
-                              "(ffi/launch.h VisitFields)")
-                queries.append((op, [x for x in keys if x != k], expect))
-    lines = "".join(f"{op} {' '.join(keys)}\n" for op, keys, _ in queries)
-    answers = subprocess.run([str(program)], input=lines, capture_output=True, text=True,
-                             check=True).stdout.splitlines()
-    assert len(answers) == len(queries)
-    for (op, keys, expect), answer in zip(queries, answers):
-        assert answer == (expect or "ok"), (op, keys, answer)
+                message = program.fill(op, [x for x in keys if x != k])
+                if named[k] is not None or isinstance(read[k], bool):
+                    assert message is None, (op, k)
+                else:
+                    assert message == (f"pk_jax: the {op} handler did not fill its argument "
+                                       f"'{k}' (ffi/launch.h VisitFields)"), (op, k, message)
 
 
 def _field_problems(op: str, args: dict, fields: dict, complete: bool = True) -> list[str]:
@@ -271,7 +317,7 @@ def _field_problems(op: str, args: dict, fields: dict, complete: bool = True) ->
         return [f"{op}: passes {k!r}, which it does not read"
                 for k in sorted(set(args) - set(fields[op]))]
     try:
-        read = _ffi._pk_ffi.emu_decode(op, args)
+        read = _Fields.get().decode(op, args)
     except KeyError as e:
         return [f"{op}: leaves out {e.args[0]!r}"]
     unknown = sorted(set(args) - set(read))
@@ -461,3 +507,21 @@ def test_ffi_attributes_are_named_as_the_visitor_names_them():
         for attribute in attributes:
             field = FFI_ATTRIBUTE_FIELDS.get(attribute, attribute)
             assert field is None or field in named, f"{path.name}: attribute {attribute!r}"
+
+
+def test_the_python_ops_take_the_kernels_limits_from_the_table():
+    """The ops' checks before they pick a kernel use the op table's limits (pk_jax/_op_table.py
+    MAX_*), not copies: no literal grid extent (65535 / 65536) or int32 bound (2**31, 2**30)
+    in pk_jax/ops, and the MoE and grouped GEMM limits are the table's."""
+    from pk_jax.ops import grouped_matmul, moe
+
+    literal = re.compile(r"\b6553[56]\b|\b2 ?\*\* ?3[01]\b|\b1 << 3[01]\b")
+    found = [f"{path.name}:{i}" for path in sorted((ROOT / "pk_jax" / "ops").glob("*.py"))
+             for i, line in enumerate(path.read_text().splitlines(), 1) if literal.search(line)]
+    assert not found, found
+    limits = MIRROR["limits"]
+    assert (moe.KERNEL_MAX_PEERS, moe.KERNEL_MAX_EXPERTS, moe.KERNEL_MAX_K,
+            moe.KERNEL_MAX_COUNTS, moe.KERNEL_MAX_FUSED_COUNTS, grouped_matmul.MAX_GROUPS) == (
+        limits["max_peers"], limits["max_experts"], limits["max_slots_per_token"],
+        limits["moe_max_counts"], limits["moe_max_fused_counts"], limits["max_groups"])
+    assert limits["max_grid_y"] == 65535 and limits["max_dim"] == 2**31 - 1

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pk_jax import _backend, _checks, _ffi
+from pk_jax import _backend, _checks, _ffi, _op_table
 from pk_jax.ops import _attention, _vjp
 from pk_jax.ops._attention import SegmentIds
 
@@ -140,8 +140,8 @@ def _split(a: jax.Array) -> bool:
 def kernel_supports(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
     """Whether the CUDA kernels take these (already checked) operands."""
     return (q.dtype in _checks.MATMUL_DTYPES_NP and q.shape[3] in HEAD_DIMS
-            and q.shape[0] < 65536 and q.shape[2] < 65536
-            and q.shape[1] * q.shape[2] * q.shape[3] < 2**31
+            and q.shape[0] <= _op_table.MAX_GRID_Y and q.shape[2] <= _op_table.MAX_GRID_Y
+            and q.shape[1] * q.shape[2] * q.shape[3] <= _op_table.MAX_DIM
             and not any(_split(x) for x in (q, k, v)))
 
 

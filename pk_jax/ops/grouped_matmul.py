@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pk_jax import _backend, _checks, _ffi
+from pk_jax import _backend, _checks, _ffi, _op_table
 from pk_jax.ops import _vjp
 
 __all__ = ["grouped_matmul"]  # exported by pk_jax/__init__.py
@@ -20,8 +20,8 @@ STEM = "grouped_matmul"
 
 # Kernel modes (cuda/kernels/grouped_matmul.cuh, enum mode_id).
 _FWD, _DX, _DW = 0, 1, 2
-# Most groups one kernel call takes (MAX_GROUPS there); more run the reference.
-MAX_GROUPS = 1024
+# Most groups one kernel call takes (the op table's); more run the reference.
+MAX_GROUPS = _op_table.MAX_GROUPS
 # Block-rows per band of the persistent tile order (as matmul's).
 _GROUP_M = 16
 

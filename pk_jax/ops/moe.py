@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pk_jax import _backend, _checks, _ffi, cost_model
+from pk_jax import _backend, _checks, _ffi, _op_table, cost_model
 from pk_jax.ops import _tp, _vjp
 from pk_jax.ops.grouped_matmul import grouped_matmul as pk_grouped_matmul
 from pk_jax.runtime import state
@@ -47,12 +47,11 @@ from pk_jax.runtime import state
 # exported by pk_jax/__init__.py
 __all__ = ["moe_combine", "moe_dispatch", "moe_dispatch_gemm", "moe_gemm_combine"]
 
-# Limits of the kernels (cuda/kernels/moe.cuh: MAX_PEERS, MAX_EXPERTS, MAX_K, MAX_COUNTS);
-# outside them the reference runs.
-KERNEL_MAX_PEERS = 16
-KERNEL_MAX_EXPERTS = 1024
-KERNEL_MAX_K = 32
-KERNEL_MAX_COUNTS = 8192 - 64 - 3 * 16 * 64  # signal slots for P x E counts
+# Limits of the kernels (the op table, ffi/op_table.h); outside them the reference runs.
+KERNEL_MAX_PEERS = _op_table.MAX_PEERS
+KERNEL_MAX_EXPERTS = _op_table.MAX_EXPERTS
+KERNEL_MAX_K = _op_table.MAX_SLOTS_PER_TOKEN
+KERNEL_MAX_COUNTS = _op_table.MOE_MAX_COUNTS  # signal slots for P x E counts
 KERNEL_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 
 
@@ -327,14 +326,14 @@ def _dispatch_kernel_applies(x, expert_ids, p: int, num_experts: int, capacity: 
     t, k = expert_ids.shape
     fits = (1 < p <= KERNEL_MAX_PEERS and x.dtype in KERNEL_DTYPES and 1 <= k <= KERNEL_MAX_K
             and num_experts <= KERNEL_MAX_EXPERTS and p * num_experts <= KERNEL_MAX_COUNTS
-            and t * k * p < 2**31 and capacity < 2**31)
+            and t * k * p <= _op_table.MAX_DIM and capacity <= _op_table.MAX_DIM)
     return _backend.route("moe_dispatch", axis_name, supported=fits).path == "kernel"
 
 
 def _combine_kernel_applies(y, weights, p: int, axis_name: str) -> bool:
     t, k = weights.shape
     fits = (1 < p <= KERNEL_MAX_PEERS and y.dtype in KERNEL_DTYPES and 1 <= k <= KERNEL_MAX_K
-            and t * k * p < 2**31 and y.shape[0] < 2**31)
+            and t * k * p <= _op_table.MAX_DIM and y.shape[0] <= _op_table.MAX_DIM)
     return _backend.route("moe_combine", axis_name, supported=fits).path == "kernel"
 
 
@@ -442,7 +441,7 @@ def _fused_by_default() -> bool:
     return getattr(_local, "fused", None) is None and state.settings().moe_fused == "auto"
 
 
-KERNEL_MAX_FUSED_COUNTS = KERNEL_MAX_COUNTS // 2  # the count range's other half: arrivals
+KERNEL_MAX_FUSED_COUNTS = _op_table.MOE_MAX_FUSED_COUNTS  # the count range's other half: arrivals
 
 
 def _fused_applies(x, expert_ids, w1, p: int, num_experts: int, capacity: int,
@@ -456,7 +455,8 @@ def _fused_applies(x, expert_ids, w1, p: int, num_experts: int, capacity: int,
         return False
     fits = (x.dtype in (jnp.bfloat16, jnp.float16) and w1.dtype == x.dtype
             and h == x.shape[1] and h % 8 == 0 and n % 8 == 0 and el * p == num_experts
-            and el <= 1024 and p * num_experts <= KERNEL_MAX_FUSED_COUNTS and n < 2**31)
+            and el <= _op_table.MAX_GROUPS and p * num_experts <= KERNEL_MAX_FUSED_COUNTS
+            and n <= _op_table.MAX_DIM)
     return fits and _dispatch_kernel_applies(x, expert_ids, p, num_experts, capacity,
                                              axis_name)
 
@@ -551,7 +551,8 @@ def _gemm_combine_applies(h, w2, weights, handle, p: int, axis_name: str) -> boo
         return False
     fits = (h.dtype in (jnp.bfloat16, jnp.float16) and w2.dtype == h.dtype
             and f == h.shape[1] and f % 8 == 0 and n % 8 == 0 and f >= 8 and n >= 8
-            and handle.group_sizes.shape == (el,) and el <= 1024 and n < 2**31)
+            and handle.group_sizes.shape == (el,) and el <= _op_table.MAX_GROUPS
+            and n <= _op_table.MAX_DIM)
     return fits and _combine_kernel_applies(h, weights, p, axis_name)
 
 

@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pk_jax import _backend, _checks, _ffi
+from pk_jax import _backend, _checks, _ffi, _op_table
 from pk_jax.ops import _attention, _tp, _vjp
 from pk_jax.ops import attention as _attention_op
 from pk_jax.runtime import state
@@ -221,8 +221,9 @@ NUM_COMM_SMS = 8
 def kernel_supports(q: jax.Array, k: jax.Array, p: int) -> bool:
     """Whether the fused forward takes these (already checked) operands."""
     return (p > 1 and q.dtype in _checks.MATMUL_DTYPES_NP and q.shape[3] in HEAD_DIMS
-            and q.shape[0] < 65536 and q.shape[2] < 65536
-            and q.shape[1] * q.shape[2] * q.shape[3] < 2**31 and q.shape[1] * p < 2**30)
+            and q.shape[0] <= _op_table.MAX_GRID_Y and q.shape[2] <= _op_table.MAX_GRID_Y
+            and q.shape[1] * q.shape[2] * q.shape[3] <= _op_table.MAX_DIM
+            and q.shape[1] * p <= _op_table.MAX_DIM // 2)
 
 
 def workspace_need(k: jax.Array, p: int) -> int:

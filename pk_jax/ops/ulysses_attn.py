@@ -62,7 +62,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pk_jax import _backend, _checks, _ffi, cost_model
+from pk_jax import _backend, _checks, _ffi, _op_table, cost_model
 from pk_jax.ops import _attention, _tp, _vjp
 from pk_jax.ops import attention as _attention_op
 from pk_jax.ops.all_to_all import all_to_all
@@ -237,7 +237,7 @@ def backward_path(q: jax.Array, p: int, axis_name: str, *, k: jax.Array | None =
     PK_JAX_ULYSSES_FUSED=bwd forces it) or "composed" (pk.all_to_all of dO, the pk.attention
     backward kernel on the head group, all_to_all of dq, dk, dv back)."""
     # The kernel indexes B S H/P D elements (= q.size) of its head group in 32 bits.
-    supported = kernel_supports(q, p) and q.size < 2**31
+    supported = kernel_supports(q, p) and q.size <= _op_table.MAX_DIM
     mode = fused_mode()
     wanted = mode == "bwd" or (mode == "auto" and _decided(
         "ulysses_attn_bwd", q, q if k is None else k, p, causal))
@@ -250,8 +250,9 @@ def composed_supports(q: jax.Array, p: int) -> bool:
     """Whether the pk.attention kernels take the head group [B, S, H/P, D] of these operands
     (the composed path; P divides H)."""
     return (p > 1 and q.dtype in _checks.MATMUL_DTYPES_NP
-            and q.shape[3] in _attention_op.HEAD_DIMS and q.shape[0] < 65536
-            and q.shape[2] // p < 65536 and q.shape[1] * q.shape[2] * q.shape[3] < 2**31)
+            and q.shape[3] in _attention_op.HEAD_DIMS and q.shape[0] <= _op_table.MAX_GRID_Y
+            and q.shape[2] // p <= _op_table.MAX_GRID_Y
+            and q.shape[1] * q.shape[2] * q.shape[3] <= _op_table.MAX_DIM)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -339,8 +340,9 @@ FWD_COMM_SMS = 8
 def kernel_supports(q: jax.Array, p: int) -> bool:
     """Whether the fused forward takes these (already checked) operands; P divides H."""
     return (p > 1 and q.dtype in _checks.MATMUL_DTYPES_NP and q.shape[3] in HEAD_DIMS
-            and q.shape[0] * p < 65536 and q.shape[2] < 65536
-            and q.shape[1] * q.shape[2] * q.shape[3] < 2**31 and q.shape[1] * p < 2**30)
+            and q.shape[0] * p <= _op_table.MAX_GRID_Y and q.shape[2] <= _op_table.MAX_GRID_Y
+            and q.shape[1] * q.shape[2] * q.shape[3] <= _op_table.MAX_DIM
+            and q.shape[1] * p <= _op_table.MAX_DIM // 2)
 
 
 def kv_repeats(hkv: int, p: int) -> int:
