@@ -83,6 +83,7 @@ import numpy as np
 
 import pk_jax as pk
 from pk_jax import _checks
+from pk_jax.nn._fp8 import fp8_matmul
 from pk_jax.runtime import state
 
 DEFAULT_AXIS = "tp"
@@ -273,4 +274,5 @@ def reference_mlp(x: jax.Array, w1: jax.Array, b1: jax.Array | None, w2: jax.Arr
     return dense(activation(dense(x, w1, b1)), w2, b2)
 
 
-__all__ = ["DEFAULT_AXIS", "column_parallel_linear", "reference_mlp", "row_parallel_linear"]
+__all__ = ["DEFAULT_AXIS", "column_parallel_linear", "fp8_matmul", "reference_mlp",
+           "row_parallel_linear"]

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pk_jax import _backend, _checks, _ffi
+from pk_jax import fp8 as _fp8
 from pk_jax.ops import _vjp
 from pk_jax.runtime import state
 
@@ -18,26 +19,83 @@ __all__ = ["matmul"]  # exported by pk_jax/__init__.py
 STEM = "matmul"
 
 
-def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+def matmul(x: jax.Array, w: jax.Array, *, x_scale: jax.Array | None = None,
+           w_scale: jax.Array | None = None, out_dtype=None) -> jax.Array:
     """Multiplies `x` [M, K] by `w` [K, N] with fp32 accumulation.
 
     Works inside and outside `shard_map`; inside, it is a purely local product.
 
+    With fp8 operands (`pk_jax.fp8`: float8_e4m3fn or float8_e5m2, each with its float32
+    dequantization scale, per tensor or blockwise) the product is of the dequantized operands,
+    accumulated in fp32, in `out_dtype`. There is no fp8 kernel yet: that product runs its
+    reference (`pk_jax.fp8` dequantizes both operands, then a float32 dot) on every platform.
+
     Args:
-        x: [M, K], bf16 or fp16, K a multiple of 8.
-        w: [K, N], same dtype as `x`.
+        x: [M, K], bf16 or fp16, K a multiple of 8; or fp8, K a multiple of 16.
+        w: [K, N], same dtype as `x` (fp8: either format).
+        x_scale: fp8 only: float32, a scalar or [M, ceil(K / 128)] (per row and 128 columns).
+        w_scale: fp8 only: float32, a scalar or [ceil(K / 128), ceil(N / 128)] (128 x 128
+            blocks).
+        out_dtype: fp8 only: bfloat16 (the default) or float32.
 
     Returns:
-        [M, N] in the dtype of `x`, equal to
-        `jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)`.
+        [M, N] in the dtype of `x` (fp8: `out_dtype`), equal to
+        `jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)` (fp8: of
+        `pk_jax.fp8.dequantize(x, x_scale, "x")` and `dequantize(w, w_scale, "w")`).
 
     Raises:
         ValueError: operands not rank 2, contraction dimensions that differ, K not a multiple
-            of 8.
-        TypeError: an unsupported dtype, or `x` and `w` of different dtypes.
+            of 8 (fp8: 16), scales of the wrong shape.
+        TypeError: an unsupported dtype, `x` and `w` of different dtypes (16-bit), scales
+            missing or not float32 for fp8 operands or given for others.
     """
+    if _fp8.is_fp8(x.dtype) or _fp8.is_fp8(w.dtype):
+        _check_fp8(x, w, x_scale, w_scale, out_dtype)
+        return fp8_reference(x, w, x_scale, w_scale, out_dtype or jnp.bfloat16)
+    if x_scale is not None or w_scale is not None or out_dtype is not None:
+        raise TypeError(
+            f"pk.{STEM}: x_scale, w_scale and out_dtype are for fp8 operands (pk_jax.fp8), and "
+            f"x is {x.dtype}; leave them out (the product comes out in x's dtype).")
     _checks.matmul_operands(STEM, x, w)
     return _matmul(x, w)
+
+
+def _check_fp8(x, w, x_scale, w_scale, out_dtype) -> None:
+    formats = ", ".join(np.dtype(d).name for d in _fp8.FORMATS)
+    _checks.ndim_is(STEM, "x", x, 2)
+    _checks.ndim_is(STEM, "w", w, 2)
+    for name, a in (("x", x), ("w", w)):
+        if not _fp8.is_fp8(a.dtype):
+            raise TypeError(f"pk.{STEM}: with an fp8 operand both must be fp8 ({formats}); "
+                            f"{name} is {a.dtype}. Quantize it with pk_jax.fp8.quantize.")
+    if x.shape[1] != w.shape[0]:
+        raise ValueError(
+            f"pk.{STEM}: contraction dimensions differ: x has shape {x.shape} and w has shape "
+            f"{w.shape}. w must be [K, N] for x [M, K].")
+    _checks.divisible(STEM, "K (x.shape[1])", x.shape[1], 16,
+                      "fp8 rows need 16-byte strides: pad K with zeros in x and w.")
+    for name, scale, role, a in (("x_scale", x_scale, "x", x), ("w_scale", w_scale, "w", w)):
+        block = _fp8.block_shape(role, a.shape)
+        if scale is None:
+            raise TypeError(f"pk.{STEM}: fp8 operands need {name}: a float32 scalar, or "
+                            f"{list(block)} for blockwise scaling (pk_jax.fp8.quantize makes it).")
+        if getattr(scale, "dtype", None) != jnp.float32:
+            raise TypeError(f"pk.{STEM}: {name} must be float32, got "
+                            f"{getattr(scale, 'dtype', type(scale).__name__)}.")
+        if scale.shape not in ((), block):
+            raise ValueError(f"pk.{STEM}: {name} must be a scalar or {list(block)} for "
+                             f"{role} of shape {list(a.shape)}, got shape {list(scale.shape)}.")
+    if out_dtype is not None and np.dtype(out_dtype) not in (np.dtype(jnp.bfloat16),
+                                                             np.dtype(jnp.float32)):
+        raise TypeError(f"pk.{STEM}: out_dtype must be bfloat16 or float32 for fp8 operands, "
+                        f"got {np.dtype(out_dtype).name}.")
+
+
+def fp8_reference(x, w, x_scale, w_scale, out_dtype) -> jax.Array:
+    """The fp8 product's reference: both operands dequantized to float32, a float32 dot."""
+    return jnp.dot(_fp8.dequantize(x, x_scale, "x"), _fp8.dequantize(w, w_scale, "w"),
+                   precision=jax.lax.Precision.HIGHEST,
+                   preferred_element_type=jnp.float32).astype(out_dtype)
 
 
 def reference(x: jax.Array, w: jax.Array, *, out_sharding=None) -> jax.Array:
