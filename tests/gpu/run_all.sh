@@ -76,7 +76,8 @@ section_sass() {
 section_unit() {
   step "$PY" -m pytest -q -p no:cacheprovider -m "gpu and not large" tests/test_ping.py \
     tests/test_runtime.py tests/test_api.py
-  step "$PY" -m pytest -q -p no:cacheprovider -m "gpu and not large" tests/test_matmul.py
+  step "$PY" -m pytest -q -p no:cacheprovider -m "gpu and not large" tests/test_matmul.py \
+    tests/test_fp8.py
 }
 
 # Symmetric memory across 2, 4 and 8 processes sharing the GPU (FD exchange, peer mappings).
