@@ -182,36 +182,27 @@ struct kernel_def {
    * and the fused MoE kernels', which differ only in where tiles come from and in the
    * epilogue): acc zeroed, then per k step: wait full[stage], DW's tail rows zeroed, the MMAs
    * into acc, and the stage freed one step late (the MMAs of step k may still read it; those of
-   * step k-1 are done). Returns with every MMA done and every stage of the tile freed; `stage`
-   * and `phase` (the consumer's place in the ring) carry over to the next tile.
-   *
-   * NOTES: stage and phase are two variables here, not a pipeline_state. With the struct (its
-   * member order is the one that keeps lcsc's and the producers' code) the compiler gives the
-   * two registers the other order in this loop, and ptxas allocates and schedules the consumer
-   * differently; as two variables, declared phase first by the caller, the kernels keep the
-   * machine code they had when each wrote this loop itself.
+   * step k-1 are done). Returns with every MMA done and every stage of the tile freed; `pipe`
+   * (the consumer's place in the ring) carries over to the next tile.
    */
-  __device__ static void mainloop(acc_t& acc, shared_storage& s, const work& w, int& stage,
-                                  uint32_t& phase, int c, bool leader) {
+  __device__ static void mainloop(acc_t& acc, shared_storage& s, const work& w,
+                                  pipeline_state<STAGES>& pipe, int c, bool leader) {
     // NOTES: zeroed on every tile (not only for empty DW groups): a write of the accumulator
     // under a data-dependent branch makes ptxas serialize every wgmma of the kernel.
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
     int prev = 0;
     for (int k = 0; k < w.k_iters; ++k) {
-      mbar_wait(&s.full[stage], phase);
+      mbar_wait(&s.full[pipe.stage], pipe.phase);
       if constexpr (MODE == DW) {
         const int valid = w.row_end - (w.row0 + k * BK);
-        if (valid < BK) zero_tail_rows(s.stages[stage], c, valid);
+        if (valid < BK) zero_tail_rows(s.stages[pipe.stage], c, valid);
       }
-      consumer(acc, s.stages[stage], c, k);
+      consumer(acc, s.stages[pipe.stage], c, k);
       wgmma::wait<1>();  // the MMAs of step k may still read stage s; those of k-1 are done
       if (k > 0 && leader) mbar_arrive(&s.empty[prev]);
-      prev = stage;
-      if (++stage == STAGES) {
-        stage = 0;
-        phase ^= 1;
-      }
+      prev = pipe.stage;
+      pipe.advance();
     }
     wgmma::wait<0>();
     if (w.k_iters > 0 && leader) mbar_arrive(&s.empty[prev]);
@@ -225,12 +216,11 @@ struct kernel_def {
   template <class Epilogue>
   __device__ static void consume_tiles(const globals& g, shared_storage& s, int num_tiles, int c,
                                        bool leader, Epilogue&& epilogue) {
-    uint32_t phase = 0;  // before stage: see mainloop's NOTES
-    int stage = 0;
+    pipeline_state<STAGES> pipe;
     for (int id = blockIdx.x; id < num_tiles; id += gridDim.x) {
       const work w = tile(g, s, id);
       acc_t acc;
-      mainloop(acc, s, w, stage, phase, c, leader);
+      mainloop(acc, s, w, pipe, c, leader);
       epilogue(acc, w);
     }
   }

@@ -225,15 +225,14 @@ __global__ void __launch_bounds__(K::THREADS, 1)
   const int cw = wg - 1;
   const bool leader = warpgroup::thread() == 0;
   const lcsc::storer_sync sync{1 + cw, leader};
-  uint32_t phase = 0;  // two variables, phase first: see grouped_matmul's mainloop
-  int stage = 0;
+  pipeline_state<K::STAGES> pipe;
   for (;;) {
-    mbar_wait(&s.full[stage], phase);
-    const int id = *static_cast<volatile int*>(&tile_of[stage]);
+    mbar_wait(&s.full[pipe.stage], pipe.phase);
+    const int id = *static_cast<volatile int*>(&tile_of[pipe.stage]);
     if (id < 0) break;
     const grouped_matmul::work w = K::tile(g, s, id);
     typename K::acc_t acc;
-    K::mainloop(acc, s, w, stage, phase, cw, leader);
+    K::mainloop(acc, s, w, pipe, cw, leader);
     K::storer(g, acc, s.out[cw], cw, w, sync);
   }
   if (leader) tma::store_wait<0>();

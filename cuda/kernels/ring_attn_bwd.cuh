@@ -192,9 +192,10 @@ __device__ void lane(const globals& g, int ln) {
     } while (x.id < g.n_items && kind(x.t, key_tile(x.id) * BN, x.qb * BQ) == HIDDEN);
     return x;
   };
-  // Stream tile x (number j) into stage j % STAGES (free).
+  // Stream tile x (number j) into its stage (free).
+  using pipe = pipeline_state<STAGES>;
   auto issue = [&](const tile& x, int j) {
-    const int st = j % STAGES;
+    const int st = pipe::stage_of(j);
     const int b = batch(x.id), h = kv_head(x.id) * group + x.h, q0 = x.qb * BQ;
     auto& stage = s.st[st];
     mbar_arrive_expect_tx(&s.full[st], CB::STAGE_BYTES);
@@ -233,7 +234,7 @@ __device__ void lane(const globals& g, int ln) {
   auto release = [&](int r) {
     if (leader) {
       __threadfence_block();
-      const int before = atomicAdd(&s.released[r % STAGES], 1);
+      const int before = atomicAdd(&s.released[pipe::stage_of(r)], 1);
       const tile x = next_tile[c];
       if (x.id < g.n_items) {
         if (before % CONSUMERS == CONSUMERS - 1) issue(x, next_j[c]);
@@ -253,7 +254,7 @@ __device__ void lane(const globals& g, int ln) {
   float dk[D / 2], dv[D / 2];
   attn::dkdv_step<CB> step;
   int j = 0;  // stream tiles consumed
-  uint32_t kv_phase = 0;
+  pipeline_state<1> kv;  // the one K/V buffer's barrier, refilled once per visible ring step
   tile cur = first;
   for (int wi = 0, it_id = ln; it_id < g.n_items; ++wi, it_id += g.lanes) {
     const int hk = kv_head(it_id), b = batch(it_id);
@@ -277,17 +278,17 @@ __device__ void lane(const globals& g, int ln) {
           attn::load_rows(s.k, km, &s.kv_full, bz, k0, hk);
           attn::load_rows(s.v, vm, &s.kv_full, bz, k0, hk);
         }
-        mbar_wait(&s.kv_full, kv_phase);
-        kv_phase ^= 1;
+        mbar_wait(&s.kv_full, kv.phase);
+        kv.advance();
         const int owner = (rank - t + P) % P;
         for (; cur.id == it_id && cur.t == t; cur = advance(cur), ++j) {
-          const int st = j % STAGES;
+          const int st = pipe::stage_of(j);
           const int h = hk * group + cur.h, q0 = cur.qb * BQ;
           // The storage through an opaque pointer: else nvcc hoists the step's tile-invariant
           // shared-memory addresses (dS^T and dQ staging, lse and delta) out of the loop into
           // registers, and the D = 128 kernel spilled.
           auto& sm = *opaque(&s);
-          mbar_wait(&sm.full[st], (j / STAGES) & 1);
+          mbar_wait(&sm.full[st], pipe::phase_of(j));
           step.scores(sm, sm.st[st], c);
           const int kg[2] = {ring_attn::global_pos(f, owner, key_lo),
                              ring_attn::global_pos(f, owner, key_lo + 8)};

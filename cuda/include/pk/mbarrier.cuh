@@ -80,11 +80,15 @@ __device__ inline bool mbar_test(mbarrier* bar, uint32_t parity) {
  * finds every stage free). Two registers: a local of the role's loop, passed by reference
  * into the helpers that move it (grouped_matmul's produce).
  *
+ * Loops that number their uses (the attention mainloops: tile j of a stream, issued by
+ * whichever warpgroup frees its stage last, so the issuer knows j and not a running state) take
+ * the same mapping from the number: stage_of(j) and phase_of(j) are where a state started at
+ * 0 stands after j advances.
+ *
  * NOTES: phase is declared before stage. The member order decides the order of the two
  * registers in the PTX, which ptxas's register allocation and schedule follow: in this order
  * the loops that use the type (lcsc's, the grouped GEMM producers') compile to the machine code
- * of the two separate variables they replaced. The grouped GEMM consumers keep two variables
- * (grouped_matmul's mainloop says why).
+ * of the two separate variables they replaced.
  */
 template <int STAGES>
 struct pipeline_state {
@@ -99,6 +103,11 @@ struct pipeline_state {
       phase ^= 1;
     }
   }
+
+  /** @brief The stage of use j (j >= 0), numbered from 0: a state's after j advances. */
+  __device__ static int stage_of(int j) { return j % STAGES; }
+  /** @brief The parity use j (j >= 0) waits for: a state's phase after j advances. */
+  __device__ static uint32_t phase_of(int j) { return (j / STAGES) & 1; }
 };
 
 /**

@@ -305,7 +305,7 @@ __device__ __forceinline__ void bwd_block(const G& g, int hk, int kb, int b, con
   const int n_tiles = group * per_head;
   const bool issuer = threadIdx.x == 0;
   auto issue = [&](int j) {
-    const int st = j % STAGES;
+    const int st = pipeline_state<STAGES>::stage_of(j);
     const int h = hk * group + j / per_head;
     const int q0 = src.tile(qb0, j % per_head, nq) * BQ;
     src.before_load(q0);
@@ -347,22 +347,22 @@ __device__ __forceinline__ void bwd_block(const G& g, int hk, int kb, int b, con
   dkdv_step<C> step;
 
   mbar_wait(&s.kv_full, 0);
-  // Tile j is query block qb0 + qi of head h (qi = j % per_head) in stage st = j % STAGES,
-  // phase ph: counters, not divisions, in the loop. Each loop below advances them itself: the
-  // same steps in a shared lambda or struct change both loops' machine code, and these are the
-  // forms measured (attention_notes.md, "Full benchmark on the 176-key forward; the D = 64
-  // backward pipelined").
-  int h = hk * group, qi = 0, st = 0;
-  uint32_t ph = 0;
+  // Tile j is query block qb0 + qi of head h (qi = j % per_head) in stage
+  // pipe.stage = j % STAGES: counters, not divisions, in the loop. Each loop below advances
+  // them itself: the head and block steps in a shared lambda change both loops' machine code,
+  // and these are the forms measured (attention_notes.md, "Full benchmark on the 176-key
+  // forward; the D = 64 backward pipelined").
+  pipeline_state<STAGES> pipe;
+  int h = hk * group, qi = 0;
   if constexpr (D == 128) {
     for (int j = 0; j < n_tiles; ++j) {
       const int q0 = src.tile(qb0, qi, nq) * BQ;
-      auto& stage = s.st[st];
+      auto& stage = s.st[pipe.stage];
       auto& ds = s.ds[j & 1];
-      mbar_wait(&s.full[st], ph);
+      mbar_wait(&s.full[pipe.stage], pipe.phase);
       step.scores(s, stage, c);
       dq_part<C> part;
-      part.after_scores(step, stage, s.lse[st], s.delta[st], ds, s.k, dk, dv,
+      part.after_scores(step, stage, s.lse[pipe.stage], s.delta[pipe.stage], ds, s.k, dk, dv,
                         dm.causal && q0 < k0 + c * 64 + 63, sl2, q0, keys, key_lo - k0, lane,
                         nbeg);
       release(j);
@@ -371,10 +371,7 @@ __device__ __forceinline__ void bwd_block(const G& g, int hk, int kb, int b, con
         qi = 0;
         ++h;
       }
-      if (++st == STAGES) {
-        st = 0;
-        ph ^= 1;
-      }
+      pipe.advance();
     }
   } else {
     // D = 64: step j's S^T and dP^T are issued at the end of step j - 1, before that step's
@@ -389,12 +386,12 @@ __device__ __forceinline__ void bwd_block(const G& g, int hk, int kb, int b, con
     step.issue_scores(s, s.st[0], c);
     auto tile = [&](int j, auto last) {
       const int q0 = src.tile(qb0, qi, nq) * BQ, hq = h;
-      auto& stage = s.st[st];
+      auto& stage = s.st[pipe.stage];
       auto& ds = s.ds[j & 1];
       step.wait_scores();
       const bool mask = dm.causal && q0 < k0 + c * 64 + 63;
-      step.grad_scores(s.lse[st], s.delta[st], sl2, mask, [&](int col) { return q0 + col; },
-                       keys);
+      step.grad_scores(s.lse[pipe.stage], s.delta[pipe.stage], sl2, mask,
+                       [&](int col) { return q0 + col; }, keys);
       step.issue(stage, dk, dv);
       dq_part<C> part;
       part.share(ds, step.dsa, key_lo - k0, lane);
@@ -408,12 +405,9 @@ __device__ __forceinline__ void bwd_block(const G& g, int hk, int kb, int b, con
           qi = 0;
           ++h;
         }
-        if (++st == STAGES) {
-          st = 0;
-          ph ^= 1;
-        }
-        mbar_wait(&s.full[st], ph);
-        step.issue_scores(s, s.st[st], c);
+        pipe.advance();
+        mbar_wait(&s.full[pipe.stage], pipe.phase);
+        step.issue_scores(s, s.st[pipe.stage], c);
       }
       part.reduce(g, s.dqs[c], b, hq, q0, nbeg, t, c);
     };

@@ -121,7 +121,7 @@ __device__ inline void release_stage(int (&released)[STAGES], int r, int n_tiles
                                      const Issue& issue) {
   if (warpgroup::thread() == 0) {
     __threadfence_block();
-    const int before = atomicAdd(&released[r % STAGES], 1);
+    const int before = atomicAdd(&released[pipeline_state<STAGES>::stage_of(r)], 1);
     if (before % WGS == WGS - 1 && r + STAGES < n_tiles) issue(r + STAGES);
   }
   __syncwarp();

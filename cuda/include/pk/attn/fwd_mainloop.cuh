@@ -173,14 +173,15 @@ __device__ __forceinline__ void fwd_block(const G& g) {
   const int q0 = src.row0();
   const int n_tiles = src.n_tiles();
   const bool issuer = threadIdx.x == 0;
-  // Streamed tile j's K or V into stage j % STAGES (free); issue: both.
+  // Streamed tile j's K or V into its stage (free); issue: both.
+  using pipe = pipeline_state<STAGES>;
   auto issue_k = [&](int j) {
-    const int st = j % STAGES;
+    const int st = pipe::stage_of(j);
     mbar_arrive_expect_tx(&s.k_full[st], C::kv_tile::BYTES);
     src.load_k(g, s.k[st], &s.k_full[st], j);
   };
   auto issue_v = [&](int j) {
-    const int st = j % STAGES;
+    const int st = pipe::stage_of(j);
     mbar_arrive_expect_tx(&s.v_full[st], C::kv_tile::BYTES);
     src.load_v(g, s.v[st], &s.v_full[st], j);
   };
@@ -244,9 +245,9 @@ __device__ __forceinline__ void fwd_block(const G& g) {
   softmax(0);
   frag::to_a<T>(r.p, r.sc);
   for (int j = 1; j < n_tiles; ++j) {
-    const int st = j % STAGES, prev = (j - 1) % STAGES;
-    mbar_wait(&s.k_full[st], (j / STAGES) & 1);
-    mbar_wait(&s.v_full[prev], ((j - 1) / STAGES) & 1);
+    const int st = pipe::stage_of(j), prev = pipe::stage_of(j - 1);
+    mbar_wait(&s.k_full[st], pipe::phase_of(j));
+    mbar_wait(&s.v_full[prev], pipe::phase_of(j - 1));
     turn.take();
     r.qk(s, c, st);
     wgmma::fence_regs(r.o);
@@ -263,8 +264,8 @@ __device__ __forceinline__ void fwd_block(const G& g) {
     r.rescale();
     frag::to_a<T>(r.p, r.sc);
   }
-  const int last = (n_tiles - 1) % STAGES;
-  mbar_wait(&s.v_full[last], ((n_tiles - 1) / STAGES) & 1);
+  const int last = pipe::stage_of(n_tiles - 1);
+  mbar_wait(&s.v_full[last], pipe::phase_of(n_tiles - 1));
   turn.take();
   wgmma::fence_regs(r.o);
   r.pv(s, last);
