@@ -31,8 +31,10 @@ sms_per_rank: a projection to one GPU of the node, labelled so).
         [--quick] [--cases FILE] [--tag TAG] [--workspace-mib 1024]
 
 --cases reads a JSON list of {"op", "pass", "world", "shape"} (bench/results/decider_cases.json,
-decider_cases_2.json) and runs exactly those, rows tagged with --tag, by default the file's
-"tag" (else "overlap").
+decider_cases_2.json, decider_cases_3.json) and runs exactly those, rows tagged with --tag, by
+default the file's "tag" (else "overlap"). With --dry-run it starts no GPU work: it checks each
+case's shape (`check_shape`), prints the decider's pick and an estimate of the run's wall time
+(`estimate_s`), and exits non-zero on a bad case.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 import sys
 import time
@@ -677,6 +680,104 @@ def default_cases(quick: bool) -> list[dict]:
     return cases
 
 
+# The shape keys each family's benchmark reads (ring: hkv too; MoE: "model" is a label).
+SHAPE_KEYS = {"tp": ("m", "n", "k_per_rank"), "ring": ("s", "h", "hkv", "d", "causal"),
+              "ulysses": ("s", "h", "d", "causal"), "moe": ("t", "k", "experts", "h", "hidden")}
+
+
+def family(op: str) -> str:
+    return ("tp" if op in cost_model.OPS else "moe" if op.startswith("moe")
+            else op.split("_")[0])
+
+
+def check_shape(op: str, p: int, shape: dict) -> list[str]:
+    """What is wrong with one case for this benchmark (empty: nothing): the op, P, the keys its
+    builder reads, and the divisibility its builders and kernels assume (rows and sequences
+    split evenly over P in 128-row tiles, TP's N and K in 256-column tiles, heads and experts
+    split over P, MoE rows 16-byte vectors)."""
+    if op not in PASSES:
+        return [f"unknown op {op!r}"]
+    if p not in (2, 4, 8):
+        return [f"P = {p} is not 2, 4 or 8"]
+    fam = family(op)
+    missing = [k for k in SHAPE_KEYS[fam] if k not in shape]
+    if missing:
+        return [f"shape lacks {missing}"]
+    bad = []
+    if fam == "tp":
+        if shape["m"] % (128 * p):
+            bad.append("m is not a multiple of 128 P")
+        if shape["n"] % 256 or shape["k_per_rank"] % 256:
+            bad.append("n or k_per_rank is not a multiple of 256")
+    elif fam in ("ring", "ulysses"):
+        if shape["s"] % (128 * p):
+            bad.append("s is not a multiple of 128 P")
+        if shape["d"] not in (64, 128):
+            bad.append("d is not 64 or 128")
+        if fam == "ring" and shape["h"] % shape["hkv"]:
+            bad.append("h is not a multiple of hkv")
+        if fam == "ulysses" and shape["h"] % p:
+            bad.append("h is not a multiple of P")
+    else:
+        if shape["experts"] % p or shape["h"] % 8 or shape["hidden"] % 128:
+            bad.append("experts not a multiple of P, h of 8 or hidden of 128")
+    return bad
+
+
+def estimate_s(cases: list[dict], rows_path=RESULTS) -> float:
+    """The run's wall time in seconds, from the committed scale-model rows: each case's serial
+    and fused times predicted by the decider, taken to the emulator's time by the rows'
+    measured / predicted serial time (geomean per op and P), then what `measure` launches
+    (a warm-up and 5 batches of each form, 1 + 3 of each part; batches of 2-10 calls) plus
+    the host time per case the earlier rounds' timestamps show (references, data, per
+    family), plus about 30 s per world."""
+    import fit_decider
+
+    rows = fit_decider.load(rows_path)
+
+    def predicted(op, shape, p):
+        if op in cost_model.OPS:
+            m, n, k = shape["m"], shape["n"], shape["k_per_rank"]
+            fused = min(cost_model.predict(op, m, n, k, p, mode="fused", num_comm_sms=c)
+                        .predicted_us for c in (cost_model.COMM_SMS_CANDIDATES
+                                                if op == "ag_gemm" else (0,)))
+            return fused, cost_model.predict(op, m, n, k, p, mode="serial").predicted_us
+        return cost_model.predict_overlap(op, shape, p)
+
+    logs: dict = {}
+    for r in rows:
+        logs.setdefault((r["op"], r["world"]), []).append(
+            math.log(r["serial_us"] / predicted(r["op"], r["shape"], r["world"])[1]))
+    host = {"tp": 2.5, "ring_attn": 2.0, "ring_attn_bwd": 6.0, "ulysses_attn": 5.0,
+            "ulysses_attn_bwd": 8.0, "moe": 5.0}
+    total = 30.0 * len({c["world"] for c in cases})
+    for c in cases:
+        op, p = c["op"], c["world"]
+        k = math.exp(statistics.mean(logs[(op, p)]))
+        fused, serial = (x * k * 1e-6 for x in predicted(op, c["shape"], p))
+        batch = lambda t: min(10, max(2, int(0.02 / t))) * t
+        total += 6 * (batch(fused) + batch(serial)) + 4 * batch(serial)
+        total += host["tp" if op in cost_model.OPS else "moe" if op.startswith("moe")
+                      else op] * (1.3 if p == 8 else 1.0)
+    return total
+
+
+def dry_run(cases: list[dict]) -> None:
+    bad = 0
+    for c in cases:
+        problems = check_shape(c["op"], c["world"], c["shape"])
+        bad += bool(problems)
+        fused, serial = ((None, None) if problems or c["op"] in cost_model.OPS
+                         else cost_model.predict_overlap(c["op"], c["shape"], c["world"]))
+        pick = "-" if problems else cost_model.choose(c["op"], c["shape"], c["world"])
+        ratio = "" if fused is None else f" predicted serial/fused {serial / fused:5.2f}"
+        print(f"P={c['world']} {c['op']:17s} {json.dumps(c['shape'])}: picks {pick}{ratio}"
+              + (f"  BAD: {'; '.join(problems)}" if problems else ""))
+    print(f"=== {len(cases)} cases, {bad} bad; estimated wall time {estimate_s(cases):.0f} s")
+    if bad:
+        raise SystemExit("bench_overlap --dry-run: bad cases")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--worlds", default="2,4,8")
@@ -686,6 +787,8 @@ def main() -> None:
     ap.add_argument("--tag", default=None,
                     help="the rows' tag (default: the cases file's \"tag\", else overlap)")
     ap.add_argument("--workspace-mib", type=int, default=1024)
+    ap.add_argument("--dry-run", action="store_true",
+                    help="check --cases and estimate the run's time; no GPU work")
     args = ap.parse_args()
     which = set(args.ops.split(","))
     tag = args.tag or "overlap"
@@ -694,6 +797,13 @@ def main() -> None:
             spec = json.load(f)
         listed = spec["cases"]
         tag = args.tag or spec.get("tag", "overlap")
+    if args.dry_run:
+        if not args.cases:
+            raise SystemExit("bench_overlap --dry-run needs --cases")
+        worlds = {int(w) for w in args.worlds.split(",")}
+        which = set(args.ops.split(","))
+        dry_run([c for c in listed if c["world"] in worlds and c["op"] in which])
+        return
     rows: list = []
     failed: list[str] = []
     t0 = time.monotonic()

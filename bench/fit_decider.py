@@ -1,9 +1,10 @@
 """Fits the decider's constants (pk_jax/cost_model.py) on the scale-model rows, and judges the
 fit shape by shape.
 
-Rows: bench/results/overlap.jsonl, those with scale_model and a tag in TRAIN_TAGS (the first
-run, the rest of its grid and the first validation cases: 153 rows). The second validation
-cases (bench/results/decider_cases_2.json, tag "decider-validation-2") are never read here.
+Rows: bench/results/overlap.jsonl, those with scale_model and a tag in TRAIN_TAGS: every
+scale-model row measured so far (the first run, the rest of its grid, and the first two
+validation rounds, whose rows became training data once scored: 211 rows). A later round's
+cases (bench/results/decider_cases_3.json, tag "decider-validation-3") are never read here.
 
 - COLLECTIVE_FLOOR_US: from the TP rows' serial collective timed alone (t_comm_us; one call of
   pk's all_gather, reduce_scatter or all_reduce), taken to a node's time by the row's link rate
@@ -13,15 +14,17 @@ cases (bench/results/decider_cases_2.json, tag "decider-validation-2") are never
 - FUSED_OVERHEAD of gemm_rs and gemm_ar: their fused prediction at P > 1 is
   launch + max(tc, tm) + a tc + b tm + sync (`cost_model.predict`); (a, b) >= 0 by least squares
   on the measured fused / serial against the predicted, over all their rows.
-- FUSED_OVERHEAD of cost_model.OVERLAP_OPS: as before on the rows of tag "overlap" only
-  (OVERLAP_FIT_TAGS), (a, b) >= 0 by least squares on fused / serial with the serial parts
-  `cost_model.overlap_parts` (now with the floor on each collective call).
+- FUSED_OVERHEAD and PIPELINE_OVERHEAD of cost_model.OVERLAP_OPS: fused / serial =
+  (max(tc, tm) + (a + c 2/P) tc + (b + d 2/P) tm) / (tc + tm) with the serial parts
+  `cost_model.overlap_parts`, (a, b, c, d) >= 0 by least squares over all the op's rows.
 
-Then scores `cost_model.choose` (the one decider) with the fitted constants: in sample, and
+Then scores `cost_model.choose` (the one decider) with the fitted constants, in sample and
 leave-one-shape-out (every row of one (op, shape), at every P, left out of every fit above and
-then judged), and trained on tags "overlap" and "overlap-full" only, judged on the first
-validation cases. accuracy = right picks / cases that are not ties (|serial / fused - 1| <=
-3%); time_lost = sum of the picked mode's times / sum of the faster mode's - 1.
+then judged), beside, on the same folds, the second round's procedure (c = d = 0, the overlap
+ops fitted on tag "overlap" only), a constant per-op rule (the training folds' majority),
+always fused and always serial. accuracy = right picks / cases that are not ties
+(|serial / fused - 1| <= 3%); time_lost = sum of the picked mode's times / sum of the faster
+mode's - 1.
 
     python bench/fit_decider.py [--rows bench/results/overlap.jsonl] [--no-loso]
 """
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -43,8 +47,9 @@ import numpy as np
 
 from pk_jax import cost_model
 
-TRAIN_TAGS = ("overlap", "overlap-full", "decider-validation")
-OVERLAP_FIT_TAGS = ("overlap",)
+TRAIN_TAGS = ("overlap", "overlap-full", "decider-validation", "decider-validation-2")
+# The second round fitted the overlap ops on the first run's rows only; kept for the comparison.
+ROUND2_OVERLAP_TAGS = ("overlap",)
 FLOOR_STEP_US = 0.5
 FLOOR_MAX_US = 200.0
 TIE = 0.03
@@ -61,18 +66,26 @@ def shape_key(r: dict) -> tuple[str, str]:
 
 
 @contextlib.contextmanager
-def constants(floor: float | None = None, overhead: dict | None = None):
-    """cost_model with COLLECTIVE_FLOOR_US and FUSED_OVERHEAD entries set inside the block."""
-    saved = cost_model.COLLECTIVE_FLOOR_US, dict(cost_model.FUSED_OVERHEAD)
+def constants(floor: float | None = None, overhead: dict | None = None,
+              pipeline: dict | None = None):
+    """cost_model with COLLECTIVE_FLOOR_US and the FUSED_OVERHEAD / PIPELINE_OVERHEAD entries
+    given set inside the block (pipeline given: it replaces the whole dict)."""
+    saved = (cost_model.COLLECTIVE_FLOOR_US, dict(cost_model.FUSED_OVERHEAD),
+             dict(cost_model.PIPELINE_OVERHEAD))
     if floor is not None:
         cost_model.COLLECTIVE_FLOOR_US = floor
     cost_model.FUSED_OVERHEAD.update(overhead or {})
+    if pipeline is not None:
+        cost_model.PIPELINE_OVERHEAD.clear()
+        cost_model.PIPELINE_OVERHEAD.update(pipeline)
     try:
         yield
     finally:
         cost_model.COLLECTIVE_FLOOR_US = saved[0]
-        cost_model.FUSED_OVERHEAD.clear()
-        cost_model.FUSED_OVERHEAD.update(saved[1])
+        for d, old in ((cost_model.FUSED_OVERHEAD, saved[1]),
+                       (cost_model.PIPELINE_OVERHEAD, saved[2])):
+            d.clear()
+            d.update(old)
 
 
 def tp_terms(r: dict, mode: str) -> dict:
@@ -92,11 +105,13 @@ def fit_floor(rows: list[dict]) -> float:
     return float(grid[int(np.argmin(err))])
 
 
-def nonneg_lstsq(a_mat: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-    """min |a_mat c - y|^2 over c >= 0 (two columns): drop a column whose fit is negative."""
+def nonneg_lstsq(a_mat: np.ndarray, y: np.ndarray) -> tuple[float, ...]:
+    """min |a_mat c - y|^2 over c >= 0 (a few columns): every subset of the columns solved
+    unconstrained, those with a negative coefficient dropped, the least error kept."""
+    n = a_mat.shape[1]
     best = None
-    for cols in ((0, 1), (0,), (1,), ()):
-        coef = np.zeros(2)
+    for cols in (c for k in range(n, -1, -1) for c in itertools.combinations(range(n), k)):
+        coef = np.zeros(n)
         if cols:
             sol, *_ = np.linalg.lstsq(a_mat[:, cols], y, rcond=None)
             if np.any(sol < 0):
@@ -105,7 +120,7 @@ def nonneg_lstsq(a_mat: np.ndarray, y: np.ndarray) -> tuple[float, float]:
         err = float(np.sum((a_mat @ coef - y) ** 2))
         if best is None or err < best[1]:
             best = (coef, err)
-    return float(best[0][0]), float(best[0][1])
+    return tuple(float(c) for c in best[0])
 
 
 def fit_tp(rows: list[dict]) -> tuple[float, float]:
@@ -120,30 +135,38 @@ def fit_tp(rows: list[dict]) -> tuple[float, float]:
     return nonneg_lstsq(np.array(cols), np.array(y))
 
 
-def fit_overlap(rows: list[dict]) -> tuple[float, float]:
-    """(a, b) of one of OVERLAP_OPS: fused / serial = (max(tc, tm) + a tc + b tm) / (tc + tm)."""
+def fit_overlap(rows: list[dict], pipeline: bool = True) -> tuple[float, ...]:
+    """(a, b, c, d) of one of OVERLAP_OPS: fused / serial =
+    (max(tc, tm) + (a + c 2/P) tc + (b + d 2/P) tm) / (tc + tm); c = d = 0 without pipeline."""
     cols, y = [], []
     for r in rows:
         c, m = cost_model.overlap_parts(r["op"], r["shape"], r["world"])
-        cols.append([c / (c + m), m / (c + m)])
+        piece = 2.0 / r["world"]
+        row = [c / (c + m), m / (c + m)]
+        cols.append(row + [piece * x for x in row] if pipeline else row)
         y.append(r["fused_us"] / r["serial_us"] - max(c, m) / (c + m))
-    return nonneg_lstsq(np.array(cols), np.array(y))
+    coef = nonneg_lstsq(np.array(cols), np.array(y))
+    return coef if pipeline else coef + (0.0, 0.0)
 
 
-def fit(rows: list[dict]) -> tuple[float, dict]:
-    """The floor and every op's FUSED_OVERHEAD from `rows` (see the module doc)."""
+def fit(rows: list[dict], *, round2: bool = False) -> tuple[float, dict, dict]:
+    """The floor, every op's FUSED_OVERHEAD and the overlap ops' PIPELINE_OVERHEAD from `rows`
+    (see the module doc); round2: the second round's procedure (no pipeline share, the overlap
+    ops fitted on ROUND2_OVERLAP_TAGS only)."""
     floor = fit_floor(rows)
-    overhead = {}
+    overhead, pipeline = {}, {}
     with constants(floor=floor):
         for op in cost_model.TP_OVERLAP_FORM:
             mine = [r for r in rows if r["op"] == op]
             if mine:
                 overhead[op] = fit_tp(mine)
         for op in cost_model.OVERLAP_OPS:
-            mine = [r for r in rows if r["op"] == op and r["tag"] in OVERLAP_FIT_TAGS]
+            mine = [r for r in rows if r["op"] == op
+                    and (not round2 or r["tag"] in ROUND2_OVERLAP_TAGS)]
             if mine:
-                overhead[op] = fit_overlap(mine)
-    return floor, overhead
+                a, b, c, d = fit_overlap(mine, pipeline=not round2)
+                overhead[op], pipeline[op] = (a, b), (c, d)
+    return floor, overhead, pipeline
 
 
 def score(rows: list[dict], picks: list[str]) -> dict:
@@ -168,16 +191,40 @@ def picks(rows: list[dict]) -> list[str]:
     return [cost_model.choose(r["op"], r["shape"], r["world"]) for r in rows]
 
 
-def leave_one_shape_out(rows: list[dict]) -> tuple[list[dict], list[str]]:
+def majority(rows: list[dict]) -> dict:
+    """Each op's faster mode in most of `rows` (the constant per-op rule)."""
+    votes = collections.defaultdict(collections.Counter)
+    for r in rows:
+        votes[r["op"]]["fused" if r["fused_us"] < r["serial_us"] else "serial"] += 1
+    return {op: v.most_common(1)[0][0] for op, v in votes.items()}
+
+
+RULES = ("round 3 (this fit)", "round 2 procedure", "constant per op", "always fused",
+         "always serial")
+
+
+def rule_picks(rule: str, train: list[dict], held: list[dict]) -> list[str]:
+    """What `rule`, fitted on `train`, picks for the rows `held`."""
+    if rule == "always fused":
+        return ["fused"] * len(held)
+    if rule == "always serial":
+        return ["serial"] * len(held)
+    if rule == "constant per op":
+        constant = majority(train)
+        return [constant.get(r["op"], "serial") for r in held]
+    with constants(*fit(train, round2=rule == "round 2 procedure")):
+        return picks(held)
+
+
+def leave_one_shape_out(rows: list[dict], rule: str = RULES[0]
+                        ) -> tuple[list[dict], list[str]]:
     groups = collections.defaultdict(list)
     for r in rows:
         groups[shape_key(r)].append(r)
     out, chosen = [], []
     for key, held in groups.items():
-        floor, overhead = fit([r for r in rows if shape_key(r) != key])
-        with constants(floor, overhead):
-            out += held
-            chosen += picks(held)
+        out += held
+        chosen += rule_picks(rule, [r for r in rows if shape_key(r) != key], held)
     return out, chosen
 
 
@@ -186,33 +233,37 @@ def line(name: str, s: dict) -> str:
             f"accuracy {s['accuracy']} time_lost {s['time_lost']}")
 
 
+def per_op(out: list[dict], chosen: list[str]) -> str:
+    parts = []
+    for op in cost_model.OPS + cost_model.OVERLAP_OPS:
+        mine = [(r, c) for r, c in zip(out, chosen) if r["op"] == op]
+        s = score([r for r, _ in mine], [c for _, c in mine])
+        parts.append(f"{op} {s['correct']}/{s['cases'] - s['ties']}")
+    return "    " + ", ".join(parts)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default=str(common.RESULTS / "overlap.jsonl"))
     ap.add_argument("--no-loso", action="store_true", help="skip leave-one-shape-out")
     args = ap.parse_args()
     rows = load(args.rows)
+    print(f"{len(rows)} rows")
     print(line("cost_model as committed, in sample", score(rows, picks(rows))))
-    floor, overhead = fit(rows)
+    floor, overhead, pipeline = fit(rows)
     print(f"COLLECTIVE_FLOOR_US = {floor}")
     print("FUSED_OVERHEAD = {" + ", ".join(f'"{op}": ({a:.3f}, {b:.3f})'
                                            for op, (a, b) in overhead.items()) + "}")
-    with constants(floor, overhead):
+    print("PIPELINE_OVERHEAD = {" + ", ".join(f'"{op}": ({c:.3f}, {d:.3f})'
+                                              for op, (c, d) in pipeline.items()) + "}")
+    with constants(floor, overhead, pipeline):
         print(line("fitted, in sample", score(rows, picks(rows))))
-        for op in cost_model.OPS + cost_model.OVERLAP_OPS:
-            mine = [r for r in rows if r["op"] == op]
-            print(line(f"  {op}", score(mine, picks(mine))))
-    first = [r for r in rows if r["tag"] != "decider-validation"]
-    held = [r for r in rows if r["tag"] == "decider-validation"]
-    with constants(*fit(first)):
-        print(line("fitted without decider-validation,", score(held, picks(held))))
-        print("  judged on decider-validation")
+        print(per_op(rows, picks(rows)))
     if not args.no_loso:
-        out, chosen = leave_one_shape_out(rows)
-        print(line("fitted, leave-one-shape-out", score(out, chosen)))
-        for op in cost_model.OPS + cost_model.OVERLAP_OPS:
-            mine = [(r, c) for r, c in zip(out, chosen) if r["op"] == op]
-            print(line(f"  {op}", score([r for r, _ in mine], [c for _, c in mine])))
+        for rule in RULES:
+            out, chosen = leave_one_shape_out(rows, rule)
+            print(line(f"LOSO {rule}", score(out, chosen)))
+            print(per_op(out, chosen))
 
 
 if __name__ == "__main__":
