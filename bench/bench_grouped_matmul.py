@@ -10,7 +10,14 @@ against ragged_dot's. Results go to bench/results/grouped_matmul.jsonl; the plot
 (bench/results/grouped_matmul.png) is drawn by bench/plot_grouped_matmul.py when matplotlib is
 there.
 
-Run on the GPU machine: python bench/bench_grouped_matmul.py [--quick] [--vjp]
+With --specs it runs instead the shapes of tokamax's ragged_dot benchmark specs (MaxText
+DeepSeek-V3 and gpt-oss MoE layers, Mixtral 8x7B, and its compute- and memory-bound cases),
+each checked first, then timed interleaved: pk.grouped_matmul, its few-rows kernel where the
+call has at most FEW_MAX_ROWS rows (decode), the dense GEMM of equal FLOPs, ragged_dot (where it
+fits in memory), and the HBM floor: the bytes the call must move (x, the w of every nonempty
+group, y) at the rate of a device copy measured in the same run (issue 40 section 5).
+
+Run on the GPU machine: python bench/bench_grouped_matmul.py [--quick] [--vjp] [--specs]
 """
 
 from __future__ import annotations
@@ -34,6 +41,24 @@ SHAPES = [  # (name, rows = tokens x top-k, experts, K, N)
     ("mixtral-top2", 2 * 4096, 8, 4096, 14336),
 ]
 DISTS = ("uniform", "zipf")
+
+# tokamax's ragged_dot benchmark specs (tokamax/_src/ops/ragged_dot/arg_specs.py): (name, rows,
+# experts, K, N, group sizes or None for rows // experts each).
+SPECS = [
+    ("deepseek-v3", 131072, 256, 7168, 1024, None),
+    ("deepseek-v3", 131072, 256, 1024, 7168, None),
+    ("deepseek-v3", 131072, 256, 7168, 512, None),
+    ("deepseek-v3", 131072, 256, 512, 7168, None),
+    ("deepseek-v3", 262144, 256, 7168, 512, None),
+    ("deepseek-v3", 262144, 256, 256, 7168, None),
+    ("deepseek-v3", 262144, 256, 1024, 7168, None),
+    ("deepseek-v3", 262144, 256, 7168, 1024, None),
+    ("deepseek-v3", 262144, 256, 7168, 2048, None),
+    ("gpt-oss", 327680, 128, 2880, 2880, None),
+    ("compute_bound", 4096, 8, 4096, 4096, [4096] + [0] * 7),
+    ("memory_bound", 8, 8, 4096, 4096, [1] * 8),
+    ("mixtral-8x7b", 8192, 8, 4096, 14336, None),
+]
 
 
 def sizes(dist: str, m: int, e: int) -> np.ndarray:
@@ -70,8 +95,104 @@ def _check(name, y, y_xla, x, w, gs):
     return err, err_xla
 
 
+def _check_groups(name, y, x, w, gs_np):
+    """Checks y on four nonempty groups (the first, the last, two at random) against their dense
+    products in float32 (HIGHEST) within 2x of XLA's same-dtype dense product's error, and the
+    rows past sum(sizes) for zeros: shapes where a float32 ragged_dot of the whole call does
+    not fit in memory."""
+    ends = np.cumsum(np.maximum(gs_np, 0))
+    nz = np.flatnonzero(gs_np > 0)
+    pick = {int(nz[0]), int(nz[-1])} | set(np.random.default_rng(0).choice(nz, 2).tolist())
+    hi32 = jax.jit(lambda a, b: jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32),
+                                        precision=jax.lax.Precision.HIGHEST))
+    same = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(a.dtype))
+    for g in sorted(pick):
+        lo, hi = int(ends[g] - gs_np[g]), int(ends[g])
+        ref = hi32(x[lo:hi], w[g])
+        err = float(jnp.max(jnp.abs(y[lo:hi].astype(jnp.float32) - ref)))
+        err_xla = float(jnp.max(jnp.abs(same(x[lo:hi], w[g]).astype(jnp.float32) - ref)))
+        if not (math.isfinite(err) and err <= 2 * err_xla + 1e-3):
+            raise SystemExit(f"pk.grouped_matmul is wrong at {name}, group {g}: max error "
+                             f"{err:.4g} vs XLA's {err_xla:.4g}")
+    if bool(jnp.any(y[int(ends[-1]):] != 0)):
+        raise SystemExit(f"pk.grouped_matmul at {name}: rows past sum(group_sizes) not zero")
+
+
 def _iters(seconds_per_call: float) -> int:
     return max(2, min(200, int(0.04 / seconds_per_call)))
+
+
+def _copy_bandwidth() -> float:
+    """Bytes per second of a 2 GiB device copy (read + write), the HBM rate a streaming kernel
+    can reach here."""
+    a = jnp.ones((1 << 30,), jnp.bfloat16)
+    t = common.time_us(jax.jit(lambda v: v + 1), [(a,)], iters=10, reps=5)
+    return 2 * a.nbytes / (t * 1e-6)
+
+
+def run_specs(dtype, reps: int) -> int:
+    """The tokamax spec shapes (SPECS): see the module docstring."""
+    bw = _copy_bandwidth()
+    print(f"device copy: {bw / 1e12:.2f} TB/s (the HBM floor's rate)")
+    ours = jax.jit(pk.grouped_matmul)
+    few = jax.jit(gm.few_rows_forward)
+    base = jax.jit(jax.lax.ragged_dot)
+    dense = jax.jit(lambda x, w: x @ w)
+    vs_dense, vs_floor = [], []
+    for name, m, e, k, n, gsz in SPECS:
+        gs_np = np.asarray(gsz if gsz is not None else sizes("uniform", m, e), np.int32)
+        gs = jnp.asarray(gs_np)
+        big = (m * k + e * k * n) * dtype.itemsize > 2**30
+        sets = _inputs(m, e, k, n, dtype, sets=1 if big else 3)
+        args_sets = [(x, w, gs) for x, w, _ in sets]
+        x, w, _ = sets[0]
+        flop = 2.0 * m * k * n
+        nonempty = int(np.count_nonzero(gs_np))
+        floor_us = (m * k + nonempty * k * n + m * n) * dtype.itemsize / bw * 1e6
+        try:  # XLA's ragged_dot asks for 100+ GB at some of these shapes
+            jax.block_until_ready(base(x, w, gs))
+            base_ok = True
+        except jax.errors.JaxRuntimeError as err:  # RESOURCE_EXHAUSTED
+            print(f"{name} {m}x{k}->{n}: ragged_dot failed ({type(err).__name__}: "
+                  f"{str(err)[:120]})")
+            base_ok = False
+        fns = {"ours": ours}
+        _check_groups(name, ours(x, w, gs), x, w, gs_np)
+        if m <= gm.FEW_MAX_ROWS:
+            _check_groups(name + " (few rows)", few(x, w, gs), x, w, gs_np)
+            fns["few"] = few
+        wd = jax.random.normal(jax.random.key(5), (k, n), jnp.float32).astype(dtype)
+        t = common.time_us_interleaved(fns, args_sets, iters=_iters(max(flop / 600e12, 2e-5)),
+                                       reps=reps)
+        t_dense = common.time_us_interleaved({"dense": dense}, [(a, wd) for a, _, _ in args_sets],
+                                             iters=_iters(max(flop / 650e12, 2e-5)),
+                                             reps=reps)["dense"][0]
+        t_base = None
+        if base_ok:
+            t_base = common.time_us(base, args_sets, iters=_iters(max(flop / 50e12, 2e-5)),
+                                    reps=max(3, reps // 2), warmup=1)
+        best = min(v[0] for v in t.values())
+        shape = {"tokens": m, "experts": e, "k": k, "n": n, "name": name, "spec": "tokamax",
+                 "nonempty_groups": nonempty}
+        for impl, (us, _) in t.items():
+            common.record(
+                op="grouped_matmul", shape=shape, dtype=dtype.name, world=1, processes=1,
+                median_us=us, tflops=flop / us / 1e6, baseline="dense", baseline_median_us=t_dense,
+                kernel="few_rows" if impl == "few" else "tiled", hbm_floor_us=round(floor_us, 2),
+                vs_floor=round(floor_us / us, 4),
+                ragged_dot_us=None if t_base is None else round(t_base, 3), reps=reps)
+        vs_dense.append(t_dense / best)
+        vs_floor.append(floor_us / best)
+        parts = "  ".join(f"{impl} {us:9.1f} us" for impl, (us, _) in t.items())
+        rd = "OOM" if t_base is None else f"{t_base:9.1f} us"
+        print(f"{name:>14} {m:>7}x{k:<5}->{n:<6} E {e:<4} {parts}  dense {t_dense:9.1f} us  "
+              f"ragged_dot {rd}  floor {floor_us:7.1f} us: {t_dense / best:.3f}x of dense, "
+              f"{floor_us / best:.3f} of the floor", flush=True)
+        del sets, args_sets, x, w, wd
+    print(f"geometric mean: {common.geomean(vs_dense):.3f}x of dense, "
+          f"{common.geomean(vs_floor):.3f} of the HBM floor (targets: >= 0.9x dense at K >= 512, within 1.2x of the floor at "
+          "decode sizes)")
+    return 0
 
 
 def main() -> int:
@@ -79,6 +200,9 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run)")
     ap.add_argument("--vjp", action="store_true", help="also time forward + backward")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--specs", action="store_true",
+                    help="tokamax's ragged_dot spec shapes, with the few-rows kernel and the "
+                         "HBM floor")
     args = ap.parse_args()
     dtype = jnp.dtype(args.dtype)
     reps = 5 if args.quick else 11
@@ -86,6 +210,8 @@ def main() -> int:
     if pk.backend_name(gm.STEM) != "cuda":
         raise SystemExit("pk.grouped_matmul would run its reference here: no sm_90 GPU or no "
                          "extension")
+    if args.specs:
+        return run_specs(dtype, reps)
     ours = jax.jit(pk.grouped_matmul)
     base = jax.jit(jax.lax.ragged_dot)  # what a JAX user writes (bf16 out)
     dense = jax.jit(lambda x, w: x @ w)

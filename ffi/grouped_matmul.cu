@@ -12,6 +12,7 @@ namespace {
 
 namespace gm = pk::grouped_matmul;
 static_assert(gm::MAX_GROUPS == op_table::kMaxGroups, "op_table.h kMaxGroups");
+static_assert(gm::FEW_MAX_ROWS == op_table::kGroupedFewMaxRows, "op_table.h kGroupedFewMaxRows");
 
 // A 128B-swizzled map over a row-major [depth, rows, cols] array of 2-byte elements with a
 // box of depth 1 (see pk/tma_3d.cuh).
@@ -79,14 +80,20 @@ ffi::Error GroupedMatmulCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer
   } else {  // b = w [E, K, N]; FWD: a = x [M, K], out [M, N]; DX: a = dy [M, N], out [M, K]
     ok = bd.size() == 3 && bd[0] == e && od.size() == 2 && od[0] == m;
     k = ad[1];
-    n = mode == gm::FWD ? (ok ? bd[2] : -1) : (ok ? bd[1] : -1);
-    ok = ok && (mode == gm::FWD ? bd[1] == k : bd[2] == k) && od[1] == n;
+    const bool fwd = mode == gm::FWD || mode == gm::FEW;
+    n = fwd ? (ok ? bd[2] : -1) : (ok ? bd[1] : -1);
+    ok = ok && (fwd ? bd[1] == k : bd[2] == k) && od[1] == n;
   }
   if (!ok) {
     return ffi::Error::InvalidArgument(
         "pk_grouped_matmul: shapes do not match mode " + std::to_string(mode) +
-        " (FWD: x [M, K], w [E, K, N] -> [M, N]; DX: dy [M, N], w [E, K, N] -> [M, K]; "
-        "DW: x [M, K], dy [M, N] -> [E, K, N]).");
+        " (FWD and FEW: x [M, K], w [E, K, N] -> [M, N]; DX: dy [M, N], w [E, K, N] -> "
+        "[M, K]; DW: x [M, K], dy [M, N] -> [E, K, N]).");
+  }
+  if (mode == gm::FEW && m > gm::FEW_MAX_ROWS) {
+    return ffi::Error::InvalidArgument("pk_grouped_matmul: mode FEW takes at most " +
+                                       std::to_string(gm::FEW_MAX_ROWS) + " rows, got " +
+                                       std::to_string(m) + ".");
   }
   if (k % 8 != 0 || n % 8 != 0) {
     return ffi::Error::InvalidArgument(
@@ -106,6 +113,14 @@ ffi::Error GroupedMatmulCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer
     return ffi::Error::Success();
   }
   const int type = dt == ffi::DataType::BF16 ? 0 : 1;
+  if (mode == gm::FEW) {
+    const gm::few_globals f{a.untyped_data(), b.untyped_data(), out->untyped_data(),
+                            group_sizes.typed_data(), static_cast<int>(m), static_cast<int>(n),
+                            static_cast<int>(k), static_cast<int>(e)};
+    PK_CUDA_CHECK(type == 0 ? gm::launch_few<__nv_bfloat16>(f, stream)
+                            : gm::launch_few<__half>(f, stream));
+    return ffi::Error::Success();
+  }
   gm::globals g;
   g.y = out->untyped_data();
   g.group_sizes = group_sizes.typed_data();
@@ -214,7 +229,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkGroupedMatmul, pk_ffi::GroupedMatmulCuda,
                                   .Arg<xla::ffi::AnyBuffer>()    // b: w [E, K, N] or dy [M, N]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // group_sizes [E]
                                   .Ret<xla::ffi::AnyBuffer>()    // y [M, N], dx [M, K], dw
-                                  .Attr<int64_t>("mode")         // 0 FWD, 1 DX, 2 DW
+                                  .Attr<int64_t>("mode")         // 0 FWD, 1 DX, 2 DW, 3 FEW
                                   .Attr<int64_t>("group_m"),     // block-rows per band
                               PK_FFI_CUDA_TRAITS);
 PK_FFI_REGISTER(pk_ffi::kOpGroupedMatmul, "CUDA", PkGroupedMatmul);

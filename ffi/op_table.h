@@ -114,6 +114,7 @@ inline constexpr int64_t kMaxPeers = 16;          // ranks of a communicator
 inline constexpr int64_t kMaxDim = INT32_MAX;     // sizes and products indexed in int32
 inline constexpr int64_t kMaxGridY = 65535;       // batch and heads: a grid's y and z extents
 inline constexpr int64_t kMaxGroups = 1024;       // grouped GEMM groups (experts per rank)
+inline constexpr int64_t kGroupedFewMaxRows = 64;  // grouped GEMM: M of its few-rows kernel
 inline constexpr int64_t kMaxExperts = 1024;      // moe: E (the route kernel's shared memory)
 inline constexpr int64_t kMaxSlotsPerToken = 32;  // moe: k (one lane each)
 // moe: P x E counts fit the range after the barriers (kernels/moe.cuh COUNTS); the fused
@@ -132,6 +133,7 @@ inline constexpr Limit kLimits[] = {
     {"max_dim", kMaxDim},
     {"max_grid_y", kMaxGridY},
     {"max_groups", kMaxGroups},
+    {"grouped_few_max_rows", kGroupedFewMaxRows},
     {"max_experts", kMaxExperts},
     {"max_slots_per_token", kMaxSlotsPerToken},
     {"moe_max_counts", kMoeMaxCounts},

@@ -33,6 +33,7 @@ MAX_PEERS: int = LIMITS["max_peers"]  # ranks of a communicator
 MAX_DIM: int = LIMITS["max_dim"]  # sizes and products the kernels index in int32
 MAX_GRID_Y: int = LIMITS["max_grid_y"]  # batch and heads: a grid's y and z extents
 MAX_GROUPS: int = LIMITS["max_groups"]  # grouped GEMM groups (experts per rank)
+GROUPED_FEW_MAX_ROWS: int = LIMITS["grouped_few_max_rows"]  # grouped GEMM: few-rows kernel M
 MAX_EXPERTS: int = LIMITS["max_experts"]  # moe: E
 MAX_SLOTS_PER_TOKEN: int = LIMITS["max_slots_per_token"]  # moe: k
 MOE_MAX_COUNTS: int = LIMITS["moe_max_counts"]  # moe: P x E counts

@@ -31,6 +31,7 @@ _OPS = [
 TABLE = {'dtypes': {'bfloat16': 0, 'float16': 1, 'float32': 2, 'int32': 3},
  'limits': {'ag_gemm_max_comm_sms': 128,
             'attn_max_comm_sms': 16,
+            'grouped_few_max_rows': 64,
             'max_dim': 2147483647,
             'max_experts': 1024,
             'max_grid_y': 65535,

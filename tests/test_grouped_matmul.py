@@ -340,3 +340,60 @@ def test_gpu_sizes_outside_the_contract_equal_the_model(dtype):
         ex, ew = _exact_grads(x, w, gs, dy)
         for got, want in ((y, _exact(x, w, gs)), (dx, ex), (dw, ew)):
             assert_same(got, jnp.asarray(want, jnp.float32).astype(dtype))  # one rounding
+
+
+def test_few_rows_entry_refuses_what_it_cannot_take():
+    """The few-rows kernel's entry checks at trace time: more rows than it takes, and
+    operands no kernel takes (fp32)."""
+    m = gm.FEW_MAX_ROWS + 1
+    x, w = jnp.zeros((m, 64), jnp.bfloat16), jnp.zeros((4, 64, 32), jnp.bfloat16)
+    gs = jnp.array([m, 0, 0, 0], jnp.int32)
+    with pytest.raises(ValueError, match=f"at most {gm.FEW_MAX_ROWS} rows"):
+        jax.eval_shape(gm.few_rows_forward, x, w, gs)
+    with pytest.raises(TypeError, match="x"):
+        jax.eval_shape(gm.few_rows_forward, x[:8].astype(jnp.float32), w.astype(jnp.float32),
+                       gs)
+
+
+# The few-rows kernel (mode FEW, M <= FEW_MAX_ROWS): decode (a row per expert), a few rows per
+# expert with passes of 1, 2, 3 and 4 rows and more than one pass, empty groups and rows past
+# the sum, N not a multiple of its 128-column chunks (and not of 8: padded), K not of 64.
+FEW_CASES = ((8, 4096, 4096, 8, [1] * 8), (64, 512, 1000, 8, [9, 0, 17, 1, 2, 3, 4, 20]),
+             (5, 136, 72, 4, [0, 3, 0, 1]), (64, 2048, 384, 256, None),
+             (1, 8, 8, 1, [1]), (33, 1024, 61, 3, [11, -2, 40]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,dtype", product(FEW_CASES, MATMUL_DTYPES), ids=str)
+def test_gpu_few_rows(case, dtype):
+    m, k, n, e, sizes = case
+    if sizes is None:  # 256 experts, a row for each of 64 random ones
+        sizes = np.zeros(e, np.int32)
+        sizes[np.random.default_rng(4).choice(e, m, replace=False)] = 1
+    gs = jnp.asarray(sizes, jnp.int32)
+    f = jax.jit(gm.few_rows_forward)
+    for seed in range(2):  # two calls in a row, on new inputs, into poisoned memory
+        x, w, _ = _operands(m, k, n, e, dtype, seed=30 + seed)
+        poison((m, n), dtype)
+        y = f(x, w, gs)
+        assert y.shape == (m, n) and y.dtype == dtype
+        assert not bool(jnp.any(jnp.isnan(y))), "output not fully written"
+        total = min(int(np.maximum(np.asarray(sizes), 0).sum()), m)
+        assert not bool(jnp.any(y[total:] != 0)), "rows past sum(group_sizes) not zero"
+        exact = _exact(x, w, gs)
+        xla = _ragged_dot(x, w, jnp.maximum(gs, 0)) if min(sizes) >= 0 else exact
+        assert_error_within_xla(y, xla, exact, atol=1e-3 * np.sqrt(k))
+        assert_same(f(x, w, gs), y)  # the same inputs again: the same bits
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", MATMUL_DTYPES)
+def test_gpu_few_rows_exact_on_integers(dtype):
+    """fp32 sums of small integers are exact, so the kernel must equal the float64 product
+    after its one rounding to the dtype, at every row and column."""
+    m, k, n, e = 40, 264, 200, 6
+    x, w = small_ints(KEYS[0], (m, k), dtype), small_ints(KEYS[1], (e, k, n), dtype)
+    for sizes in ([7, 0, 13, 1, 4, 15], [40, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 3]):
+        gs = jnp.asarray(sizes, jnp.int32)
+        want = jnp.asarray(_exact(x, w, gs), jnp.float32).astype(dtype)
+        assert_same(jax.jit(gm.few_rows_forward)(x, w, gs), want)

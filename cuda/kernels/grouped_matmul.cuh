@@ -68,7 +68,9 @@ namespace pk::grouped_matmul {
 /** @brief Most groups (experts) one call takes; the op falls back to the reference above. */
 constexpr int MAX_GROUPS = 1024;
 
-enum mode_id : int { FWD = 0, DX = 1, DW = 2, NUM_MODES = 3 };
+// FEW: FWD for calls of at most FEW_MAX_ROWS rows in all (decode), by the few_rows kernel
+// below instead of the tiled GEMM.
+enum mode_id : int { FWD = 0, DX = 1, DW = 2, FEW = 3, NUM_MODES = 4 };
 
 /** @brief Kernel arguments (see the mode table above for a, b, out). */
 struct globals {
@@ -523,6 +525,206 @@ inline cudaError_t launch(const globals& g, cudaStream_t stream, int device, int
   int grid = num_sms;
   if (max_tiles < grid) grid = max_tiles > 0 ? static_cast<int>(max_tiles) : 1;
   kernel<K><<<grid, K::THREADS, SMEM, stream>>>(g);
+  return cudaGetLastError();
+}
+
+/*
+ * FEW: y = x_e @ w[e] for calls of at most FEW_MAX_ROWS rows (decode: a few tokens per expert),
+ * on the CUDA cores. There the tiled kernel computes 128-row tiles for a row or two and streams
+ * each w tile through one TMA pipeline per SM; the call is bound by reading every nonempty
+ * group's w once, so this kernel is a streaming product: each w element is loaded once per pass
+ * of up to FEW_ROWS rows, by plain 16-byte loads spread over many blocks, and used for every row
+ * of the pass from registers.
+ *
+ *   block (chunk c, group e) | columns [128 c, 128 c + 128) of group e's rows; e = E: the rows
+ *                            | past sum(sizes) (zeros)
+ *   thread (lane, slice)     | lane = tid % 16: columns 8 lane .. + 8 of the chunk (one 16-byte
+ *                            | load of a w row); slice = tid / 16: k blocks slice, slice + 16,
+ *                            | .. of 8 consecutive k (8 w rows, one 16-byte load of x per row)
+ *
+ * Per pass of R rows (R = 1, 2 or 4: the pass's rows rounded up, the extra rows read as
+ * zero; more rows take more passes, whose w reads then come from L2), each thread accumulates
+ * R x 8 fp32 sums over its k blocks; the two slices of a warp are added by a shuffle, the
+ * block's 8 warps through shared memory, and the sums are stored in T. Groups follow the
+ * kernel's rule (sizes clamped to >= 0, ranges cut at M).
+ *
+ * Pitfalls: K and N are multiples of 8 (the handler checks), so a thread's 8 columns and 8 k
+ * are whole or wholly outside. A pass reads its x rows as 16-byte vectors: x rows start at
+ * multiples of 16 bytes because K % 8 == 0 and XLA aligns buffers.
+ */
+constexpr int FEW_MAX_ROWS = 64;  // M of a FEW call (the op table's kGroupedFewMaxRows)
+constexpr int FEW_ROWS = 4;       // rows per pass: R x 8 fp32 sums per thread
+constexpr int FEW_LANES = 16;     // threads along N: 128 columns, 256 contiguous bytes per w row
+constexpr int FEW_BN = FEW_LANES * 8;
+constexpr int FEW_THREADS = 256;
+constexpr int FEW_SLICES = FEW_THREADS / FEW_LANES;
+constexpr int FEW_WARPS = FEW_THREADS / 32;
+
+/** @brief FEW mode's arguments: row-major x [M, K], w [E, K, N], y [M, N]. */
+struct few_globals {
+  const void* x;
+  const void* w;
+  void* y;
+  const int* group_sizes;
+  int m, n, k, groups;
+};
+
+/** @brief 8 elements of T (one 16-byte vector) as floats. */
+template <typename T>
+__device__ __forceinline__ void few_unpack(const uint4& v, float (&f)[8]) {
+  const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      f[2 * i] = __uint_as_float(u[i] << 16);
+      f[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
+    } else {
+      const float2 h = __half22float2(*reinterpret_cast<const __half2*>(&u[i]));
+      f[2 * i] = h.x;
+      f[2 * i + 1] = h.y;
+    }
+  }
+}
+
+/** @brief Element u (0..7) of 8 packed elements of T, as a float. */
+template <typename T>
+__device__ __forceinline__ float few_elem(const uint4& v, int u) {
+  const uint32_t word = u < 2 ? v.x : u < 4 ? v.y : u < 6 ? v.z : v.w;
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __uint_as_float(u % 2 == 0 ? word << 16 : word & 0xffff0000u);
+  } else {
+    const unsigned short bits = static_cast<unsigned short>(u % 2 == 0 ? word : word >> 16);
+    return __half2float(__ushort_as_half(bits));
+  }
+}
+
+/** @brief A 16-byte load of data read once (w): not kept in L1. */
+__device__ __forceinline__ uint4 few_load_stream(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+/**
+ * @brief One pass: rows [r0, r0 + rows) (rows <= R) of group e times columns [col0, col0 + 8)
+ * of w[e], summed over this thread's k blocks, then over the block, stored into y. `red` is the
+ * block's shared memory for the sum over warps (FEW_WARPS x R x FEW_BN floats).
+ */
+template <typename T, int R>
+__device__ void few_pass(const few_globals& g, int e, int r0, int rows, int chunk, float* red) {
+  const int lane = threadIdx.x % FEW_LANES, slice = threadIdx.x / FEW_LANES;
+  const int col0 = chunk * FEW_BN + lane * 8;
+  const bool col_ok = col0 < g.n;
+  const T* x = static_cast<const T*>(g.x);
+  const char* w = static_cast<const char*>(g.w) +
+                  (static_cast<size_t>(e) * g.k * g.n + col0) * sizeof(T);
+  const size_t w_row = static_cast<size_t>(g.n) * sizeof(T);
+  float acc[R][8];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+#pragma unroll
+    for (int c = 0; c < 8; ++c) acc[r][c] = 0.f;
+  }
+  const int kblocks = g.k / 8;
+  for (int kb = slice; kb < kblocks; kb += FEW_SLICES) {
+    uint4 wv[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      wv[u] = col_ok ? few_load_stream(w + (static_cast<size_t>(kb) * 8 + u) * w_row)
+                     : make_uint4(0, 0, 0, 0);
+    }
+    uint4 xv[R];  // packed: unpacked one element at a time below (registers)
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      xv[r] = r < rows ? __ldg(reinterpret_cast<const uint4*>(
+                             x + static_cast<size_t>(r0 + r) * g.k + kb * 8))
+                       : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      float wf[8];
+      few_unpack<T>(wv[u], wf);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const float xu = few_elem<T>(xv[r], u);
+#pragma unroll
+        for (int c = 0; c < 8; ++c) acc[r][c] = fmaf(xu, wf[c], acc[r][c]);
+      }
+    }
+  }
+  // Lanes l and l + 16 of a warp hold the same columns (slices 2 w and 2 w + 1).
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+#pragma unroll
+    for (int c = 0; c < 8; ++c) acc[r][c] += __shfl_xor_sync(0xffffffffu, acc[r][c], 16);
+  }
+  const int warp = threadIdx.x / 32;
+  __syncthreads();  // red is free (the previous pass's sums are stored)
+  if (threadIdx.x % 32 < FEW_LANES) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+#pragma unroll
+      for (int c = 0; c < 8; ++c) red[(warp * R + r) * FEW_BN + lane * 8 + c] = acc[r][c];
+    }
+  }
+  __syncthreads();
+  T* y = static_cast<T*>(g.y);
+  for (int i = threadIdx.x; i < R * FEW_BN; i += FEW_THREADS) {
+    const int r = i / FEW_BN, col = i % FEW_BN;
+    const int gc = chunk * FEW_BN + col;
+    if (r >= rows || gc >= g.n) continue;
+    float sum = 0.f;
+#pragma unroll
+    for (int wi = 0; wi < FEW_WARPS; ++wi) sum += red[(wi * R + r) * FEW_BN + col];
+    y[static_cast<size_t>(r0 + r) * g.n + gc] = static_cast<T>(sum);
+  }
+}
+
+/** @brief FEW mode: grid (column chunks, E + 1); see the comment above few_globals. */
+template <typename T>
+__global__ void __launch_bounds__(FEW_THREADS, 2) few_rows_kernel(const few_globals g) {
+  __shared__ float red[FEW_WARPS * FEW_ROWS * FEW_BN];
+  __shared__ unsigned long long before, total;
+  const int e = blockIdx.y, chunk = blockIdx.x;
+  if (threadIdx.x == 0) before = total = 0;
+  __syncthreads();
+  // The group's first row: the clamped sizes of groups 0 .. e-1 (e = E: all of them).
+  unsigned long long mine = 0, all = 0;
+  for (int i = threadIdx.x; i < g.groups; i += FEW_THREADS) {
+    const int sz = max(g.group_sizes[i], 0);
+    all += sz;
+    if (i < e) mine += sz;
+  }
+  atomicAdd(&before, mine);
+  atomicAdd(&total, all);
+  __syncthreads();
+  const long long lo = min(static_cast<long long>(before), static_cast<long long>(g.m));
+  if (e == g.groups) {  // rows past sum(sizes): zeros
+    T* y = static_cast<T*>(g.y);
+    const int start = static_cast<int>(min(total, static_cast<unsigned long long>(g.m)));
+    for (int i = threadIdx.x; i < (g.m - start) * FEW_BN; i += FEW_THREADS) {
+      const int r = start + i / FEW_BN, gc = chunk * FEW_BN + i % FEW_BN;
+      if (gc < g.n) y[static_cast<size_t>(r) * g.n + gc] = static_cast<T>(0.f);
+    }
+    return;
+  }
+  const int sz = max(g.group_sizes[e], 0);
+  const int hi = static_cast<int>(min(lo + sz, static_cast<long long>(g.m)));
+  for (int r0 = static_cast<int>(lo); r0 < hi; r0 += FEW_ROWS) {
+    const int rows = min(FEW_ROWS, hi - r0);
+    if (rows == 1) few_pass<T, 1>(g, e, r0, rows, chunk, red);
+    else if (rows == 2) few_pass<T, 2>(g, e, r0, rows, chunk, red);
+    else few_pass<T, 4>(g, e, r0, rows, chunk, red);
+  }
+}
+
+/** @brief Launches FEW mode (the caller checked M <= FEW_MAX_ROWS, K and N multiples of 8). */
+template <typename T>
+inline cudaError_t launch_few(const few_globals& g, cudaStream_t stream) {
+  const dim3 grid((g.n + FEW_BN - 1) / FEW_BN, g.groups + 1);
+  few_rows_kernel<T><<<grid, FEW_THREADS, 0, stream>>>(g);
   return cudaGetLastError();
 }
 

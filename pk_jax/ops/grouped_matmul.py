@@ -18,8 +18,10 @@ __all__ = ["grouped_matmul"]  # exported by pk_jax/__init__.py
 
 STEM = "grouped_matmul"
 
-# Kernel modes (cuda/kernels/grouped_matmul.cuh, enum mode_id).
-_FWD, _DX, _DW = 0, 1, 2
+# Kernel modes (cuda/kernels/grouped_matmul.cuh, enum mode_id). _FEW: the forward of calls of
+# at most FEW_MAX_ROWS rows (decode) by the few-rows kernel.
+_FWD, _DX, _DW, _FEW = 0, 1, 2, 3
+FEW_MAX_ROWS = _op_table.GROUPED_FEW_MAX_ROWS
 # Most groups one kernel call takes (the op table's); more run the reference.
 MAX_GROUPS = _op_table.MAX_GROUPS
 # Block-rows per band of the persistent tile order (as matmul's).
@@ -115,13 +117,28 @@ def _call(mode: int, a, b, group_sizes, out_shape, dtype):
                      group_sizes, mode=np.int64(mode), group_m=np.int64(_GROUP_M))
 
 
-def _forward(x, w, group_sizes):
+def _forward(x, w, group_sizes, mode=_FWD):
     m, n = x.shape[0], w.shape[2]
     # NOTES: TMA needs 16-byte row strides: N is padded to a multiple of 8 (zero columns of w)
-    # and the extra output columns are sliced off.
+    # and the extra output columns are sliced off (the few-rows kernel's 16-byte loads too).
     n_pad = -(-n // 8) * 8
-    y = _call(_FWD, x, _pad_cols(w, n_pad), group_sizes, (m, n_pad), x.dtype)
+    y = _call(mode, x, _pad_cols(w, n_pad), group_sizes, (m, n_pad), x.dtype)
     return y[:, :n] if n_pad != n else y
+
+
+def few_rows_forward(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """The forward of `grouped_matmul` by the few-rows kernel (mode FEW), for calls of at most
+    FEW_MAX_ROWS rows: not yet routed to by `grouped_matmul` (it waits for its GPU tests,
+    tests/test_grouped_matmul.py); the GPU tests and bench/bench_grouped_matmul.py --specs call
+    it directly."""
+    check(x, w, group_sizes)
+    if x.shape[0] > FEW_MAX_ROWS:
+        raise ValueError(f"pk.{STEM}: the few-rows kernel takes at most {FEW_MAX_ROWS} rows, got "
+                         f"x of shape {x.shape}.")
+    if not _kernel_applies(x, w):
+        raise ValueError(f"pk.{STEM}: the kernels do not take these operands (x {x.shape} "
+                         f"{x.dtype}, w {w.shape} {w.dtype}).")
+    return _forward(x, w, group_sizes, _FEW)
 
 
 def _dx(dy, w, group_sizes):

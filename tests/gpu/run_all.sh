@@ -415,6 +415,7 @@ section_bench() {
   step "$PY" bench/bench_tp.py --quick
   step "$PY" bench/bench_emulated.py
   step "$PY" bench/bench_grouped_matmul.py --vjp
+  step "$PY" bench/bench_grouped_matmul.py --specs
   step "$PY" bench/bench_attention.py
   CUDA_MODULE_LOADING=EAGER step "$PY" bench/bench_moe.py
 }
