@@ -5,7 +5,8 @@
 - "kernel": the op's CUDA kernel (collectives, matmul, grouped_matmul, attention, ...);
 - "local": a tensor-parallel GEMM over a 1-device axis, i.e. pk.matmul alone;
 - "serial": pk.matmul, then the pk collective (the cost model predicts no gain from overlap);
-- "fused": the overlapped kernel (with `num_comm_sms` for ag_gemm).
+- "fused": the overlapped kernel (with `num_comm_sms` for ag_gemm, and for the fused Ulysses
+  and MoE kernels, `cost_model.ROUTED_OVERLAP_OPS`, in their place: see `overlap` below).
 The ops call `route` once and never re-decide; the C++ handlers execute what they are given.
 
 A kernel can run when all of these hold (`use_kernel`): the extension is built (`HAS_CUDA`),
@@ -15,7 +16,8 @@ CPU, where that is the design, and with one warning per reason on a GPU, where t
 expected kernels. Over a 1-device axis a collective is the identity, which the reference gives
 XLA as a no-op (unless PK_JAX_SINGLE_DEVICE_KERNELS=1). Between "local", "serial" and "fused"
 the cost model chooses (pk_jax/cost_model.py; `PK_JAX_TP_MODE` and `cost_model.override` force
-one).
+one), and between "fused" and "serial" for the fused Ulysses and MoE kernels too
+(`PK_JAX_ULYSSES_FUSED`, `PK_JAX_MOE_FUSED`, `cost_model.override_ops` force one).
 """
 
 from __future__ import annotations
@@ -102,10 +104,12 @@ def use_kernel(stem: str, axis_name: str | None = None) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Route:
-    """How one call runs (see the module docstring); num_comm_sms for fused ag_gemm."""
+    """How one call runs (see the module docstring); num_comm_sms for fused ag_gemm; forced:
+    an override, not the decider, chose between fused and serial."""
 
     path: str
     num_comm_sms: int = 0
+    forced: bool = False
 
 
 REFERENCE = Route("reference")
@@ -118,7 +122,8 @@ def _gpu() -> cost_model.GPU:
 
 
 def route(stem: str, axis_name: str | None = None, *, supported: bool = True,
-          gemm: tuple[int, int, int, object] | None = None) -> Route:
+          gemm: tuple[int, int, int, object] | None = None,
+          overlap: tuple[dict, int] | None = None) -> Route:
     """The one decision of how a call of op `stem` runs, made at trace time.
 
     Args:
@@ -129,10 +134,24 @@ def route(stem: str, axis_name: str | None = None, *, supported: bool = True,
         gemm: for the TP GEMMs, (M, N, K, dtype) of the call: M the rows of the whole product,
             K the contraction each device multiplies; the cost model chooses local, serial or
             fused from them.
+        overlap: for a fused kernel of cost_model.ROUTED_OVERLAP_OPS over a P > 1 axis, (shape,
+            itemsize) of the call (shape per device, cost_model.overlap_parts' keys): the route
+            is "fused" where its override (`cost_model.overlap_override`) or else the decider
+            (`cost_model.choose`) picks the fused kernel and it can run (`supported` and
+            `use_kernel`), else "serial": the op's serial form, whose parts (pk.attention,
+            pk.all_to_all, pk.moe_dispatch, pk.grouped_matmul, ...) route themselves.
 
     Returns:
         A Route; the op follows its `path` and nothing below re-decides.
     """
+    if overlap is not None:
+        shape, itemsize = overlap
+        forced = cost_model.overlap_override(stem)
+        if not supported or not use_kernel(stem, axis_name):
+            return Route("serial", forced=forced is not None)
+        p = jax.lax.axis_size(axis_name)
+        mode = forced or cost_model.choose(stem, shape, p, itemsize=itemsize, gpu=_gpu())
+        return Route(mode, forced=forced is not None)
     if not supported or not use_kernel(stem, axis_name):
         return REFERENCE
     p = jax.lax.axis_size(axis_name) if axis_name is not None else 1

@@ -208,6 +208,77 @@ def overrides() -> tuple[str | None, int | None]:
     return (None if mode == "auto" else mode), sms
 
 
+# The fused kernels besides the TP GEMMs that run where the decider (`choose`) or an override
+# picks them (`_backend.route(..., overlap=...)`), and the setting that overrides each, fixed
+# at pk.init. The ring kernels are not among them: the ring has no serial form of kernels yet
+# (its serial form is the jax.lax ring), so its fused kernels run wherever they take the
+# operands.
+ROUTED_OVERLAP_OPS = ("ulysses_attn", "ulysses_attn_bwd", "moe_dispatch_gemm", "moe_gemm_combine")
+# PK_JAX_ULYSSES_FUSED: "auto" the decider's choice per pass and shape, "0" the composed kernels
+# both ways, "1" the fused forward (its backward composed), "bwd" the fused backward after the
+# composed forward. PK_JAX_MOE_FUSED: "auto", "1" both fused, "0" both composed.
+ULYSSES_FUSED_MODES = ("auto", "0", "1", "bwd")
+MOE_FUSED_MODES = ("auto", "0", "1")
+_FORCED_BY_SETTING = {
+    "ulysses_attn": {"0": "serial", "1": "fused", "bwd": "serial"},
+    "ulysses_attn_bwd": {"0": "serial", "1": "serial", "bwd": "fused"},
+    "moe_dispatch_gemm": {"0": "serial", "1": "fused"},
+    "moe_gemm_combine": {"0": "serial", "1": "fused"},
+}
+
+
+@contextlib.contextmanager
+def override_ops(ops: tuple[str, ...], mode: str):
+    """Forces `mode` ("fused" or "serial") for the calls of `ops` (ROUTED_OVERLAP_OPS) traced
+    inside the block, whatever their setting says; part of what jit caches on, like
+    `override`.
+
+    Raises:
+        ValueError: an op not in ROUTED_OVERLAP_OPS, or another mode.
+    """
+    bad = [op for op in ops if op not in ROUTED_OVERLAP_OPS]
+    if bad or mode not in ("fused", "serial"):
+        raise ValueError(f"pk_jax.cost_model.override_ops: ops must be among "
+                         f"{', '.join(ROUTED_OVERLAP_OPS)} (got {bad or ops}) and mode 'fused' "
+                         f"or 'serial' (got {mode!r}).")
+    prev = getattr(_local, "ops_stack", [])
+    _local.ops_stack = prev + [(tuple(ops), mode)]
+    try:
+        with _jit_key(("ops",) + tuple(_local.ops_stack)):
+            yield
+    finally:
+        _local.ops_stack = prev
+
+
+def overlap_override(op: str) -> str | None:
+    """The forced form ("fused" or "serial") of an op of ROUTED_OVERLAP_OPS here: the innermost
+    `override_ops` block naming it, else its setting (PK_JAX_ULYSSES_FUSED, PK_JAX_MOE_FUSED);
+    None where the decider chooses.
+
+    Raises:
+        ValueError: a setting outside its values (ULYSSES_FUSED_MODES, MOE_FUSED_MODES).
+    """
+    for ops, mode in reversed(getattr(_local, "ops_stack", [])):
+        if op in ops:
+            return mode
+    from pk_jax.runtime import state
+
+    fixed = state.settings()
+    if op.startswith("ulysses"):
+        name, env, value = "ulysses_attention", "PK_JAX_ULYSSES_FUSED", fixed.ulysses_fused
+        modes = ULYSSES_FUSED_MODES
+        meaning = ("auto or unset: the decider's choice; 0: the composed kernels; 1: the fused "
+                   "forward; bwd: the fused backward")
+    else:
+        name, env, value, modes = op, "PK_JAX_MOE_FUSED", fixed.moe_fused, MOE_FUSED_MODES
+        meaning = "auto or unset: the decider's choice; 0: composed; 1: fused"
+    if value not in modes:
+        raise ValueError(f"pk.{name}: {env}={value!r} is not one of {', '.join(modes)} "
+                         f"({meaning}). Set it to one of them, then call pk.shutdown() and "
+                         "pk.init(mesh).")
+    return _FORCED_BY_SETTING[op].get(value)
+
+
 def gpu_for(device_kind: str) -> GPU:
     """The constants for a JAX device_kind string (H200, else H100)."""
     return H200 if "H200" in device_kind else H100

@@ -326,3 +326,38 @@ def test_choose_overlap_families():
     assert cm.choose("gemm_rs", tp, 8) == cm.plan("gemm_rs", 8192, 8192, 2048, 8).mode
     with pytest.raises(ValueError, match="not one of"):
         cm.overlap_parts("matmul", uly, 8)
+
+
+def test_overlap_overrides_blocks_then_settings(monkeypatch):
+    """cm.overlap_override, which _backend.route asks before the decider: the innermost
+    override_ops block naming the op, else PK_JAX_ULYSSES_FUSED / PK_JAX_MOE_FUSED as mapped
+    per op (Ulysses "1": fused forward, composed backward; "bwd" the other way round), else
+    None; settings outside their values and unknown ops are ValueErrors that name them."""
+    from pk_jax.runtime import state
+
+    def with_settings(**kw):
+        monkeypatch.setattr(state, "settings", lambda: state.Settings(**kw))
+
+    with_settings()
+    assert all(cm.overlap_override(op) is None for op in cm.ROUTED_OVERLAP_OPS)
+    want = {"1": ("fused", "serial"), "bwd": ("serial", "fused"), "0": ("serial", "serial")}
+    for value, (fwd, bwd) in want.items():
+        with_settings(ulysses_fused=value)
+        assert cm.overlap_override("ulysses_attn") == fwd, value
+        assert cm.overlap_override("ulysses_attn_bwd") == bwd, value
+        assert cm.overlap_override("moe_gemm_combine") is None
+    with_settings(moe_fused="1")
+    with cm.override_ops(("moe_gemm_combine",), "serial"):
+        assert cm.overlap_override("moe_gemm_combine") == "serial"
+        assert cm.overlap_override("moe_dispatch_gemm") == "fused"  # the setting
+        with cm.override_ops(("moe_gemm_combine", "ulysses_attn"), "fused"):
+            assert cm.overlap_override("moe_gemm_combine") == "fused"
+            assert cm.overlap_override("ulysses_attn") == "fused"
+        assert cm.overlap_override("ulysses_attn") is None
+    with_settings(moe_fused="yes")
+    with pytest.raises(ValueError, match="PK_JAX_MOE_FUSED='yes' is not one of auto, 0, 1"):
+        cm.overlap_override("moe_dispatch_gemm")
+    with pytest.raises(ValueError, match="ring_attn"), cm.override_ops(("ring_attn",), "fused"):
+        pass
+    with pytest.raises(ValueError, match="'both'"), cm.override_ops(("ulysses_attn",), "both"):
+        pass

@@ -55,7 +55,10 @@ from util import (
 )
 
 import pk_jax as pk
+from pk_jax import cost_model
 from pk_jax.ops import _attention
+from pk_jax.ops import attention as _attention_op
+from pk_jax.runtime import state
 
 SEQ = P(None, "sp")
 
@@ -707,8 +710,6 @@ def test_fused_bwd_takes_what_it_compiles(monkeypatch):
 def test_fused_bwd_setting_without_kernels_runs_the_reference(monkeypatch, causal):
     """On CPU (no kernels) PK_JAX_ULYSSES_FUSED=bwd changes nothing: the reference runs, with
     the same output and gradients as dense attention, and the program calls no pk kernel."""
-    from pk_jax.ops import ulysses_attn
-
     monkeypatch.setenv("PK_JAX_ULYSSES_FUSED", "bwd")
     monkeypatch.setattr(_attention, "QUERY_BLOCK", 3)
     monkeypatch.setattr(_attention, "KEY_BLOCK", 4)
@@ -724,7 +725,8 @@ def test_fused_bwd_setting_without_kernels_runs_the_reference(monkeypatch, causa
         np.testing.assert_allclose(np.asarray(g), np.asarray(h), rtol=1e-4, atol=1e-5)
     jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
     assert not ffi_calls(jaxpr)
-    assert ulysses_attn.fused_mode() == "bwd"
+    assert cost_model.overlap_override("ulysses_attn_bwd") == "fused"
+    assert cost_model.overlap_override("ulysses_attn") == "serial"
 
 
 def test_fused_setting_values(monkeypatch):
@@ -747,29 +749,38 @@ def test_fused_setting_values(monkeypatch):
         run(lambda a, b, c: pk.ulysses_attention(a, b, c, "sp"), mesh, (SEQ,) * 3, SEQ, x, x, x)
 
 
-def test_forward_path_is_decided_once(monkeypatch):
-    """forward_path: "local" at P = 1 where the pk.attention kernels take q, k, v (bf16/fp16,
-    D 64/128), "composed" by default where they take the head group (P > 1), "fused" with
+def test_paths_come_from_route(monkeypatch):
+    """The forward's path, from _backend.route at trace time: "local" at P = 1 where the
+    pk.attention kernels take q, k, v (bf16/fp16, D 64/128), "composed" by default where they
+    take the head group (P > 1; the decider picks serial at this small shape), "fused" with
     PK_JAX_ULYSSES_FUSED=1 where pk_ulysses_attn takes the operands (P > 1), "reference"
     otherwise; the variable is fixed at pk.init (a change after it is a ValueError at trace
     time)."""
     from pk_jax.ops import ulysses_attn
 
-    _stand_in_ulysses(monkeypatch, fused=False)
-    mesh = cpu_mesh((2,), ("sp",))
+    calls = _stand_in_ulysses(monkeypatch, fused=False)
 
-    def path(p, dtype=jnp.bfloat16, d=128):  # forward_path as the op calls it, given P
+    def path(p, dtype=jnp.bfloat16, d=128):  # the path the op takes, from its FFI calls
+        mesh = cpu_mesh((p,), ("sp",))
         pk.init(mesh)
+        calls.clear()
         got = []
 
         def body(x):
-            got.append(ulysses_attn.forward_path(x, x, x, p, "sp"))
-            return x
+            if p == 1:  # the op's P = 1 choice (the stand-ins have no 1-rank all_to_all)
+                got.append(_attention_op.p1_path(x, x, x, "sp"))
+                return x
+            return pk.ulysses_attention(x, x, x, "sp")
 
         f = jax.shard_map(body, mesh=mesh, in_specs=SEQ, out_specs=SEQ)
         jax.make_jaxpr(f)(jax.device_put(np.zeros((1, 260, 4, d), dtype),
                                          NamedSharding(mesh, SEQ)))
-        return got[0]
+        if got:
+            return got[0]
+        targets = {c["target"] for c in calls}
+        if "pk_ulysses_attn" in targets:
+            return "fused"
+        return "composed" if "pk_attention" in targets else "reference"
 
     assert path(2) == "composed" and path(2, jnp.float16, 64) == "composed"
     assert path(1) == "local" and path(1, jnp.float16, 64) == "local"
@@ -777,7 +788,10 @@ def test_forward_path_is_decided_once(monkeypatch):
     assert path(2, jnp.float32) == "reference" and path(2, jnp.float16, 96) == "reference"
     monkeypatch.setenv(ulysses_attn.FUSED_ENV, "1")
     with pytest.raises(ValueError, match="PK_JAX_ULYSSES_FUSED='1' .*changed after pk.init"):
-        path(2)
+        jax.make_jaxpr(jax.shard_map(lambda x: pk.ulysses_attention(x, x, x, "sp"),
+                                     mesh=state.mesh_or_none(), in_specs=SEQ, out_specs=SEQ))(
+            jax.device_put(np.zeros((1, 260, 4, 128), jnp.bfloat16),
+                           NamedSharding(state.mesh_or_none(), SEQ)))
     pk.shutdown()
     assert path(2) == "fused" and path(1) == "local" and path(2, jnp.float32) == "reference"
     pk.shutdown()
@@ -824,14 +838,14 @@ def test_masked_ulysses_takes_the_reference_with_kernels_available(monkeypatch, 
     check_masked_sp_routing(monkeypatch, "ulysses", p)
 
 
-# P = 1 (a 1-device axis): the pk.attention kernels (forward_path "local").
+# P = 1 (a 1-device axis): the pk.attention kernels (the "local" path).
 
 @pytest.mark.parametrize("causal,h,hkv,d,dtype,fused", [
     (False, 4, 4, 64, jnp.bfloat16, False), (True, 8, 2, 128, jnp.float16, False),
     (True, 4, 1, 64, jnp.bfloat16, True), (False, 6, 3, 128, jnp.bfloat16, False)])
 def test_p1_runs_pk_attention(monkeypatch, causal, h, hkv, d, dtype, fused):
     """At P = 1 with the kernels available (forced here; the CPU has none), with or without
-    PK_JAX_ULYSSES_FUSED=1, Ulysses attention is pk.attention: forward_path says "local", and
+    PK_JAX_ULYSSES_FUSED=1, Ulysses attention is pk.attention: its route is "local", and
     the gradient traces to one pk_attention forward on q, k, v as given (K/V heads in place,
     the causal flag, the scale) and one pk_attention backward; no all_to_all."""
     from pk_jax import _backend

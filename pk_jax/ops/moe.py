@@ -30,8 +30,6 @@ VJPs.
 
 from __future__ import annotations
 
-import contextlib
-import threading
 from functools import partial
 from typing import NamedTuple
 
@@ -245,10 +243,13 @@ def moe_dispatch_gemm(x: jax.Array, expert_ids: jax.Array, w1: jax.Array, axis_n
     """
     p = _checks.axis_size("moe_dispatch_gemm", axis_name)
     _check_dispatch(x, expert_ids, p, num_experts, capacity)
-    fused = _fused_applies(x, expert_ids, w1, p, num_experts, capacity, axis_name)
+    r = _dispatch_gemm_route(x, expert_ids, w1, p, num_experts, capacity, axis_name)
+    fused = r.path == "fused"
     need = _ffi.workspace_need("moe_dispatch_gemm", p, h=x.shape[1],
                                capacity=capacity) if fused else 0
-    if fused and not (_fused_by_default() and need > state.workspace_bytes()):
+    # Chosen by the decider (not forced), a fused kernel whose workspace does not fit composes
+    # instead of raising.
+    if fused and (r.forced or need <= state.workspace_bytes()):
         _tp.check_workspace("moe_dispatch_gemm", need,
                             f"its [{capacity}, {x.shape[1]}] rows received from every rank")
         h, sizes, dest, pos, dropped, received = _dispatch_gemm_k(
@@ -285,11 +286,12 @@ def moe_gemm_combine(h: jax.Array, w2: jax.Array, weights: jax.Array, handle: Mo
             smaller than T k H' itemsize + capacity x 8 bytes (by default that composes).
     """
     p = _checks.axis_size("moe_gemm_combine", axis_name)
-    if _gemm_combine_applies(h, w2, weights, handle, p, axis_name):
+    r = _gemm_combine_route(h, w2, weights, handle, p, axis_name)
+    if r.path == "fused":
         t, k = weights.shape
         need = _ffi.workspace_need("moe_gemm_combine", p, t=t, k=k, n=w2.shape[2],
                                    capacity=h.shape[0])
-        if not (_fused_by_default() and need > state.workspace_bytes()):
+        if r.forced or need <= state.workspace_bytes():  # as in moe_dispatch_gemm
             _tp.check_workspace("moe_gemm_combine", need,
                                 f"its [{t} x {k}, {w2.shape[2]}] expert rows received for its "
                                 f"tokens and a [{h.shape[0]}] row map")
@@ -394,71 +396,46 @@ _dispatch_k.defvjp(_dispatch_k_fwd, _dispatch_k_bwd)
 
 
 # The fused kernels (moe_dispatch_gemm.cuh: dispatch + first expert GEMM; moe_gemm_combine.cuh:
-# second GEMM + combine; measured at the scale model in bench/results/overlap.md).
-# PK_JAX_MOE_FUSED (a setting fixed at pk.init): unset or "auto", each fused kernel where the
-# one decider (cost_model.choose) picks it, it applies and its workspace fits; "1", both fused;
-# "0", both composed. A `fused_kernels` block forces both either way.
+# second GEMM + combine; measured at the scale model in bench/results/overlap.md) run where
+# _backend.route says "fused": the one decider (cost_model.choose) or an override
+# (PK_JAX_MOE_FUSED fixed at pk.init: "1" both fused, "0" both composed; a `fused_kernels`
+# block forces both either way).
 FUSED_ENV = "PK_JAX_MOE_FUSED"  # state.Settings.moe_fused
-_local = threading.local()
-# The block's choice joins jit's cache key through a user context (as cost_model.override).
-_jit_key = jax.make_user_context(None)
+FUSED_OPS = ("moe_dispatch_gemm", "moe_gemm_combine")
 
 
-@contextlib.contextmanager
 def fused_kernels(enabled: bool = True):
     """Runs (or, with enabled=False, never runs) the fused MoE kernels for the
     `moe_dispatch_gemm` / `moe_gemm_combine` calls traced inside the block, whatever
-    PK_JAX_MOE_FUSED says. Part of what jit caches on: a jitted function called inside the
-    block is traced for it, and traced again (or taken from the cache) outside.
+    PK_JAX_MOE_FUSED says (a context manager: `cost_model.override_ops` for both ops). Part of
+    what jit caches on: a jitted function called inside the block is traced for it, and traced
+    again (or taken from the cache) outside.
     """
-    prev = getattr(_local, "fused", None)
-    _local.fused = bool(enabled)
-    try:
-        with _jit_key(("moe_fused", _local.fused)):
-            yield
-    finally:
-        _local.fused = prev
-
-
-def fused_enabled(op: str = "moe_dispatch_gemm", shape: dict | None = None, p: int = 2,
-                  itemsize: int = 2) -> bool:
-    """Whether `op`'s fused kernel is asked for here: the innermost `fused_kernels` block, else
-    PK_JAX_MOE_FUSED (fixed at pk.init): "1" both ops, "0" neither, "auto" (the default) where
-    the one decider (`cost_model.choose`) picks it for the call's `shape` (its keys as
-    `cost_model.overlap_parts`) on a P-device axis."""
-    forced = getattr(_local, "fused", None)
-    if forced is not None:
-        return forced
-    mode = state.settings().moe_fused
-    if mode != "auto":
-        return mode == "1"
-    return shape is not None and cost_model.choose(op, shape, p, itemsize=itemsize) == "fused"
-
-
-def _fused_by_default() -> bool:
-    """Whether only the default ("auto") asks for the fused combine here: it then composes
-    where the workspace is too small for it, instead of raising."""
-    return getattr(_local, "fused", None) is None and state.settings().moe_fused == "auto"
+    return cost_model.override_ops(FUSED_OPS, "fused" if enabled else "serial")
 
 
 KERNEL_MAX_FUSED_COUNTS = _op_table.MOE_MAX_FUSED_COUNTS  # the count range's other half: arrivals
 
 
-def _fused_applies(x, expert_ids, w1, p: int, num_experts: int, capacity: int,
-                   axis_name: str) -> bool:
+def dispatch_gemm_shape(x, expert_ids, w1, num_experts: int) -> dict:
+    """The decider's shape of a moe_dispatch_gemm call (cost_model.overlap_parts)."""
+    return {"t": x.shape[0], "k": expert_ids.shape[1], "experts": num_experts,
+            "h": w1.shape[1], "hidden": w1.shape[2]}
+
+
+def _dispatch_gemm_route(x, expert_ids, w1, p: int, num_experts: int, capacity: int,
+                         axis_name: str) -> _backend.Route:
     if w1.ndim != 3:
-        return False
+        return _backend.Route("serial")
     el, h, n = w1.shape
-    shape = {"t": x.shape[0], "k": expert_ids.shape[1], "experts": num_experts, "h": h,
-             "hidden": n}
-    if not fused_enabled("moe_dispatch_gemm", shape, p, x.dtype.itemsize):
-        return False
     fits = (x.dtype in (jnp.bfloat16, jnp.float16) and w1.dtype == x.dtype
             and h == x.shape[1] and h % 8 == 0 and n % 8 == 0 and el * p == num_experts
             and el <= _op_table.MAX_GROUPS and p * num_experts <= KERNEL_MAX_FUSED_COUNTS
-            and n <= _op_table.MAX_DIM)
-    return fits and _dispatch_kernel_applies(x, expert_ids, p, num_experts, capacity,
-                                             axis_name)
+            and n <= _op_table.MAX_DIM
+            and _dispatch_kernel_applies(x, expert_ids, p, num_experts, capacity, axis_name))
+    return _backend.route("moe_dispatch_gemm", axis_name, supported=fits,
+                          overlap=(dispatch_gemm_shape(x, expert_ids, w1, num_experts),
+                                   x.dtype.itemsize))
 
 
 def _fused_call(x, ids, w1, axis_name: str, num_experts: int, capacity: int):
@@ -535,25 +512,29 @@ def _combine_k_bwd(axis_name, res, dout):
 _combine_k.defvjp(_combine_k_fwd, _combine_k_bwd)
 
 
-# The fused second expert GEMM + combine (cuda/kernels/moe_gemm_combine.cuh), behind the same
-# switch as the fused dispatch (fused_enabled).
+# The fused second expert GEMM + combine (cuda/kernels/moe_gemm_combine.cuh), routed as the
+# fused dispatch.
 
 
-def _gemm_combine_applies(h, w2, weights, handle, p: int, axis_name: str) -> bool:
-    if w2.ndim != 3 or h.ndim != 2:
-        return False
-    if weights.ndim != 2 or weights.shape != handle.position.shape:
-        return False  # the composition raises the shape error
+def gemm_combine_shape(weights, w2, p: int) -> dict:
+    """The decider's shape of a moe_gemm_combine call (cost_model.overlap_parts)."""
     el, f, n = w2.shape
-    shape = {"t": weights.shape[0], "k": weights.shape[1], "experts": el * p, "h": n,
-             "hidden": f}
-    if not fused_enabled("moe_gemm_combine", shape, p, h.dtype.itemsize):
-        return False
+    return {"t": weights.shape[0], "k": weights.shape[1], "experts": el * p, "h": n,
+            "hidden": f}
+
+
+def _gemm_combine_route(h, w2, weights, handle, p: int, axis_name: str) -> _backend.Route:
+    if w2.ndim != 3 or h.ndim != 2:
+        return _backend.Route("serial")
+    if weights.ndim != 2 or weights.shape != handle.position.shape:
+        return _backend.Route("serial")  # the composition raises the shape error
+    el, f, n = w2.shape
     fits = (h.dtype in (jnp.bfloat16, jnp.float16) and w2.dtype == h.dtype
             and f == h.shape[1] and f % 8 == 0 and n % 8 == 0 and f >= 8 and n >= 8
             and handle.group_sizes.shape == (el,) and el <= _op_table.MAX_GROUPS
-            and n <= _op_table.MAX_DIM)
-    return fits and _combine_kernel_applies(h, weights, p, axis_name)
+            and n <= _op_table.MAX_DIM and _combine_kernel_applies(h, weights, p, axis_name))
+    return _backend.route("moe_gemm_combine", axis_name, supported=fits,
+                          overlap=(gemm_combine_shape(weights, w2, p), h.dtype.itemsize))
 
 
 def _gemm_combine_call(h, w2, weights, dest, pos, group_sizes, axis_name: str):

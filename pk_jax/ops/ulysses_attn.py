@@ -42,8 +42,8 @@ on the local rows.
 
 At P = 1 (a 1-device axis) the rank holds the whole sequence and every head, so where the
 pk.attention kernels take the operands the call is exactly pk.attention (its forward kernel
-and its kernel backward, no exchange). `forward_path` is the one place that decides the
-forward, `backward_path` the backward of the composed forward; both at trace time.
+and its kernel backward, no exchange). `ulysses_attention` takes its paths from
+`_backend.route` at trace time: the forward's, and with the composed forward the backward's.
 
 Masks (segment_ids, local_window_size, logits_soft_cap, query_seq_lengths,
 key_value_seq_lengths; see `ulysses_attention`) run the reference on every platform: no kernel
@@ -146,7 +146,18 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, 
     masks, window, softcap = _attention.check_masks(
         NAME, q, seq_total=q.shape[1] * p, axis_name=axis_name, seq="seq_local", **mask_args)
     masked = _attention.mask_arguments_given(**mask_args)
-    path = forward_path(q, k, v, p, axis_name, causal=causal, masked=masked)
+    decide = (overlap_shape(q, k, p, causal), q.dtype.itemsize)
+    if masked:
+        path = "reference"  # no kernel takes masks yet
+    elif p == 1:
+        path = _attention_op.p1_path(q, k, v, axis_name)
+    elif _backend.route(STEM, axis_name, supported=kernel_supports(q, p),
+                        overlap=decide).path == "fused":
+        path = "fused"
+    else:  # the serial form: composed where the pk.attention kernels take the head group
+        path = ("composed" if _backend.route(_attention_op.NAME,
+                                             supported=composed_supports(q, p)).path == "kernel"
+                else "reference")
     if path == "local":
         # One rank holds the whole sequence and every head: plain attention, no exchange.
         return _attention_op._kernel_attention(q, k, v, float(scale), causal)
@@ -157,7 +168,13 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, 
     rep = kv_repeats(k.shape[2], p)
     kr = jax.ShapeDtypeStruct((*k.shape[:2], k.shape[2] * rep, k.shape[3]), k.dtype)
     if path == "composed":
-        fused_bwd = backward_path(q, p, axis_name, k=k, causal=causal) == "fused"
+        # The composed forward's backward: fused or composed, decided now (the forward keeps
+        # the residuals that backward needs). The kernel indexes B S H/P D elements (= q.size)
+        # of its head group in 32 bits.
+        fused_bwd = _backend.route(
+            "ulysses_attn_bwd", axis_name,
+            supported=kernel_supports(q, p) and q.size <= _op_table.MAX_DIM,
+            overlap=decide).path == "fused"
         if fused_bwd:  # here, so that a too small workspace raises before anything runs
             _tp.check_workspace(NAME, fused_bwd_workspace_need(q, kr, p),
                                 f"the backward's head-group copies of dO {q.shape}, its delta, "
@@ -173,77 +190,17 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, 
 
 
 FUSED_ENV = "PK_JAX_ULYSSES_FUSED"  # state.Settings.ulysses_fused
-# Its values, overrides of the decider: "auto" (the default) the decider's choice
-# (cost_model.choose, per pass and shape), "0" the composed kernels both ways, "1" the fused
-# forward (pk_ulysses_attn), "bwd" the fused backward (pk_ulysses_attn_bwd) after the composed
-# forward.
-FUSED_MODES = ("auto", "0", "1", "bwd")
-
-
-def fused_mode() -> str:
-    """PK_JAX_ULYSSES_FUSED as fixed at pk.init: one of FUSED_MODES.
-
-    Raises:
-        ValueError: another value.
-    """
-    mode = state.settings().ulysses_fused
-    if mode not in FUSED_MODES:
-        raise ValueError(f"pk.{NAME}: {FUSED_ENV}={mode!r} is not one of "
-                         f"{', '.join(FUSED_MODES)} (auto or unset: the decider's choice; 0: "
-                         "the composed kernels; 1: the fused forward; bwd: the fused backward). "
-                         "Set it to one of them, then call pk.shutdown() and pk.init(mesh).")
-    return mode
+# Its values, overrides of the decider (cost_model.ULYSSES_FUSED_MODES): "auto" (the default)
+# the decider's choice (cost_model.choose, per pass and shape), "0" the composed kernels both
+# ways, "1" the fused forward (pk_ulysses_attn), "bwd" the fused backward (pk_ulysses_attn_bwd)
+# after the composed forward.
+FUSED_MODES = cost_model.ULYSSES_FUSED_MODES
 
 
 def overlap_shape(q: jax.Array, k: jax.Array, p: int, causal: bool) -> dict:
     """The decider's shape of one call (cost_model.overlap_parts) from per-device q, k."""
     b, sl, h, d = q.shape
     return {"b": b, "s": sl * p, "h": h, "hkv": k.shape[2], "d": d, "causal": bool(causal)}
-
-
-def _decided(op: str, q: jax.Array, k: jax.Array, p: int, causal: bool) -> bool:
-    return cost_model.choose(op, overlap_shape(q, k, p, causal), p,
-                             itemsize=q.dtype.itemsize) == "fused"
-
-
-def forward_path(q: jax.Array, k: jax.Array, v: jax.Array, p: int, axis_name: str, *,
-                 causal: bool = False, masked: bool = False) -> str:
-    """How the forward runs, decided once at trace time for (already checked) operands:
-    "local" (P = 1: the pk.attention kernels on q, k, v as given, forward and backward, with
-    no exchange), "fused" (pk_ulysses_attn, where it takes the operands and the decider,
-    cost_model.choose, picks it, or PK_JAX_ULYSSES_FUSED=1 forces it), "composed"
-    (pk.all_to_all, the pk.attention forward kernel on the head group, all_to_all back,
-    wherever that kernel runs at P > 1 otherwise) or "reference" (also with any mask argument,
-    `masked`: no kernel takes masks yet)."""
-    mode = fused_mode()
-    if masked:
-        return "reference"
-    if p == 1:
-        return _attention_op.p1_path(q, k, v, axis_name)
-    if ((mode == "1" or mode == "auto" and _decided(STEM, q, k, p, causal))
-            and _backend.route(STEM, axis_name, supported=kernel_supports(q, p)).path
-            == "kernel"):
-        return "fused"
-    route = _backend.route(_attention_op.NAME, supported=composed_supports(q, p))
-    return "composed" if route.path == "kernel" else "reference"
-
-
-def backward_path(q: jax.Array, p: int, axis_name: str, *, k: jax.Array | None = None,
-                  causal: bool = False) -> str:
-    """How the backward of the composed forward runs, decided with the forward at trace time
-    (the forward keeps the residuals that backward needs): "fused" (pk_ulysses_attn_bwd, where
-    the fused kernels take the operands: `kernel_supports`, and q has fewer than 2^31
-    elements, and the decider, cost_model.choose, picks it for q, k (default: k like q) or
-    PK_JAX_ULYSSES_FUSED=bwd forces it) or "composed" (pk.all_to_all of dO, the pk.attention
-    backward kernel on the head group, all_to_all of dq, dk, dv back)."""
-    # The kernel indexes B S H/P D elements (= q.size) of its head group in 32 bits.
-    supported = kernel_supports(q, p) and q.size <= _op_table.MAX_DIM
-    mode = fused_mode()
-    wanted = mode == "bwd" or (mode == "auto" and _decided(
-        "ulysses_attn_bwd", q, q if k is None else k, p, causal))
-    if wanted and _backend.route(STEM, axis_name, supported=supported).path == "kernel":
-        return "fused"
-    return "composed"
 
 
 def composed_supports(q: jax.Array, p: int) -> bool:
@@ -258,7 +215,7 @@ def composed_supports(q: jax.Array, p: int) -> bool:
 # ---------------------------------------------------------------------------------------------
 # The default on GPUs: pk.all_to_all, the pk.attention kernels on the head group, all_to_all
 # back; the custom VJP keeps the head-sharded operands, output and lse. With fused_bwd
-# (PK_JAX_ULYSSES_FUSED=bwd, `backward_path`) the VJP is one pk_ulysses_attn_bwd call.
+# (where the route of ulysses_attn_bwd says "fused") the VJP is one pk_ulysses_attn_bwd call.
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
 def _composed_ulysses(q, k, v, axis_name, causal, scale, rep, fused_bwd):

@@ -9,7 +9,7 @@ Every process builds every rank's inputs from one seed and runs pk.moe_dispatch_
 jit(shard_map) three times: traced inside fused_kernels(True) (the fused kernel; on a GPU its
 HLO must call pk_moe_dispatch_gemm), inside fused_kernels(False) (pk.moe_dispatch's kernel,
 then pk.grouped_matmul's) and outside a block, where the HLO must call the fused kernel exactly
-when PK_JAX_MOE_FUSED asks for it (as pk_jax.ops.moe.fused_enabled answers for the call's
+when PK_JAX_MOE_FUSED asks for it (as _backend.route decides for the call's
 shape: under "auto", the one decider's pick).
 Each run must equal the numpy model (`route` and the per-expert products below) bit for bit:
 h, the group sizes and the whole handle; then the gradients of sum(h * g) with respect to x and
@@ -141,6 +141,7 @@ def main() -> None:
     from jax.sharding import PartitionSpec as P
 
     import pk_jax as pk
+    from pk_jax import cost_model
     from pk_jax.ops import moe as moe_ops
 
     me, n = jax.process_index(), jax.process_count()
@@ -180,9 +181,12 @@ def main() -> None:
                 calls, sleep_rank, grads, shape, itemsize):
         """fwd(*args) `calls` times (the last rank first sleeping when sleep_rank) and, with
         `grads`, grad(*args, g), traced inside fused_kernels(True), (False) and outside a
-        block (PK_JAX_MOE_FUSED as set: the path moe.fused_enabled answers for the decider's
-        `shape` of the call, as the op asks it); each against the model."""
-        default = moe_ops.fused_enabled(target.removeprefix("pk_"), shape, n, itemsize)
+        block (PK_JAX_MOE_FUSED as set: the path _backend.route takes for the decider's
+        `shape` of the call: the override, else cost_model.choose); each against the model."""
+        op = target.removeprefix("pk_")
+        gpu = cost_model.gpu_for(jax.devices()[0].device_kind)
+        default = (cost_model.overlap_override(op)
+                   or cost_model.choose(op, shape, n, itemsize=itemsize, gpu=gpu)) == "fused"
         for fused in (True, False, None):
             block = moe_ops.fused_kernels(fused) if fused is not None else contextlib.nullcontext()
             with block:
