@@ -289,6 +289,27 @@ def test_fp8_kernel_entry_refuses_what_it_cannot_take():
             mm._fp8_kernel(xq, wq, sx, sw)
 
 
+def test_the_kernels_index_arithmetic_on_a_cpu(tmp_path):
+    """cuda/include/pk/fp8_layout.cuh (which accumulator register holds which output element,
+    which x and w scales the blockwise promotion applies to it, where the epilogue stages it for
+    TMA) against definitions of its own in tests/cpp/fp8_layout.cc, built with the host
+    compiler. Skips where there is no C++ compiler."""
+    import pathlib
+    import shutil
+    import subprocess
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("needs a C++ compiler")
+    root = pathlib.Path(__file__).resolve().parent.parent
+    program = tmp_path / "fp8_layout"
+    subprocess.run([cxx, "-std=c++17", "-O0", "-Wall", "-Werror", f"-I{root / 'cuda' / 'include'}",
+                    str(root / "tests" / "cpp" / "fp8_layout.cc"), "-o", str(program)],
+                   check=True)
+    run = subprocess.run([str(program)], check=False, capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout
+
+
 # ------------------------------------------------------------------ the kernel on the GPU
 
 _EXACT_SHAPES = [(256, 256, 256), (129, 272, 72), (333, 1008, 520), (2049, 144, 8),
