@@ -167,10 +167,20 @@ struct kernel_def {
 
   __device__ static void consumer(const globals&, acc_t& acc, const stage_t& s, int c, int k) {
     if constexpr (BLOCKWISE) {
-      mma_step(acc.part, s, c, 0);
+      namespace fl = fp8_layout;
+      const int t = warpgroup::thread();
+      // The scales are read before the MMAs are issued, so their latency hides behind them.
+      const float sw = ld_shared(&s.sw[fl::w_scale_slot(0)]);  // BN = 128: one w block a tile
+      const float s0 = ld_shared(&s.sx[fl::x_scale_slot(c, fl::frag_row(t, 0))]) * sw;
+      const float s1 = ld_shared(&s.sx[fl::x_scale_slot(c, fl::frag_row(t, 1))]) * sw;
+      mma_step(acc.part, s, c, 0);  // a fresh accumulator for this k-block
       wgmma::wait<0>();
       wgmma::fence_regs(acc.part);
-      promote(acc, s, c, k);
+      // NOTES: the leader frees the stage (the loader may refill it) as soon as this returns,
+      // so every warp's reads of its scales must be done first: the warpgroup's named barrier
+      // (the storer's, lcsc.cuh storer_sync; the same 128 threads, in program order).
+      warpgroup::sync(1 + c);
+      promote(acc, s0, s1, k);
     } else {
       mma_step(acc, s, c, k);
     }
@@ -209,13 +219,9 @@ struct kernel_def {
     wgmma::fence_regs(d);
   }
 
-  /** @brief Blockwise: main (+)= part * xs[row] * ws[col / 128] for k-block k. */
-  __device__ static void promote(acc_t& acc, const stage_t& s, int c, int k) {
-    namespace fl = fp8_layout;
-    const int t = warpgroup::thread();
-    const float sw = ld_shared(&s.sw[fl::w_scale_slot(0)]);  // BN = 128: one w block a tile
-    const float s0 = ld_shared(&s.sx[fl::x_scale_slot(c, fl::frag_row(t, 0))]) * sw;
-    const float s1 = ld_shared(&s.sx[fl::x_scale_slot(c, fl::frag_row(t, 1))]) * sw;
+  /** @brief Blockwise: main (+)= part * xs[row] * ws[col / 128] for k-block k; s0 and s1 the
+   * products for this thread's rows frag_row(t, 0) and frag_row(t, 1). */
+  __device__ static void promote(acc_t& acc, float s0, float s1, int k) {
     if (k == 0) {
 #pragma unroll
       for (int j = 0; j < BN / 8; ++j) {

@@ -27,8 +27,9 @@ def matmul(x: jax.Array, w: jax.Array, *, x_scale: jax.Array | None = None,
 
     With fp8 operands (`pk_jax.fp8`: float8_e4m3fn or float8_e5m2, each with its float32
     dequantization scale, per tensor or blockwise) the product is of the dequantized operands,
-    accumulated in fp32, in `out_dtype`. There is no fp8 kernel yet: that product runs its
-    reference (`pk_jax.fp8` dequantizes both operands, then a float32 dot) on every platform.
+    accumulated in fp32, in `out_dtype`. That product runs its reference (`pk_jax.fp8`
+    dequantizes both operands, then a float32 dot) on every platform until the fp8 kernel
+    (pk_matmul_fp8) has passed its GPU tests.
 
     Args:
         x: [M, K], bf16 or fp16, K a multiple of 8; or fp8, K a multiple of 16.
