@@ -201,7 +201,7 @@ def _fp8_kernel(x: jax.Array, w: jax.Array, x_scale: jax.Array, w_scale: jax.Arr
     x, wt, xs, ws, blockwise, n = fp8_operands(x, w, x_scale, w_scale, w_layout=w_layout)
     m, n8 = x.shape[0], wt.shape[0]
     out = jax.ShapeDtypeStruct((m, n8), np.dtype(out_dtype or jnp.bfloat16))
-    y = _ffi.call(f"pk_{FP8_STEM}", out, x, wt, xs, ws,
+    y = _ffi.call("pk_matmul_fp8", out, x, wt, xs, ws,
                   config=np.int64(fp8_tile_config(m, n8, blockwise)),
                   group_m=np.int64(_GROUP_M))
     return y[:, :n] if n8 != n else y
