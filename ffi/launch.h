@@ -20,6 +20,7 @@
 namespace pk_ffi {
 
 // DType (the operands' element types) and the op ids: op_table.h.
+// Bytes of the 2- and 4-byte types the collectives and MoE ops move (fp8 is matmul_fp8's).
 inline int ByteWidth(DType t) { return t == DType::kBF16 || t == DType::kF16 ? 2 : 4; }
 
 // The outcome of a launch function: ok, a bad argument (ValueError in Python) or an internal
@@ -144,6 +145,55 @@ Status LaunchMatmul(const Where& at, const GemmArgs& a);
 Status LaunchGemmRs(const Where& at, const GemmArgs& a, const CommView& v);
 Status LaunchGemmAr(const Where& at, const GemmArgs& a, const CommView& v);
 Status LaunchAgGemm(const Where& at, const GemmArgs& a, const CommView& v);
+
+// The fp8 GEMM (cuda/kernels/matmul_fp8.cuh): y [m, n] (bf16 or fp32) = (x [m, k] * its
+// scale) @ (w * its scale), with w given transposed, wt [n, k] (fp8 wgmma reads B K-major).
+// Per tensor (blockwise false): x_scale and w_scale are one float each. Blockwise: x_scale is
+// x's [m, KB] scales transposed, [KB = ceil(k / 128), xs_cols >= m]; w_scale [KB, ws_cols >=
+// ceil(n / 128)]; both row lengths multiples of 4 (TMA's 16-byte strides).
+struct MatmulFp8Args {
+  DType dtype;    // x's format: kE4M3 or kE5M2
+  DType w_dtype;  // w's format
+  DType y_dtype;  // kBF16 or kF32
+  const void* x;
+  const void* w;  // wt [n, k]
+  const float* x_scale;
+  const float* w_scale;
+  void* y;
+  int64_t m, k, n;
+  int64_t y_rows, y_cols;    // y as the caller allocated it (checked)
+  bool blockwise;            // the handler's: x_scale has rank 2
+  int64_t xs_rows, xs_cols;  // the scales' shapes (per tensor: 1, 1)
+  int64_t ws_rows, ws_cols;
+  int64_t config;   // op_table.h Tile: kTile128x256 or kTile128x128 (blockwise: kTile128x128)
+  int64_t group_m;  // block-rows per band of the tile order
+};
+
+template <class V>
+void VisitFields(V&& visit, int /*op*/, MatmulFp8Args& a) {
+  visit("dtype", a.dtype);
+  visit("w_dtype", a.w_dtype);
+  visit("y_dtype", a.y_dtype);
+  visit("x", a.x);
+  visit("w", a.w);
+  visit("x_scale", a.x_scale);
+  visit("w_scale", a.w_scale);
+  visit("y", a.y);
+  visit("m", a.m);
+  visit("k", a.k);
+  visit("n", a.n);
+  visit("y_rows", a.y_rows);
+  visit("y_cols", a.y_cols);
+  visit("blockwise", a.blockwise);
+  visit("xs_rows", a.xs_rows);
+  visit("xs_cols", a.xs_cols);
+  visit("ws_rows", a.ws_rows);
+  visit("ws_cols", a.ws_cols);
+  visit("config", a.config, op_table::kTile128x128);
+  visit("group_m", a.group_m, 8);
+}
+
+Status LaunchMatmulFp8(const Where& at, const MatmulFp8Args& a);
 
 // Single-device attention (cuda/kernels/attention.cuh). Forward: q, k, v -> o, lse. Backward:
 // q, k, v, d_o, lse and delta (both [B, H, SP], SP = S rounded up to 128) -> dq, dk, dv, with
@@ -511,6 +561,7 @@ Status LaunchRingAttnBwd(const Where& at, const RingAttnBwdArgs& a, const CommVi
 inline uint64_t WorkspaceNeed(int, const CollArgs&, int) { return 0; }
 inline uint64_t WorkspaceNeed(int, const AttnArgs&, int) { return 0; }
 inline uint64_t WorkspaceNeed(int, const GroupedMatmulArgs&, int) { return 0; }
+inline uint64_t WorkspaceNeed(int, const MatmulFp8Args&, int) { return 0; }
 // gemm_rs: the owner buffer of M/P rows of N; gemm_ar: of ceil(M/P) rows (its last owner's
 // rows may run past M); ag_gemm: the staged shard, x's [Mp, K]. 2-byte dtypes.
 inline uint64_t WorkspaceNeed(int op, const GemmArgs& a, int world) {
@@ -580,6 +631,7 @@ constexpr auto WithLauncher(int id, F&& f, G&& none) {
     case kOpReduceScatter: return f(LaunchReduceScatter);
     case kOpAllToAll: return f(LaunchAllToAll);
     case kOpMatmul: return f(LaunchMatmul);
+    case kOpMatmulFp8: return f(LaunchMatmulFp8);
     case kOpGemmRs: return f(LaunchGemmRs);
     case kOpAgGemm: return f(LaunchAgGemm);
     case kOpGemmAr: return f(LaunchGemmAr);

@@ -22,7 +22,8 @@
 namespace pk_ffi {
 
 // Element types of the operands (the launchers dispatch on them; Python passes these codes).
-enum class DType : int32_t { kBF16 = 0, kF16 = 1, kF32 = 2, kS32 = 3 };
+// The fp8 formats are pk_matmul_fp8's operands only.
+enum class DType : int32_t { kBF16 = 0, kF16 = 1, kF32 = 2, kS32 = 3, kE4M3 = 4, kE5M2 = 5 };
 
 // Op ids. The error record carries them (an op whose kernels share another op's protocol
 // records that op's id: moe_scatter and moe_dispatch_gemm record moe_dispatch's, moe_gather
@@ -49,6 +50,7 @@ enum OpId : int {
   kOpMoeScatter = 19,
   kOpMoeGather = 20,
   kOpMoeDispatchGemm = 21,
+  kOpMatmulFp8 = 22,
 };
 
 namespace op_table {
@@ -63,10 +65,14 @@ inline constexpr DTypeEntry kDTypes[] = {
     {"float16", DType::kF16, 2},
     {"float32", DType::kF32, 4},
     {"int32", DType::kS32, 4},
+    {"float8_e4m3fn", DType::kE4M3, 1},
+    {"float8_e5m2", DType::kE5M2, 1},
 };
 
 // GEMM tile configurations (cuda/kernels/matmul.cuh config_id): the `config` attribute of
-// pk_matmul (any of them) and of the fused TP GEMMs (kTile128x128 or kTile128x256S3).
+// pk_matmul (any of them) and of the fused TP GEMMs (kTile128x128 or kTile128x256S3); of
+// pk_matmul_fp8 the tile shape alone (kTile128x256 or kTile128x128: cuda/kernels/matmul_fp8.cuh
+// has its own stage counts, and its blockwise scaling takes kTile128x128).
 enum Tile : int {
   kTile128x256 = 0,    // 4 stages, stores staged in two 128-column rounds
   kTile128x128 = 1,    // 6 stages: small outputs, twice the tiles to spread over the SMs
@@ -162,6 +168,7 @@ inline constexpr Op kOps[] = {
      kOpReduceScatter},
     {kOpAllToAll, "all_to_all", "all_to_all", kCollSlots, true, true, true, kOpAllToAll},
     {kOpMatmul, "matmul", "matmul", kNoSlots, false, true, true, kOpMatmul},
+    {kOpMatmulFp8, "matmul_fp8", "matmul", kNoSlots, false, true, true, kOpMatmulFp8},
     {kOpGemmRs, "gemm_rs", "gemm_rs", kGemmRsSlots, true, true, true, kOpGemmRs},
     {kOpAgGemm, "ag_gemm", "ag_gemm", kAgGemmSlots, true, true, true, kOpAgGemm},
     {kOpGemmAr, "gemm_ar", "gemm_ar", kGemmArSlots, true, true, true, kOpGemmAr},

@@ -36,19 +36,24 @@ inline PFN_cuTensorMapEncodeTiled_v12000 EncodeFn() {
   return fn;
 }
 
+// Element type and smem layout of a TensorMap (MapKey::dtype): 2-byte and 4-byte floats and
+// fp8 (copied as bytes) in 128B-swizzled panels, or float32 unswizzled (the fp8 GEMM's scales).
+enum MapType : int { kMapBF16 = 0, kMapF16 = 1, kMapF32 = 2, kMapFp8 = 3, kMapF32Plain = 4 };
+
 struct MapKey {
   const void* ptr;
   uint64_t rows, cols;
   uint32_t box_rows, box_cols;
-  int dtype;  // 0 bf16, 1 fp16
+  int dtype;  // MapType
   bool operator==(const MapKey& o) const {
     return ptr == o.ptr && rows == o.rows && cols == o.cols && box_rows == o.box_rows &&
            box_cols == o.box_cols && dtype == o.dtype;
   }
 };
 
-// A 128B-swizzled tensor map over a row-major [rows, cols] matrix of 2-byte elements, from a
-// small round-robin cache (a miss costs one encode, about a microsecond of host time).
+// A tensor map over a row-major [rows, cols] matrix of key.dtype (MapType: 128B-swizzled but
+// for kMapF32Plain), from a small round-robin cache (a miss costs one encode, about a
+// microsecond of host time).
 inline Status TensorMap(const char* op, const MapKey& key, CUtensorMap* out) {
   static std::mutex mu;
   constexpr int kSize = 128;
@@ -68,16 +73,24 @@ inline Status TensorMap(const char* op, const MapKey& key, CUtensorMap* out) {
     return Status::Internal(std::string("pk.") + op +
                             ": cuTensorMapEncodeTiled is not available from the CUDA driver.");
   }
+  CUtensorMapDataType type = CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  cuuint64_t elem = 2;
+  switch (key.dtype) {
+    case kMapF16: type = CU_TENSOR_MAP_DATA_TYPE_FLOAT16; break;
+    case kMapF32:
+    case kMapF32Plain: type = CU_TENSOR_MAP_DATA_TYPE_FLOAT32, elem = 4; break;
+    case kMapFp8: type = CU_TENSOR_MAP_DATA_TYPE_UINT8, elem = 1; break;  // TMA moves bytes
+    default: break;
+  }
   const cuuint64_t dims[2] = {key.cols, key.rows};
-  const cuuint64_t strides[1] = {key.cols * 2};
+  const cuuint64_t strides[1] = {key.cols * elem};
   const cuuint32_t box[2] = {key.box_cols, key.box_rows};
   const cuuint32_t elem_strides[2] = {1, 1};
   CUtensorMap map;
-  CUresult r = encode(&map,
-                      key.dtype == 0 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-                                     : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-                      2, const_cast<void*>(key.ptr), dims, strides, box, elem_strides,
-                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+  CUresult r = encode(&map, type, 2, const_cast<void*>(key.ptr), dims, strides, box,
+                      elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                      key.dtype == kMapF32Plain ? CU_TENSOR_MAP_SWIZZLE_NONE
+                                                : CU_TENSOR_MAP_SWIZZLE_128B,
                       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) {
     return Status::Internal(std::string("pk.") + op +

@@ -11,6 +11,7 @@ _OPS = [
     (3, 'reduce_scatter', 'reduce_scatter', 0, 6400, True, True, True, 3),
     (4, 'all_to_all', 'all_to_all', 0, 6400, True, True, True, 4),
     (8, 'matmul', 'matmul', 0, 0, False, True, True, 8),
+    (22, 'matmul_fp8', 'matmul', 0, 0, False, True, True, 22),
     (5, 'gemm_rs', 'gemm_rs', 8192, 16384, True, True, True, 5),
     (6, 'ag_gemm', 'ag_gemm', 24576, 16384, True, True, True, 6),
     (7, 'gemm_ar', 'gemm_ar', 40960, 16384, True, True, True, 7),
@@ -28,7 +29,12 @@ _OPS = [
     (18, 'ulysses_attn_bwd', 'ulysses_attn', 7040, 1152, True, True, True, 18),
 ]
 
-TABLE = {'dtypes': {'bfloat16': 0, 'float16': 1, 'float32': 2, 'int32': 3},
+TABLE = {'dtypes': {'bfloat16': 0,
+            'float16': 1,
+            'float32': 2,
+            'float8_e4m3fn': 4,
+            'float8_e5m2': 5,
+            'int32': 3},
  'limits': {'ag_gemm_max_comm_sms': 128,
             'attn_max_comm_sms': 16,
             'grouped_few_max_rows': 64,

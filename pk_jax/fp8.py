@@ -12,8 +12,9 @@ scale`, with the scale in float32 and of one of two layouts:
 history), and the scale maps it to the format's largest finite value.
 
 `pk.matmul(x, w, x_scale=..., w_scale=...)` takes fp8 operands; its reference (`reference`)
-dequantizes both operands to float32 and multiplies them in float32. There is no fp8 kernel
-yet: on every platform fp8 `pk.matmul` runs that reference through XLA.
+dequantizes both operands to float32 and multiplies them in float32. On every platform fp8
+`pk.matmul` runs that reference through XLA until the fp8 kernel (pk_matmul_fp8, reached for
+now only through `pk_jax.ops.matmul._fp8_kernel`) has passed its GPU tests.
 """
 
 from __future__ import annotations

@@ -5,9 +5,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from util import poison
 
 import pk_jax as pk
 from pk_jax import fp8, nn
+from pk_jax.ops import matmul as mm
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 # Half an ulp at 1.0: the largest relative rounding error of a normal fp8 value.
@@ -177,3 +179,284 @@ def test_gpu_fp8_matmul_is_the_product_of_the_dequantized_operands():
     for _ in range(2):
         y = np.asarray(f(xq, wq, sx, sw), np.float64)
         assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max()
+
+
+# ---------------------------------------------------------------------------------------------
+# The fp8 kernel (pk_matmul_fp8) behind its private entry matmul._fp8_kernel: pk.matmul's fp8
+# path still runs the reference until the GPU tests below have passed. On a CPU: how the Python
+# side lays the operands out for it (transposed and padded w, transposed and padded x scales),
+# checked through a NumPy model of what the kernel computes from them; on the GPU: the kernel
+# against float64 NumPy.
+
+
+def _expanded_reference(xq, sx, wq, sw) -> np.ndarray:
+    """float64 (x * x_scale) @ (w * w_scale), the scales expanded by hand (w [K, N])."""
+    k, n = wq.shape
+    xs = np.asarray(sx, np.float64)
+    ws = np.asarray(sw, np.float64)
+    if xs.ndim:
+        xs = np.repeat(xs, 128, axis=1)[:, :k]
+    if ws.ndim:
+        ws = np.repeat(np.repeat(ws, 128, axis=0), 128, axis=1)[:k, :n]
+    return (np.asarray(xq, np.float64) * xs) @ (np.asarray(wq, np.float64) * ws)
+
+
+def _kernel_model(x, wt, xs, ws, blockwise: bool, n: int) -> np.ndarray:
+    """What pk_matmul_fp8 computes from fp8_operands' outputs, in float64: per tensor the product
+    times x_scale * w_scale; blockwise, per k-block kb of 128, the block's product of the codes
+    times xs[kb, row] * ws[kb, col // 128] (the kernel's reads: fp8_layout.cuh), summed."""
+    x64, w64 = np.asarray(x, np.float64), np.asarray(wt, np.float64)
+    m, k = x64.shape
+    if not blockwise:
+        y = (x64 @ w64.T) * float(xs) * float(ws)
+    else:
+        xs, ws = np.asarray(xs, np.float64), np.asarray(ws, np.float64)
+        cols = np.arange(w64.shape[0]) // 128
+        y = np.zeros((m, w64.shape[0]))
+        for kb in range(-(-k // 128)):
+            ks = slice(kb * 128, (kb + 1) * 128)
+            y += (x64[:, ks] @ w64[:, ks].T) * xs[kb, :m][:, None] * ws[kb, cols][None, :]
+    return y[:, :n]
+
+
+def _fp8_pair(key, m, k, n, x_scaling, w_scaling, x_dtype=E4M3, w_dtype=E4M3):
+    xq, sx = fp8.quantize(_rand(key, (m, k), 2.0), role="x", dtype=x_dtype, scaling=x_scaling)
+    wq, sw = fp8.quantize(_rand(key + 1, (k, n), 0.05), role="w", dtype=w_dtype,
+                          scaling=w_scaling)
+    return xq, sx, wq, sw
+
+
+@pytest.mark.parametrize("x_scaling,w_scaling", [("tensor", "tensor"), ("block", "block"),
+                                                 ("tensor", "block"), ("block", "tensor")])
+@pytest.mark.parametrize("m,k,n", [(5, 16, 3), (130, 272, 250), (64, 384, 129)])
+@pytest.mark.parametrize("w_layout", ["kn", "nk"])
+def test_fp8_operands_lay_out_what_the_kernel_reads(x_scaling, w_scaling, m, k, n, w_layout):
+    xq, sx, wq, sw = _fp8_pair(20, m, k, n, x_scaling, w_scaling, w_dtype=E5M2)
+    w_in = wq if w_layout == "kn" else wq.T
+    x, wt, xs, ws, blockwise, n_out = mm.fp8_operands(xq, w_in, sx, sw, w_layout=w_layout)
+    n8, kb, nb = -(-n // 8) * 8, -(-k // 128), -(-n // 128)
+    assert n_out == n and blockwise == ("block" in (x_scaling, w_scaling))
+    assert wt.dtype == E5M2 and wt.shape == (n8, k)
+    np.testing.assert_array_equal(np.asarray(wt[:n], np.float32), np.asarray(wq.T, np.float32))
+    np.testing.assert_array_equal(np.asarray(wt[n:], np.float32), 0.0)  # zero rows pad N
+    if blockwise:
+        assert xs.dtype == ws.dtype == jnp.float32
+        assert xs.shape == (kb, -(-m // 4) * 4) and ws.shape == (kb, -(-nb // 4) * 4)
+        want_xs = np.broadcast_to(np.asarray(sx), (m, kb)).T  # a scalar scale, broadcast
+        np.testing.assert_array_equal(np.asarray(xs)[:, :m], want_xs)
+        np.testing.assert_array_equal(np.asarray(xs)[:, m:], 0.0)
+        np.testing.assert_array_equal(np.asarray(ws)[:, nb:], 0.0)
+    else:
+        assert xs.shape == ws.shape == ()
+    want = _expanded_reference(xq, sx, wq, sw)
+    got = _kernel_model(x, wt, xs, ws, blockwise, n)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12 * np.abs(want).max())
+
+
+def test_the_kernel_model_sees_a_wrong_scale_layout():
+    """The model is no tautology: x_scale passed untransposed ([M, KB] read as [KB, M]), or
+    w_scale read per column instead of per block, gives another product."""
+    xq, sx, wq, sw = _fp8_pair(30, 128, 256, 256, "block", "block")
+    x, wt, xs, ws, _, n = mm.fp8_operands(xq, wq, sx, sw)
+    want = _expanded_reference(xq, sx, wq, sw)
+    wrong_x = np.zeros_like(np.asarray(xs))
+    wrong_x[:, :128] = np.asarray(sx).reshape(xs.shape[0], -1)[:, :128]
+    for bad_xs, bad_ws in ((wrong_x, ws), (xs, np.asarray(ws)[:, ::-1].copy())):
+        got = _kernel_model(x, wt, bad_xs, bad_ws, True, n)
+        assert np.abs(got - want).max() > 1e-3 * np.abs(want).max()
+
+
+def test_fp8_tile_config():
+    """Blockwise scaling takes 128x128 tiles; per tensor the bf16 kernel's choice of shape."""
+    assert mm.fp8_tile_config(8192, 8192, True) == mm._FP8_TILE_128x128
+    assert mm.fp8_tile_config(8192, 8192, False) == mm._FP8_TILE_128x256
+    assert mm.fp8_tile_config(256, 256, False) == mm._FP8_TILE_128x128
+    assert (mm._FP8_TILE_128x256, mm._FP8_TILE_128x128) == (0, 1)  # the op table's ids
+
+
+def test_fp8_kernel_entry_refuses_what_it_cannot_take():
+    xq, sx, wq, sw = _fp8_pair(40, 32, 256, 64, "block", "block")
+    with pytest.raises(ValueError, match="w_layout must be 'kn'"):
+        mm._fp8_kernel(xq, wq, sx, sw, w_layout="kt")
+    with pytest.raises(ValueError, match="contraction dimensions differ"):
+        mm._fp8_kernel(xq, wq, sx, sw, w_layout="nk")  # wq is [K, N], not [N, K]
+    with pytest.raises(ValueError, match="248 is not divisible by 16"):
+        mm._fp8_kernel(xq[:, :248], wq[:248], jnp.float32(1), jnp.float32(1))
+    with pytest.raises(ValueError, match=r"w_scale must be a scalar or \[2, 1\]"):
+        mm._fp8_kernel(xq, wq, sx, sx)
+    if not pk.HAS_CUDA or jax.devices()[0].platform != "gpu":
+        with pytest.raises(RuntimeError, match="fp8 kernel .*cannot run here"):
+            mm._fp8_kernel(xq, wq, sx, sw)
+
+
+def test_the_kernels_index_arithmetic_on_a_cpu(tmp_path):
+    """cuda/include/pk/fp8_layout.cuh (which accumulator register holds which output element,
+    which x and w scales the blockwise promotion applies to it, where the epilogue stages it for
+    TMA) against definitions of its own in tests/cpp/fp8_layout.cc, built with the host
+    compiler. Skips where there is no C++ compiler."""
+    import pathlib
+    import shutil
+    import subprocess
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("needs a C++ compiler")
+    root = pathlib.Path(__file__).resolve().parent.parent
+    program = tmp_path / "fp8_layout"
+    subprocess.run([cxx, "-std=c++17", "-O0", "-Wall", "-Werror", f"-I{root / 'cuda' / 'include'}",
+                    str(root / "tests" / "cpp" / "fp8_layout.cc"), "-o", str(program)],
+                   check=True)
+    run = subprocess.run([str(program)], check=False, capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout
+
+
+# ------------------------------------------------------------------ the kernel on the GPU
+
+_EXACT_SHAPES = [(256, 256, 256), (129, 272, 72), (333, 1008, 520), (2049, 144, 8),
+                 (131, 2048, 136), (64, 16, 64), (200, 48, 300)]
+_RANDOM_SHAPES = [(1024, 1024, 1024), (1000, 1024, 1000), (256, 128, 256), (256, 512, 256),
+                  (256, 2048, 256), (256, 8192, 256), (131, 5008, 136)]
+_COMBOS = [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2), (E5M2, E5M2)]
+
+
+def _gpu_setup():
+    mesh = jax.make_mesh((1,), ("x",), devices=jax.devices("gpu")[:1])
+    pk.init(mesh)
+    assert pk._backend.use_kernel(mm.FP8_STEM), "no pk_matmul_fp8 in this build"
+
+
+def _small_int_codes(key, shape, dtype):
+    """Integers in [-2, 2] as fp8 codes (exact in both formats)."""
+    v = jax.random.randint(jax.random.PRNGKey(key), shape, -2, 3)
+    return v.astype(jnp.float32).astype(dtype)
+
+
+def _pow2_scales(key, shape):
+    """Powers of two in [1/4, 4]: scaling them is exact."""
+    e = jax.random.randint(jax.random.PRNGKey(key), shape, -2, 3)
+    return jnp.exp2(e.astype(jnp.float32))
+
+
+def _run_twice(f, out_shape, out_dtype, *args):
+    """Two calls in a row under jit, each after poisoning fresh memory of the output's size."""
+    outs = []
+    for _ in range(2):
+        poison(out_shape, out_dtype)
+        outs.append(np.asarray(jax.block_until_ready(f(*args)), np.float64))
+    assert not np.isnan(outs[0]).any(), "output not fully written"
+    np.testing.assert_array_equal(outs[0], outs[1])
+    return outs[0]
+
+
+def _id(v):
+    if isinstance(v, tuple):
+        return "x".join(str(i) if isinstance(i, int) else np.dtype(i).name[8:] for i in v)
+    return v if isinstance(v, str) else np.dtype(v).name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", _EXACT_SHAPES, ids=_id)
+@pytest.mark.parametrize("scaling", ["tensor", "block"])
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16], ids=_id)
+def test_gpu_fp8_kernel_exact_on_integers(shape, scaling, out_dtype):
+    """Integer codes in [-2, 2] and power-of-two scales in [1/4, 4]: every partial sum is an
+    integer of at most 2^13 (K <= 2048 per tensor; a 128-wide block blockwise), which the tensor
+    cores' fp8 accumulation keeps exactly, and the scaled sums stay within fp32's 24 bits, so y
+    is exact in fp32 and bf16 is its one rounding: equal to float64 NumPy, bit for bit."""
+    _gpu_setup()
+    m, k, n = shape
+    xq, wq = _small_int_codes(1, (m, k), E4M3), _small_int_codes(2, (k, n), E4M3)
+    if scaling == "tensor":
+        sx, sw = jnp.float32(0.25), jnp.float32(8.0)
+    else:
+        sx = _pow2_scales(3, fp8.block_shape("x", (m, k)))
+        sw = _pow2_scales(4, fp8.block_shape("w", (k, n)))
+    f = jax.jit(lambda *a: mm._fp8_kernel(*a, out_dtype=out_dtype))
+    y = _run_twice(f, (m, -(-n // 8) * 8), out_dtype, xq, wq, sx, sw)
+    want = _expanded_reference(xq, sx, wq, sw)
+    want = np.asarray(jnp.asarray(want, jnp.float32).astype(out_dtype), np.float64)
+    np.testing.assert_array_equal(y, want)
+
+
+def _tolerance(k: int, scaling: str, out_dtype) -> float:
+    """Max |y - exact| / max |exact| allowed. Hopper's fp8 MMAs accumulate with about 14 bits
+    (DeepSeek-V3, section 3.3.2): taken as 2^-12 of the running sum per 128 of K, growing
+    linearly (truncation has a sign) per tensor; blockwise the promotion resets that every 128,
+    and the blocks add in fp32: 2^-11 whatever K. bf16 output adds its rounding (2^-9, doubled)."""
+    acc = 2.0**-12 * max(1, k // 128) if scaling == "tensor" else 2.0**-11
+    return acc + (2.0**-8 if out_dtype == jnp.bfloat16 else 0.0)
+
+
+def _xla_fp8_error(xq, sx, wq, sw, want) -> float:
+    """XLA's own fp8 dot (cuBLASLt) of the same per-tensor operands: its relative error."""
+    y = jax.jit(lambda x, w, a, b: jax.lax.dot_general(
+        x, w, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32) * (a * b))(
+            xq, wq, sx, sw)
+    return float(np.abs(np.asarray(y, np.float64) - want).max() / np.abs(want).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", _RANDOM_SHAPES, ids=_id)
+@pytest.mark.parametrize("scaling", ["tensor", "block"])
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16], ids=_id)
+def test_gpu_fp8_kernel_random_within_tolerance(shape, scaling, out_dtype):
+    """Normal data quantized by current scaling, e4m3 x e4m3, against float64 NumPy of the
+    dequantized operands, within _tolerance (and, per tensor, no worse than twice XLA's fp8 dot
+    where that is looser)."""
+    _gpu_setup()
+    m, k, n = shape
+    xq, sx, wq, sw = _fp8_pair(50 + k, m, k, n, scaling, scaling)
+    f = jax.jit(lambda *a: mm._fp8_kernel(*a, out_dtype=out_dtype))
+    y = _run_twice(f, (m, -(-n // 8) * 8), out_dtype, xq, wq, sx, sw)
+    want = _expanded_reference(xq, sx, wq, sw)
+    err = np.abs(y - want).max() / np.abs(want).max()
+    tol = _tolerance(k, scaling, out_dtype)
+    if scaling == "tensor":
+        tol = max(tol, 2 * _xla_fp8_error(xq, sx, wq, sw, want))
+    assert err <= tol, (err, tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("combo", _COMBOS, ids=_id)
+@pytest.mark.parametrize("scaling", ["tensor", "block"])
+def test_gpu_fp8_kernel_every_format_pair(combo, scaling):
+    """e4m3 and e5m2 on either side (e5m2: gradients), exact on integer codes, odd M and N."""
+    _gpu_setup()
+    m, k, n = 333, 1024, 520
+    xq, wq = _small_int_codes(5, (m, k), combo[0]), _small_int_codes(6, (k, n), combo[1])
+    if scaling == "tensor":
+        sx, sw = jnp.float32(2.0), jnp.float32(0.5)
+    else:
+        sx = _pow2_scales(7, fp8.block_shape("x", (m, k)))
+        sw = _pow2_scales(8, fp8.block_shape("w", (k, n)))
+    f = jax.jit(lambda *a: mm._fp8_kernel(*a, out_dtype=jnp.float32))
+    y = _run_twice(f, (m, n), jnp.float32, xq, wq, sx, sw)
+    np.testing.assert_array_equal(y, _expanded_reference(xq, sx, wq, sw))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config,scaling", [(0, "tensor"), (1, "tensor"), (1, "block")])
+def test_gpu_fp8_kernel_each_tile_config(config, scaling):
+    """Every tile configuration forced, on a shape with edges in M, N and K and more tiles than
+    SMs (each persistent block runs several tiles); also the pre-transposed weight layout."""
+    from pk_jax import _ffi
+
+    _gpu_setup()
+    m, k, n = 2100, 1008, 2600
+    xq, wq = _small_int_codes(9, (m, k), E4M3), _small_int_codes(10, (k, n), E4M3)
+    if scaling == "tensor":
+        sx, sw = jnp.float32(0.25), jnp.float32(2.0)
+    else:
+        sx = _pow2_scales(11, fp8.block_shape("x", (m, k)))
+        sw = _pow2_scales(12, fp8.block_shape("w", (k, n)))
+
+    def call(x, wt, a, b):
+        x, wt, xs, ws, _, _ = mm.fp8_operands(x, wt, a, b, w_layout="nk")
+        return _ffi.call("pk_matmul_fp8", jax.ShapeDtypeStruct((m, n), jnp.float32), x, wt, xs,
+                         ws, config=np.int64(config), group_m=np.int64(16))
+
+    y = _run_twice(jax.jit(call), (m, n), jnp.float32, xq, wq.T, sx, sw)
+    np.testing.assert_array_equal(y, _expanded_reference(xq, sx, wq, sw))
+    # The entry with w already [N, K] gives the same product.
+    y_nk = mm._fp8_kernel(xq, wq.T, sx, sw, jnp.float32, w_layout="nk")
+    np.testing.assert_array_equal(np.asarray(y_nk, np.float64), y)

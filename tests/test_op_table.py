@@ -53,7 +53,8 @@ def test_python_reads_its_facts_from_the_table():
     assert errors.OP_NAMES == {op["id"]: op["name"] for op in _op_table.TABLE["ops"]}
     assert comm.DEFAULT_SIGNAL_COUNT == _op_table.SIGNAL_COUNT == MIRROR["signal_count"]
     assert emulator.DTYPES == MIRROR["dtypes"] == {"bfloat16": 0, "float16": 1, "float32": 2,
-                                                   "int32": 3}
+                                                   "int32": 3, "float8_e4m3fn": 4,
+                                                   "float8_e5m2": 5}
     assert (ops.TILE_128x128, ops.TILE_128x256_S3) == (1, 2)  # what the fused GEMMs take
 
 
@@ -133,7 +134,8 @@ def test_emulator_ops_are_the_tables():
     launched = {_snake(name) for name in re.findall(r"case kOp(\w+): return f\(", body)}
     assert launched == emu
     used = set(ops.OPS + ops.MOE + ops.ATTENTION + ops.FUSED_MOE)
-    assert used | {"ulysses_attn_bwd", "matmul", "attention", "grouped_matmul"} == emu
+    assert used | {"ulysses_attn_bwd", "matmul", "matmul_fp8", "attention",
+                   "grouped_matmul"} == emu
 
 
 @pytest.mark.needs_ext
@@ -159,6 +161,7 @@ def test_op_fields_name_every_emulator_ops_arguments():
         assert ("rank" in named) == MIRROR_OPS[name]["comm"], name
     # The fallbacks the decoder has always used, now written once in the visitor.
     assert fields["matmul"]["config"] == MIRROR["tiles"]["128x128"]
+    assert fields["matmul_fp8"]["config"] == MIRROR["tiles"]["128x128"]
     assert fields["matmul"]["group_m"] == fields["grouped_matmul"]["group_m"] == 8
     for name in ("ring_attn", "ring_attn_bwd", "ulysses_attn", "ulysses_attn_bwd"):
         assert fields[name]["num_comm_sms"] == 2, name
@@ -196,6 +199,13 @@ def test_the_emulator_decodes_each_field_by_its_key():
     assert decode("all_reduce", {}) == {"dtype": 0, "x": 0, "y": 0, "rank": 0, "n": 0,
                                         "n_out": 0, "p0": 0}
     assert "p1" in decode("all_to_all", {}) and "p1" not in decode("all_gather", {})
+    # matmul_fp8: three dtypes, two scale pointers and their shapes, the blockwise flag.
+    fp8 = {"dtype": 4, "w_dtype": 5, "y_dtype": 2, "x": 4096, "w": 8192, "x_scale": 64,
+           "w_scale": 128, "y": 12288, "m": 100, "k": 256, "n": 136, "y_rows": 100,
+           "y_cols": 136, "xs_rows": 2, "xs_cols": 100, "ws_rows": 2, "ws_cols": 4}
+    assert decode("matmul_fp8", {**fp8, "blockwise": 1}) == {
+        **fp8, "blockwise": True, "config": 1, "group_m": 8}
+    assert decode("matmul_fp8", {**fp8, "config": 0})["blockwise"] is False
     # A missing float does not: scale has no fallback.
     with pytest.raises(KeyError):
         decode("ring_attn", {})
@@ -411,8 +421,9 @@ def test_pk_jax_testing_passes_exactly_the_fields_each_op_reads(monkeypatch):
     problems = sorted({p for op, args in calls for p in _field_problems(op, args, fields)})
     assert not problems, problems
     # Every emulator op is launched but grouped_matmul, which only the benchmarks launch (the
-    # next test reads their dicts).
-    assert {op for op, _ in calls} == set(fields) - {"grouped_matmul"}
+    # next test reads their dicts), and matmul_fp8, which only XLA launches (its fields are
+    # checked by the decoder and fill-check tests above).
+    assert {op for op, _ in calls} == set(fields) - {"grouped_matmul", "matmul_fp8"}
 
 
 def _written_launch_dicts(paths) -> list[tuple[str, str, dict, bool]]:

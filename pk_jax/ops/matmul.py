@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pk_jax import _backend, _checks, _ffi
+from pk_jax import _backend, _checks, _ffi, _op_table
 from pk_jax import fp8 as _fp8
 from pk_jax.ops import _vjp
 from pk_jax.runtime import state
@@ -27,8 +27,9 @@ def matmul(x: jax.Array, w: jax.Array, *, x_scale: jax.Array | None = None,
 
     With fp8 operands (`pk_jax.fp8`: float8_e4m3fn or float8_e5m2, each with its float32
     dequantization scale, per tensor or blockwise) the product is of the dequantized operands,
-    accumulated in fp32, in `out_dtype`. There is no fp8 kernel yet: that product runs its
-    reference (`pk_jax.fp8` dequantizes both operands, then a float32 dot) on every platform.
+    accumulated in fp32, in `out_dtype`. That product runs its reference (`pk_jax.fp8`
+    dequantizes both operands, then a float32 dot) on every platform until the fp8 kernel
+    (pk_matmul_fp8) has passed its GPU tests.
 
     Args:
         x: [M, K], bf16 or fp16, K a multiple of 8; or fp8, K a multiple of 16.
@@ -96,6 +97,114 @@ def fp8_reference(x, w, x_scale, w_scale, out_dtype) -> jax.Array:
     return jnp.dot(_fp8.dequantize(x, x_scale, "x"), _fp8.dequantize(w, w_scale, "w"),
                    precision=jax.lax.Precision.HIGHEST,
                    preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# The fp8 kernel (pk_matmul_fp8, cuda/kernels/matmul_fp8.cuh), behind a private entry until it
+# has run on a GPU: pk.matmul's fp8 path still runs fp8_reference. _fp8_kernel takes pk.matmul's
+# operands, lays them out for the kernel in XLA, and calls it.
+
+FP8_STEM = "matmul_fp8"
+_FP8_TILE_128x256 = _op_table.TILES["128x256"]  # the fp8 kernel's tile shapes (its own stages)
+_FP8_TILE_128x128 = _op_table.TILES["128x128"]  # also the only one of blockwise scaling
+
+
+def _round_up(v: int, to: int) -> int:
+    return -(-v // to) * to
+
+
+def fp8_operands(x: jax.Array, w: jax.Array, x_scale: jax.Array, w_scale: jax.Array, *,
+                 w_layout: str = "kn") -> tuple:
+    """pk.matmul's fp8 operands as pk_matmul_fp8 takes them, laid out in XLA.
+
+    - w transposed to wt [N, K] (fp8 wgmma reads B K-major): one copy of w's K * N bytes, read
+      and written, on every call; a weight kept as [N, K] (`w_layout="nk"`) skips it. Rows of
+      zeros pad N to a multiple of 8 (y's 16-byte TMA rows); the caller slices them off.
+    - Per tensor (both scales scalars): the scalars, as they are.
+    - Blockwise (either scale blockwise; a scalar one is broadcast to its blocks): x_scale
+      transposed to [KB, M] (a tile's 128 row scales of one k-block are then one contiguous TMA
+      box) and w_scale [KB, NB] as it is, each row zero-padded to a multiple of 4 floats (TMA's
+      16-byte strides). KB = ceil(K / 128), NB = ceil(N / 128).
+
+    Args:
+        x: [M, K] fp8. w: [K, N] fp8 ("kn"), or wt [N, K] ("nk").
+        x_scale, w_scale: as pk.matmul takes them (w_scale of the [K, N] weight either way).
+        w_layout: "kn" or "nk".
+
+    Returns:
+        (x, wt [N8, K], xs, ws, blockwise, n): N8 = N rounded up to 8, n = N.
+    """
+    wt = w.T if w_layout == "kn" else w
+    n, k = wt.shape
+    n8 = _round_up(n, 8)
+    if n8 != n:
+        wt = jnp.pad(wt, ((0, n8 - n), (0, 0)))
+    x_scale = jnp.asarray(x_scale, jnp.float32)
+    w_scale = jnp.asarray(w_scale, jnp.float32)
+    blockwise = x_scale.ndim == 2 or w_scale.ndim == 2
+    if not blockwise:
+        return x, wt, x_scale, w_scale, False, n
+    m = x.shape[0]
+    xs = jnp.broadcast_to(x_scale, _fp8.block_shape("x", (m, k))).T
+    ws = jnp.broadcast_to(w_scale, _fp8.block_shape("w", (k, n)))
+    xs = jnp.pad(xs, ((0, 0), (0, _round_up(m, 4) - m)))
+    ws = jnp.pad(ws, ((0, 0), (0, _round_up(ws.shape[1], 4) - ws.shape[1])))
+    return x, wt, xs, ws, True, n
+
+
+def fp8_tile_config(m: int, n: int, blockwise: bool) -> int:
+    """The fp8 kernel's tile for an [m, n] output: 128x128 for blockwise scaling (its two
+    accumulators fit in registers only there), else as the bf16 kernel picks (tile_config)."""
+    if blockwise:
+        return _FP8_TILE_128x128
+    return _FP8_TILE_128x128 if tile_config(m, n) == _TILE_128x128 else _FP8_TILE_128x256
+
+
+def _logical_w(w: jax.Array, w_layout: str):
+    """w as pk.matmul's checks see it, [K, N], whatever its layout (shape and dtype only)."""
+    if w_layout not in ("kn", "nk"):
+        raise ValueError(f"pk.{STEM}: w_layout must be 'kn' (w [K, N]) or 'nk' (w transposed, "
+                         f"[N, K]), got {w_layout!r}.")
+    if w_layout == "kn" or w.ndim != 2:
+        return w
+    return jax.ShapeDtypeStruct((w.shape[1], w.shape[0]), w.dtype)
+
+
+def fp8_kernel_supports(x, w, x_scale, w_scale, *, w_layout: str = "kn") -> bool:
+    """Whether pk_matmul_fp8 takes these (checked) pk.matmul operands: sizes the kernel indexes
+    in int32 (the checks already hold K to a multiple of 16)."""
+    m, k = x.shape
+    n = w.shape[1] if w_layout == "kn" else w.shape[0]
+    return max(m, _round_up(n, 8), k) <= _op_table.MAX_DIM
+
+
+def _fp8_kernel(x: jax.Array, w: jax.Array, x_scale: jax.Array, w_scale: jax.Array,
+                out_dtype=None, *, w_layout: str = "kn") -> jax.Array:
+    """pk.matmul's fp8 product by the fp8 kernel, whatever the router would pick: the entry
+    the GPU tests and the benchmark call until the kernel is verified and routed to.
+
+    Args and checks as pk.matmul's fp8 path; `w_layout="nk"`: w is given transposed, [N, K]
+    (a weight stored that way saves the kernel's transpose of w in XLA).
+
+    Raises:
+        ValueError, TypeError: as pk.matmul; an unknown `w_layout`.
+        RuntimeError: the kernel cannot run here (no sm_90 GPU, or no extension with
+            pk_matmul_fp8).
+    """
+    _check_fp8(x, _logical_w(w, w_layout), x_scale, w_scale, out_dtype)
+    if not fp8_kernel_supports(x, w, x_scale, w_scale, w_layout=w_layout):
+        raise ValueError(f"pk.{STEM}: the fp8 kernel indexes sizes in int32; M, N and K must "
+                         f"be at most {_op_table.MAX_DIM}.")
+    if not _backend.use_kernel(FP8_STEM):
+        raise RuntimeError(f"pk.{STEM}: the fp8 kernel (pk_{FP8_STEM}) cannot run here: it "
+                           "needs an sm_90 GPU and the pk_jax extension built with it.")
+    x, wt, xs, ws, blockwise, n = fp8_operands(x, w, x_scale, w_scale, w_layout=w_layout)
+    m, n8 = x.shape[0], wt.shape[0]
+    out = jax.ShapeDtypeStruct((m, n8), np.dtype(out_dtype or jnp.bfloat16))
+    y = _ffi.call("pk_matmul_fp8", out, x, wt, xs, ws,
+                  config=np.int64(fp8_tile_config(m, n8, blockwise)),
+                  group_m=np.int64(_GROUP_M))
+    return y[:, :n] if n8 != n else y
 
 
 def reference(x: jax.Array, w: jax.Array, *, out_sharding=None) -> jax.Array:

@@ -3,8 +3,8 @@
     python tests/gpu/sass_report.py [MODULE]      # default: pk_jax's extension
 
 Runs `cuobjdump -sass` on the module and prints, for every kernel, the counts of bulk/TMA copies
-(UBLKCP, UTMALDG, UTMASTG, UTMAREDG), tensor-core MMAs (HGMMA), 16-byte global loads and
-stores, and local-memory accesses (LDL/STL: spills or stack arrays). Fails when a kernel uses
+(UBLKCP, UTMALDG, UTMASTG, UTMAREDG), tensor-core MMAs (HGMMA; QGMMA: fp8), 16-byte global loads
+and stores, and local-memory accesses (LDL/STL: spills or stack arrays). Fails when a kernel uses
 local memory, or when a collective kernel of the 16-byte path (every engine kernel whose vector
 is 16 bytes) has no bulk copy.
 """
@@ -16,8 +16,8 @@ import sys
 
 import pk_jax
 
-OPS = ("UBLKCP", "UTMALDG", "UTMASTG", "UTMAREDG", "HGMMA", "LDG.E.128", "STG.E.128", "LDL",
-       "STL")
+OPS = ("UBLKCP", "UTMALDG", "UTMASTG", "UTMAREDG", "HGMMA", "QGMMA", "LDG.E.128", "STG.E.128",
+       "LDL", "STL")
 
 
 def kernels(module: str) -> dict[str, collections.Counter]:

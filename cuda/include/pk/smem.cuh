@@ -53,4 +53,21 @@ struct alignas(1024) st_panels {
   }
 };
 
+/**
+ * @brief ROWS rows of PANELS 128-byte swizzled panels of raw bytes, PANEL_BYTES apart: the
+ * same layout as st_panels for elements of any size (a panel holds 128 fp8, 64 bf16 or 32 fp32
+ * columns). The fp8 GEMM's operand tiles and its bf16 / fp32 store staging.
+ */
+template <int ROWS, int PANELS_>
+struct alignas(1024) st_bytes {
+  static_assert(ROWS % 8 == 0 && PANELS_ >= 1, "st_bytes: whole 8-row swizzle atoms");
+  static constexpr int PANELS = PANELS_;
+  static constexpr uint32_t PANEL_BYTES = ROWS * 128;
+  static constexpr uint32_t BYTES = PANELS * PANEL_BYTES;
+  unsigned char data[BYTES];
+
+  __device__ unsigned char* panel(int p) { return data + p * PANEL_BYTES; }
+  __device__ const unsigned char* panel(int p) const { return data + p * PANEL_BYTES; }
+};
+
 }  // namespace pk

@@ -1,0 +1,74 @@
+/**
+ * @file fp8_layout.cuh
+ * @brief Index arithmetic of the fp8 GEMM (cuda/kernels/matmul_fp8.cuh), written once for the
+ * device and the host: which output element an accumulator register holds, which scales the
+ * blockwise promotion applies to it, and where the epilogue stages it for the TMA store.
+ * Plain C++ when not compiled by nvcc, so tests/cpp/fp8_layout.cc checks it on a CPU.
+ *
+ * Blockwise scaling (pk_jax/fp8.py): x_scale[row, kb] per row and 128 columns of K, w_scale[kb,
+ * nb] per 128 x 128 block of w [K, N]. The kernel loads, per k-block kb of a BM x BN tile at
+ * (tile_m, tile_n), x_scale's column kb for the tile's BM rows (Python passes x_scale
+ * transposed, [KB, M padded to 4], so that column is one contiguous TMA box) and
+ * w_scale[kb, tile_n * BN / 128 ...] (a 4-float box: TMA's smallest). An output column col of
+ * the tile lies in w block (tile_n * BN + col) / 128 = tile_n * BN / 128 + col / 128 because
+ * 128 divides BN: the w scale of a column is entry col / 128 of the tile's box.
+ */
+#pragma once
+
+#include <cstdint>
+
+#ifdef __CUDACC__
+#define PK_LAYOUT_HD __host__ __device__
+#else
+#define PK_LAYOUT_HD
+#endif
+
+namespace pk::fp8_layout {
+
+/** @brief Scale block side (pk_jax.fp8.BLOCK) and the floats of the w-scale box. */
+constexpr int BLOCK = 128;
+constexpr int W_SCALE_BOX = 4;
+
+/**
+ * @brief Row (0..63) of accumulator element d[4 j + 2 i + c] of thread t (0..127) of a
+ * warpgroup's m64nN accumulator (wgmma.cuh).
+ */
+PK_LAYOUT_HD constexpr int frag_row(int t, int i) { return 16 * (t / 32) + (t % 32) / 4 + 8 * i; }
+
+/** @brief Column (0..N-1) of accumulator element d[4 j + 2 i + c] of thread t. */
+PK_LAYOUT_HD constexpr int frag_col(int t, int j, int c) { return 8 * j + 2 * (t % 4) + c; }
+
+/** @brief Index in the stage's x-scale box (the tile's BM rows) of consumer c's row r. */
+PK_LAYOUT_HD constexpr int x_scale_slot(int consumer, int r) { return 64 * consumer + r; }
+
+/** @brief Index in the stage's w-scale box of tile column col (BN a multiple of 128). */
+PK_LAYOUT_HD constexpr int w_scale_slot(int col) { return col / BLOCK; }
+
+/** @brief TMA coordinates (inner, outer) of the x-scale box of tile row tile_m, k-block kb,
+ * in x_scale transposed ([KB, M]): BM scales of column kb. */
+PK_LAYOUT_HD constexpr int x_scale_box_inner(int tile_m, int bm) { return tile_m * bm; }
+
+/** @brief Inner TMA coordinate of the w-scale box of tile column tile_n (outer: kb). */
+PK_LAYOUT_HD constexpr int w_scale_box_inner(int tile_n, int bn) { return tile_n * (bn / BLOCK); }
+
+/**
+ * @brief Byte offset of byte `b` (0..127) of row `row` in a 128B-swizzled panel: 16-byte chunk
+ * c of row r sits at chunk position c ^ (r % 8), what TMA's CU_TENSOR_MAP_SWIZZLE_128B writes
+ * and reads (smem.cuh).
+ */
+PK_LAYOUT_HD constexpr uint32_t swizzle128_byte(int row, int b) {
+  return uint32_t(row) * 128 + ((uint32_t((b >> 4) ^ (row & 7))) << 4) + uint32_t(b & 15);
+}
+
+/**
+ * @brief Byte offset of element (row, col) of a ROWS-row staging buffer of 128-byte panels
+ * holding ELEM-byte elements (128 / ELEM columns a panel, panels ROWS * 128 bytes apart).
+ */
+template <int ELEM, int ROWS>
+PK_LAYOUT_HD constexpr uint32_t staging_offset(int row, int col) {
+  return uint32_t(col * ELEM / 128) * (ROWS * 128) + swizzle128_byte(row, (col * ELEM) % 128);
+}
+
+}  // namespace pk::fp8_layout
+
+#undef PK_LAYOUT_HD

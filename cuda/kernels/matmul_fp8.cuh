@@ -1,0 +1,315 @@
+/*
+ * matmul_fp8: y = (x * x_scale) @ (w * w_scale) on one GPU with fp8 operands (e4m3 or e5m2
+ * each), fp32 accumulation, y in bf16 or fp32.
+ *
+ * Shapes: x [M, K] row-major (K-major A); w given TRANSPOSED, wt [N, K] row-major (K-major B:
+ * fp8 wgmma reads both operands K-major, it has no transpose); y [M, N] row-major. K a multiple
+ * of 16 (TMA needs 16-byte row strides: K bytes of fp8), N a multiple of 8 (y's rows), any M.
+ * Scales (pk_jax/fp8.py), float32:
+ *   per tensor  x_scale, w_scale one float each: y = x_scale * w_scale * (x @ w) in the epilogue;
+ *   blockwise   x's scales per row and k-block of 128, passed TRANSPOSED as xs [KB, >= M]
+ *               (KB = ceil(K / 128), row length a multiple of 4); w's per 128 x 128 block,
+ *               ws [KB, >= ceil(N / 128)] (row length a multiple of 4). Promotion (DeepSeek-V3):
+ *               each k-block's product goes into a fresh fp32 accumulator, which is then added
+ *               into the tile's accumulator times xs[kb, row] * ws[kb, col / 128].
+ * No shardings: a local GEMM on the LCSC template (cuda/include/pk/lcsc.cuh), no communicator.
+ *
+ * Schedule of one persistent block (one per SM, BM x BN output tiles in grouped order; BM = 128,
+ * BK = 128 fp8 = 128 bytes, one 128B-swizzled row per operand row):
+ *
+ *   warpgroup | role                                | per k step (BK = 128)
+ *   ----------+-------------------------------------+--------------------------------------------
+ *   0         | loader: 1 thread, 40 registers      | TMA x box [BM x 128] + wt box [BN x 128]
+ *             |                                     | (+ blockwise: xs box [BM], ws box [4])
+ *   1         | consumer rows 0..63 of the tile     | 4 x wgmma m64nBNk32 from stage s
+ *   2         | consumer rows 64..127 of the tile   | 4 x wgmma m64nBNk32 from stage s
+ *   1, 2      | blockwise: promotion after each k   | wait for the 4 MMAs, acc += part * scale
+ *   1, 2      | storer (after the last k step)      | fp32 (x scale) -> bf16 / fp32 -> swizzled
+ *             |                                     | smem -> TMA store, 2 panels a round
+ *
+ * A stage holds the same bytes as the bf16 kernel's (BK = 64 of 2 bytes), so the stage counts
+ * carry over: 128x256 per tensor 4 stages, 128x128 6 (per tensor) or 5 (blockwise, which also
+ * carries 528 bytes of scales a stage). Per tensor, a consumer frees stage s one step late (its
+ * MMAs run while the next step's are issued), as in the bf16 kernel. Blockwise, a consumer
+ * waits for its step's MMAs before it promotes, then frees the stage at once; the other
+ * consumer warpgroup's MMAs keep the tensor cores busy meanwhile.
+ *
+ * Signals: none (no peers).
+ *
+ * Pitfalls: blockwise needs BN = 128: the tile's accumulator and the fresh one take 2 x 64
+ * registers a thread (at BN = 256 they would take 256, past the 232 a consumer has), and a tile
+ * then sits in one w block per k-block. Partial tiles at the M, N and K edges come from TMA
+ * bounds: loads fill zeros (a zero K tail adds nothing; scales past M or N are zeros that only
+ * reach rows and columns the store drops), stores drop what lies outside y. The boxes a full
+ * barrier expects count whole boxes, zero-filled parts included. Tensor maps hold buffer
+ * addresses: the handler re-encodes when XLA moves a buffer (ffi/matmul_fp8.cu).
+ */
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include <type_traits>
+
+#include "op_table.h"
+#include "pk/fp8_layout.cuh"
+#include "pk/lcsc.cuh"
+#include "pk/smem.cuh"
+#include "pk/wgmma_fp8.cuh"
+
+namespace pk::matmul_fp8 {
+
+/** @brief Kernel arguments: tensor maps (boxes as in the table above), scales and sizes. */
+struct globals {
+  CUtensorMap x;   // x [M, K] fp8: dims {K, M}, box {128, BM}, 128B swizzle
+  CUtensorMap w;   // wt [N, K] fp8: dims {K, N}, box {128, BN}, 128B swizzle
+  CUtensorMap y;   // y [M, N]: dims {N, M}, box {128 / sizeof(out), 64}, 128B swizzle
+  CUtensorMap xs;  // blockwise: xs [KB, ld] f32: dims {ld, KB}, box {BM, 1}, no swizzle
+  CUtensorMap ws;  // blockwise: ws [KB, ld] f32: dims {ld, KB}, box {4, 1}, no swizzle
+  const float* x_scale;  // per tensor: the two scales (device scalars)
+  const float* w_scale;
+  int m, n, k;
+  int group_m;       // block-rows per band of the tile order (L2 reuse)
+  wait_bound bound;  // error record and timeout of the mbarrier waits (zeros: trap at 60 s)
+};
+
+/**
+ * @brief One kernel configuration.
+ * @tparam XT, WT __nv_fp8_e4m3 or __nv_fp8_e5m2 (x's and w's formats).
+ * @tparam OUT __nv_bfloat16 or float. @tparam BN 128 or 256 (BM = 128, BK = 128).
+ * @tparam BLOCKWISE blockwise scales with promotion (BN = 128), else per tensor.
+ */
+template <typename XT, typename WT, typename OUT, int BN_, int STAGES_, bool BLOCKWISE_>
+struct config {
+  using x_type = XT;
+  using w_type = WT;
+  using out_type = OUT;
+  static constexpr int BM = 128, BN = BN_, BK = 128;
+  static constexpr int STAGES = STAGES_;
+  static constexpr bool BLOCKWISE = BLOCKWISE_;
+  static_assert(BN == 128 || BN == 256, "matmul_fp8: BN is 128 or 256");
+  static_assert(!BLOCKWISE || BN == 128, "matmul_fp8: blockwise scaling needs BN = 128");
+  static_assert(std::is_same_v<OUT, __nv_bfloat16> || std::is_same_v<OUT, float>,
+                "matmul_fp8: y is bf16 or fp32");
+};
+
+/** @brief The LCSC description of the fp8 matmul kernel for configuration C. */
+template <class C>
+struct kernel_def {
+  using XT = typename C::x_type;
+  using WT = typename C::w_type;
+  using OUT = typename C::out_type;
+  static constexpr int BM = C::BM, BN = C::BN, BK = C::BK;
+  static constexpr int STAGES = C::STAGES;
+  static constexpr bool BLOCKWISE = C::BLOCKWISE;
+  static constexpr int CONSUMERS = BM / 64;
+  static constexpr int PRODUCER_REGS = 40;
+  static constexpr int CONSUMER_REGS = 232;
+  // Blockwise consumers wait for their own MMAs (the promotion reads them), so the template
+  // may free a stage as soon as the consumer returns.
+  static constexpr bool ASYNC_MMA = !BLOCKWISE;
+
+  using globals = pk::matmul_fp8::globals;
+  using a_tile = st_bytes<BM, 1>;  // BM rows of 128 k (one 128-byte swizzled row each)
+  using b_tile = st_bytes<BN, 1>;  // BN rows (output columns) of 128 k
+  struct plain_stage {
+    a_tile a;
+    b_tile b;
+  };
+  struct scaled_stage {
+    a_tile a;
+    b_tile b;
+    float sx[BM];                           // x scales of the tile's rows, this k-block
+    alignas(128) float sw[fp8_layout::W_SCALE_BOX];  // w scales from the tile's first w block
+  };
+  using stage_t = std::conditional_t<BLOCKWISE, scaled_stage, plain_stage>;
+  static constexpr uint32_t SCALE_BYTES = BLOCKWISE ? (BM + fp8_layout::W_SCALE_BOX) * 4 : 0;
+  static constexpr uint32_t STAGE_BYTES = a_tile::BYTES + b_tile::BYTES + SCALE_BYTES;
+
+  // Store staging: 64 rows of two 128-byte panels a consumer (EPI_N columns a round).
+  using out_t = st_bytes<64, 2>;
+  static constexpr int PANEL_COLS = 128 / int(sizeof(OUT));
+  static constexpr int EPI_N = 2 * PANEL_COLS;
+  static_assert(BN % EPI_N == 0, "matmul_fp8: whole store rounds");
+
+  struct block_acc {
+    float main[BN / 2];  // the tile's sum of promoted k-blocks
+    float part[BN / 2];  // this k-block's product, unscaled
+  };
+  using acc_t = std::conditional_t<BLOCKWISE, block_acc, float[BN / 2]>;
+
+  __device__ static tile_scheduler scheduler(const globals& g) {
+    return tile_scheduler(ceil_div(g.m, BM), ceil_div(g.n, BN), g.group_m);
+  }
+  __device__ static int k_iters(const globals& g) { return ceil_div(g.k, BK); }
+  __device__ static pk::wait_bound bound(const globals& g) { return g.bound; }
+
+  __device__ static void setup(const globals& g, lcsc::block_info) {
+    tma::prefetch(&g.x);
+    tma::prefetch(&g.w);
+    tma::prefetch(&g.y);
+    if constexpr (BLOCKWISE) {
+      tma::prefetch(&g.xs);
+      tma::prefetch(&g.ws);
+    }
+  }
+
+  __device__ static void loader(const globals& g, stage_t& s, mbarrier* full, tile_coord t,
+                                int k) {
+    tma::load_2d(s.a.data, &g.x, full, k * BK, t.m * BM);
+    tma::load_2d(s.b.data, &g.w, full, k * BK, t.n * BN);
+    if constexpr (BLOCKWISE) {
+      tma::load_2d(s.sx, &g.xs, full, fp8_layout::x_scale_box_inner(t.m, BM), k);
+      tma::load_2d(s.sw, &g.ws, full, fp8_layout::w_scale_box_inner(t.n, BN), k);
+    }
+  }
+
+  __device__ static void consumer(const globals&, acc_t& acc, const stage_t& s, int c, int k) {
+    if constexpr (BLOCKWISE) {
+      namespace fl = fp8_layout;
+      const int t = warpgroup::thread();
+      // The scales are read before the MMAs are issued, so their latency hides behind them.
+      const float sw = ld_shared(&s.sw[fl::w_scale_slot(0)]);  // BN = 128: one w block a tile
+      const float s0 = ld_shared(&s.sx[fl::x_scale_slot(c, fl::frag_row(t, 0))]) * sw;
+      const float s1 = ld_shared(&s.sx[fl::x_scale_slot(c, fl::frag_row(t, 1))]) * sw;
+      mma_step(acc.part, s, c, 0);  // a fresh accumulator for this k-block
+      wgmma::wait<0>();
+      wgmma::fence_regs(acc.part);
+      // NOTES: the leader frees the stage (the loader may refill it) as soon as this returns,
+      // so every warp's reads of its scales must be done first: the warpgroup's named barrier
+      // (the storer's, lcsc.cuh storer_sync; the same 128 threads, in program order).
+      warpgroup::sync(1 + c);
+      promote(acc, s0, s1, k);
+    } else {
+      mma_step(acc, s, c, k);
+    }
+  }
+
+  __device__ static void storer(const globals& g, acc_t& acc, out_t& out, int c, tile_coord t,
+                                const lcsc::storer_sync& sync) {
+    const int row0 = t.m * BM + c * 64;
+    if (row0 >= g.m) return;  // this consumer's half lies below y (uniform per warpgroup)
+    if constexpr (BLOCKWISE) {
+      epilogue(g, acc.main, 1.0f, out, row0, t.n * BN, sync);
+    } else {
+      epilogue(g, acc, __ldg(g.x_scale) * __ldg(g.w_scale), out, row0, t.n * BN, sync);
+    }
+  }
+
+  __device__ static void communicator(const globals&, lcsc::block_info, void*) {}
+  __device__ static void finish(const globals&, int) {}
+
+ private:
+  /** @brief Issues (and commits) one k step's 4 wgmmas of consumer c into d; the first k step
+   * of d (k == 0) overwrites it. */
+  __device__ static void mma_step(float (&d)[BN / 2], const stage_t& s, int c, int k) {
+    const unsigned char* a = s.a.data + c * 64 * 128;  // this consumer's 64 rows (8 KiB)
+    wgmma::fence_regs(d);
+    wgmma::fence();
+#pragma unroll
+    for (int kk = 0; kk < BK / 32; ++kk) {
+      // NOTES: a k32 step of fp8 is 32 bytes of the 128-byte swizzled row, the same byte step
+      // as bf16's k16, so the descriptors are the bf16 K-major ones advanced by 32 bytes.
+      const uint64_t da = wgmma::desc_k_major(a, kk * 32);
+      const uint64_t db = wgmma::desc_k_major(s.b.data, kk * 32);
+      wgmma::mma_fp8<XT, WT, BN>(d, da, db, (k > 0 || kk > 0) ? 1 : 0);
+    }
+    wgmma::commit();
+    wgmma::fence_regs(d);
+  }
+
+  /** @brief Blockwise: main (+)= part * xs[row] * ws[col / 128] for k-block k; s0 and s1 the
+   * products for this thread's rows frag_row(t, 0) and frag_row(t, 1). */
+  __device__ static void promote(acc_t& acc, float s0, float s1, int k) {
+    if (k == 0) {
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+        acc.main[4 * j + 0] = acc.part[4 * j + 0] * s0;
+        acc.main[4 * j + 1] = acc.part[4 * j + 1] * s0;
+        acc.main[4 * j + 2] = acc.part[4 * j + 2] * s1;
+        acc.main[4 * j + 3] = acc.part[4 * j + 3] * s1;
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+        acc.main[4 * j + 0] = fmaf(acc.part[4 * j + 0], s0, acc.main[4 * j + 0]);
+        acc.main[4 * j + 1] = fmaf(acc.part[4 * j + 1], s0, acc.main[4 * j + 1]);
+        acc.main[4 * j + 2] = fmaf(acc.part[4 * j + 2], s1, acc.main[4 * j + 2]);
+        acc.main[4 * j + 3] = fmaf(acc.part[4 * j + 3], s1, acc.main[4 * j + 3]);
+      }
+    }
+  }
+
+  /**
+   * @brief The storers' epilogue: a consumer's 64 x BN fp32 accumulator times `scale` -> OUT
+   * in its staging buffer, EPI_N columns a round from column `col_base`; after each round one
+   * thread TMA-stores every 128-byte panel that lies inside y and commits the bulk group.
+   */
+  __device__ static void epilogue(const globals& g, float (&acc)[BN / 2], float scale,
+                                  out_t& out, int row0, int col_base,
+                                  const lcsc::storer_sync& sync) {
+    const int t = warpgroup::thread();
+    const int r = fp8_layout::frag_row(t, 0);
+#pragma unroll
+    for (int e = 0; e < BN / EPI_N; ++e) {
+      const int col0 = col_base + e * EPI_N;
+      if (col0 >= g.n) break;
+      sync.acquire();
+#pragma unroll
+      for (int j = 0; j < EPI_N / 8; ++j) {
+        const int jj = e * (EPI_N / 8) + j;
+        const int col = fp8_layout::frag_col(t, j, 0);
+        store_pair(out, r, col, acc[4 * jj] * scale, acc[4 * jj + 1] * scale);
+        store_pair(out, r + 8, col, acc[4 * jj + 2] * scale, acc[4 * jj + 3] * scale);
+      }
+      if (sync.publish()) {
+#pragma unroll
+        for (int p = 0; p < out_t::PANELS; ++p) {
+          if (col0 + p * PANEL_COLS < g.n) {
+            tma::store_2d(&g.y, out.panel(p), col0 + p * PANEL_COLS, row0);
+          }
+        }
+        tma::store_commit();
+      }
+    }
+  }
+
+  /** @brief A float of shared memory (the stage's address is generic to the compiler). */
+  __device__ static float ld_shared(const float* p) {
+    float v;
+    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(smem_addr(p)) : "memory");
+    return v;
+  }
+
+  /** @brief Elements (row, col) and (row, col + 1) of the staging buffer (col even). */
+  __device__ static void store_pair(out_t& out, int row, int col, float lo, float hi) {
+    const uint32_t at =
+        smem_addr(out.data) + fp8_layout::staging_offset<int(sizeof(OUT)), 64>(row, col);
+    if constexpr (std::is_same_v<OUT, float>) {
+      asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(at), "f"(lo), "f"(hi) : "memory");
+    } else {
+      __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+      const uint32_t v = *reinterpret_cast<uint32_t*>(&h);
+      asm volatile("st.shared.b32 [%0], %1;" ::"r"(at), "r"(v) : "memory");
+    }
+  }
+};
+
+/** @brief The configurations, by the op table's tile ids (the `config` attribute of
+ *  pk_matmul_fp8: kTile128x256 or kTile128x128; blockwise scaling always takes 128x128). */
+template <typename XT, typename WT, typename OUT>
+using config_128x256 = config<XT, WT, OUT, 256, 4, false>;
+template <typename XT, typename WT, typename OUT>
+using config_128x128 = config<XT, WT, OUT, 128, 6, false>;
+template <typename XT, typename WT, typename OUT>
+using config_block = config<XT, WT, OUT, 128, 5, true>;
+
+/** @brief Launches configuration C of the fp8 matmul kernel (no communication SMs). */
+template <class C>
+inline cudaError_t launch(const globals& g, cudaStream_t stream, int device, int num_sms) {
+  const int tiles = ceil_div(g.m, C::BM) * ceil_div(g.n, C::BN);
+  return lcsc::launch<kernel_def<C>>(g, stream, device, num_sms, /*comm_blocks=*/0, tiles);
+}
+
+}  // namespace pk::matmul_fp8

@@ -1,0 +1,108 @@
+// cuda/include/pk/fp8_layout.cuh on a CPU, for tests/test_fp8.py, which builds this file with
+// the host compiler and runs it: the fp8 GEMM's index arithmetic against definitions written
+// here independently (the wgmma accumulator layout of the PTX ISA, DeepSeek-V3's block scales,
+// TMA's 128-byte swizzle). Prints "ok", or the first failed check, and exits non-zero on one.
+#include <cstdint>
+#include <cstdio>
+#include <set>
+#include <vector>
+
+#include "pk/fp8_layout.cuh"
+
+namespace fl = pk::fp8_layout;
+
+namespace {
+
+int failures = 0;
+
+void Check(bool ok, const char* what, int a, int b, int c) {
+  if (!ok && failures++ == 0) std::printf("FAILED %s (%d, %d, %d)\n", what, a, b, c);
+}
+
+// The m64nN fp32 accumulator: each of the 128 threads holds N / 2 elements d[4 j + 2 i + c];
+// every (row, column) of 64 x N is held exactly once.
+void AccumulatorCoversTheTileOnce(int n) {
+  std::vector<int> seen(64 * n, 0);
+  for (int t = 0; t < 128; ++t) {
+    for (int j = 0; j < n / 8; ++j) {
+      for (int i = 0; i < 2; ++i) {
+        for (int c = 0; c < 2; ++c) {
+          const int row = fl::frag_row(t, i), col = fl::frag_col(t, j, c);
+          Check(row >= 0 && row < 64 && col >= 0 && col < n, "fragment in the tile", t, j, i);
+          if (row >= 0 && row < 64 && col >= 0 && col < n) ++seen[row * n + col];
+          // PTX ISA, wgmma D fragments: warp w holds rows 16 w .. 16 w + 15; lane l rows
+          // l / 4 and l / 4 + 8, columns 2 (l % 4) + {0, 1} of each 8-column group.
+          const int w = t / 32, l = t % 32;
+          Check(row == 16 * w + l / 4 + 8 * i && col == 8 * j + 2 * (l % 4) + c,
+                "fragment as the PTX ISA lays it out", t, j, i);
+        }
+      }
+    }
+  }
+  for (int e = 0; e < 64 * n; ++e) Check(seen[e] == 1, "each element once", e, n, seen[e]);
+}
+
+// Blockwise scales: tile (tile_m, tile_n) of BM x BN, consumer c, fragment row r, column col
+// reads x scale [tile_m * BM + 64 c + r, kb] (box of BM rows of x_scale transposed at inner
+// coordinate x_scale_box_inner) and w scale [kb, (tile_n * BN + col) / 128] (box of 4 at
+// w_scale_box_inner).
+void ScaleIndices(int bm, int bn) {
+  for (int tile_m = 0; tile_m < 5; ++tile_m) {
+    for (int c = 0; c < bm / 64; ++c) {
+      for (int r = 0; r < 64; ++r) {
+        const int slot = fl::x_scale_slot(c, r);
+        Check(slot >= 0 && slot < bm, "x scale slot in the box", c, r, slot);
+        Check(fl::x_scale_box_inner(tile_m, bm) + slot == tile_m * bm + 64 * c + r,
+              "x scale of the output row", tile_m, c, r);
+      }
+    }
+  }
+  for (int tile_n = 0; tile_n < 7; ++tile_n) {
+    for (int col = 0; col < bn; ++col) {
+      const int slot = fl::w_scale_slot(col);
+      Check(slot >= 0 && slot < fl::W_SCALE_BOX, "w scale slot in the box", tile_n, col, slot);
+      Check(fl::w_scale_box_inner(tile_n, bn) + slot == (tile_n * bn + col) / 128,
+            "w scale of the output column's 128-block", tile_n, col, bn);
+    }
+  }
+}
+
+// TMA's CU_TENSOR_MAP_SWIZZLE_128B, as the CUDA programming guide defines it: within each
+// 1024-byte group of 8 rows of 128 bytes, 16-byte chunk c of row r is stored at chunk c ^ r.
+uint32_t SwizzledByte(int row, int byte) {
+  return uint32_t(row) * 128 + uint32_t(((byte / 16) ^ (row % 8)) * 16 + byte % 16);
+}
+
+// The epilogue's staging of 64 rows x (256 / ELEM) columns of ELEM-byte elements: two panels
+// of 128-byte rows, which the two TMA stores of a round read as boxes of 128 / ELEM columns.
+template <int ELEM>
+void StagingIsTheSwizzledPanels() {
+  const int cols = 256 / ELEM, per_panel = 128 / ELEM;
+  std::set<uint32_t> bytes;
+  for (int row = 0; row < 64; ++row) {
+    for (int col = 0; col < cols; ++col) {
+      const uint32_t at = fl::staging_offset<ELEM, 64>(row, col);
+      const int panel = col / per_panel;
+      Check(at == uint32_t(panel) * 64 * 128 + SwizzledByte(row, (col % per_panel) * ELEM),
+            "staging at the swizzled panel position", ELEM, row, col);
+      Check(at % ELEM == 0 && at + ELEM <= 2 * 64 * 128, "staging aligned, in the buffer",
+            ELEM, row, col);
+      if (col % 2 == 0) Check(at % (2 * ELEM) == 0, "a column pair is one store", ELEM, row, col);
+      for (int b = 0; b < ELEM; ++b) bytes.insert(at + b);
+    }
+  }
+  Check(bytes.size() == 2 * 64 * 128, "staging fills its 16 KiB once", ELEM, 0, 0);
+}
+
+}  // namespace
+
+int main() {
+  AccumulatorCoversTheTileOnce(128);
+  AccumulatorCoversTheTileOnce(256);
+  ScaleIndices(128, 128);
+  ScaleIndices(128, 256);  // a BN of 256 would still index its two w blocks right
+  StagingIsTheSwizzledPanels<2>();
+  StagingIsTheSwizzledPanels<4>();
+  if (failures == 0) std::printf("ok\n");
+  return failures == 0 ? 0 : 1;
+}
