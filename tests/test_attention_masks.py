@@ -22,6 +22,7 @@ import pathlib
 import shutil
 import subprocess
 import tempfile
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -529,7 +530,7 @@ def _err(y, ref):
 @functools.cache
 def _gpu_inputs(shape, name, dtype):
     b, s, h, hkv, d = shape
-    rng = np.random.default_rng(abs(hash((shape, name))) % (1 << 31))
+    rng = np.random.default_rng(zlib.crc32(repr((shape, name)).encode()))
     keys = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 4)
     mk = lambda key, heads: jax.random.normal(key, (b, s, heads, d), jnp.float32).astype(dtype)
     spec = dict(_GPU_MASKS[name])

@@ -49,6 +49,18 @@
  * Causal blocks run the longest rows first (fwd: block y counts down; bwd: key block y meets
  * the query rows from 128 y on) and skip the tiles wholly above the diagonal.
  *
+ * Masks (fwd_masked_kernel, bwd_masked_kernel: the same mainloops over attn::masked_keys and
+ * attn::masked_rows, pk/attn/masked.cuh): segment ids, a local window, query and key lengths and
+ * a logits soft cap (template CAP), as pk_jax/ops/_attention.py's reference defines them. A
+ * query tile streams only the key tiles that hold a visible pair by position and whose
+ * documents' chunks meet its own (a window of W keys: O(W) tiles; packed documents: their own),
+ * a key block only the query tiles likewise; element masks run only on sub-tiles that may hide
+ * a pair (pk/attn/masks.cuh, the same functions tests/cpp/masks.cc runs on a CPU). A block with
+ * nothing to stream writes its zeros and returns (rows no key sees: O = 0, lse = +inf). The
+ * masked forward takes 128-key tiles at every head dim (fwd_masked_keys) and, with the soft
+ * cap, two warpgroups at D = 64 (fwd_masked_warpgroups). The unmasked kernels' machine code is
+ * the same with or without these (bwd_block's masked branch is under if constexpr).
+ *
  * Signals: none (no peers).
  *
  * Pitfalls: a register A operand (P, dS) is read asynchronously by wgmma until its group

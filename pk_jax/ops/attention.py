@@ -11,6 +11,11 @@ which the kernels do not take yet) runs the reference: the blockwise online-soft
 of `pk_jax.ops._attention` (memory O(S), so S = 32K runs where XLA's materialised attention
 cannot), with its blockwise custom VJP and the masks' fully hidden tiles skipped; grouped-query
 attention repeats each K/V head for its H / Hkv query heads there.
+
+The masked kernels (cuda/kernels/attention.cuh fwd_masked_kernel, bwd_masked_kernel) are
+reached only through the private `_kernel_attention_masked` until their GPU tests
+(tests/test_attention_masks.py) pass on an H200; then `forward_path` routes masked calls to
+them.
 """
 
 from __future__ import annotations
