@@ -1,6 +1,9 @@
 // FFI handler and launcher of pk_attention: flash attention on one GPU, forward and backward in
-// one target (attribute `backward`), see cuda/kernels/attention.cuh. Operands are read through
-// 4-D tensor maps encoded here on every call.
+// one target (attribute `backward`), with or without masks (attribute `masked`: the masked
+// kernels, their operands after the pass's own), see cuda/kernels/attention.cuh. Operands are
+// read through 4-D tensor maps encoded here on every call.
+#include <algorithm>
+#include <cmath>
 #include <string>
 
 #include "ffi_util.h"
@@ -29,6 +32,39 @@ cudaError_t Launch(const AttnArgs& a, const pk::attention::fwd_globals* f,
            : pk::attention::launch_bwd<T, 128>(*g, stream, device);
 }
 
+// The masked kernels: f or g also carries the masks (fwd_masked_globals, bwd_masked_globals).
+template <typename T>
+cudaError_t LaunchMasked(const AttnArgs& a, const pk::attention::fwd_masked_globals* f,
+                         const pk::attention::bwd_masked_globals* g, cudaStream_t stream,
+                         int device) {
+  if (a.d == 64) {
+    return f ? pk::attention::launch_fwd_masked<T, 64>(*f, stream, device)
+             : pk::attention::launch_bwd_masked<T, 64>(*g, stream, device);
+  }
+  return f ? pk::attention::launch_fwd_masked<T, 128>(*f, stream, device)
+           : pk::attention::launch_bwd_masked<T, 128>(*g, stream, device);
+}
+
+// The masks as the kernels read them (pk::attn::mask_args), after LaunchAttention's checks.
+pk::attn::mask_args MaskArgs(const AttnArgs& a) {
+  pk::attn::mask_args m{};
+  m.q_len = a.q_len;
+  m.kv_len = a.kv_len;
+  m.sp = int((a.s + 127) / 128 * 128);
+  m.left = int(std::min<int64_t>(a.window_left, a.s));
+  m.right = int(std::min<int64_t>(a.window_right, a.s));
+  m.cap_in = a.soft_cap > 0.f ? a.scale / a.soft_cap : 0.f;
+  m.cap_out = a.soft_cap > 0.f ? a.soft_cap / a.scale : 0.f;
+  m.segments = a.segments ? 1 : 0;
+  if (a.segments) {
+    m.q_seg = a.q_seg;
+    m.kv_seg = a.kv_seg;
+    m.q_info = reinterpret_cast<const pk::attn::masks::chunk_info*>(a.q_info);
+    m.kv_info = reinterpret_cast<const pk::attn::masks::chunk_info*>(a.kv_info);
+  }
+  return m;
+}
+
 }  // namespace
 
 Status LaunchAttention(const Where& at, const AttnArgs& a) {
@@ -54,23 +90,47 @@ Status LaunchAttention(const Where& at, const AttnArgs& a) {
     return Status::Invalid("pk_attention: the backward needs dq_acc, a float32 scratch of q's "
                            "shape.");
   }
+  if (a.masked) {
+    if (a.q_len == nullptr || a.kv_len == nullptr) {
+      return Status::Invalid("pk_attention: a masked call needs q_len and kv_len, int32 [B].");
+    }
+    if (a.window_left < 0 || a.window_right < 0) {
+      return Status::Invalid("pk_attention: window_left and window_right must be >= 0 (S for "
+                             "no window).");
+    }
+    if (!(a.soft_cap >= 0.f) || std::isinf(a.soft_cap)) {
+      return Status::Invalid("pk_attention: soft_cap must be finite and >= 0 (0: no cap).");
+    }
+    if (a.segments && (a.q_seg == nullptr || a.kv_seg == nullptr || a.q_info == nullptr ||
+                       a.kv_info == nullptr)) {
+      return Status::Invalid("pk_attention: segments need q_seg, kv_seg, q_info and kv_info.");
+    }
+  }
   const int type = a.dtype == DType::kBF16 ? 0 : 1;
   pk::attention::dims dm{int(a.b), int(a.s), int(a.h), int(a.hkv), a.scale, a.causal ? 1 : 0};
   cudaError_t err;
   if (!a.backward) {
-    pk::attention::fwd_globals f{};
+    pk::attention::fwd_masked_globals f{};
     f.o = a.o;
     f.lse = a.lse;
     f.d = dm;
-    const int q_rows = pk::attention::fwd_block_rows(int(a.d));
+    const int q_rows = a.masked ? pk::attention::fwd_masked_rows(int(a.d), a.soft_cap > 0.f)
+                                : pk::attention::fwd_block_rows(int(a.d));
     if (Status s = Map(a.q, a.b, a.s, a.h, a.d, q_rows, type, &f.q); !s.ok()) return s;
-    const int kv_rows = pk::attention::fwd_block_keys(int(a.d), a.causal);
+    const int kv_rows = a.masked ? pk::attention::fwd_masked_keys()
+                                 : pk::attention::fwd_block_keys(int(a.d), a.causal);
     if (Status s = Map(a.k, a.b, a.s, a.hkv, a.d, kv_rows, type, &f.k); !s.ok()) return s;
     if (Status s = Map(a.v, a.b, a.s, a.hkv, a.d, kv_rows, type, &f.v); !s.ok()) return s;
-    err = type == 0 ? Launch<__nv_bfloat16>(a, &f, nullptr, at.stream, at.device)
-                    : Launch<__half>(a, &f, nullptr, at.stream, at.device);
+    if (a.masked) {
+      f.m = MaskArgs(a);
+      err = type == 0 ? LaunchMasked<__nv_bfloat16>(a, &f, nullptr, at.stream, at.device)
+                      : LaunchMasked<__half>(a, &f, nullptr, at.stream, at.device);
+    } else {
+      err = type == 0 ? Launch<__nv_bfloat16>(a, &f, nullptr, at.stream, at.device)
+                      : Launch<__half>(a, &f, nullptr, at.stream, at.device);
+    }
   } else {
-    pk::attention::bwd_globals g{};
+    pk::attention::bwd_masked_globals g{};
     g.lse = a.lse_in;
     g.delta = a.delta;
     g.sp = int(a.sp);
@@ -93,8 +153,14 @@ Status LaunchAttention(const Where& at, const AttnArgs& a) {
     }
     // dq_acc, float32: the dQ reductions' boxes of 64 query rows.
     if (Status s = Map(a.dq_acc, a.b, a.s, a.h, a.d, 64, 2, &g.dq32); !s.ok()) return s;
-    err = type == 0 ? Launch<__nv_bfloat16>(a, nullptr, &g, at.stream, at.device)
-                    : Launch<__half>(a, nullptr, &g, at.stream, at.device);
+    if (a.masked) {
+      g.m = MaskArgs(a);
+      err = type == 0 ? LaunchMasked<__nv_bfloat16>(a, nullptr, &g, at.stream, at.device)
+                      : LaunchMasked<__half>(a, nullptr, &g, at.stream, at.device);
+    } else {
+      err = type == 0 ? Launch<__nv_bfloat16>(a, nullptr, &g, at.stream, at.device)
+                      : Launch<__half>(a, nullptr, &g, at.stream, at.device);
+    }
   }
   return CudaStatus(err, "attention");
 }
@@ -103,17 +169,23 @@ namespace {
 
 ffi::Error AttentionCuda(cudaStream_t stream, int32_t device, ffi::RemainingArgs args,
                          ffi::RemainingRets rets, float scale, int64_t causal,
-                         int64_t backward) {
+                         int64_t backward, int64_t masked, int64_t window_left,
+                         int64_t window_right, float soft_cap, int64_t segments) {
   AttnArgs a{};
   a.backward = backward != 0;
-  MarkFields(kOpAttention, &a);  // after backward, which decides the fields
+  a.masked = masked != 0;
+  a.segments = a.masked && segments != 0;
+  MarkFields(kOpAttention, &a);  // after the flags, which decide the fields
   a.causal = causal != 0;
   a.scale = scale;
-  const size_t want_args = a.backward ? 6 : 3, want_rets = a.backward ? 4 : 2;
+  const size_t own = a.backward ? 6 : 3;  // the pass's operands; the masks' follow
+  const size_t want_args = own + (a.masked ? 2 : 0) + (a.segments ? 4 : 0);
+  const size_t want_rets = a.backward ? 4 : 2;
   if (args.size() != want_args || rets.size() != want_rets) {
     return ffi::Error::InvalidArgument(
         "pk_attention: expected (q, k, v) -> (o, lse) forward, (q, k, v, do, lse, delta) -> "
-        "(dq, dk, dv, dq_acc) backward.");
+        "(dq, dk, dv, dq_acc) backward, masked with (q_len, kv_len) after them and, with "
+        "segments, (q_seg, kv_seg, q_info, kv_info).");
   }
   ffi::AnyBuffer q = *args.get<ffi::AnyBuffer>(0), k = *args.get<ffi::AnyBuffer>(1),
                  v = *args.get<ffi::AnyBuffer>(2);
@@ -150,6 +222,32 @@ ffi::Error AttentionCuda(cudaStream_t stream, int32_t device, ffi::RemainingArgs
     }
     a.dq_acc = static_cast<float*>(acc->untyped_data());
   }
+  if (a.masked) {
+    a.window_left = window_left;
+    a.window_right = window_right;
+    a.soft_cap = soft_cap;
+    const int64_t sp = (a.s + 127) / 128 * 128;
+    // int32 operands of `count` elements, in order after the pass's own.
+    auto int32_arg = [&](size_t i, int64_t count, const int32_t** out) {
+      ffi::AnyBuffer x = *args.get<ffi::AnyBuffer>(i);
+      if (x.element_type() != ffi::DataType::S32 || int64_t(x.element_count()) != count) {
+        return false;
+      }
+      *out = static_cast<const int32_t*>(x.untyped_data());
+      return true;
+    };
+    if (!int32_arg(own, a.b, &a.q_len) || !int32_arg(own + 1, a.b, &a.kv_len)) {
+      return ffi::Error::InvalidArgument("pk_attention: q_len and kv_len must be int32 [B].");
+    }
+    if (a.segments &&
+        (!int32_arg(own + 2, a.b * sp, &a.q_seg) || !int32_arg(own + 3, a.b * sp, &a.kv_seg) ||
+         !int32_arg(own + 4, a.b * (sp / 64) * 4, &a.q_info) ||
+         !int32_arg(own + 5, a.b * (sp / 64) * 4, &a.kv_info))) {
+      return ffi::Error::InvalidArgument(
+          "pk_attention: q_seg and kv_seg must be int32 [B, SP], q_info and kv_info int32 "
+          "[B, SP / 64, 4], SP = S rounded up to 128.");
+    }
+  }
   if (ffi::Error e = CheckFilled(kOpAttention, a); e.failure()) return e;
   return ToError(LaunchAttention(Where{stream, device, 0}, a));
 }
@@ -161,10 +259,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkAttention, pk_ffi::AttentionCuda,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
                                   .Ctx<xla::ffi::DeviceOrdinal>()                 // device
-                                  .RemainingArgs()  // q, k, v (+ do, lse, delta backward)
+                                  .RemainingArgs()  // q, k, v (+ do, lse, delta backward;
+                                                    // + the masks' operands, masked)
                                   .RemainingRets()  // o, lse (dq, dk, dv, dq_acc backward)
                                   .Attr<float>("scale")       // multiplies q . k
                                   .Attr<int64_t>("causal")    // 1: query i sees keys 0..i
-                                  .Attr<int64_t>("backward"),  // 0 forward, 1 backward
+                                  .Attr<int64_t>("backward")  // 0 forward, 1 backward
+                                  .Attr<int64_t>("masked")    // 1: the masked kernels
+                                  .Attr<int64_t>("window_left")   // masked: S, S for none
+                                  .Attr<int64_t>("window_right")
+                                  .Attr<float>("soft_cap")        // masked: 0 for none
+                                  .Attr<int64_t>("segments"),     // masked: ids given
                               PK_FFI_CUDA_TRAITS);
 PK_FFI_REGISTER(pk_ffi::kOpAttention, "CUDA", PkAttention);

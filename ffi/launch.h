@@ -197,7 +197,11 @@ Status LaunchMatmulFp8(const Where& at, const MatmulFp8Args& a);
 
 // Single-device attention (cuda/kernels/attention.cuh). Forward: q, k, v -> o, lse. Backward:
 // q, k, v, d_o, lse and delta (both [B, H, SP], SP = S rounded up to 128) -> dq, dk, dv, with
-// dq_acc a float32 [B, S, H, D] scratch.
+// dq_acc a float32 [B, S, H, D] scratch. Masked (the masked kernels, either pass): the lengths
+// q_len and kv_len (int32 [B]), the window (window_left, window_right; S, S: none), the soft
+// cap (soft_cap; 0: none) and, with segments, the segment ids q_seg and kv_seg (int32 [B, SP])
+// and their chunks' ranges q_info and kv_info (int32 [B, SP / 64, 4]: min, max, first, end;
+// cuda/include/pk/attn/masks.cuh).
 struct AttnArgs {
   DType dtype;
   const void *q, *k, *v, *d_o;
@@ -210,6 +214,12 @@ struct AttnArgs {
   float scale;
   bool causal;
   bool backward;
+  bool masked;                // the masks below apply
+  const int32_t *q_len, *kv_len;
+  int64_t window_left, window_right;
+  float soft_cap;
+  bool segments;              // masked: q_seg, kv_seg, q_info and kv_info given
+  const int32_t *q_seg, *kv_seg, *q_info, *kv_info;
 };
 
 // q, k, v, the shape, the scale and the causal flag (with the dtype): the fields every attention
@@ -246,6 +256,21 @@ void VisitFields(V&& visit, int /*op*/, AttnArgs& a) {
     visit("dv", a.dv);
     visit("dq_acc", a.dq_acc);
     visit("sp", a.sp);
+  }
+  visit("masked", a.masked, 0);
+  if (visit.When(a.masked)) {
+    visit("q_len", a.q_len);
+    visit("kv_len", a.kv_len);
+    visit("window_left", a.window_left);
+    visit("window_right", a.window_right);
+    visit("soft_cap", a.soft_cap);
+    visit("segments", a.segments, 0);
+    if (visit.When(a.segments)) {
+      visit("q_seg", a.q_seg);
+      visit("kv_seg", a.kv_seg);
+      visit("q_info", a.q_info);
+      visit("kv_info", a.kv_info);
+    }
   }
 }
 

@@ -214,6 +214,17 @@ def test_the_emulator_decodes_each_field_by_its_key():
     assert "do" not in fwd and "sp" not in fwd
     bwd = decode("attention", {"scale": 0.5, "backward": 1, "o": 64, "do": 256, "sp": 384})
     assert (bwd["do"], bwd["sp"], bwd["backward"]) == (256, 384, True) and "o" not in bwd
+    # The masks' fields only with masked, the segment operands only with segments too.
+    assert "q_len" not in fwd and "soft_cap" not in fwd and fwd["masked"] is False
+    masked = decode("attention", {"scale": 0.5, "masked": 1, "soft_cap": 30.0, "q_len": 64,
+                                  "window_left": 5, "q_seg": 9})
+    assert (masked["soft_cap"], masked["window_left"], masked["q_len"]) == (30.0, 5, 64)
+    assert masked["segments"] is False and "q_seg" not in masked
+    seg = decode("attention", {"scale": 0.5, "masked": 1, "soft_cap": 0.0, "segments": 1,
+                               "q_seg": 9, "kv_info": 11})
+    assert (seg["q_seg"], seg["kv_info"], seg["kv_seg"]) == (9, 11, 0)
+    with pytest.raises(KeyError):  # the soft cap, a float, has no fallback
+        decode("attention", {"scale": 0.5, "masked": 1})
     ring = decode("ring_attn_bwd", {"scale": 1.0, "zigzag": 1, "lse": 512})
     assert (ring["num_comm_sms"], ring["zigzag"], ring["lse"]) == (2, True, 512)
     # The MoE ops' mode is the op's.

@@ -49,6 +49,18 @@
  * Causal blocks run the longest rows first (fwd: block y counts down; bwd: key block y meets
  * the query rows from 128 y on) and skip the tiles wholly above the diagonal.
  *
+ * Masks (fwd_masked_kernel, bwd_masked_kernel: the same mainloops over attn::masked_keys and
+ * attn::masked_rows, pk/attn/masked.cuh): segment ids, a local window, query and key lengths and
+ * a logits soft cap (template CAP), as pk_jax/ops/_attention.py's reference defines them. A
+ * query tile streams only the key tiles that hold a visible pair by position and whose
+ * documents' chunks meet its own (a window of W keys: O(W) tiles; packed documents: their own),
+ * a key block only the query tiles likewise; element masks run only on sub-tiles that may hide
+ * a pair (pk/attn/masks.cuh, the same functions tests/cpp/masks.cc runs on a CPU). A block with
+ * nothing to stream writes its zeros and returns (rows no key sees: O = 0, lse = +inf). The
+ * masked forward takes 128-key tiles at every head dim (fwd_masked_keys) and, with the soft
+ * cap, two warpgroups at D = 64 (fwd_masked_warpgroups). The unmasked kernels' machine code is
+ * the same with or without these (bwd_block's masked branch is under if constexpr).
+ *
  * Signals: none (no peers).
  *
  * Pitfalls: a register A operand (P, dS) is read asynchronously by wgmma until its group
@@ -66,6 +78,7 @@
 #include "pk/attn/common.cuh"
 #include "pk/attn/fwd_mainloop.cuh"
 #include "pk/attn/local.cuh"
+#include "pk/attn/masked.cuh"
 
 namespace pk::attention {
 
@@ -97,6 +110,17 @@ struct bwd_globals {
   dims d;
 };
 
+/** @brief The masked forward's arguments: the forward's (k and v boxes of 128 rows) and the
+ * masks (attn::mask_args). */
+struct fwd_masked_globals : fwd_globals {
+  attn::mask_args m;
+};
+
+/** @brief The masked backward's arguments: the backward's and the masks. */
+struct bwd_masked_globals : bwd_globals {
+  attn::mask_args m;
+};
+
 /** @brief The forward kernels' configuration (attn::fwd_config), named here: it is the template
  * argument of fwd_kernel and of the fused ring and Ulysses forwards, so their symbols (which
  * profiles and machine-code reports key on) keep this name. */
@@ -120,6 +144,45 @@ template <class C>
 __global__ void __launch_bounds__(attn::THREADS, 1)
     bwd_kernel(const __grid_constant__ bwd_globals g) {
   attn::bwd_block<C>(g, blockIdx.x, blockIdx.y, blockIdx.z, attn::local_rows{});
+}
+
+/** @brief The forward with masks (attn::fwd_block over attn::masked_keys; CAP: the soft cap),
+ * grid (H, ceil(S / BM), B). A query tile that no key is visible to streams no key tile: the
+ * mainloop needs one, so the block writes its zeros (O = 0, lse = +inf) and returns. */
+template <class C, bool CAP>
+__global__ void __launch_bounds__(C::THREADS, 1)
+    fwd_masked_kernel(const __grid_constant__ fwd_masked_globals g) {
+  using Src = attn::masked_keys<C, CAP>;
+  {
+    const Src src(g);
+    if (src.n_tiles() == 0) {
+      attn::fwd_rows<C> none;  // O = 0, l = 0
+      src.store(g, none, src.row0() + 64 * warpgroup::index());
+      return;
+    }
+  }
+  attn::fwd_block<C, Src>(g);
+}
+
+/** @brief The backward with masks (attn::bwd_block over attn::masked_rows), grid (Hkv, key
+ * blocks, B). A key block that no query row sees streams no stage: it writes dK = dV = 0 and
+ * returns (the mainloop needs one stage); dQ's scratch is zeroed by the launcher. */
+template <class C, bool CAP>
+__global__ void __launch_bounds__(attn::THREADS, 1)
+    bwd_masked_kernel(const __grid_constant__ bwd_masked_globals g) {
+  const attn::masked_rows<C, CAP> src(g, blockIdx.y, blockIdx.z);
+  if (src.tiles().empty()) {
+    constexpr int D = C::HEAD_DIM;
+    float zero[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) zero[i] = 0.f;
+    const int row0 = blockIdx.y * C::BN + 64 * warpgroup::index();
+    using T = typename C::dtype;
+    attn::store_rows<T, D>(g.dk, zero, 1.f, 1.f, blockIdx.z, row0, blockIdx.x, g.d.hkv, g.d.s);
+    attn::store_rows<T, D>(g.dv, zero, 1.f, 1.f, blockIdx.z, row0, blockIdx.x, g.d.hkv, g.d.s);
+    return;
+  }
+  attn::bwd_block<C>(g, blockIdx.x, blockIdx.y, blockIdx.z, src);
 }
 
 /** @brief dq = T(scale dq_acc), n elements (a multiple of 4). */
@@ -204,6 +267,51 @@ inline cudaError_t launch_bwd(const bwd_globals& g, cudaStream_t stream, int dev
       err != cudaSuccess) {
     return err;
   }
+  return launch_dq_convert<T>(g.dq_acc, g.dq, n, g.d.scale, stream);
+}
+
+/** @brief The masked forward's keys per streamed tile, also the rows of the k and v maps'
+ * boxes: 128 at every head dim, a multiple of the segment ids' chunks (attn::masks::CHUNK),
+ * whose tiles end on the causal diagonal. */
+constexpr int fwd_masked_keys() { return 128; }
+/** @brief The masked forward's consumer warpgroups: fwd_warpgroups', but two at D = 64 with
+ * the soft cap, whose tanh does not fit the 168 registers a thread of three warpgroups gets
+ * (NOTES at THREADS in pk/attn/common.cuh; it spilled there); and its query rows per block,
+ * also the rows of the q map's box. */
+constexpr int fwd_masked_warpgroups(int d, bool cap) { return cap ? 2 : fwd_warpgroups(d); }
+constexpr int fwd_masked_rows(int d, bool cap) { return 64 * fwd_masked_warpgroups(d, cap); }
+
+template <typename T, int D, bool CAP>
+inline cudaError_t launch_fwd_masked_as(const fwd_masked_globals& g, cudaStream_t stream,
+                                        int device) {
+  using C = fwd_config<T, D, fwd_masked_warpgroups(D, CAP), fwd_masked_keys()>;
+  const dim3 grid(g.d.h, ceil_div(g.d.s, C::BM), g.d.b);
+  return launch_kernel<C>(&fwd_masked_kernel<C, CAP>, g, grid, stream, device);
+}
+
+/** @brief The forward with masks for head dim D: O and lse (g.m.cap_in > 0: the soft cap). */
+template <typename T, int D>
+inline cudaError_t launch_fwd_masked(const fwd_masked_globals& g, cudaStream_t stream,
+                                     int device) {
+  if (g.m.cap_in > 0.f) return launch_fwd_masked_as<T, D, true>(g, stream, device);
+  return launch_fwd_masked_as<T, D, false>(g, stream, device);
+}
+
+/** @brief The backward with masks for head dim D, as launch_bwd. */
+template <typename T, int D>
+inline cudaError_t launch_bwd_masked(const bwd_masked_globals& g, cudaStream_t stream,
+                                     int device) {
+  using C = bwd_config<T, D>;
+  const int64_t n = int64_t(g.d.b) * g.d.s * g.d.h * D;
+  if (cudaError_t err = cudaMemsetAsync(g.dq_acc, 0, n * sizeof(float), stream);
+      err != cudaSuccess) {
+    return err;
+  }
+  const dim3 grid(g.d.hkv, ceil_div(g.d.s, C::BN), g.d.b);
+  cudaError_t err = g.m.cap_in > 0.f
+                        ? launch_kernel<C>(&bwd_masked_kernel<C, true>, g, grid, stream, device)
+                        : launch_kernel<C>(&bwd_masked_kernel<C, false>, g, grid, stream, device);
+  if (err != cudaSuccess) return err;
   return launch_dq_convert<T>(g.dq_acc, g.dq, n, g.d.scale, stream);
 }
 

@@ -11,11 +11,17 @@ which the kernels do not take yet) runs the reference: the blockwise online-soft
 of `pk_jax.ops._attention` (memory O(S), so S = 32K runs where XLA's materialised attention
 cannot), with its blockwise custom VJP and the masks' fully hidden tiles skipped; grouped-query
 attention repeats each K/V head for its H / Hkv query heads there.
+
+The masked kernels (cuda/kernels/attention.cuh fwd_masked_kernel, bwd_masked_kernel) are
+reached only through the private `_kernel_attention_masked` until their GPU tests
+(tests/test_attention_masks.py) pass on an H200; then `forward_path` routes masked calls to
+them.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -155,12 +161,32 @@ def p1_path(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, *,
     return "local" if route.path == "kernel" else "reference"
 
 
-def _forward_call(q, k, v, scale, causal):
+def _attributes(s: int, scale: float, causal: bool, backward: bool, *,
+                window: tuple[int, int] | None = None, softcap: float | None = None,
+                segments: bool = False, masked: bool = False) -> dict:
+    """pk_attention's attributes (ffi/attention.cu's Bind(), ffi/launch.h AttnArgs): every call
+    passes them all; the mask ones are read only when `masked` (a window of (S, S) and a cap
+    of 0 mean none)."""
+    left, right = (s, s) if window is None else window
+    return {"scale": np.float32(scale), "causal": np.int64(causal),
+            "backward": np.int64(backward), "masked": np.int64(masked),
+            "window_left": np.int64(min(left, s)), "window_right": np.int64(min(right, s)),
+            "soft_cap": np.float32(0.0 if softcap is None else softcap),
+            "segments": np.int64(segments)}
+
+
+def _forward_call(q, k, v, scale, causal, *, km: KernelMasks | None = None, window=None,
+                  softcap=None):
+    """o and lse [B, H, S] (+inf for rows that see no key) from the pk_attention forward; with
+    `km` (kernel_masks) the masked kernels."""
     b, s, h, _ = q.shape
+    extra = [] if km is None else km.operands()
     o, lse = _ffi.call("pk_attention", [jax.ShapeDtypeStruct(q.shape, q.dtype),
                                         jax.ShapeDtypeStruct((b, h, s), jnp.float32)],
-                       q, k, v, scale=np.float32(scale), causal=np.int64(causal),
-                       backward=np.int64(0))
+                       q, k, v, *extra,
+                       **_attributes(s, scale, causal, False, window=window, softcap=softcap,
+                                     segments=km is not None and km.segmented,
+                                     masked=km is not None))
     return o, lse
 
 
@@ -174,17 +200,24 @@ def _kernel_fwd(q, k, v, scale, causal):
     return o, (q, k, v, o, lse)
 
 
-def backward_call(q, k, v, do, lse, delta, scale, causal):
+def backward_call(q, k, v, do, lse, delta, scale, causal, *, km: KernelMasks | None = None,
+                  window=None, softcap=None):
     """dq, dk, dv from the pk_attention backward kernel (one pass; dq summed in a float32
     scratch, the call's fourth result); lse and delta float32 [B, H, S], padded here to a
-    multiple of the kernel's tiles (lse = +inf there, so padded rows get P = 0)."""
-    pad = ((0, 0), (0, 0), (0, -q.shape[1] % _PAD))
+    multiple of the kernel's tiles (lse = +inf there, so padded rows get P = 0); with `km` the
+    masked kernel."""
+    s = q.shape[1]
+    pad = ((0, 0), (0, 0), (0, -s % _PAD))
+    extra = [] if km is None else km.operands()
     dq, dk, dv, _ = _ffi.call("pk_attention", [jax.ShapeDtypeStruct(x.shape, x.dtype)
                                                for x in (q, k, v)]
                               + [jax.ShapeDtypeStruct(q.shape, jnp.float32)],
                               q, k, v, do, jnp.pad(lse, pad, constant_values=jnp.inf),
-                              jnp.pad(delta, pad), scale=np.float32(scale),
-                              causal=np.int64(causal), backward=np.int64(1))
+                              jnp.pad(delta, pad), *extra,
+                              **_attributes(s, scale, causal, True, window=window,
+                                            softcap=softcap,
+                                            segments=km is not None and km.segmented,
+                                            masked=km is not None))
     return dq, dk, dv
 
 
@@ -198,3 +231,134 @@ def _kernel_bwd(scale, causal, res, do):
 
 
 _kernel_attention.defvjp(_kernel_fwd, _kernel_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# The masked kernels (segment ids, window, soft cap, lengths), not routed to yet: the public
+# call keeps the reference for masks until the GPU tests of tests/test_attention_masks.py pass.
+
+_CHUNK = 64  # the segment ids' chunks (cuda/include/pk/attn/masks.cuh CHUNK)
+
+
+class KernelMasks(NamedTuple):
+    """The masked kernels' int32 operands (ffi/launch.h AttnArgs), from `kernel_masks`.
+
+    q_len, kv_len: [B], the lengths (S where not given). seg: None, or (q_seg, kv_seg [B, SP],
+    q_info, kv_info [B, SP / 64, 4]) from `segment_info`, SP = S rounded up to 128.
+    """
+
+    q_len: jax.Array
+    kv_len: jax.Array
+    seg: tuple | None = None
+
+    @property
+    def segmented(self) -> bool:
+        return self.seg is not None
+
+    def operands(self) -> list:
+        return [self.q_len, self.kv_len, *(self.seg or ())]
+
+
+def segment_info(q_seg: jax.Array, kv_seg: jax.Array):
+    """The segment operands of the masked kernels from ids [B, S] (int32).
+
+    Returns:
+        (q_seg, kv_seg, q_info, kv_info): the ids padded to SP = S rounded up to 128 (with the
+        last id, so a chunk's range does not grow), and per chunk of 64 positions int32
+        (min id, max id, first, end): [first, end) is the hull of the other side's chunks whose
+        id ranges intersect this one's ([0, 0): none). Chunks whose ranges do not intersect
+        share no id, so the kernels skip tiles outside the hull for any ids; for packed
+        documents (ids that do not decrease) the hull is exactly the chunks of the chunk's
+        documents. An XLA op over [B, SP / 64, SP / 64] booleans.
+    """
+    s = q_seg.shape[1]
+    sp = -(-s // _PAD) * _PAD
+    pad = ((0, 0), (0, sp - s))
+    q_seg, kv_seg = (jnp.pad(x.astype(jnp.int32), pad, mode="edge") for x in (q_seg, kv_seg))
+    n = sp // _CHUNK
+    ranges = [(x.reshape(x.shape[0], n, _CHUNK).min(-1), x.reshape(x.shape[0], n, _CHUNK).max(-1))
+              for x in (q_seg, kv_seg)]
+    (qmin, qmax), (kmin, kmax) = ranges
+    meets = (qmin[:, :, None] <= kmax[:, None, :]) & (kmin[:, None, :] <= qmax[:, :, None])
+
+    def info(lo, hi, m):  # m: [B, n, n], this side's chunks by the other's
+        anyc = m.any(-1)
+        first = jnp.argmax(m, axis=-1).astype(jnp.int32)
+        end = (n - jnp.argmax(m[..., ::-1], axis=-1)).astype(jnp.int32)
+        zero = jnp.zeros_like(first)
+        return jnp.stack([lo, hi, jnp.where(anyc, first, zero), jnp.where(anyc, end, zero)], -1)
+
+    return q_seg, kv_seg, info(qmin, qmax, meets), info(kmin, kmax, meets.transpose(0, 2, 1))
+
+
+def kernel_masks(masks: _attention.Masks, b: int, s: int) -> KernelMasks:
+    """The masked kernels' operands from the (checked) masks of `_attention.check_masks`."""
+    full = jnp.full((b,), s, jnp.int32)
+    q_len = full if masks.q_len is None else masks.q_len.astype(jnp.int32)
+    kv_len = full if masks.kv_len is None else masks.kv_len.astype(jnp.int32)
+    seg = None if masks.q_seg is None else segment_info(masks.q_seg, masks.k_seg)
+    return KernelMasks(q_len, kv_len, seg)
+
+
+def _kernel_attention_masked(q: jax.Array, k: jax.Array, v: jax.Array,
+                             masks: _attention.Masks | None, scale: float, causal: bool,
+                             window: tuple[int, int] | None = None,
+                             softcap: float | None = None) -> jax.Array:
+    """pk.attention with masks on the masked CUDA kernels, forward and backward (custom VJP).
+
+    Private until its GPU tests pass (tests/test_attention_masks.py); pk.attention still sends
+    masked calls to the reference. Arguments as `reference` takes them (the masks checked by
+    `_attention.check_masks`, the window and cap as it returns them).
+
+    Raises:
+        ValueError: operands the kernels do not take (dtype other than bf16 / fp16, head_dim
+            other than 64 or 128, sizes past the kernels' limits, arrays split over devices);
+            masks whose shapes do not fit q; a negative window; a cap that is not positive.
+    """
+    op = f"{NAME} (masked kernels)"
+    if not kernel_supports(q, k, v):
+        raise ValueError(f"pk.{op}: the kernels take bf16 or fp16 q, k, v of head_dim "
+                         f"{HEAD_DIMS} within the grid limits, not split over devices; got "
+                         f"{q.dtype} q {tuple(q.shape)}, k {tuple(k.shape)}.")
+    masks = _attention.NO_MASKS if masks is None else masks
+    b, s = q.shape[:2]
+    for name, x, shape in (("q_seg", masks.q_seg, (b, s)), ("k_seg", masks.k_seg, (b, s)),
+                           ("q_len", masks.q_len, (b,)), ("kv_len", masks.kv_len, (b,))):
+        if x is not None and (tuple(x.shape) != shape
+                              or not jnp.issubdtype(x.dtype, jnp.integer)):
+            raise ValueError(f"pk.{op}: masks.{name} must be an integer array of shape "
+                             f"{shape}, got {x.dtype} {tuple(x.shape)}.")
+    if (masks.q_seg is None) != (masks.k_seg is None):
+        raise ValueError(f"pk.{op}: masks.q_seg and masks.k_seg are given together.")
+    if window is not None:
+        window = tuple(int(w) for w in window)
+        if len(window) != 2 or min(window) < 0:
+            raise ValueError(f"pk.{op}: window must be (left, right) >= 0, got {window}.")
+    if softcap is not None:
+        softcap = _checks.positive_float(op, "softcap", softcap, example="30.0",
+                                         none_means="no cap")
+    km = kernel_masks(masks, b, s)
+    return _masked_kernel(q, k, v, km, float(scale), bool(causal), window, softcap)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _masked_kernel(q, k, v, km, scale, causal, window, softcap):
+    return _forward_call(q, k, v, scale, causal, km=km, window=window, softcap=softcap)[0]
+
+
+def _masked_kernel_fwd(q, k, v, km, scale, causal, window, softcap):
+    o, lse = _forward_call(q, k, v, scale, causal, km=km, window=window, softcap=softcap)
+    return o, (q, k, v, km, o, lse)
+
+
+def _masked_kernel_bwd(scale, causal, window, softcap, res, do):
+    q, k, v, km, o, lse = res
+    do = do.astype(q.dtype)
+    # delta = rowsum(dO * O): 0 on rows that see no key (O = 0 there, lse = +inf).
+    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
+    dq, dk, dv = backward_call(q, k, v, do, lse, delta, scale, causal, km=km, window=window,
+                               softcap=softcap)
+    return _vjp.fit(dq, q), _vjp.fit(dk, k), _vjp.fit(dv, v), None
+
+
+_masked_kernel.defvjp(_masked_kernel_fwd, _masked_kernel_bwd)

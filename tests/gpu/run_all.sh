@@ -132,6 +132,9 @@ section_attention() {
   LIMIT=600 step "$PY" -m pytest -q -p no:cacheprovider -m "gpu and not large" tests/test_attention.py
   # ring and Ulysses attention over a 1-device axis: the pk.attention kernels (12 cases)
   step "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_ring_attn.py tests/test_ulysses_attn.py
+  # the masked kernels (issue 38 section 2) through attention._kernel_attention_masked: every
+  # mask alone and combined at 4 shapes (44 cases), fp16 and MQA, and the skipped tiles' time
+  LIMIT=900 step "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_attention_masks.py
 }
 
 # The tensor-parallel MLP examples on the CUDA path, their losses against the reference's.
@@ -418,6 +421,7 @@ section_bench() {
   step "$PY" bench/bench_grouped_matmul.py --vjp
   step "$PY" bench/bench_grouped_matmul.py --specs
   step "$PY" bench/bench_attention.py
+  step "$PY" bench/bench_attention_masks.py
   CUDA_MODULE_LOADING=EAGER step "$PY" bench/bench_moe.py
 }
 

@@ -18,7 +18,9 @@
  * before_load(q0) (the issuing thread, before the loads of rows q0..: waits for rows other
  * ranks push) and tile(qb0, qi, nq) (the stream's tile qi of a head, from qb0, to its query
  * tile). local.cuh local_rows reads operands present from the start;
- * ulysses_attn_bwd.cuh pushed_rows waits for the rows other ranks push.
+ * ulysses_attn_bwd.cuh pushed_rows waits for the rows other ranks push. A source with masks
+ * (masked.cuh masked_rows, `masked_source`) also gives each key block's query tiles and each
+ * step's softmax gradient; the other sources' code is the same with or without that branch.
  *
  * Pitfalls: P^T and dS^T are register A operands of wgmma, read asynchronously until their
  * group completes, so they are fenced (frag::fence_regs) until after the wait. Padded query
@@ -121,6 +123,15 @@ struct dkdv_step : softmax_grad<C::BQ> {
 
 // ---------------------------------------------------------------------------------------------
 // Backward in one pass: dK, dV and dQ.
+
+/** @brief Whether bwd_block's source Src has masks (masked.cuh masked_rows: Src::MASKED): then
+ * it gives each key block's query tiles (tiles()) and each step's softmax gradient
+ * (grad_scores); else the causal diagonal is the only mask. */
+template <class Src, class = void>
+struct masked_source : std::false_type {};
+template <class Src>
+struct masked_source<Src, std::void_t<decltype(Src::MASKED)>>
+    : std::bool_constant<Src::MASKED> {};
 
 /** @brief The one-pass backward's storage on dkdv_config's shapes (STAGES fit two dS^T tiles). */
 template <typename T, int D>
@@ -236,6 +247,22 @@ struct dq_part {
     step.finish(dk, dv);
   }
 
+  /** @brief after_scores with the softmax gradient `grad` of a masked source (masked.cuh
+   * masked_rows::grad_scores) instead of softmax_grad::grad_scores. */
+  template <class Grad>
+  __device__ void after_scores_with(dkdv_step<C>& step, const typename C::stage_t& stage,
+                                    typename C::ds_tile& ds, const typename C::kv_tile& k,
+                                    float (&dk)[D / 2], float (&dv)[D / 2], int row, int lane,
+                                    int nbeg, const Grad& grad) {
+    grad();
+    step.issue(stage, dk, dv);
+    share(ds, step.dsa, row, lane);
+    issue(ds, k, nbeg);
+    wgmma::wait<0>();
+    wgmma::fence_regs(dq);
+    step.finish(dk, dv);
+  }
+
   /** @brief dq_acc rows q0.. of head h, columns nbeg.. (rows past S dropped) += dq: warpgroup
    * c's thread t stages its part in `box` (row r = 16 (t / 32) + lane / 4 (+ 8), columns
    * 8 jj + 2 (lane % 4) (+ 1): 16-byte chunk j of a 128-byte row sits at chunk j ^ (r % 8), the
@@ -300,8 +327,15 @@ __device__ __forceinline__ void bwd_block(const G& g, int hk, int kb, int b, con
   const int k0 = kb * BN;
   const int group = dm.h / dm.hkv;
   const int nq = ceil_div(dm.s, BQ);
-  const int qb0 = dm.causal ? k0 / BQ : 0;
-  const int per_head = nq - qb0;
+  constexpr bool MASKED = masked_source<Src>::value;
+  const int qb0 = [&] {
+    if constexpr (MASKED) return src.tiles().lo;
+    else return dm.causal ? k0 / BQ : 0;
+  }();
+  const int per_head = [&] {
+    if constexpr (MASKED) return src.tiles().hi - qb0;
+    else return nq - qb0;
+  }();
   const int n_tiles = group * per_head;
   const bool issuer = threadIdx.x == 0;
   auto issue = [&](int j) {
@@ -362,9 +396,16 @@ __device__ __forceinline__ void bwd_block(const G& g, int hk, int kb, int b, con
       mbar_wait(&s.full[pipe.stage], pipe.phase);
       step.scores(s, stage, c);
       dq_part<C> part;
-      part.after_scores(step, stage, s.lse[pipe.stage], s.delta[pipe.stage], ds, s.k, dk, dv,
-                        dm.causal && q0 < k0 + c * 64 + 63, sl2, q0, keys, key_lo - k0, lane,
-                        nbeg);
+      if constexpr (MASKED) {
+        part.after_scores_with(step, stage, ds, s.k, dk, dv, key_lo - k0, lane, nbeg, [&] {
+          src.grad_scores(g, step, s.lse[pipe.stage], s.delta[pipe.stage], sl2, q0,
+                          k0 + c * 64, keys);
+        });
+      } else {
+        part.after_scores(step, stage, s.lse[pipe.stage], s.delta[pipe.stage], ds, s.k, dk, dv,
+                          dm.causal && q0 < k0 + c * 64 + 63, sl2, q0, keys, key_lo - k0, lane,
+                          nbeg);
+      }
       release(j);
       part.reduce(g, s.dqs[c], b, h, q0, nbeg, t, c);
       if (++qi == per_head) {
@@ -389,9 +430,14 @@ __device__ __forceinline__ void bwd_block(const G& g, int hk, int kb, int b, con
       auto& stage = s.st[pipe.stage];
       auto& ds = s.ds[j & 1];
       step.wait_scores();
-      const bool mask = dm.causal && q0 < k0 + c * 64 + 63;
-      step.grad_scores(s.lse[pipe.stage], s.delta[pipe.stage], sl2, mask,
-                       [&](int col) { return q0 + col; }, keys);
+      if constexpr (MASKED) {
+        src.grad_scores(g, step, s.lse[pipe.stage], s.delta[pipe.stage], sl2, q0, k0 + c * 64,
+                        keys);
+      } else {
+        const bool mask = dm.causal && q0 < k0 + c * 64 + 63;
+        step.grad_scores(s.lse[pipe.stage], s.delta[pipe.stage], sl2, mask,
+                         [&](int col) { return q0 + col; }, keys);
+      }
       step.issue(stage, dk, dv);
       dq_part<C> part;
       part.share(ds, step.dsa, key_lo - k0, lane);

@@ -17,6 +17,10 @@
  *   bwd_mainloop.cuh  | dkdv_config and bwd_config, dkdv_step (dK and dV), dq_part (dQ by TMA
  *                     | reductions), bwd_block (the one-pass backward's block over a source)
  *   local.cuh         | local_keys, local_rows: sources over operands present from the start
+ *   masks.cuh         | the masks as pure host and device functions (rows' keys, keys' rows,
+ *                     | tile ranges, which sub-tiles need element masks, tanh): tested on a CPU
+ *   masked.cuh        | masked_keys, masked_rows: local.cuh's sources with segment ids, a
+ *                     | window, lengths and a soft cap (pk.attention's masked kernels)
  *   peers.cuh         | step_stream (a K/V stream over the P ranks' keys) and comm_or_compute
  *                     | (communication blocks, else fwd_block), for the fused kernels
  *

@@ -7,7 +7,8 @@
  * Both read the kernel's globals G through fields only, so any op whose operands sit in
  * memory before the kernel starts can use them; the sources that wait for other ranks' rows
  * stay with their ops (ring_attn.cuh ring_keys, ulysses_attn.cuh pushed_keys,
- * ulysses_attn_bwd.cuh pushed_rows), as they read those ops' workspaces and signal slots.
+ * ulysses_attn_bwd.cuh pushed_rows), as they read those ops' workspaces and signal slots; the
+ * same sources with masks are masked.cuh's.
  */
 #pragma once
 
