@@ -3,13 +3,17 @@
     python examples/01_tp_mlp_flax.py                       # every local device (CPU: 8)
     python examples/01_tp_mlp_flax.py --sequence-parallel   # activations sharded by sequence
     python -m pk_jax.launch -n 2 examples/01_tp_mlp_flax.py # two processes, one device each
+    python examples/01_tp_mlp_flax.py --fp8 tensor          # the GEMMs in fp8 (current scaling)
 
 Two residual ParallelMLP blocks learn a fixed random function. The parameters are global arrays
 sharded over the "tp" mesh axis; the forward pass is one `jax.shard_map` in which every layer
 works on its local shard (column layer, then gelu, then row layer with its GEMM+all-reduce, or
-AG+GEMM / GEMM+RS with --sequence-parallel). On a machine without GPUs it uses 8 CPU devices
-and the jax.lax references of the ops; on Hopper GPUs with the extension built, the CUDA
-kernels.
+AG+GEMM / GEMM+RS with --sequence-parallel). With --fp8 the layers' GEMMs follow the fp8
+training recipe (pk_jax.nn.fp8_matmul: e4m3 forward with this step's scales, per tensor or per
+block, dgrad and wgrad in bf16) and their collectives run apart in bf16; the loss curve stays
+close to bf16's (tests/test_examples.py holds it to that). On a machine without GPUs it uses 8
+CPU devices and the jax.lax references of the ops; on Hopper GPUs with the extension built, the
+CUDA kernels.
 """
 
 import os
@@ -40,8 +44,9 @@ from pk_jax.nn import flax as pkn
 class Model(nnx.Module):
     """Two residual tensor-parallel MLP blocks."""
 
-    def __init__(self, features: int, hidden: int, *, sequence_parallel: bool, rngs: nnx.Rngs):
-        self.blocks = nnx.List([pkn.ParallelMLP(features, hidden,
+    def __init__(self, features: int, hidden: int, *, sequence_parallel: bool,
+                 fp8: str | None = None, rngs: nnx.Rngs):
+        self.blocks = nnx.List([pkn.ParallelMLP(features, hidden, fp8=fp8,
                                                 sequence_parallel=sequence_parallel, rngs=rngs)
                                 for _ in range(2)])
 
@@ -66,6 +71,9 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--sequence-parallel", action="store_true",
                         help="activations sharded by sequence (AG+GEMM and GEMM+RS) instead of "
                              "replicated (GEMM+all-reduce)")
+    parser.add_argument("--fp8", choices=("none", "tensor", "block"), default="none",
+                        help="the GEMMs in fp8 by pk_jax.nn.fp8_matmul, scaled per tensor or per "
+                             "block (1x128 activations, 128x128 weights); none: bf16")
     return parser
 
 
@@ -76,13 +84,17 @@ def main(argv: list[str] | None = None) -> None:
     mesh = jax.make_mesh((n,), ("tp",))
     pk.init(mesh)
     sp = args.sequence_parallel
+    fp8 = None if args.fp8 == "none" else args.fp8
     ops = ("ag_gemm", "gemm_rs") if sp else ("matmul", "gemm_ar")
+    if fp8 is not None:  # fp8 GEMMs, then the collective apart
+        ops = ("all_gather", "matmul", "reduce_scatter") if sp else ("matmul", "all_reduce")
     backends = ", ".join(f"{op}={pk.backend_name(op, 'tp')}" for op in ops)
     print(f"pk_jax {pk.__version__}: {n} x {jax.devices()[0].platform} device(s) "
           f"in {jax.process_count()} process(es), tp={n}, "
-          f"{'sequence' if sp else 'tensor'}-parallel MLP; backends: {backends}")
+          f"{'sequence' if sp else 'tensor'}-parallel MLP, GEMMs in "
+          f"{'fp8 (' + fp8 + ' scaling)' if fp8 else 'bf16'}; backends: {backends}")
 
-    model = Model(args.features, args.hidden, sequence_parallel=sp, rngs=nnx.Rngs(0))
+    model = Model(args.features, args.hidden, sequence_parallel=sp, fp8=fp8, rngs=nnx.Rngs(0))
     pkn.shard(model, mesh)
     graphdef, params = nnx.split(model)
     specs = pkn.partition_specs(params)

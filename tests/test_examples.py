@@ -125,3 +125,30 @@ def test_resume_with_other_model_options_names_the_checkpoint(tmp_path, capsys):
         example.main(["--steps", "1", "--resume", checkpoint, *other])
     err = capsys.readouterr().err
     assert checkpoint in err and "has shape" in err and "--dim" in err, err
+
+
+def _losses(out: str) -> list[float]:
+    return [float(v) for v in re.findall(r"step +\d+  loss ([0-9.]+)", out)]
+
+
+@pytest.mark.parametrize("fp8,sequence_parallel", [("tensor", False), ("block", True)])
+def test_tp_mlp_trains_in_fp8_close_to_bf16(capsys, fp8, sequence_parallel):
+    """examples/01_tp_mlp_flax.py with --fp8 (issue 40 section 3): 30 steps on tp=8 with the
+    GEMMs by the fp8 recipe (e4m3 forward with this step's scales, bf16 dgrad and wgrad) follow
+    the bf16 run's loss curve within 8% at every step (on CPU the gap was 0.1-3.6%, from the
+    fp8 rounding of the forward), and both runs lower the loss by more than 90%."""
+    import pk_jax as pk
+
+    sp = ["--sequence-parallel"] if sequence_parallel else []
+    runs = {}
+    for mode in ("none", fp8):
+        pk.shutdown()
+        _example("01_tp_mlp_flax.py").main(["--steps", "30", "--fp8", mode, *sp])
+        out = capsys.readouterr().out
+        runs[mode] = _losses(out)
+        assert len(runs[mode]) == 30, out
+    assert f"GEMMs in fp8 ({fp8} scaling)" in out, out
+    bf16, low = runs["none"], runs[fp8]
+    assert bf16[-1] < 0.1 * bf16[0] and low[-1] < 0.1 * low[0], (bf16, low)
+    gaps = [abs(a - b) / b for a, b in zip(low, bf16)]
+    assert max(gaps) <= 0.08, gaps

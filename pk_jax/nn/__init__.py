@@ -197,9 +197,21 @@ def _rows(x: jax.Array) -> jax.Array:
     return x.reshape(-1, x.shape[-1])
 
 
+FP8_SCALINGS = (None, "tensor", "block")
+
+
+def check_fp8(layer: str, fp8: str | None) -> str | None:
+    """The layers' `fp8` argument: None (bf16/fp16 GEMMs), "tensor" or "block" (the fp8
+    recipe, `fp8_matmul`, with that scaling)."""
+    if fp8 not in FP8_SCALINGS:
+        raise ValueError(f"pk.nn.{layer}: fp8 must be None, 'tensor' or 'block' (the scaling "
+                         f"of pk_jax.nn.fp8_matmul), got {fp8!r}.")
+    return fp8
+
+
 def column_parallel_linear(x: jax.Array, w: jax.Array, b: jax.Array | None, *, axis_name: str,
                            sequence_parallel: bool = False,
-                           dtype: Any = jnp.bfloat16) -> jax.Array:
+                           dtype: Any = jnp.bfloat16, fp8: str | None = None) -> jax.Array:
     """The column-parallel linear layer on local shards (call inside shard_map).
 
     Args:
@@ -210,6 +222,10 @@ def column_parallel_linear(x: jax.Array, w: jax.Array, b: jax.Array | None, *, a
         axis_name: the tensor-parallel mesh axis.
         sequence_parallel: whether `x` is sharded by its first dimension.
         dtype: the compute dtype (bf16 or fp16).
+        fp8: None, or "tensor" / "block": the GEMM by the fp8 recipe (`fp8_matmul`: fp8
+            forward with current scaling, dgrad and wgrad in `dtype`); with sequence_parallel
+            the rows are all-gathered in `dtype` first (`pk.all_gather`) and the GEMM is not
+            fused with the gather (K a multiple of 16).
 
     Returns:
         plain: [..., N/P]; sequence-parallel: [S, ..., N/P] (the first dimension gathered).
@@ -218,15 +234,21 @@ def column_parallel_linear(x: jax.Array, w: jax.Array, b: jax.Array | None, *, a
     x2, w = _rows(x.astype(dtype)), w.astype(dtype)
     if sequence_parallel:
         p = jax.lax.axis_size(axis_name)
-        y = pk.all_gather_gemm(x2, w, axis_name)
+        if fp8 is None:
+            y = pk.all_gather_gemm(x2, w, axis_name)
+        else:
+            y = fp8_matmul(pk.all_gather(x2, axis_name), w, scaling=fp8)
         y = y.reshape(p * lead[0], *lead[1:], y.shape[-1])
-    else:
+    elif fp8 is None:
         y = pk.matmul(x2, w).reshape(*lead, w.shape[-1])
+    else:
+        y = fp8_matmul(x2, w, scaling=fp8).reshape(*lead, w.shape[-1])
     return y if b is None else y + b.astype(dtype)
 
 
 def row_parallel_linear(h: jax.Array, w: jax.Array, b: jax.Array | None, *, axis_name: str,
-                        sequence_parallel: bool = False, dtype: Any = jnp.bfloat16) -> jax.Array:
+                        sequence_parallel: bool = False, dtype: Any = jnp.bfloat16,
+                        fp8: str | None = None) -> jax.Array:
     """The row-parallel linear layer on local shards (call inside shard_map).
 
     Args:
@@ -237,6 +259,9 @@ def row_parallel_linear(h: jax.Array, w: jax.Array, b: jax.Array | None, *, axis
         axis_name: the tensor-parallel mesh axis.
         sequence_parallel: reduce-scatter the first dimension instead of all-reducing.
         dtype: the compute dtype (bf16 or fp16).
+        fp8: None, or "tensor" / "block": the local GEMM by the fp8 recipe (`fp8_matmul`), its
+            partial products summed in `dtype` by `pk.all_reduce` / `pk.reduce_scatter`, not
+            fused with the GEMM (K/P a multiple of 16).
 
     Returns:
         plain: [..., N], replicated; sequence-parallel: [S/P, ..., N], this device's block.
@@ -252,10 +277,16 @@ def row_parallel_linear(h: jax.Array, w: jax.Array, b: jax.Array | None, *, axis
                 f"has shape {tuple(h.shape)}. Make its first dimension (the sequence, in the "
                 f"[S, B, D] layout) a multiple of {p}."
             )
-        y = pk.gemm_reduce_scatter(h2, w, axis_name)
+        if fp8 is None:
+            y = pk.gemm_reduce_scatter(h2, w, axis_name)
+        else:
+            y = pk.reduce_scatter(fp8_matmul(h2, w, scaling=fp8), axis_name)
         y = y.reshape(lead[0] // p, *lead[1:], y.shape[-1])
-    else:
+    elif fp8 is None:
         y = pk.gemm_all_reduce(h2, w, axis_name).reshape(*lead, w.shape[-1])
+    else:
+        y = pk.all_reduce(fp8_matmul(h2, w, scaling=fp8), axis_name).reshape(*lead,
+                                                                             w.shape[-1])
     return y if b is None else y + b.astype(dtype)
 
 

@@ -50,6 +50,9 @@ class ColumnParallelLinear(eqx.Module):
         sequence_parallel: activations sharded by their first dimension (see `pk_jax.nn`).
         use_bias: whether to add a bias.
         dtype: compute dtype, bf16 or fp16.
+        fp8: None, or "tensor" / "block": the GEMM by the fp8 training recipe
+            (`pk_jax.nn.fp8_matmul`, current scaling with that granularity; see
+            `pk_jax.nn.column_parallel_linear`).
         param_dtype: dtype of the stored parameters.
         kernel_init: initialiser `(key, shape, dtype) -> array` of the FULL weight.
         bias_init: initialiser `(key, shape, dtype) -> array` of the FULL bias.
@@ -62,10 +65,11 @@ class ColumnParallelLinear(eqx.Module):
     axis_name: str = eqx.field(static=True)
     sequence_parallel: bool = eqx.field(static=True)
     dtype: Any = eqx.field(static=True)
+    fp8: str | None = eqx.field(static=True)
 
     def __init__(self, in_features: int, out_features: int, *, key: jax.Array,
                  axis_name: str = _nn.DEFAULT_AXIS, sequence_parallel: bool = False,
-                 use_bias: bool = True, dtype: Any = jnp.bfloat16,
+                 use_bias: bool = True, dtype: Any = jnp.bfloat16, fp8: str | None = None,
                  param_dtype: Any = jnp.float32, kernel_init: Initializer = default_kernel_init,
                  bias_init: Initializer = default_bias_init):
         wkey, bkey = jax.random.split(key)
@@ -74,6 +78,7 @@ class ColumnParallelLinear(eqx.Module):
         _nn.check_linear("equinox.ColumnParallelLinear", in_features, out_features, axis_name,
                          column=True)
         self.dtype = _nn.check_dtype("equinox.ColumnParallelLinear", dtype)
+        self.fp8 = _nn.check_fp8("equinox.ColumnParallelLinear", fp8)
         self.weight = kernel_init(wkey, (in_features, out_features), param_dtype)
         self.bias = bias_init(bkey, (out_features,), param_dtype) if use_bias else None
 
@@ -82,7 +87,7 @@ class ColumnParallelLinear(eqx.Module):
                               (self.in_features, self.out_features), 1, self.axis_name)
         return _nn.column_parallel_linear(x, self.weight, self.bias, axis_name=self.axis_name,
                                           sequence_parallel=self.sequence_parallel,
-                                          dtype=self.dtype)
+                                          dtype=self.dtype, fp8=self.fp8)
 
     def partition_spec(self) -> ColumnParallelLinear:
         """This layer with a PartitionSpec in place of each array."""
@@ -111,10 +116,11 @@ class RowParallelLinear(eqx.Module):
     axis_name: str = eqx.field(static=True)
     sequence_parallel: bool = eqx.field(static=True)
     dtype: Any = eqx.field(static=True)
+    fp8: str | None = eqx.field(static=True)
 
     def __init__(self, in_features: int, out_features: int, *, key: jax.Array,
                  axis_name: str = _nn.DEFAULT_AXIS, sequence_parallel: bool = False,
-                 use_bias: bool = True, dtype: Any = jnp.bfloat16,
+                 use_bias: bool = True, dtype: Any = jnp.bfloat16, fp8: str | None = None,
                  param_dtype: Any = jnp.float32, kernel_init: Initializer = default_kernel_init,
                  bias_init: Initializer = default_bias_init):
         wkey, bkey = jax.random.split(key)
@@ -123,6 +129,7 @@ class RowParallelLinear(eqx.Module):
         _nn.check_linear("equinox.RowParallelLinear", in_features, out_features, axis_name,
                          column=False)
         self.dtype = _nn.check_dtype("equinox.RowParallelLinear", dtype)
+        self.fp8 = _nn.check_fp8("equinox.RowParallelLinear", fp8)
         self.weight = kernel_init(wkey, (in_features, out_features), param_dtype)
         self.bias = bias_init(bkey, (out_features,), param_dtype) if use_bias else None
 
@@ -131,7 +138,7 @@ class RowParallelLinear(eqx.Module):
                               (self.in_features, self.out_features), 0, self.axis_name)
         return _nn.row_parallel_linear(h, self.weight, self.bias, axis_name=self.axis_name,
                                        sequence_parallel=self.sequence_parallel,
-                                       dtype=self.dtype)
+                                       dtype=self.dtype, fp8=self.fp8)
 
     def partition_spec(self) -> RowParallelLinear:
         """This layer with a PartitionSpec in place of each array."""
@@ -162,13 +169,15 @@ class ParallelMLP(eqx.Module):
                  axis_name: str = _nn.DEFAULT_AXIS, sequence_parallel: bool = False,
                  use_bias: bool = True,
                  activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
-                 dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32,
+                 dtype: Any = jnp.bfloat16, fp8: str | None = None,
+                 param_dtype: Any = jnp.float32,
                  kernel_init: Initializer = default_kernel_init,
                  bias_init: Initializer = default_bias_init):
         k1, k2 = jax.random.split(key)
         _nn.check_mlp("equinox.ParallelMLP", features, hidden, axis_name)
         common = {"axis_name": axis_name, "sequence_parallel": sequence_parallel,
-                  "use_bias": use_bias, "dtype": dtype, "param_dtype": param_dtype,
+                  "use_bias": use_bias, "dtype": dtype, "fp8": fp8,
+                  "param_dtype": param_dtype,
                   "kernel_init": kernel_init, "bias_init": bias_init}
         self.activation = activation
         self.up = ColumnParallelLinear(features, hidden, key=k1, **common)

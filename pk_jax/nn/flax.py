@@ -50,6 +50,9 @@ class ColumnParallelLinear(nnx.Module):
         sequence_parallel: activations sharded by their first dimension (see `pk_jax.nn`).
         use_bias: whether to add a bias.
         dtype: compute dtype, bf16 or fp16.
+        fp8: None, or "tensor" / "block": the GEMM by the fp8 training recipe
+            (`pk_jax.nn.fp8_matmul`, current scaling with that granularity; see
+            `pk_jax.nn.column_parallel_linear`).
         param_dtype: dtype of the stored parameters.
         kernel_init: initialiser of the FULL weight [in, out].
         bias_init: initialiser of the FULL bias [out].
@@ -58,7 +61,8 @@ class ColumnParallelLinear(nnx.Module):
 
     def __init__(self, in_features: int, out_features: int, *, axis_name: str = _nn.DEFAULT_AXIS,
                  sequence_parallel: bool = False, use_bias: bool = True,
-                 dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32,
+                 dtype: Any = jnp.bfloat16, fp8: str | None = None,
+                 param_dtype: Any = jnp.float32,
                  kernel_init: Initializer = default_kernel_init,
                  bias_init: Initializer = default_bias_init, rngs: nnx.Rngs):
         self.in_features, self.out_features = in_features, out_features
@@ -66,6 +70,7 @@ class ColumnParallelLinear(nnx.Module):
         _nn.check_linear("flax.ColumnParallelLinear", in_features, out_features, axis_name,
                          column=True)
         self.dtype = _nn.check_dtype("flax.ColumnParallelLinear", dtype)
+        self.fp8 = _nn.check_fp8("flax.ColumnParallelLinear", fp8)
         self.kernel = _param(kernel_init(rngs.params(), (in_features, out_features),
                                          param_dtype), (None, axis_name))
         self.bias = (_param(bias_init(rngs.params(), (out_features,), param_dtype),
@@ -78,7 +83,7 @@ class ColumnParallelLinear(nnx.Module):
         b = None if self.bias is None else self.bias[...]
         return _nn.column_parallel_linear(x, w, b, axis_name=self.axis_name,
                                           sequence_parallel=self.sequence_parallel,
-                                          dtype=self.dtype)
+                                          dtype=self.dtype, fp8=self.fp8)
 
 
 class RowParallelLinear(nnx.Module):
@@ -98,7 +103,8 @@ class RowParallelLinear(nnx.Module):
 
     def __init__(self, in_features: int, out_features: int, *, axis_name: str = _nn.DEFAULT_AXIS,
                  sequence_parallel: bool = False, use_bias: bool = True,
-                 dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32,
+                 dtype: Any = jnp.bfloat16, fp8: str | None = None,
+                 param_dtype: Any = jnp.float32,
                  kernel_init: Initializer = default_kernel_init,
                  bias_init: Initializer = default_bias_init, rngs: nnx.Rngs):
         self.in_features, self.out_features = in_features, out_features
@@ -106,6 +112,7 @@ class RowParallelLinear(nnx.Module):
         _nn.check_linear("flax.RowParallelLinear", in_features, out_features, axis_name,
                          column=False)
         self.dtype = _nn.check_dtype("flax.RowParallelLinear", dtype)
+        self.fp8 = _nn.check_fp8("flax.RowParallelLinear", fp8)
         self.kernel = _param(kernel_init(rngs.params(), (in_features, out_features),
                                          param_dtype), (axis_name, None))
         self.bias = (_param(bias_init(rngs.params(), (out_features,), param_dtype),
@@ -118,7 +125,7 @@ class RowParallelLinear(nnx.Module):
         b = None if self.bias is None else self.bias[...]
         return _nn.row_parallel_linear(h, w, b, axis_name=self.axis_name,
                                        sequence_parallel=self.sequence_parallel,
-                                       dtype=self.dtype)
+                                       dtype=self.dtype, fp8=self.fp8)
 
 
 class ParallelMLP(nnx.Module):
@@ -139,12 +146,14 @@ class ParallelMLP(nnx.Module):
     def __init__(self, features: int, hidden: int, *, axis_name: str = _nn.DEFAULT_AXIS,
                  sequence_parallel: bool = False, use_bias: bool = True,
                  activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
-                 dtype: Any = jnp.bfloat16, param_dtype: Any = jnp.float32,
+                 dtype: Any = jnp.bfloat16, fp8: str | None = None,
+                 param_dtype: Any = jnp.float32,
                  kernel_init: Initializer = default_kernel_init,
                  bias_init: Initializer = default_bias_init, rngs: nnx.Rngs):
         _nn.check_mlp("flax.ParallelMLP", features, hidden, axis_name)
         common = {"axis_name": axis_name, "sequence_parallel": sequence_parallel,
-                  "use_bias": use_bias, "dtype": dtype, "param_dtype": param_dtype,
+                  "use_bias": use_bias, "dtype": dtype, "fp8": fp8,
+                  "param_dtype": param_dtype,
                   "kernel_init": kernel_init, "bias_init": bias_init, "rngs": rngs}
         self.activation = activation
         self.up = ColumnParallelLinear(features, hidden, **common)
