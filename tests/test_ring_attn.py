@@ -517,17 +517,18 @@ def ffi_calls(jaxpr) -> list:
 
 def traced_p1(monkeypatch, fn, mesh, shapes, dtype, spec=SEQ, **kw):
     """The jaxpr of the gradient of sum(fn(q, k, v, "sp", **kw)) under shard_map on `mesh`,
-    with q, k, v of `shapes`, and the paths ring/Ulysses forward_path chose while tracing."""
-    from pk_jax.ops import ring_attn, ulysses_attn
+    with q, k, v of `shapes`, and the P = 1 paths ring and Ulysses took while tracing (both ask
+    pk.attention's p1_path there: "local" or "reference")."""
+    from pk_jax.ops import attention as attention_op
 
     pk.init(mesh)
     paths = []
-    for mod in (ring_attn, ulysses_attn):
-        def spy(*a, decide=mod.forward_path, **kw):
-            paths.append(decide(*a, **kw))
-            return paths[-1]
 
-        monkeypatch.setattr(mod, "forward_path", spy)
+    def spy(*a, decide=attention_op.p1_path, **kw):
+        paths.append(decide(*a, **kw))
+        return paths[-1]
+
+    monkeypatch.setattr(attention_op, "p1_path", spy)
     xs = [jax.device_put(normal(s, dtype, i), NamedSharding(mesh, spec))
           for i, s in enumerate(shapes)]
     f = jax.shard_map(lambda a, b, c: fn(a, b, c, "sp", **kw), mesh=mesh, in_specs=(spec,) * 3,
@@ -538,7 +539,7 @@ def traced_p1(monkeypatch, fn, mesh, shapes, dtype, spec=SEQ, **kw):
 
 def check_p1_kernel_calls(monkeypatch, fn, heads, dtype, causal, **kw):
     """Asserts that the gradient of `fn` at P = 1 (B 2, S 10, heads = (H, Hkv, D), scale 0.3)
-    took forward_path "local" and traces to one pk_attention forward on q, k, v as given and one
+    took the "local" path and traces to one pk_attention forward on q, k, v as given and one
     backward (dq, dk, dv and the float32 dq scratch), with the causal flag and the scale; returns
     the jaxpr."""
     h, hkv, d = heads
