@@ -189,25 +189,30 @@ struct kernel_def {
                                 const lcsc::storer_sync& sync) {
     const int row0 = t.m * BM + c * 64;
     if (row0 >= g.m) return;  // this consumer's half lies below y (uniform per warpgroup)
+    const auto store = [&](const unsigned char* panel, int col) {
+      tma::store_2d(&g.y, panel, col, row0);
+    };
     if constexpr (BLOCKWISE) {
-      epilogue(g, acc.main, 1.0f, out, row0, t.n * BN, sync);
+      epilogue(g, acc.main, 1.0f, out, t.n * BN, sync, store);
     } else {
-      epilogue(g, acc, __ldg(g.x_scale) * __ldg(g.w_scale), out, row0, t.n * BN, sync);
+      epilogue(g, acc, __ldg(g.x_scale) * __ldg(g.w_scale), out, t.n * BN, sync, store);
     }
   }
 
   __device__ static void communicator(const globals&, lcsc::block_info, void*) {}
   __device__ static void finish(const globals&, int) {}
 
- private:
   /**
    * @brief The storers' epilogue: a consumer's 64 x BN fp32 accumulator times `scale` -> OUT
    * in its staging buffer, EPI_N columns a round from column `col_base`; after each round one
-   * thread TMA-stores every 128-byte panel that lies inside y and commits the bulk group.
+   * thread calls store(panel, col) for every 128-byte panel that lies inside the output (col:
+   * the panel's first output column; the TMA store of this kernel's y, or a fused op's own)
+   * and commits the bulk group.
    */
+  template <class Store>
   __device__ static void epilogue(const globals& g, float (&acc)[BN / 2], float scale,
-                                  out_t& out, int row0, int col_base,
-                                  const lcsc::storer_sync& sync) {
+                                  out_t& out, int col_base, const lcsc::storer_sync& sync,
+                                  Store&& store) {
 #pragma unroll
     for (int e = 0; e < BN / EPI_N; ++e) {
       const int col0 = col_base + e * EPI_N;
@@ -217,9 +222,7 @@ struct kernel_def {
       if (sync.publish()) {
 #pragma unroll
         for (int p = 0; p < out_t::PANELS; ++p) {
-          if (col0 + p * PANEL_COLS < g.n) {
-            tma::store_2d(&g.y, out.panel(p), col0 + p * PANEL_COLS, row0);
-          }
+          if (col0 + p * PANEL_COLS < g.n) store(out.panel(p), col0 + p * PANEL_COLS);
         }
         tma::store_commit();
       }
