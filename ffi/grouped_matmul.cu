@@ -1,6 +1,6 @@
 // FFI handler for pk_grouped_matmul: the grouped GEMM of jax.lax.ragged_dot and the two
 // products of its VJP on XLA's stream (see cuda/kernels/grouped_matmul.cuh). 2-D tensor maps
-// come from the cache in tensor_map.h; the 3-D maps over [E, K, N] are encoded here.
+// come from the cache in tensor_map.h; the 3-D maps over [E, K, N] are encoded per call.
 #include <string>
 
 #include "ffi_util.h"
@@ -14,30 +14,12 @@ namespace gm = pk::grouped_matmul;
 static_assert(gm::MAX_GROUPS == op_table::kMaxGroups, "op_table.h kMaxGroups");
 static_assert(gm::FEW_MAX_ROWS == op_table::kGroupedFewMaxRows, "op_table.h kGroupedFewMaxRows");
 
-// A 128B-swizzled map over a row-major [depth, rows, cols] array of 2-byte elements with a
-// box of depth 1 (see pk/tma_3d.cuh).
+// The 3-D maps over [E, K, N] (tensor_map.h TensorMap3d: dtype 0 bf16, 1 fp16, the MapType
+// codes), 64 columns of 2 bytes a swizzled row.
 ffi::Error TensorMap3d(const void* ptr, uint64_t depth, uint64_t rows, uint64_t cols,
                        uint32_t box_rows, int dtype, CUtensorMap* out) {
-  PFN_cuTensorMapEncodeTiled_v12000 encode = EncodeFn();
-  if (encode == nullptr) {
-    return ffi::Error::Internal(
-        "pk.grouped_matmul: cuTensorMapEncodeTiled is not available from the CUDA driver.");
-  }
-  const cuuint64_t dims[3] = {cols, rows, depth};
-  const cuuint64_t strides[2] = {cols * 2, rows * cols * 2};
-  const cuuint32_t box[3] = {64, box_rows, 1};
-  const cuuint32_t elem_strides[3] = {1, 1, 1};
-  CUresult r = encode(out,
-                      dtype == 0 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-                                 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-                      3, const_cast<void*>(ptr), dims, strides, box, elem_strides,
-                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) {
-    return ffi::Error::Internal("pk.grouped_matmul: cuTensorMapEncodeTiled (3-D) failed with "
-                                "CUresult " + std::to_string(static_cast<int>(r)) + ".");
-  }
-  return ffi::Error::Success();
+  return ToError(pk_ffi::TensorMap3d("grouped_matmul", ptr, depth, rows, cols, box_rows, 64,
+                                     dtype == 0 ? kMapBF16 : kMapF16, out));
 }
 
 template <typename T>

@@ -495,6 +495,60 @@ void VisitFields(V&& visit, int /*op*/, GroupedMatmulArgs& a) {
 
 Status LaunchGroupedMatmul(const Where& at, const GroupedMatmulArgs& a);
 
+// The grouped GEMM's forward in fp8 (cuda/kernels/grouped_matmul_fp8.cuh) on `at`: y [m, n] =
+// (x [m, k] * its scale) @ (w[e] * its scale) over the row groups of group_sizes [groups]
+// (device), w given transposed per expert, wt [groups, n, k] (fp8 wgmma reads B K-major). Per
+// tensor (blockwise false): x_scale one float, w_scale [groups] (per expert). Blockwise: x_scale
+// is x's [m, KB] scales transposed, [KB = ceil(k / 128), xs_cols >= m]; w_scale the experts'
+// [groups, KB, NB] 128 x 128 block scales as [ws_rows = groups * KB, ws_cols >= ceil(n / 128)];
+// both row lengths multiples of 4 (TMA's 16-byte strides).
+struct GroupedMatmulFp8Args {
+  DType dtype;    // x's format: kE4M3 or kE5M2
+  DType w_dtype;  // w's format
+  DType y_dtype;  // kBF16 or kF32
+  const void* x;
+  const void* w;  // wt [groups, n, k]
+  const float* x_scale;
+  const float* w_scale;
+  const int32_t* group_sizes;
+  void* y;
+  int64_t m, k, n, groups;
+  int64_t y_rows, y_cols;    // y as the caller allocated it (checked)
+  bool blockwise;            // the handler's: x_scale has rank 2
+  int64_t xs_rows, xs_cols;  // the scales' shapes (per tensor: 1, 1 and groups, 1)
+  int64_t ws_rows, ws_cols;
+  int64_t config;   // op_table.h Tile: kTile128x256 or kTile128x128 (blockwise: kTile128x128)
+  int64_t group_m;  // block-rows per band of the tile order
+};
+
+template <class V>
+void VisitFields(V&& visit, int /*op*/, GroupedMatmulFp8Args& a) {
+  visit("dtype", a.dtype);
+  visit("w_dtype", a.w_dtype);
+  visit("y_dtype", a.y_dtype);
+  visit("x", a.x);
+  visit("w", a.w);
+  visit("x_scale", a.x_scale);
+  visit("w_scale", a.w_scale);
+  visit("group_sizes", a.group_sizes);
+  visit("y", a.y);
+  visit("m", a.m);
+  visit("k", a.k);
+  visit("n", a.n);
+  visit("groups", a.groups);
+  visit("y_rows", a.y_rows);
+  visit("y_cols", a.y_cols);
+  visit("blockwise", a.blockwise);
+  visit("xs_rows", a.xs_rows);
+  visit("xs_cols", a.xs_cols);
+  visit("ws_rows", a.ws_rows);
+  visit("ws_cols", a.ws_cols);
+  visit("config", a.config, op_table::kTile128x256);
+  visit("group_m", a.group_m, 8);
+}
+
+Status LaunchGroupedMatmulFp8(const Where& at, const GroupedMatmulFp8Args& a);
+
 // Ulysses attention forward (cuda/kernels/ulysses_attn.cuh): q [b, s, h, d], k and v
 // [b, s, hkv, d] (this rank's S/P positions; P divides h and hkv) -> o like q and lse float32
 // [b, h, s]. num_comm_sms: communication blocks (the same on every rank).
@@ -587,6 +641,7 @@ inline uint64_t WorkspaceNeed(int, const CollArgs&, int) { return 0; }
 inline uint64_t WorkspaceNeed(int, const AttnArgs&, int) { return 0; }
 inline uint64_t WorkspaceNeed(int, const GroupedMatmulArgs&, int) { return 0; }
 inline uint64_t WorkspaceNeed(int, const MatmulFp8Args&, int) { return 0; }
+inline uint64_t WorkspaceNeed(int, const GroupedMatmulFp8Args&, int) { return 0; }
 // gemm_rs: the owner buffer of M/P rows of N; gemm_ar: of ceil(M/P) rows (its last owner's
 // rows may run past M); ag_gemm: the staged shard, x's [Mp, K]. 2-byte dtypes.
 inline uint64_t WorkspaceNeed(int op, const GemmArgs& a, int world) {
@@ -661,6 +716,7 @@ constexpr auto WithLauncher(int id, F&& f, G&& none) {
     case kOpAgGemm: return f(LaunchAgGemm);
     case kOpGemmAr: return f(LaunchGemmAr);
     case kOpGroupedMatmul: return f(LaunchGroupedMatmul);
+    case kOpGroupedMatmulFp8: return f(LaunchGroupedMatmulFp8);
     case kOpAttention: return f(LaunchAttention);
     case kOpMoeDispatch: return f(LaunchMoeDispatch);
     case kOpMoeScatter: return f(LaunchMoeDispatch);  // mode 1

@@ -22,7 +22,7 @@
 namespace pk_ffi {
 
 // Element types of the operands (the launchers dispatch on them; Python passes these codes).
-// The fp8 formats are pk_matmul_fp8's operands only.
+// The fp8 formats are the fp8 GEMMs' operands only (pk_matmul_fp8, pk_grouped_matmul_fp8).
 enum class DType : int32_t { kBF16 = 0, kF16 = 1, kF32 = 2, kS32 = 3, kE4M3 = 4, kE5M2 = 5 };
 
 // Op ids. The error record carries them (an op whose kernels share another op's protocol
@@ -51,6 +51,7 @@ enum OpId : int {
   kOpMoeGather = 20,
   kOpMoeDispatchGemm = 21,
   kOpMatmulFp8 = 22,
+  kOpGroupedMatmulFp8 = 23,
 };
 
 namespace op_table {
@@ -174,6 +175,8 @@ inline constexpr Op kOps[] = {
     {kOpGemmAr, "gemm_ar", "gemm_ar", kGemmArSlots, true, true, true, kOpGemmAr},
     {kOpGroupedMatmul, "grouped_matmul", "grouped_matmul", kNoSlots, false, true, true,
      kOpGroupedMatmul},
+    {kOpGroupedMatmulFp8, "grouped_matmul_fp8", "grouped_matmul", kNoSlots, false, true, true,
+     kOpGroupedMatmulFp8},
     {kOpAttention, "attention", "attention", kNoSlots, false, true, true, kOpAttention},
     {kOpMoeDispatch, "moe_dispatch", "moe", kMoeSlots, true, true, true, kOpMoeDispatch},
     {kOpMoeScatter, "moe_scatter", "moe", kMoeSlots, true, true, true, kOpMoeDispatch},

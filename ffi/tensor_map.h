@@ -148,6 +148,37 @@ inline Status PeerTensorMaps(const char* op, void* const* ws, int world, uint64_
   return Status::Ok();
 }
 
+// A 128B-swizzled map over a row-major [depth, rows, cols] array of `dtype` (MapType: kMapBF16,
+// kMapF16 or kMapFp8) with a box of depth 1, {box_cols, box_rows, 1}: one matrix of a stack
+// (the grouped GEMMs' [E, K, N] weights, pk/tma_3d.cuh), so a box at an edge of one matrix
+// zero-fills (loads) or drops (stores) instead of touching the next. Encoded on every call.
+inline Status TensorMap3d(const char* op, const void* ptr, uint64_t depth, uint64_t rows,
+                          uint64_t cols, uint32_t box_rows, uint32_t box_cols, int dtype,
+                          CUtensorMap* out) {
+  PFN_cuTensorMapEncodeTiled_v12000 encode = EncodeFn();
+  if (encode == nullptr) {
+    return Status::Internal(std::string("pk.") + op +
+                            ": cuTensorMapEncodeTiled is not available from the CUDA driver.");
+  }
+  const uint64_t elem = dtype == kMapFp8 ? 1 : 2;
+  const CUtensorMapDataType type = dtype == kMapFp8   ? CU_TENSOR_MAP_DATA_TYPE_UINT8
+                                   : dtype == kMapF16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                                      : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  const cuuint64_t dims[3] = {cols, rows, depth};
+  const cuuint64_t strides[2] = {cols * elem, rows * cols * elem};
+  const cuuint32_t box[3] = {box_cols, box_rows, 1};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  CUresult r = encode(out, type, 3, const_cast<void*>(ptr), dims, strides, box, elem_strides,
+                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    return Status::Internal(std::string("pk.") + op +
+                            ": cuTensorMapEncodeTiled (3-D) failed with CUresult " +
+                            std::to_string(static_cast<int>(r)) + ".");
+  }
+  return Status::Ok();
+}
+
 // A 128B-swizzled map over a [b, s, heads, d] tensor of 2-byte elements: dims {d, heads, s, b},
 // box {64, 1, rows, 1} (one swizzled panel of `rows` positions of one head); the attention
 // kernels' operands and workspace slots. dtype 0 bf16, 1 fp16, 2 float32 (box {32, 1, rows, 1}:

@@ -16,6 +16,7 @@ _OPS = [
     (6, 'ag_gemm', 'ag_gemm', 24576, 16384, True, True, True, 6),
     (7, 'gemm_ar', 'gemm_ar', 40960, 16384, True, True, True, 7),
     (9, 'grouped_matmul', 'grouped_matmul', 0, 0, False, True, True, 9),
+    (23, 'grouped_matmul_fp8', 'grouped_matmul', 0, 0, False, True, True, 23),
     (10, 'attention', 'attention', 0, 0, False, True, True, 10),
     (12, 'moe_dispatch', 'moe', 57344, 8192, True, True, True, 12),
     (19, 'moe_scatter', 'moe', 57344, 8192, True, True, True, 12),

@@ -135,7 +135,7 @@ def test_emulator_ops_are_the_tables():
     assert launched == emu
     used = set(ops.OPS + ops.MOE + ops.ATTENTION + ops.FUSED_MOE)
     assert used | {"ulysses_attn_bwd", "matmul", "matmul_fp8", "attention",
-                   "grouped_matmul"} == emu
+                   "grouped_matmul", "grouped_matmul_fp8"} == emu
 
 
 @pytest.mark.needs_ext
@@ -206,6 +206,11 @@ def test_the_emulator_decodes_each_field_by_its_key():
     assert decode("matmul_fp8", {**fp8, "blockwise": 1}) == {
         **fp8, "blockwise": True, "config": 1, "group_m": 8}
     assert decode("matmul_fp8", {**fp8, "config": 0})["blockwise"] is False
+    # grouped_matmul_fp8: matmul_fp8's fields with the group sizes and E; per-tensor tiles
+    # fall back to 128x256.
+    gfp8 = {**fp8, "group_sizes": 256, "groups": 3, "ws_rows": 6}
+    assert decode("grouped_matmul_fp8", {**gfp8, "blockwise": 1}) == {
+        **gfp8, "blockwise": True, "config": 0, "group_m": 8}
     # A missing float does not: scale has no fallback.
     with pytest.raises(KeyError):
         decode("ring_attn", {})
@@ -432,9 +437,10 @@ def test_pk_jax_testing_passes_exactly_the_fields_each_op_reads(monkeypatch):
     problems = sorted({p for op, args in calls for p in _field_problems(op, args, fields)})
     assert not problems, problems
     # Every emulator op is launched but grouped_matmul, which only the benchmarks launch (the
-    # next test reads their dicts), and matmul_fp8, which only XLA launches (its fields are
-    # checked by the decoder and fill-check tests above).
-    assert {op for op, _ in calls} == set(fields) - {"grouped_matmul", "matmul_fp8"}
+    # next test reads their dicts), and matmul_fp8 and grouped_matmul_fp8, which only XLA
+    # launches (their fields are checked by the decoder and fill-check tests above).
+    assert {op for op, _ in calls} == set(fields) - {"grouped_matmul", "matmul_fp8",
+                                                     "grouped_matmul_fp8"}
 
 
 def _written_launch_dicts(paths) -> list[tuple[str, str, dict, bool]]:

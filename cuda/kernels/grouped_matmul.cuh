@@ -53,6 +53,7 @@
 #include <cuda_fp16.h>
 
 #include "pk/common.cuh"
+#include "pk/grouped_walk.cuh"
 #include "pk/lcsc.cuh"
 #include "pk/mbarrier.cuh"
 #include "pk/scheduler.cuh"
@@ -106,6 +107,8 @@ struct work {
 
 template <class C>
 struct kernel_def {
+  using globals = grouped_matmul::globals;
+  using work = grouped_matmul::work;
   using T = typename C::dtype;
   static constexpr int MODE = C::mode;
   static constexpr int BM = C::BM, BN = C::BN, BK = C::BK, STAGES = C::STAGES;
@@ -227,45 +230,9 @@ struct kernel_def {
     }
   }
 
-  /**
-   * @brief Warp 0: exclusive prefix sums of the clamped group sizes (rows) and of their row
-   * tiles, 32 groups a round with a carry.
-   */
+  /** @brief Warp 0: the group scan (pk/grouped_walk.cuh) into row_off and tile_off. */
   __device__ static void scan_groups(const globals& g, shared_storage& s) {
-    const int lane = threadIdx.x % 32;
-    long long rows = 0;
-    int tiles = 0;
-    for (int base = 0; base < g.groups; base += 32) {
-      const int e = base + lane;
-      long long v = e < g.groups ? g.group_sizes[e] : 0;
-      v = v < 0 ? 0 : v;
-      long long incl = v;
-#pragma unroll
-      for (int d = 1; d < 32; d *= 2) {
-        const long long o = __shfl_up_sync(0xffffffffu, incl, d);
-        if (lane >= d) incl += o;
-      }
-      const long long lo = rows + incl - v, hi = rows + incl;
-      const int start = static_cast<int>(lo < g.m ? lo : g.m);
-      const int end = static_cast<int>(hi < g.m ? hi : g.m);
-      const int t = ceil_div(end - start, BM);
-      int tincl = t;
-#pragma unroll
-      for (int d = 1; d < 32; d *= 2) {
-        const int o = __shfl_up_sync(0xffffffffu, tincl, d);
-        if (lane >= d) tincl += o;
-      }
-      if (e < g.groups) {
-        s.row_off[e] = start;
-        s.tile_off[e] = tiles + tincl - t;
-      }
-      rows += __shfl_sync(0xffffffffu, incl, 31);
-      tiles += __shfl_sync(0xffffffffu, tincl, 31);
-    }
-    if (lane == 0) {
-      s.row_off[g.groups] = static_cast<int>(rows < g.m ? rows : g.m);
-      s.tile_off[g.groups] = tiles;
-    }
+    grouped_walk::scan_groups<BM>(g, s.row_off, s.tile_off);
   }
 
   __device__ static int tiles_m_dw(const globals& g) { return ceil_div(g.k, BM); }
@@ -292,17 +259,13 @@ struct kernel_def {
       w.k_iters = ceil_div(w.row_end - w.row0, BK);
     } else {
       const tile_coord t = tile_scheduler(s.tile_off[g.groups], tiles_n, g.group_m).coord(id);
-      int lo = 0, hi = g.groups;  // largest e with tile_off[e] <= t.m (a non-empty group)
-      while (hi - lo > 1) {
-        const int mid = (lo + hi) / 2;
-        if (s.tile_off[mid] <= t.m) lo = mid;
-        else hi = mid;
-      }
-      w.e = lo;
+      const grouped_walk::row_tile r =
+          grouped_walk::locate<BM>(g, s.row_off, s.tile_off, t.m);
+      w.e = r.e;
       w.mt = t.m;
       w.nt = t.n;
-      w.row0 = s.row_off[lo] + (t.m - s.tile_off[lo]) * BM;
-      w.row_end = s.row_off[lo + 1];
+      w.row0 = r.row0;
+      w.row_end = r.row_end;
       w.k_iters = ceil_div(g.k, BK);
     }
     return w;
@@ -450,54 +413,15 @@ struct kernel_def {
   /** @brief FWD/DX: zero rows [row_off[E], M) of y, grid-stride over the consumer threads. */
   __device__ static void zero_tail(const globals& g, const shared_storage& s) {
     if constexpr (MODE != DW) {
-      const int total = s.row_off[g.groups];
-      if (total >= g.m) return;
-      const size_t chunks = static_cast<size_t>(g.m - total) * g.n / 8;
-      uint4* y = reinterpret_cast<uint4*>(static_cast<T*>(g.y) + static_cast<size_t>(total) * g.n);
-      const size_t stride = static_cast<size_t>(gridDim.x) * CONSUMERS * WARPGROUP_THREADS;
-      for (size_t i = blockIdx.x * CONSUMERS * WARPGROUP_THREADS +
-                      (threadIdx.x - WARPGROUP_THREADS);
-           i < chunks; i += stride) {
-        y[i] = make_uint4(0, 0, 0, 0);
-      }
+      grouped_walk::zero_rows<T, CONSUMERS * WARPGROUP_THREADS>(g, s.row_off[g.groups]);
     }
   }
 };
 
-/** @brief The persistent kernel (the LCSC loop with the grouped tile walk above). */
+/** @brief The persistent kernel: pk/grouped_walk.cuh persistent_block over kernel_def K. */
 template <class K>
 __global__ void __launch_bounds__(K::THREADS, 1) kernel(const __grid_constant__ globals g) {
-  using shared_storage = typename K::shared_storage;
-  extern __shared__ unsigned char smem_raw[];
-  auto& s = *reinterpret_cast<shared_storage*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  if (threadIdx.x == 0) {
-    K::init_ring(g, s, wait_bound{});  // no communicator: a stalled mbarrier traps at 60 s
-    tma::prefetch(&g.out);
-  }
-  if (threadIdx.x < 32) K::scan_groups(g, s);
-  __syncthreads();
-
-  const int num_tiles = K::num_tiles(g, s);
-  const int wg = warpgroup::index();
-
-  if (wg == 0) {
-    warpgroup::decrease_registers<40>();
-    if (warpgroup::thread() != 0) return;
-    K::produce_tiles(g, s, num_tiles);
-    return;
-  }
-
-  warpgroup::increase_registers<232>();
-  const int c = wg - 1;
-  const bool leader = warpgroup::thread() == 0;
-  const lcsc::storer_sync sync{1 + c, leader};
-  K::consume_tiles(g, s, num_tiles, c, leader,
-                   [&](const typename K::acc_t& acc, const work& w) {
-                     K::storer(g, acc, s.out[c], c, w, sync);
-                   });
-  if (leader) tma::store_wait<0>();
-  K::zero_tail(g, s);
+  grouped_walk::persistent_block<K>(g);
 }
 
 template <class K>

@@ -53,6 +53,7 @@
 #include <type_traits>
 
 #include "op_table.h"
+#include "pk/fp8_gemm.cuh"
 #include "pk/fp8_layout.cuh"
 #include "pk/lcsc.cuh"
 #include "pk/smem.cuh"
@@ -166,23 +167,21 @@ struct kernel_def {
   }
 
   __device__ static void consumer(const globals&, acc_t& acc, const stage_t& s, int c, int k) {
+    const unsigned char* a = s.a.data + c * 64 * 128;  // this consumer's 64 rows (8 KiB)
     if constexpr (BLOCKWISE) {
-      namespace fl = fp8_layout;
-      const int t = warpgroup::thread();
       // The scales are read before the MMAs are issued, so their latency hides behind them.
-      const float sw = ld_shared(&s.sw[fl::w_scale_slot(0)]);  // BN = 128: one w block a tile
-      const float s0 = ld_shared(&s.sx[fl::x_scale_slot(c, fl::frag_row(t, 0))]) * sw;
-      const float s1 = ld_shared(&s.sx[fl::x_scale_slot(c, fl::frag_row(t, 1))]) * sw;
-      mma_step(acc.part, s, c, 0);  // a fresh accumulator for this k-block
+      float s0, s1;
+      fp8_gemm::row_scales(s.sx, s.sw, c, s0, s1);
+      fp8_gemm::mma_k_block<XT, WT, BN>(acc.part, a, s.b.data, false);  // a fresh accumulator
       wgmma::wait<0>();
       wgmma::fence_regs(acc.part);
       // NOTES: the leader frees the stage (the loader may refill it) as soon as this returns,
       // so every warp's reads of its scales must be done first: the warpgroup's named barrier
       // (the storer's, lcsc.cuh storer_sync; the same 128 threads, in program order).
       warpgroup::sync(1 + c);
-      promote(acc, s0, s1, k);
+      fp8_gemm::promote<BN>(acc.main, acc.part, s0, s1, k == 0);
     } else {
-      mma_step(acc, s, c, k);
+      fp8_gemm::mma_k_block<XT, WT, BN>(acc, a, s.b.data, k > 0);
     }
   }
 
@@ -190,108 +189,43 @@ struct kernel_def {
                                 const lcsc::storer_sync& sync) {
     const int row0 = t.m * BM + c * 64;
     if (row0 >= g.m) return;  // this consumer's half lies below y (uniform per warpgroup)
+    const auto store = [&](const unsigned char* panel, int col) {
+      tma::store_2d(&g.y, panel, col, row0);
+    };
     if constexpr (BLOCKWISE) {
-      epilogue(g, acc.main, 1.0f, out, row0, t.n * BN, sync);
+      epilogue(g, acc.main, 1.0f, out, t.n * BN, sync, store);
     } else {
-      epilogue(g, acc, __ldg(g.x_scale) * __ldg(g.w_scale), out, row0, t.n * BN, sync);
+      epilogue(g, acc, __ldg(g.x_scale) * __ldg(g.w_scale), out, t.n * BN, sync, store);
     }
   }
 
   __device__ static void communicator(const globals&, lcsc::block_info, void*) {}
   __device__ static void finish(const globals&, int) {}
 
- private:
-  /** @brief Issues (and commits) one k step's 4 wgmmas of consumer c into d; the first k step
-   * of d (k == 0) overwrites it. */
-  __device__ static void mma_step(float (&d)[BN / 2], const stage_t& s, int c, int k) {
-    const unsigned char* a = s.a.data + c * 64 * 128;  // this consumer's 64 rows (8 KiB)
-    wgmma::fence_regs(d);
-    wgmma::fence();
-#pragma unroll
-    for (int kk = 0; kk < BK / 32; ++kk) {
-      // NOTES: a k32 step of fp8 is 32 bytes of the 128-byte swizzled row, the same byte step
-      // as bf16's k16, so the descriptors are the bf16 K-major ones advanced by 32 bytes.
-      const uint64_t da = wgmma::desc_k_major(a, kk * 32);
-      const uint64_t db = wgmma::desc_k_major(s.b.data, kk * 32);
-      wgmma::mma_fp8<XT, WT, BN>(d, da, db, (k > 0 || kk > 0) ? 1 : 0);
-    }
-    wgmma::commit();
-    wgmma::fence_regs(d);
-  }
-
-  /** @brief Blockwise: main (+)= part * xs[row] * ws[col / 128] for k-block k; s0 and s1 the
-   * products for this thread's rows frag_row(t, 0) and frag_row(t, 1). */
-  __device__ static void promote(acc_t& acc, float s0, float s1, int k) {
-    if (k == 0) {
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-        acc.main[4 * j + 0] = acc.part[4 * j + 0] * s0;
-        acc.main[4 * j + 1] = acc.part[4 * j + 1] * s0;
-        acc.main[4 * j + 2] = acc.part[4 * j + 2] * s1;
-        acc.main[4 * j + 3] = acc.part[4 * j + 3] * s1;
-      }
-    } else {
-#pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-        acc.main[4 * j + 0] = fmaf(acc.part[4 * j + 0], s0, acc.main[4 * j + 0]);
-        acc.main[4 * j + 1] = fmaf(acc.part[4 * j + 1], s0, acc.main[4 * j + 1]);
-        acc.main[4 * j + 2] = fmaf(acc.part[4 * j + 2], s1, acc.main[4 * j + 2]);
-        acc.main[4 * j + 3] = fmaf(acc.part[4 * j + 3], s1, acc.main[4 * j + 3]);
-      }
-    }
-  }
-
   /**
    * @brief The storers' epilogue: a consumer's 64 x BN fp32 accumulator times `scale` -> OUT
    * in its staging buffer, EPI_N columns a round from column `col_base`; after each round one
-   * thread TMA-stores every 128-byte panel that lies inside y and commits the bulk group.
+   * thread calls store(panel, col) for every 128-byte panel that lies inside the output (col:
+   * the panel's first output column; the TMA store of this kernel's y, or a fused op's own)
+   * and commits the bulk group.
    */
+  template <class Store>
   __device__ static void epilogue(const globals& g, float (&acc)[BN / 2], float scale,
-                                  out_t& out, int row0, int col_base,
-                                  const lcsc::storer_sync& sync) {
-    const int t = warpgroup::thread();
-    const int r = fp8_layout::frag_row(t, 0);
+                                  out_t& out, int col_base, const lcsc::storer_sync& sync,
+                                  Store&& store) {
 #pragma unroll
     for (int e = 0; e < BN / EPI_N; ++e) {
       const int col0 = col_base + e * EPI_N;
       if (col0 >= g.n) break;
       sync.acquire();
-#pragma unroll
-      for (int j = 0; j < EPI_N / 8; ++j) {
-        const int jj = e * (EPI_N / 8) + j;
-        const int col = fp8_layout::frag_col(t, j, 0);
-        store_pair(out, r, col, acc[4 * jj] * scale, acc[4 * jj + 1] * scale);
-        store_pair(out, r + 8, col, acc[4 * jj + 2] * scale, acc[4 * jj + 3] * scale);
-      }
+      fp8_gemm::stage_round<OUT, BN, EPI_N>(acc, scale, out.data, e);
       if (sync.publish()) {
 #pragma unroll
         for (int p = 0; p < out_t::PANELS; ++p) {
-          if (col0 + p * PANEL_COLS < g.n) {
-            tma::store_2d(&g.y, out.panel(p), col0 + p * PANEL_COLS, row0);
-          }
+          if (col0 + p * PANEL_COLS < g.n) store(out.panel(p), col0 + p * PANEL_COLS);
         }
         tma::store_commit();
       }
-    }
-  }
-
-  /** @brief A float of shared memory (the stage's address is generic to the compiler). */
-  __device__ static float ld_shared(const float* p) {
-    float v;
-    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(smem_addr(p)) : "memory");
-    return v;
-  }
-
-  /** @brief Elements (row, col) and (row, col + 1) of the staging buffer (col even). */
-  __device__ static void store_pair(out_t& out, int row, int col, float lo, float hi) {
-    const uint32_t at =
-        smem_addr(out.data) + fp8_layout::staging_offset<int(sizeof(OUT)), 64>(row, col);
-    if constexpr (std::is_same_v<OUT, float>) {
-      asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(at), "f"(lo), "f"(hi) : "memory");
-    } else {
-      __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-      const uint32_t v = *reinterpret_cast<uint32_t*>(&h);
-      asm volatile("st.shared.b32 [%0], %1;" ::"r"(at), "r"(v) : "memory");
     }
   }
 };

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pk_jax import _backend, _checks, _ffi, _op_table
+from pk_jax import fp8 as _fp8
 from pk_jax.ops import _vjp
 
 __all__ = ["grouped_matmul"]  # exported by pk_jax/__init__.py
@@ -181,3 +182,183 @@ def _bwd(res, dy):
 
 
 _grouped_kernel.defvjp(_fwd, _bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# The fp8 forward (pk_grouped_matmul_fp8, cuda/kernels/grouped_matmul_fp8.cuh), the MoE experts
+# in fp8, behind a private entry until it has run on a GPU: grouped_matmul takes no fp8 operands
+# yet. fp8_reference is its jax.lax reference; _fp8_kernel lays the operands out in XLA
+# (fp8_grouped_operands) and calls the kernel.
+
+FP8_STEM = "grouped_matmul_fp8"
+_FP8_TILE_128x256 = _op_table.TILES["128x256"]  # the fp8 kernel's tile shapes (its own stages)
+_FP8_TILE_128x128 = _op_table.TILES["128x128"]  # also the only one of blockwise scaling
+
+
+def _round_up(v: int, to: int) -> int:
+    return -(-v // to) * to
+
+
+def _w_kn(w, w_layout: str) -> tuple[int, int, int]:
+    """(E, K, N) of the experts' weights in either layout ("ekn": [E, K, N]; "enk": [E, N, K])."""
+    if w_layout not in ("ekn", "enk"):
+        raise ValueError(f"pk.{STEM}: w_layout must be 'ekn' (w [E, K, N]) or 'enk' (each "
+                         f"expert's w transposed, [E, N, K]), got {w_layout!r}.")
+    e, a, b = w.shape
+    return (e, a, b) if w_layout == "ekn" else (e, b, a)
+
+
+def w_scale_block_shape(e: int, k: int, n: int) -> tuple[int, int, int]:
+    """The experts' blockwise w scales: [E, ceil(K / 128), ceil(N / 128)] (each w[e] [K, N] per
+    128 x 128 block, as pk_jax.fp8 scales one weight)."""
+    return (e, *_fp8.block_shape("w", (k, n)))
+
+
+def check_fp8(x, w, group_sizes, x_scale, w_scale, out_dtype=None, *,
+              w_layout: str = "ekn") -> None:
+    """The trace-time checks of the fp8 grouped product: x [M, K] and w [E, K, N] (or [E, N, K]
+    for w_layout "enk") in fp8 (pk_jax.fp8.FORMATS, either on either side), K a multiple of 16,
+    group_sizes int32 [E]; x_scale float32, a scalar or [M, ceil(K / 128)]; w_scale float32, a
+    scalar, [E] (per expert) or [E, ceil(K / 128), ceil(N / 128)]; out_dtype bf16 or f32."""
+    op = STEM
+    formats = ", ".join(np.dtype(d).name for d in _fp8.FORMATS)
+    _checks.ndim_is(op, "x", x, 2)
+    if w.ndim != 3:
+        raise ValueError(f"pk.{op}: w must be [E, K, N] (one [K, N] matrix per group), got shape "
+                         f"{w.shape}.")
+    for name, a in (("x", x), ("w", w)):
+        if not _fp8.is_fp8(a.dtype):
+            raise TypeError(f"pk.{op}: the fp8 product takes fp8 operands ({formats}); {name} is "
+                            f"{np.dtype(a.dtype).name}. Quantize it with pk_jax.fp8.quantize.")
+    e, k, n = _w_kn(w, w_layout)
+    m = x.shape[0]
+    if x.shape[1] != k:
+        raise ValueError(
+            f"pk.{op}: contraction dimensions differ: x has shape {x.shape} (K={x.shape[1]}) and "
+            f"w has shape {w.shape} (K={k} with w_layout {w_layout!r}).")
+    _checks.divisible(op, "K (x.shape[1])", k, 16,
+                      "fp8 rows need 16-byte strides: pad K with zeros in x and w.")
+    if np.dtype(group_sizes.dtype) != np.dtype(np.int32):
+        raise TypeError(f"pk.{op}: group_sizes must be int32, got "
+                        f"{np.dtype(group_sizes.dtype).name}. Cast it with "
+                        "group_sizes.astype(jnp.int32).")
+    if group_sizes.shape != (e,):
+        raise ValueError(f"pk.{op}: group_sizes must have shape [E] = ({e},) to match w "
+                         f"{w.shape}, got {group_sizes.shape}.")
+    x_block = _fp8.block_shape("x", (m, k))
+    w_block = w_scale_block_shape(e, k, n)
+    for name, scale, shapes in (("x_scale", x_scale, ((), x_block)),
+                                ("w_scale", w_scale, ((), (e,), w_block))):
+        listed = " or ".join("a scalar" if s == () else str(list(s)) for s in shapes)
+        if scale is None:
+            raise TypeError(f"pk.{op}: fp8 operands need {name}: {listed} (float32).")
+        if getattr(scale, "dtype", None) != jnp.float32:
+            raise TypeError(f"pk.{op}: {name} must be float32, got "
+                            f"{getattr(scale, 'dtype', type(scale).__name__)}.")
+        if tuple(scale.shape) not in shapes:
+            raise ValueError(f"pk.{op}: {name} must be {listed} for x {list(x.shape)} and w "
+                             f"{list(w.shape)} ({w_layout}), got shape {list(scale.shape)}.")
+    if out_dtype is not None and np.dtype(out_dtype) not in (np.dtype(jnp.bfloat16),
+                                                             np.dtype(jnp.float32)):
+        raise TypeError(f"pk.{op}: out_dtype must be bfloat16 or float32 for fp8 operands, got "
+                        f"{np.dtype(out_dtype).name}.")
+
+
+def _w_dequantized(w, w_scale, w_layout: str) -> jax.Array:
+    """float32 experts' weights [E, K, N] with their scales (a scalar, [E] or blockwise)."""
+    w = w if w_layout == "ekn" else jnp.swapaxes(w, 1, 2)
+    w_scale = jnp.asarray(w_scale, jnp.float32)
+    if w_scale.ndim <= 1:
+        return w.astype(jnp.float32) * jnp.reshape(w_scale, (-1, 1, 1))
+    return jax.vmap(lambda we, se: _fp8.dequantize(we, se, "w"))(w, w_scale)
+
+
+def fp8_reference(x, w, group_sizes, x_scale, w_scale, out_dtype=jnp.bfloat16, *,
+                  w_layout: str = "ekn") -> jax.Array:
+    """The fp8 grouped product's reference (no checks): both operands dequantized to float32,
+    then ragged_dot in float32, with the kernel's rule for negative sizes (clamped to 0)."""
+    xf = _fp8.dequantize(x, jnp.asarray(x_scale, jnp.float32), "x")
+    return jax.lax.ragged_dot(xf, _w_dequantized(w, w_scale, w_layout),
+                              jnp.maximum(group_sizes, 0), precision=jax.lax.Precision.HIGHEST,
+                              preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+def fp8_grouped_operands(x, w, x_scale, w_scale, *, w_layout: str = "ekn") -> tuple:
+    """The fp8 grouped product's operands as pk_grouped_matmul_fp8 takes them, laid out in XLA.
+
+    - w transposed per expert to wt [E, N, K] (fp8 wgmma reads B K-major): one copy of w's bytes
+      per call; weights kept as [E, N, K] (`w_layout="enk"`) skip it. Zero rows pad N to a
+      multiple of 8 (y's 16-byte TMA rows); the caller slices the extra columns off.
+    - Per tensor (x_scale a scalar, w_scale a scalar or [E]): x_scale as it is, w_scale as [E].
+    - Blockwise (either scale blockwise; the other broadcast to its blocks): x_scale transposed
+      to [KB, M] (a row tile's 128 row scales of one k-block are one contiguous TMA box from any
+      first row), w_scale [E, KB, NB] seen as [E * KB, NB] (expert e's k-block kb is row e KB +
+      kb); each row zero-padded to a multiple of 4 floats (TMA's 16-byte strides).
+
+    Returns:
+        (x, wt [E, N8, K], xs, ws, blockwise, n): N8 = N rounded up to 8, n = N.
+    """
+    e, k, n = _w_kn(w, w_layout)
+    wt = jnp.swapaxes(w, 1, 2) if w_layout == "ekn" else w
+    n8 = _round_up(n, 8)
+    if n8 != n:
+        wt = jnp.pad(wt, ((0, 0), (0, n8 - n), (0, 0)))
+    x_scale = jnp.asarray(x_scale, jnp.float32)
+    w_scale = jnp.asarray(w_scale, jnp.float32)
+    if x_scale.ndim == 0 and w_scale.ndim <= 1:
+        return x, wt, x_scale, jnp.broadcast_to(w_scale, (e,)), False, n
+    m = x.shape[0]
+    kb, nb = _fp8.block_shape("w", (k, n))
+    xs = jnp.broadcast_to(x_scale, (m, kb)).T
+    xs = jnp.pad(xs, ((0, 0), (0, _round_up(m, 4) - m)))
+    ws = w_scale if w_scale.ndim == 3 else jnp.reshape(w_scale, (-1, 1, 1))
+    ws = jnp.broadcast_to(ws, (e, kb, nb))
+    ws = jnp.pad(ws, ((0, 0), (0, 0), (0, _round_up(nb, 4) - nb))).reshape(e * kb, -1)
+    return x, wt, xs, ws, True, n
+
+
+def fp8_tile_config(n8: int, blockwise: bool) -> int:
+    """The fp8 grouped kernel's tile: 128x128 for blockwise scaling (its two accumulators fit in
+    registers only there) and for outputs of at most 128 columns (a 256-wide tile would be half
+    padding), else 128x256 (the fewest bytes loaded per FLOP)."""
+    return _FP8_TILE_128x128 if blockwise or n8 <= 128 else _FP8_TILE_128x256
+
+
+def _fp8_kernel(x, w, group_sizes, x_scale, w_scale, out_dtype=None, *,
+                w_layout: str = "ekn") -> jax.Array:
+    """The fp8 grouped product by pk_grouped_matmul_fp8: the entry the GPU tests and the
+    benchmark call until the kernel is verified and routed to.
+
+    Args and checks as check_fp8; `w_layout="enk"`: each expert's w is given transposed, [E, N,
+    K] (weights stored that way save the transpose in XLA).
+
+    Returns:
+        [M, N] in out_dtype (bf16 by default): fp8_reference's product.
+
+    Raises:
+        ValueError, TypeError: as check_fp8; more groups than the kernel takes, or sizes past
+            its int32 indexing.
+        RuntimeError: the kernel cannot run here (no sm_90 GPU, or no extension with it).
+    """
+    check_fp8(x, w, group_sizes, x_scale, w_scale, out_dtype, w_layout=w_layout)
+    e, k, n = _w_kn(w, w_layout)
+    if e > MAX_GROUPS:
+        raise ValueError(f"pk.{STEM}: the fp8 kernel takes at most {MAX_GROUPS} groups, got "
+                         f"w of shape {w.shape}.")
+    kb = -(-k // _fp8.BLOCK)
+    if max(x.shape[0], _round_up(n, 8), k, e * kb) > _op_table.MAX_DIM:
+        raise ValueError(f"pk.{STEM}: the fp8 kernel indexes sizes in int32; M, N and K must be "
+                         f"at most {_op_table.MAX_DIM}.")
+    if _split(x) or _split(w):
+        raise ValueError(f"pk.{STEM}: the fp8 kernel takes local operands (inside shard_map or "
+                         "unsplit); x or w is split over mesh axes here.")
+    if not _backend.use_kernel(FP8_STEM):
+        raise RuntimeError(f"pk.{STEM}: the fp8 kernel (pk_{FP8_STEM}) cannot run here: it "
+                           "needs an sm_90 GPU and the pk_jax extension built with it.")
+    x, wt, xs, ws, blockwise, n = fp8_grouped_operands(x, w, x_scale, w_scale,
+                                                       w_layout=w_layout)
+    m, n8 = x.shape[0], wt.shape[1]
+    out = jax.ShapeDtypeStruct((m, n8), np.dtype(out_dtype or jnp.bfloat16))
+    y = _ffi.call("pk_grouped_matmul_fp8", out, x, wt, xs, ws, group_sizes,
+                  config=np.int64(fp8_tile_config(n8, blockwise)), group_m=np.int64(_GROUP_M))
+    return y[:, :n] if n8 != n else y

@@ -94,6 +94,53 @@ void StagingIsTheSwizzledPanels() {
   Check(bytes.size() == 2 * 64 * 128, "staging fills its 16 KiB once", ELEM, 0, 0);
 }
 
+// The grouped fp8 GEMM: a row tile starting at any row0 (a group's first row plus whole tiles)
+// reads x scale [row0 + 64 c + r, kb]; expert e's k-block kb of its w scales [E, KB, NB], row
+// major, starts at element (e * KB + kb) * NB, the row grouped_w_scale_row names of [E * KB, NB].
+void GroupedScaleIndices() {
+  for (int row0 : {0, 1, 127, 128, 300, 4093}) {
+    for (int c = 0; c < 2; ++c) {
+      for (int r = 0; r < 64; ++r) {
+        Check(fl::grouped_x_scale_box_inner(row0) + fl::x_scale_slot(c, r) == row0 + 64 * c + r,
+              "grouped x scale of the output row", row0, c, r);
+      }
+    }
+  }
+  for (int kblocks : {1, 3, 8}) {
+    const int experts = 5, nb = 4;
+    std::vector<int> seen(experts * kblocks, 0);
+    for (int e = 0; e < experts; ++e) {
+      for (int kb = 0; kb < kblocks; ++kb) {
+        const int row = fl::grouped_w_scale_row(e, kb, kblocks);
+        Check(row >= 0 && row < experts * kblocks, "grouped w scale row in range", e, kb, row);
+        if (row >= 0 && row < experts * kblocks) ++seen[row];
+        Check(row * nb == ((e * kblocks) + kb) * nb, "grouped w scale row of [E, KB, NB]", e, kb,
+              kblocks);
+      }
+    }
+    for (int i = 0; i < experts * kblocks; ++i) {
+      Check(seen[i] == 1, "each expert's k-block one row", i, kblocks, seen[i]);
+    }
+  }
+}
+
+// The grouped storer's boundary rows leave staging as 16-byte chunks at the offset of their
+// first column: the chunk must hold 16 / ELEM consecutive columns of one row, in order.
+template <int ELEM>
+void StagedChunksAreConsecutiveColumns() {
+  const int cols = 256 / ELEM, per_chunk = 16 / ELEM;
+  for (int row = 0; row < 64; ++row) {
+    for (int col = 0; col < cols; col += per_chunk) {
+      const uint32_t at = fl::staging_offset<ELEM, 64>(row, col);
+      Check(at % 16 == 0, "a staged chunk is 16-byte aligned", ELEM, row, col);
+      for (int i = 1; i < per_chunk; ++i) {
+        Check(fl::staging_offset<ELEM, 64>(row, col + i) == at + uint32_t(i * ELEM),
+              "a staged chunk holds consecutive columns", ELEM, row, col + i);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -103,6 +150,9 @@ int main() {
   ScaleIndices(128, 256);  // a BN of 256 would still index its two w blocks right
   StagingIsTheSwizzledPanels<2>();
   StagingIsTheSwizzledPanels<4>();
+  GroupedScaleIndices();
+  StagedChunksAreConsecutiveColumns<2>();
+  StagedChunksAreConsecutiveColumns<4>();
   if (failures == 0) std::printf("ok\n");
   return failures == 0 ? 0 : 1;
 }

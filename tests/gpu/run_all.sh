@@ -121,9 +121,12 @@ section_tp_mp() {
   done
 }
 
-# The grouped GEMM of MoE experts (issue 12, item 1): forward, dx and dw kernels at P = 1.
+# The grouped GEMM of MoE experts (issue 12, item 1): forward, dx and dw kernels at P = 1; the
+# fp8 forward (issue 40 section 2).
 section_grouped() {
   step "$PY" -m pytest -q -p no:cacheprovider -m "gpu and not large" tests/test_grouped_matmul.py
+  step "$PY" -m pytest -q -p no:cacheprovider -m "gpu and not large" \
+    tests/test_grouped_matmul_fp8.py
 }
 
 # Single-device flash attention (pk.attention): forward and gradients against float32.
@@ -420,6 +423,7 @@ section_bench() {
   step "$PY" bench/bench_emulated.py
   step "$PY" bench/bench_grouped_matmul.py --vjp
   step "$PY" bench/bench_grouped_matmul.py --specs
+  step "$PY" bench/bench_grouped_matmul_fp8.py
   step "$PY" bench/bench_attention.py
   step "$PY" bench/bench_attention_masks.py
   CUDA_MODULE_LOADING=EAGER step "$PY" bench/bench_moe.py

@@ -52,6 +52,21 @@ PK_LAYOUT_HD constexpr int x_scale_box_inner(int tile_m, int bm) { return tile_m
 PK_LAYOUT_HD constexpr int w_scale_box_inner(int tile_n, int bn) { return tile_n * (bn / BLOCK); }
 
 /**
+ * @brief The grouped fp8 GEMM (cuda/kernels/grouped_matmul_fp8.cuh): inner TMA coordinate of
+ * the x-scale box of a row tile that starts at row `row0` (a group's row, not tile aligned), in
+ * x_scale transposed ([KB, M]); outer: kb.
+ */
+PK_LAYOUT_HD constexpr int grouped_x_scale_box_inner(int row0) { return row0; }
+
+/**
+ * @brief The grouped fp8 GEMM: row of expert e's k-block kb in its w scales, [E, KB, NB] seen
+ * as [E * KB, NB] (a w-scale box is 4 floats of one row: one expert's, one k-block's).
+ */
+PK_LAYOUT_HD constexpr int grouped_w_scale_row(int e, int kb, int kblocks) {
+  return e * kblocks + kb;
+}
+
+/**
  * @brief Byte offset of byte `b` (0..127) of row `row` in a 128B-swizzled panel: 16-byte chunk
  * c of row r sits at chunk position c ^ (r % 8), what TMA's CU_TENSOR_MAP_SWIZZLE_128B writes
  * and reads (smem.cuh).
