@@ -320,8 +320,27 @@ def _kernel_attention_masked(q: jax.Array, k: jax.Array, v: jax.Array,
         raise ValueError(f"pk.{op}: the kernels take bf16 or fp16 q, k, v of head_dim "
                          f"{HEAD_DIMS} within the grid limits, not split over devices; got "
                          f"{q.dtype} q {tuple(q.shape)}, k {tuple(k.shape)}.")
-    masks = _attention.NO_MASKS if masks is None else masks
     b, s = q.shape[:2]
+    masks, window, softcap = check_kernel_masks(op, masks, b, s, window, softcap)
+    km = kernel_masks(masks, b, s)
+    return _masked_kernel(q, k, v, km, float(scale), bool(causal), window, softcap)
+
+
+def check_kernel_masks(op: str, masks: _attention.Masks | None, b: int, s: int,
+                       window: tuple[int, int] | None, softcap: float | None
+                       ) -> tuple[_attention.Masks, tuple[int, int] | None, float | None]:
+    """The private masked entries' trace-time checks (this module's, ring's and Ulysses'):
+    segment ids int [B, s] (s: this device's rows), given for both sides or neither; lengths
+    int [B]; a window (left, right) >= 0; a soft cap > 0.
+
+    Returns:
+        (masks, window, softcap): NO_MASKS for None, the window as a pair of ints, the cap a
+        float.
+
+    Raises:
+        ValueError: any of the above not met (the message names `op`).
+    """
+    masks = _attention.NO_MASKS if masks is None else masks
     for name, x, shape in (("q_seg", masks.q_seg, (b, s)), ("k_seg", masks.k_seg, (b, s)),
                            ("q_len", masks.q_len, (b,)), ("kv_len", masks.kv_len, (b,))):
         if x is not None and (tuple(x.shape) != shape
@@ -337,8 +356,7 @@ def _kernel_attention_masked(q: jax.Array, k: jax.Array, v: jax.Array,
     if softcap is not None:
         softcap = _checks.positive_float(op, "softcap", softcap, example="30.0",
                                          none_means="no cap")
-    km = kernel_masks(masks, b, s)
-    return _masked_kernel(q, k, v, km, float(scale), bool(causal), window, softcap)
+    return masks, window, softcap
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))

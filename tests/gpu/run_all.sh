@@ -286,7 +286,8 @@ section_moe_fused() {
 # per P, default 100), pk.ulysses_attention's forward and gradients through JAX with 2 and 4
 # processes sharing the GPU (tests/gpu/ulysses_mp.py: the default composed kernels; then with 2
 # processes and PK_JAX_ULYSSES_FUSED=1, the fused forward, and PK_JAX_ULYSSES_FUSED=bwd, the
-# fused backward), then the emulated benchmark (forward fused vs unfused: all_to_all of q, k, v,
+# fused backward), the composed path with masks (tests/gpu/ulysses_masked_mp.py, 2 and 4
+# processes), then the emulated benchmark (forward fused vs unfused: all_to_all of q, k, v,
 # pk.attention, all_to_all back; backward composed vs the fused ring backward).
 section_ulysses() {
   export CUDA_MODULE_LOADING=EAGER  # pk_jax.testing.require_eager_loading says why
@@ -302,6 +303,11 @@ section_ulysses() {
   for n in 2 4; do
     PK_JAX_ULYSSES_FUSED=bwd PK_JAX_TIMEOUT_S=60 step launch "$n" --timeout 250 \
       tests/gpu/ulysses_mp.py
+  done
+  # the composed path with masks (private entry ulysses_attn._composed_masked, issue 38
+  # section 3): the masked pk.attention kernels on the head groups, every mask, twice
+  for n in 2 4; do
+    PK_JAX_TIMEOUT_S=30 step launch "$n" --timeout 250 tests/gpu/ulysses_masked_mp.py
   done
   step "$PY" bench/bench_ulysses_attn.py --quick
 }
