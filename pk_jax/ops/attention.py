@@ -167,10 +167,21 @@ def _attributes(s: int, scale: float, causal: bool, backward: bool, *,
     """pk_attention's attributes (ffi/attention.cu's Bind(), ffi/launch.h AttnArgs): every call
     passes them all; the mask ones are read only when `masked` (a window of (S, S) and a cap
     of 0 mean none)."""
-    left, right = (s, s) if window is None else window
     return {"scale": np.float32(scale), "causal": np.int64(causal),
-            "backward": np.int64(backward), "masked": np.int64(masked),
-            "window_left": np.int64(min(left, s)), "window_right": np.int64(min(right, s)),
+            "backward": np.int64(backward),
+            **mask_attributes(s, window=window, softcap=softcap, segments=segments,
+                              masked=masked)}
+
+
+def mask_attributes(s: int, *, window: tuple[int, int] | None = None,
+                    softcap: float | None = None, segments: bool = False,
+                    masked: bool = False) -> dict:
+    """The mask attributes of pk_attention and pk_ring_attn (ffi/launch.h VisitMaskFields) over
+    a sequence of s positions (the ring's: the whole sequence): masked, the window clamped to s
+    ((s, s): none), soft_cap (0: none) and segments."""
+    left, right = (s, s) if window is None else window
+    return {"masked": np.int64(masked), "window_left": np.int64(min(left, s)),
+            "window_right": np.int64(min(right, s)),
             "soft_cap": np.float32(0.0 if softcap is None else softcap),
             "segments": np.int64(segments)}
 
