@@ -217,7 +217,7 @@ def _stand_in_ring(monkeypatch, p: int) -> list[dict]:
         extra = args[4:]
         calls.append({"target": target, **a,
                       "operands": [(tuple(x.shape), x.dtype) for x in extra]})
-        b, sl, h, d = q.shape
+        b, sl, h, _ = q.shape
         s, group = sl * p, h // k.shape[2]
         rank = jax.lax.axis_index("sp")
 

@@ -611,7 +611,7 @@ def _masked_ring_fwd(q, k, v, km, masks, axis_name, scale, causal, p, zigzag, wi
 def _masked_ring_bwd(axis_name, scale, causal, p, zigzag, window, softcap, res, do):
     # The jax.lax ring's backward (K/V heads repeated, their gradients summed in float32) on
     # the kernel's output and lse (+inf on rows that see no key, as the reference's).
-    q, k, v, km, masks, o, lse = res
+    q, k, v, _km, masks, o, lse = res
     kr, vr = _attention.repeat_kv(q, k, v)
     args = (q, kr, vr, o, lse.transpose(0, 2, 1), masks)
     if zigzag:
