@@ -17,7 +17,7 @@ CPU: the private entries that the public ops do not route to yet (their GPU test
   permuted back), the lengths and window global; the traced call's attributes and operands;
   the trace-time errors.
 
-The kernels themselves run in the GPU tests: tests/gpu/ulysses_masked_mp.py (composed path),
+The kernels themselves run in the GPU tests: tests/gpu/sp_masked_mp.py (composed Ulysses and the ring entry through JAX),
 tests/gpu/test_emulator_ring_masks.py (the ring's fused forward, in the rank emulator).
 """
 

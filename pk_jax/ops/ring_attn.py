@@ -529,11 +529,12 @@ _zigzag_attention.defvjp(_zigzag_fwd, _zigzag_bwd)
 
 # ---------------------------------------------------------------------------------------------
 # The fused forward with masks (issue 38 section 3), not routed to yet: ring_attention keeps the
-# reference for masked calls until tests/gpu/test_emulator_ring_masks.py passes on a GPU. The
-# kernel reads the masks by GLOBAL position: the segment ids of every rank are all-gathered
-# along the axis ([B, S/P] int32 each, put in global order for the zigzag layout) into the
-# whole sequence's ids and chunk ranges (attention.segment_info), so segments may cross chunk
-# and rank boundaries; the lengths (replicated) and the window are global already.
+# reference for masked calls until tests/gpu/test_emulator_ring_masks.py and sp_masked_mp.py
+# ring / ring-zigzag pass on a GPU. The kernel reads the masks by GLOBAL position: the segment
+# ids of every rank are all-gathered along the axis ([B, S/P] int32 each, put in global order
+# for the zigzag layout) into the whole sequence's ids and chunk ranges
+# (attention.segment_info), so segments may cross chunk and rank boundaries; the lengths
+# (replicated) and the window are global already.
 
 def _kernel_ring_masked(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str,
                         masks: _attention.Masks | None, scale: float, causal: bool,
@@ -542,11 +543,11 @@ def _kernel_ring_masked(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str
     """ring_attention with masks on the fused forward kernel (pk_ring_attn, masked); its
     custom VJP is the jax.lax ring's backward (`reference`'s) on the kernel's output and lse.
 
-    Private until its GPU tests pass (tests/gpu/test_emulator_ring_masks.py). Call inside
-    shard_map over `axis_name` (P > 1) with q [B, S/P, H, D], k, v [B, S/P, Hkv, D] in `layout`
-    and the masks as `_attention.check_masks` returns them for ring_attention: segment ids
-    [B, S/P] laid out like q, lengths [B] (the same on every rank) over global positions; the
-    window over global positions.
+    Private until its GPU tests pass (tests/gpu/test_emulator_ring_masks.py, sp_masked_mp.py
+    ring and ring-zigzag). Call inside shard_map over `axis_name` (P > 1) with q [B, S/P, H,
+    D], k, v [B, S/P, Hkv, D] in `layout` and the masks as `_attention.check_masks` returns
+    them for ring_attention: segment ids [B, S/P] laid out like q, lengths [B] (the same on
+    every rank) over global positions; the window over global positions.
 
     Raises:
         ValueError: operands the fused kernel does not take (`kernel_supports`: P > 1, bf16 /

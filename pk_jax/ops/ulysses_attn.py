@@ -277,7 +277,7 @@ _composed_ulysses.defvjp(_composed_fwd, _composed_ulysses_bwd)
 
 # ---------------------------------------------------------------------------------------------
 # The composed path with masks (issue 38 section 3), not routed to yet: ulysses_attention keeps
-# the reference for masked calls until tests/gpu/ulysses_masked_mp.py passes on a GPU. After
+# the reference for masked calls until tests/gpu/sp_masked_mp.py ulysses passes on a GPU. After
 # the all-to-all the rank holds the whole sequence of its head group in global order, so the
 # masks are pk.attention's over [B, S]: the segment ids all-gathered along the axis, the
 # lengths (replicated) and the window as given.
@@ -290,7 +290,7 @@ def _composed_masked(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str,
     groups, the masked pk.attention forward kernel over the whole sequence, all_to_all back;
     its custom VJP runs the masked pk.attention backward kernel on the saved head shards.
 
-    Private until its GPU tests pass (tests/gpu/ulysses_masked_mp.py). Call inside shard_map
+    Private until its GPU tests pass (tests/gpu/sp_masked_mp.py ulysses). Call inside shard_map
     over `axis_name` (P > 1) with q, k, v [B, S/P, H, D] and masks as
     `_attention.check_masks` returns them for ulysses_attention: segment ids [B, S/P] (this
     rank's contiguous rows), lengths [B] (the same on every rank) over global positions; the
