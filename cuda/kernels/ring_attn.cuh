@@ -50,6 +50,10 @@
  * Every wait is bounded and names the peer; compute blocks wait 1/8 longer than the comm
  * blocks, whose timeouts name a dead rank.
  *
+ * Masks (masked_kernel, section "Masks" below): segment ids, a local window, query and key
+ * lengths on global positions and the logits soft cap; the same schedule and signals, each
+ * step streaming only the key tiles that may hold a visible pair.
+ *
  * Pitfalls: bulk copies and TMA loads are the async proxy, the signals the generic proxy: the
  * copying thread fences (fence.proxy.async.global) before and after its copies, the compute
  * block's issuing thread after its FULL wait. C (num_comm_sms) must be the same on every rank
