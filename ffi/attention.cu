@@ -9,6 +9,7 @@
 #include "ffi_util.h"
 #include "kernels/attention.cuh"
 #include "launch.h"
+#include "mask_args.h"
 #include "tensor_map.h"
 
 namespace pk_ffi {
@@ -45,26 +46,6 @@ cudaError_t LaunchMasked(const AttnArgs& a, const pk::attention::fwd_masked_glob
            : pk::attention::launch_bwd_masked<T, 128>(*g, stream, device);
 }
 
-// The masks as the kernels read them (pk::attn::mask_args), after LaunchAttention's checks.
-pk::attn::mask_args MaskArgs(const AttnArgs& a) {
-  pk::attn::mask_args m{};
-  m.q_len = a.q_len;
-  m.kv_len = a.kv_len;
-  m.sp = int((a.s + 127) / 128 * 128);
-  m.left = int(std::min<int64_t>(a.window_left, a.s));
-  m.right = int(std::min<int64_t>(a.window_right, a.s));
-  m.cap_in = a.soft_cap > 0.f ? a.scale / a.soft_cap : 0.f;
-  m.cap_out = a.soft_cap > 0.f ? a.soft_cap / a.scale : 0.f;
-  m.segments = a.segments ? 1 : 0;
-  if (a.segments) {
-    m.q_seg = a.q_seg;
-    m.kv_seg = a.kv_seg;
-    m.q_info = reinterpret_cast<const pk::attn::masks::chunk_info*>(a.q_info);
-    m.kv_info = reinterpret_cast<const pk::attn::masks::chunk_info*>(a.kv_info);
-  }
-  return m;
-}
-
 }  // namespace
 
 Status LaunchAttention(const Where& at, const AttnArgs& a) {
@@ -91,20 +72,7 @@ Status LaunchAttention(const Where& at, const AttnArgs& a) {
                            "shape.");
   }
   if (a.masked) {
-    if (a.q_len == nullptr || a.kv_len == nullptr) {
-      return Status::Invalid("pk_attention: a masked call needs q_len and kv_len, int32 [B].");
-    }
-    if (a.window_left < 0 || a.window_right < 0) {
-      return Status::Invalid("pk_attention: window_left and window_right must be >= 0 (S for "
-                             "no window).");
-    }
-    if (!(a.soft_cap >= 0.f) || std::isinf(a.soft_cap)) {
-      return Status::Invalid("pk_attention: soft_cap must be finite and >= 0 (0: no cap).");
-    }
-    if (a.segments && (a.q_seg == nullptr || a.kv_seg == nullptr || a.q_info == nullptr ||
-                       a.kv_info == nullptr)) {
-      return Status::Invalid("pk_attention: segments need q_seg, kv_seg, q_info and kv_info.");
-    }
+    if (Status s = CheckMasks("pk_attention", a); !s.ok()) return s;
   }
   const int type = a.dtype == DType::kBF16 ? 0 : 1;
   pk::attention::dims dm{int(a.b), int(a.s), int(a.h), int(a.hkv), a.scale, a.causal ? 1 : 0};
@@ -122,7 +90,7 @@ Status LaunchAttention(const Where& at, const AttnArgs& a) {
     if (Status s = Map(a.k, a.b, a.s, a.hkv, a.d, kv_rows, type, &f.k); !s.ok()) return s;
     if (Status s = Map(a.v, a.b, a.s, a.hkv, a.d, kv_rows, type, &f.v); !s.ok()) return s;
     if (a.masked) {
-      f.m = MaskArgs(a);
+      f.m = MaskArgs(a, a.s);
       err = type == 0 ? LaunchMasked<__nv_bfloat16>(a, &f, nullptr, at.stream, at.device)
                       : LaunchMasked<__half>(a, &f, nullptr, at.stream, at.device);
     } else {
@@ -154,7 +122,7 @@ Status LaunchAttention(const Where& at, const AttnArgs& a) {
     // dq_acc, float32: the dQ reductions' boxes of 64 query rows.
     if (Status s = Map(a.dq_acc, a.b, a.s, a.h, a.d, 64, 2, &g.dq32); !s.ok()) return s;
     if (a.masked) {
-      g.m = MaskArgs(a);
+      g.m = MaskArgs(a, a.s);
       err = type == 0 ? LaunchMasked<__nv_bfloat16>(a, nullptr, &g, at.stream, at.device)
                       : LaunchMasked<__half>(a, nullptr, &g, at.stream, at.device);
     } else {

@@ -195,6 +195,31 @@ void VisitFields(V&& visit, int /*op*/, MatmulFp8Args& a) {
 
 Status LaunchMatmulFp8(const Where& at, const MatmulFp8Args& a);
 
+// The masks' fields (AttnArgs, RingAttnArgs, RingAttnBwdArgs): masked (the masks below apply),
+// the lengths q_len and kv_len (int32 [B]), the window (window_left, window_right; S, S: none),
+// the soft cap (soft_cap; 0: none) and, with segments, the segment ids q_seg and kv_seg (int32
+// [B, SP]) and their chunks' ranges q_info and kv_info (int32 [B, SP / 64, 4]). S and SP are
+// the whole sequence's: the local one for pk_attention, S/P * P for ring attention, whose
+// kernels read the ids by global position.
+template <class V, class A>
+void VisitMaskFields(V&& visit, A& a) {
+  visit("masked", a.masked, 0);
+  if (visit.When(a.masked)) {
+    visit("q_len", a.q_len);
+    visit("kv_len", a.kv_len);
+    visit("window_left", a.window_left);
+    visit("window_right", a.window_right);
+    visit("soft_cap", a.soft_cap);
+    visit("segments", a.segments, 0);
+    if (visit.When(a.segments)) {
+      visit("q_seg", a.q_seg);
+      visit("kv_seg", a.kv_seg);
+      visit("q_info", a.q_info);
+      visit("kv_info", a.kv_info);
+    }
+  }
+}
+
 // Single-device attention (cuda/kernels/attention.cuh). Forward: q, k, v -> o, lse. Backward:
 // q, k, v, d_o, lse and delta (both [B, H, SP], SP = S rounded up to 128) -> dq, dk, dv, with
 // dq_acc a float32 [B, S, H, D] scratch. Masked (the masked kernels, either pass): the lengths
@@ -257,21 +282,7 @@ void VisitFields(V&& visit, int /*op*/, AttnArgs& a) {
     visit("dq_acc", a.dq_acc);
     visit("sp", a.sp);
   }
-  visit("masked", a.masked, 0);
-  if (visit.When(a.masked)) {
-    visit("q_len", a.q_len);
-    visit("kv_len", a.kv_len);
-    visit("window_left", a.window_left);
-    visit("window_right", a.window_right);
-    visit("soft_cap", a.soft_cap);
-    visit("segments", a.segments, 0);
-    if (visit.When(a.segments)) {
-      visit("q_seg", a.q_seg);
-      visit("kv_seg", a.kv_seg);
-      visit("q_info", a.q_info);
-      visit("kv_info", a.kv_info);
-    }
-  }
+  VisitMaskFields(visit, a);
 }
 
 Status LaunchAttention(const Where& at, const AttnArgs& a);
@@ -454,6 +465,14 @@ struct RingAttnArgs {
   float scale;
   bool causal, zigzag;
   int64_t num_comm_sms;
+  // Masked (VisitMaskFields, over the whole sequence of S/P * P positions; the masked kernel
+  // takes zigzag with any mask by position, not only causal).
+  bool masked;
+  const int32_t *q_len, *kv_len;
+  int64_t window_left, window_right;
+  float soft_cap;
+  bool segments;
+  const int32_t *q_seg, *kv_seg, *q_info, *kv_info;
 };
 
 template <class V>
@@ -464,6 +483,7 @@ void VisitFields(V&& visit, int /*op*/, RingAttnArgs& a) {
   visit("rank", a.rank);
   visit("zigzag", a.zigzag);
   visit("num_comm_sms", a.num_comm_sms, 2);
+  VisitMaskFields(visit, a);
 }
 
 Status LaunchRingAttn(const Where& at, const RingAttnArgs& a, const CommView& v);

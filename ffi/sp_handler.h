@@ -151,12 +151,16 @@ struct Call {
 // they do not fit: an InvalidArgument of `shapes`), sets the fields every op shares, checks that
 // every field of op `op_id` is filled (ffi_util.h CheckFilled) and runs `launch` on XLA's
 // stream.
+//
+// `a` starts as `init`: the flags that decide which fields the op needs (ring attention's
+// masked and segments) are set there, before the fields are marked.
 template <class Args, class Bind>
 ffi::Error Run(const Call& call, int op_id, const char* name, const char* shapes,
-               Status (*launch)(const Where&, const Args&, const CommView&), Bind&& bind) {
+               Status (*launch)(const Where&, const Args&, const CommView&), Bind&& bind,
+               const Args& init = Args{}) {
   const CommView* view = nullptr;
   if (ffi::Error e = BindComm(name, call.state, call.device, &view); e.failure()) return e;
-  Args a{};
+  Args a = init;
   MarkFields(op_id, &a);
   if (!bind(*view, &a)) return ffi::Error::InvalidArgument(shapes);
   a.rank = call.rank.typed_data();

@@ -230,6 +230,15 @@ def test_the_emulator_decodes_each_field_by_its_key():
     assert (seg["q_seg"], seg["kv_info"], seg["kv_seg"]) == (9, 11, 0)
     with pytest.raises(KeyError):  # the soft cap, a float, has no fallback
         decode("attention", {"scale": 0.5, "masked": 1})
+    # ring_attn takes the same mask fields (over the whole sequence), read only when masked.
+    plain = decode("ring_attn", {"scale": 1.0, "zigzag": 1, "q_len": 64})
+    assert plain["masked"] is False and plain["zigzag"] is True and "q_len" not in plain
+    rm = decode("ring_attn", {"scale": 1.0, "masked": 1, "soft_cap": 20.0, "segments": 1,
+                              "kv_seg": 7, "window_right": 3, "q_len": 64})
+    assert (rm["kv_seg"], rm["window_right"], rm["q_len"], rm["soft_cap"], rm["segments"]) == (
+        7, 3, 64, 20.0, True)
+    with pytest.raises(KeyError):  # the soft cap, a float, has no fallback
+        decode("ring_attn", {"scale": 1.0, "masked": 1})
     ring = decode("ring_attn_bwd", {"scale": 1.0, "zigzag": 1, "lse": 512})
     assert (ring["num_comm_sms"], ring["zigzag"], ring["lse"]) == (2, True, 512)
     # The MoE ops' mode is the op's.

@@ -307,6 +307,35 @@ def stand_in_kernels(monkeypatch) -> list[dict]:
     return calls
 
 
+def _stand_in_masks(call: dict, attrs: dict, extra, b: int, s: int) -> dict:
+    """The masks of a pk_attention call from its attributes and its operands after the pass's
+    own (ffi/attention.cu: q_len, kv_len [B] int32 and, with segments, q_seg, kv_seg [B, SP],
+    q_info, kv_info [B, SP / 64, 4]), checked as the handler checks them, as keyword arguments
+    of the blockwise reference (masks, window, softcap); records them in `call` ("masked",
+    "window", "soft_cap", "segments", "q_len", "kv_len", "q_seg", "kv_seg": the traced
+    operands)."""
+    from pk_jax.ops import _attention
+
+    masked = int(attrs.get("masked", 0))
+    call["masked"] = masked
+    if not masked:
+        assert not extra, "an unmasked pk_attention call takes no mask operands"
+        return {"masks": _attention.NO_MASKS, "window": None, "softcap": None}
+    segments = int(attrs["segments"])
+    sp = -(-s // 128) * 128
+    want = [(b,), (b,)] + ([(b, sp), (b, sp), (b, sp // 64, 4), (b, sp // 64, 4)]
+                           if segments else [])
+    assert [tuple(x.shape) for x in extra] == want and all(x.dtype == jnp.int32 for x in extra)
+    left, right = int(attrs["window_left"]), int(attrs["window_right"])
+    assert 0 <= left <= s and 0 <= right <= s
+    cap = float(attrs["soft_cap"])
+    q_seg, kv_seg = (extra[2][:, :s], extra[3][:, :s]) if segments else (None, None)
+    call.update(window=(left, right), soft_cap=cap, segments=segments, q_len=extra[0],
+                kv_len=extra[1], q_seg=q_seg, kv_seg=kv_seg)
+    return {"masks": _attention.Masks(q_seg, kv_seg, extra[0], extra[1]),
+            "window": (left, right), "softcap": cap if cap > 0 else None}
+
+
 def stand_in_attention_call(calls, results, *args, **attrs):
     """What a pk_attention FFI call returns, from the blockwise reference, K/V heads read in
     place (GQA); appends {"target", "backward", "h", "hkv", "s", "scale", "causal"} (and "sp"
@@ -324,19 +353,22 @@ def stand_in_attention_call(calls, results, *args, **attrs):
     call = {"target": "pk_attention", "backward": int(attrs["backward"]), "h": h, "hkv": hkv,
             "s": s, "scale": scale, "causal": int(causal)}
     calls.append(call)
+    own = 6 if call["backward"] else 3
+    mkw = _stand_in_masks(call, attrs, args[own:], b, s)
     kr, vr = _attention.repeat_kv(q, k, v)
     if not call["backward"]:
-        out, res = _attention._forward(q, kr, vr, scale, causal)
+        out, res = _attention._masked_forward(q, kr, vr, mkw["masks"], scale, causal,
+                                              mkw["window"], mkw["softcap"])
         lse = res[4].transpose(0, 2, 1)
         assert out.shape == results[0].shape and lse.shape == results[1].shape == (b, h, s)
         return out.astype(results[0].dtype), lse
-    do, lse, delta = args[3:]
+    do, lse, delta = args[3:6]
     sp = call["sp"] = lse.shape[2]
     assert sp % 128 == 0 and s <= sp < s + 128 and delta.shape == lse.shape == (b, h, sp)
     assert do.dtype == q.dtype and lse.dtype == delta.dtype == jnp.float32
     dq, dk, dv = _attention.blockwise_grads(
         q, kr, vr, do.astype(jnp.float32), lse[:, :, :s].transpose(0, 2, 1),
-        delta[:, :, :s].transpose(0, 2, 1), scale=scale, causal=causal)
+        delta[:, :, :s].transpose(0, 2, 1), scale=scale, causal=causal, **mkw)
     dk, dv = (g.reshape(b, s, hkv, h // hkv, d).sum(axis=3) for g in (dk, dv))
     out = [g.astype(r.dtype) for g, r in zip((dq, dk, dv), results)]
     assert all(g.shape == r.shape for g, r in zip(out, results))

@@ -50,6 +50,10 @@
  * Every wait is bounded and names the peer; compute blocks wait 1/8 longer than the comm
  * blocks, whose timeouts name a dead rank.
  *
+ * Masks (masked_kernel, section "Masks" below): segment ids, a local window, query and key
+ * lengths on global positions and the logits soft cap; the same schedule and signals, each
+ * step streaming only the key tiles that may hold a visible pair.
+ *
  * Pitfalls: bulk copies and TMA loads are the async proxy, the signals the generic proxy: the
  * copying thread fences (fence.proxy.async.global) before and after its copies, the compute
  * block's issuing thread after its FULL wait. C (num_comm_sms) must be the same on every rank
@@ -64,6 +68,8 @@
 #include "pk/tp.cuh"
 
 namespace pk::ring_attn {
+
+namespace masks = attn::masks;
 
 constexpr int MAX_PEERS = tp::MAX_PEERS;
 constexpr int MAX_COMM = 16;    // communication blocks at most
@@ -309,6 +315,310 @@ __global__ void __launch_bounds__(C::THREADS, 1) kernel(const __grid_constant__ 
       g, [&](void* smem) { communicate<C>(g, blockIdx.x, smem); });
 }
 
+// ---------------------------------------------------------------------------------------------
+// Masks (issue 38 section 3): masked_kernel, the forward with segment ids, a local window,
+// query and key lengths and the logits soft cap on GLOBAL positions (pk/attn/masks.cuh says
+// what each hides; the same functions decide here), and ring_attn_bwd.cuh's masked lanes.
+//
+// The ids are the whole sequence's, [B, sp] by global position (sp = S rounded up to 128, S =
+// Sl P), with their 64-position chunks' ranges: the caller all-gathers every rank's ids along
+// the axis, so a segment may cross chunk and rank boundaries and no ids travel with the
+// blocks. A run of local rows maps to at most two runs of consecutive global positions (the
+// zigzag halves), so a query tile's keys are the union of its runs' (masks::fwd_key_tiles),
+// and a step streams the owner's local key tiles covering that hull (local_hull; in zigzag the
+// hull of the two halves' parts, conservative): tiles outside it are never loaded, so a block
+// never waits for a step it has no visible key in. Within a streamed tile a warpgroup's
+// sub-tile runs the element masks unless both its rows and its keys are runs of consecutive
+// global positions inside the shards that every mask lets through (needs_mask). Zigzag applies
+// with any mask by position (the unmasked kernel's only with causal).
+
+/** @brief The masked kernels' arguments: the unmasked ones and the masks over the whole
+ * sequence (attn::mask_args: lengths [B], window, cap; ids and chunk ranges [B, sp] and
+ * [B, sp / 64] by global position, sp = Sl P rounded up to 128). */
+struct masked_globals : globals {
+  attn::mask_args m;
+};
+
+/** @brief The hull of two spans (either may be empty). */
+__device__ __forceinline__ masks::span hull(masks::span a, masks::span b) {
+  if (a.empty()) return b;
+  if (b.empty()) return a;
+  return masks::span{min(a.lo, b.lo), max(a.hi, b.hi)};
+}
+
+/** @brief Local rows [lo, hi) (0 <= lo < hi <= Sl) of owner's shard as runs of consecutive
+ * global positions: one (contiguous), or one per zigzag half they meet (empty: none). */
+__device__ __forceinline__ void global_runs(const globals& g, int owner, int lo, int hi,
+                                            masks::span (&out)[2]) {
+  const int s = g.d.s;
+  if (!g.zigzag) {
+    out[0] = masks::span{owner * s + lo, owner * s + hi};
+    out[1] = masks::span{0, 0};
+    return;
+  }
+  const int c = s / 2, a1 = min(hi, c), b0 = max(lo, c);
+  out[0] = lo < a1 ? masks::span{global_pos(g, owner, lo), global_pos(g, owner, a1 - 1) + 1}
+                   : masks::span{0, 0};
+  out[1] = b0 < hi ? masks::span{global_pos(g, owner, b0), global_pos(g, owner, hi - 1) + 1}
+                   : masks::span{0, 0};
+}
+
+/** @brief The local positions of owner's shard whose global positions lie in x, as one span:
+ * exact when contiguous, the hull of the two halves' parts in zigzag. */
+__device__ __forceinline__ masks::span local_hull(const globals& g, int owner, masks::span x) {
+  if (x.empty()) return masks::span{0, 0};
+  const int s = g.d.s;
+  if (!g.zigzag) return masks::intersect(masks::span{x.lo - owner * s, x.hi - owner * s},
+                                         masks::span{0, s});
+  const int c = s / 2, o2 = 2 * g.c.world - 1 - owner;
+  const masks::span a =
+      masks::intersect(masks::span{x.lo - owner * c, x.hi - owner * c}, masks::span{0, c});
+  const masks::span b = masks::intersect(masks::span{x.lo - o2 * c + c, x.hi - o2 * c + c},
+                                         masks::span{c, s});
+  return hull(a, b);
+}
+
+/** @brief The positional masks of batch row b over the whole sequence. */
+__device__ __forceinline__ masks::positions positions_of(const masked_globals& g, int b) {
+  return masks::positions::of(g.d.s * g.c.world, g.m.q_len[b], g.m.kv_len[b], g.m.left,
+                              g.m.right, g.d.causal != 0);
+}
+
+/** @brief Batch row b's chunk ranges (queries' or keys'). */
+__device__ __forceinline__ const masks::chunk_info* chunks_of(const masks::chunk_info* info,
+                                                              const masked_globals& g, int b) {
+  return info + int64_t(b) * (g.m.sp / masks::CHUNK);
+}
+
+/** @brief Whether the sub-tile of local rows [r0, r0 + nr) of `rank` and local keys [k0, k0 +
+ * nk) of `owner` needs its element masks: unless both are runs of consecutive global positions
+ * inside the shards (not past Sl, not across the zigzag halves) that every mask lets through
+ * (masks::all_visible; with segments masks::same_segment over their chunks, rounded outwards:
+ * a run need not start on a chunk). */
+__device__ __forceinline__ bool needs_mask(const masked_globals& g, const masks::positions& p,
+                                           int b, int rank, int r0, int nr, int owner, int k0,
+                                           int nk) {
+  const int s = g.d.s;
+  if (r0 + nr > s || k0 + nk > s) return true;
+  if (g.zigzag) {
+    const int c = s / 2;
+    if ((r0 < c) != (r0 + nr <= c) || (k0 < c) != (k0 + nk <= c)) return true;
+  }
+  const int rg = global_pos(g, rank, r0), kg = global_pos(g, owner, k0);
+  if (!masks::all_visible(p, rg, nr, kg, nk)) return true;
+  constexpr int CH = masks::CHUNK;
+  return g.m.segments &&
+         !masks::same_segment(chunks_of(g.m.q_info, g, b), rg / CH, (rg + nr + CH - 1) / CH,
+                              chunks_of(g.m.kv_info, g, b), kg / CH, (kg + nk + CH - 1) / CH);
+}
+
+/** @brief The global keys local rows [q0, q1) of `rank` may see: the hull of their runs'
+ * masks::fwd_key_tiles (positions: tiles of one). */
+__device__ __forceinline__ masks::span keys_of_rows(const masked_globals& g,
+                                                    const masks::positions& p, int b, int rank,
+                                                    int q0, int q1) {
+  masks::span runs[2];
+  global_runs(g, rank, q0, q1, runs);
+  const masks::chunk_info* qi = chunks_of(g.m.q_info, g, b);
+  masks::span out{0, 0};
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    if (!runs[i].empty()) {
+      out = hull(out, masks::fwd_key_tiles(p, qi, g.m.segments != 0, runs[i].lo,
+                                           runs[i].hi - runs[i].lo, 1));
+    }
+  }
+  return out;
+}
+
+/** @brief The global rows that may see local keys [k0, k1) of `owner`: the hull of their runs'
+ * masks::bwd_query_tiles (positions). */
+__device__ __forceinline__ masks::span rows_of_keys(const masked_globals& g,
+                                                    const masks::positions& p, int b, int owner,
+                                                    int k0, int k1) {
+  masks::span runs[2];
+  global_runs(g, owner, k0, k1, runs);
+  const masks::chunk_info* ki = chunks_of(g.m.kv_info, g, b);
+  masks::span out{0, 0};
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    if (!runs[i].empty()) {
+      out = hull(out, masks::bwd_query_tiles(p, ki, g.m.segments != 0, runs[i].lo,
+                                             runs[i].hi - runs[i].lo, 1));
+    }
+  }
+  return out;
+}
+
+/**
+ * @brief attn::fwd_block's source in a masked compute block: ring_keys' query tile and K/V
+ * stream, each step t streaming only the owner's key tiles `range(t)` that cover the keys the
+ * block's rows may see (a step with none is left out, and so is its FULL wait); the scores
+ * capped (CAP) and element-masked on global positions where needs_mask says so. Each thread
+ * has its own copy: the loads' cursor (it_*) and softmax's place (at_*), both walked in order.
+ */
+template <class C, bool CAP>
+struct masked_keys {
+  int h, hk, b, q0, n, rank, world;
+  masks::positions p;
+  masks::span keys;                    // the global keys the block's rows may see
+  mutable int w_t = 0, w_ch = -1;      // the last FULL[t][ch] this thread acquired
+  mutable int it_t = 0, it_j = 0, it_lo, it_n;          // loads: step it_t from stream tile it_j
+  mutable int at_t = 0, at_kt = 0, at_o, at_lo, at_n;   // softmax: step, its tile, owner, range
+
+  __device__ explicit masked_keys(const masked_globals& g) {
+    const attn::dims& dm = g.d;
+    const int idx = blockIdx.x - g.comm_blocks;
+    h = idx % dm.h;
+    const int qb_raw = (idx / dm.h) % g.q_tiles;
+    b = idx / (dm.h * g.q_tiles);
+    const int qb = dm.causal && !g.zigzag ? g.q_tiles - 1 - qb_raw : qb_raw;
+    q0 = qb * C::BM;
+    hk = h / (dm.h / dm.hkv);
+    rank = g.c.rank;
+    world = g.c.world;
+    p = positions_of(g, b);
+    keys = keys_of_rows(g, p, b, rank, q0, min(q0 + C::BM, dm.s));
+    n = 0;
+    for (int t = 0; t < world; ++t) n += count(range(g, t));
+    const masks::span r0 = range(g, 0);
+    it_lo = r0.lo;
+    it_n = count(r0);
+    at_lo = r0.lo;
+    at_n = it_n;
+    while (at_n == 0 && at_t + 1 < world) {
+      const masks::span r = range(g, ++at_t);
+      at_lo = r.lo;
+      at_n = count(r);
+    }
+    at_o = owner(at_t);
+  }
+  __device__ int owner(int t) const { return rank >= t ? rank - t : rank - t + world; }
+  /** @brief Step t's key tiles (local to its owner). */
+  __device__ masks::span range(const masked_globals& g, int t) const {
+    return masks::tiles_of(local_hull(g, owner(t), keys), C::BN);
+  }
+  __device__ static int count(masks::span r) { return r.empty() ? 0 : r.hi - r.lo; }
+  __device__ wait_bound bound(const masked_globals& g) const { return g.c.bound(); }
+  __device__ int n_tiles() const { return n; }
+  __device__ int row0() const { return q0; }
+  /** @brief Stream tile j: local key tile *kt of step t (returned), from this thread's cursor,
+   * which only moves forward (loads are in stream order). */
+  __device__ int item(const masked_globals& g, int j, int* kt) const {
+    while (j - it_j >= it_n) {
+      it_j += it_n;
+      const masks::span r = range(g, ++it_t);
+      it_lo = r.lo;
+      it_n = count(r);
+    }
+    *kt = it_lo + (j - it_j);
+    return it_t;
+  }
+  __device__ void load_q(const masked_globals& g, typename C::q_tile& t, mbarrier* bar) const {
+    attn::load_rows(t, &g.q, bar, b, q0, h);
+  }
+  /** @brief K (v = false) or V of stream tile j, as ring_keys::load_kv. */
+  __device__ void load_kv(const masked_globals& g, typename C::kv_tile& t, mbarrier* bar, int j,
+                          bool v) const {
+    int kt;
+    const int step = item(g, j, &kt);
+    if (step > 0) {
+      const int ch = kt / g.chunk_tiles;
+      if (step != w_t || ch != w_ch) {
+        const tp::comm& cm = g.c;
+        wait(cm.sig[cm.rank] + FULL + uint64_t(step) * MAX_CHUNKS + ch, cm.epoch(),
+             cm.timeout_ns + cm.timeout_ns / 8, cm.fail(), owner(1));
+        fence_proxy_async_global();  // the acquire before the TMA reads of the slot
+        w_t = step;
+        w_ch = ch;
+      }
+    }
+    const CUtensorMap* map = step == 0 ? (v ? &g.v : &g.k) : (v ? &g.vs : &g.ks);
+    attn::load_rows(t, map, bar, step == 0 ? b : (step - 1) * g.d.b + b, kt * C::BN, hk);
+  }
+  __device__ void load_k(const masked_globals& g, typename C::kv_tile& t, mbarrier* bar,
+                         int j) const {
+    load_kv(g, t, bar, j, false);
+  }
+  __device__ void load_v(const masked_globals& g, typename C::kv_tile& t, mbarrier* bar,
+                         int j) const {
+    load_kv(g, t, bar, j, true);
+  }
+  /** @brief The current tile's scores capped (CAP), their hidden pairs set to -inf where the
+   * warpgroup's 64 rows from wg_row0 need it (the thread's local rows: `rows`; keys past Sl
+   * always), then the online-softmax update; softmax's place moves on. */
+  __device__ void softmax(const masked_globals& g, attn::fwd_rows<C>& r, int /*j*/,
+                          int wg_row0, const int (&rows)[2], float sl2) const {
+    constexpr int BN = C::BN;
+    const int k0 = (at_lo + at_kt) * BN, o = at_o, s = g.d.s;
+    if constexpr (CAP) attn::soft_cap(r.sc, g.m.cap_in, g.m.cap_out);
+    if (needs_mask(g, p, b, rank, wg_row0, 64, o, k0, BN)) {
+      const int lane = threadIdx.x % 32;
+      const bool seg = g.m.segments != 0;
+      const int* ids = g.m.kv_seg + int64_t(b) * g.m.sp;
+      masks::span vis[2];
+      int qs[2] = {0, 0};
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        vis[i] = masks::span{0, 0};
+        if (rows[i] < s) {
+          const int qg = global_pos(g, rank, rows[i]);
+          vis[i] = masks::keys_of_row(p, qg);
+          if (seg) qs[i] = g.m.q_seg[int64_t(b) * g.m.sp + qg];
+        }
+      }
+#pragma unroll
+      for (int jj = 0; jj < BN / 8; ++jj) {
+#pragma unroll
+        for (int cc = 0; cc < 2; ++cc) {
+          const int key = k0 + 8 * jj + 2 * (lane % 4) + cc;
+          const bool in = key < s;  // keys past Sl: the maps' zero fill
+          const int kg = in ? global_pos(g, o, key) : -1;
+          const int id = seg && in ? ids[kg] : 0;
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            if (!in || !vis[i].contains(kg) || id != qs[i]) r.sc[4 * jj + 2 * i + cc] = -INFINITY;
+          }
+        }
+      }
+    }
+    r.softmax(sl2);
+    if (++at_kt == at_n) {
+      at_kt = 0;
+      at_n = 0;
+      while (at_n == 0 && at_t + 1 < world) {
+        const masks::span rg = range(g, ++at_t);
+        at_lo = rg.lo;
+        at_n = count(rg);
+      }
+      at_o = owner(at_t);
+    }
+  }
+  __device__ void store(const masked_globals& g, attn::fwd_rows<C>& r, int wg_row0) const {
+    const attn::dims& dm = g.d;
+    r.store(g.o, g.lse + (int64_t(b) * dm.h + h) * dm.s, b, wg_row0, h, dm.h, dm.s, dm.scale);
+  }
+};
+
+/** @brief The masked kernel (the schedule's, over masked_keys; CAP: the soft cap). A compute
+ * block whose rows see no key in any step streams no tile: the mainloop needs one, so it
+ * writes its zeros (O = 0, lse = +inf) and returns; the comm blocks forward every chunk as in
+ * the unmasked kernel. */
+template <class C, bool CAP>
+__global__ void __launch_bounds__(C::THREADS, 1)
+    masked_kernel(const __grid_constant__ masked_globals g) {
+  using Src = masked_keys<C, CAP>;
+  if (static_cast<int>(blockIdx.x) >= g.comm_blocks) {
+    const Src src(g);
+    if (src.n_tiles() == 0) {
+      attn::fwd_rows<C> none;  // O = 0, l = 0
+      src.store(g, none, src.row0() + 64 * warpgroup::index());
+      return;
+    }
+  }
+  attn::comm_or_compute<C, Src>(g, [&](void* smem) { communicate<C>(g, blockIdx.x, smem); });
+}
+
 /** @brief Launches the grid of one call (after the caller's epoch kernel): C comm blocks,
  * then ceil(Sl / 128) H B compute blocks. Key tiles of 128 at both head dims: pk.attention's
  * 176-key tiles (D = 128, no causal mask; K and V freed apart) made this kernel slower here.
@@ -331,6 +641,27 @@ template <typename T, int D>
 inline cudaError_t launch(const globals& g, cudaStream_t stream, int device) {
   return g.d.causal ? launch_as<T, D, true>(g, stream, device)
                     : launch_as<T, D, false>(g, stream, device);
+}
+
+template <typename T, int D, bool CAP>
+inline cudaError_t launch_masked_as(const masked_globals& g, cudaStream_t stream, int device) {
+  using C = attention::fwd_config<T, D>;
+  static_assert(C::SMEM + sizeof(wait_bound) <= 232448,
+                "ring_attn: shared memory over the sm_90 limit of 227 KiB");
+  const void* fn = reinterpret_cast<const void*>(&masked_kernel<C, CAP>);
+  if (cudaError_t err = opt_in_smem(fn, device, static_cast<int>(C::SMEM)); err != cudaSuccess) {
+    return err;
+  }
+  const int64_t blocks = int64_t(g.comm_blocks) + int64_t(g.q_tiles) * g.d.h * g.d.b;
+  masked_kernel<C, CAP><<<static_cast<unsigned>(blocks), C::THREADS, C::SMEM, stream>>>(g);
+  return cudaGetLastError();
+}
+
+/** @brief The masked forward (g.m.cap_in > 0: the soft cap), the grid of `launch`. */
+template <typename T, int D>
+inline cudaError_t launch_masked(const masked_globals& g, cudaStream_t stream, int device) {
+  return g.m.cap_in > 0.f ? launch_masked_as<T, D, true>(g, stream, device)
+                          : launch_masked_as<T, D, false>(g, stream, device);
 }
 
 }  // namespace pk::ring_attn

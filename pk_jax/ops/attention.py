@@ -167,10 +167,21 @@ def _attributes(s: int, scale: float, causal: bool, backward: bool, *,
     """pk_attention's attributes (ffi/attention.cu's Bind(), ffi/launch.h AttnArgs): every call
     passes them all; the mask ones are read only when `masked` (a window of (S, S) and a cap
     of 0 mean none)."""
-    left, right = (s, s) if window is None else window
     return {"scale": np.float32(scale), "causal": np.int64(causal),
-            "backward": np.int64(backward), "masked": np.int64(masked),
-            "window_left": np.int64(min(left, s)), "window_right": np.int64(min(right, s)),
+            "backward": np.int64(backward),
+            **mask_attributes(s, window=window, softcap=softcap, segments=segments,
+                              masked=masked)}
+
+
+def mask_attributes(s: int, *, window: tuple[int, int] | None = None,
+                    softcap: float | None = None, segments: bool = False,
+                    masked: bool = False) -> dict:
+    """The mask attributes of pk_attention and pk_ring_attn (ffi/launch.h VisitMaskFields) over
+    a sequence of s positions (the ring's: the whole sequence): masked, the window clamped to s
+    ((s, s): none), soft_cap (0: none) and segments."""
+    left, right = (s, s) if window is None else window
+    return {"masked": np.int64(masked), "window_left": np.int64(min(left, s)),
+            "window_right": np.int64(min(right, s)),
             "soft_cap": np.float32(0.0 if softcap is None else softcap),
             "segments": np.int64(segments)}
 
@@ -320,8 +331,27 @@ def _kernel_attention_masked(q: jax.Array, k: jax.Array, v: jax.Array,
         raise ValueError(f"pk.{op}: the kernels take bf16 or fp16 q, k, v of head_dim "
                          f"{HEAD_DIMS} within the grid limits, not split over devices; got "
                          f"{q.dtype} q {tuple(q.shape)}, k {tuple(k.shape)}.")
-    masks = _attention.NO_MASKS if masks is None else masks
     b, s = q.shape[:2]
+    masks, window, softcap = check_kernel_masks(op, masks, b, s, window, softcap)
+    km = kernel_masks(masks, b, s)
+    return _masked_kernel(q, k, v, km, float(scale), bool(causal), window, softcap)
+
+
+def check_kernel_masks(op: str, masks: _attention.Masks | None, b: int, s: int,
+                       window: tuple[int, int] | None, softcap: float | None
+                       ) -> tuple[_attention.Masks, tuple[int, int] | None, float | None]:
+    """The private masked entries' trace-time checks (this module's, ring's and Ulysses'):
+    segment ids int [B, s] (s: this device's rows), given for both sides or neither; lengths
+    int [B]; a window (left, right) >= 0; a soft cap > 0.
+
+    Returns:
+        (masks, window, softcap): NO_MASKS for None, the window as a pair of ints, the cap a
+        float.
+
+    Raises:
+        ValueError: any of the above not met (the message names `op`).
+    """
+    masks = _attention.NO_MASKS if masks is None else masks
     for name, x, shape in (("q_seg", masks.q_seg, (b, s)), ("k_seg", masks.k_seg, (b, s)),
                            ("q_len", masks.q_len, (b,)), ("kv_len", masks.kv_len, (b,))):
         if x is not None and (tuple(x.shape) != shape
@@ -337,8 +367,7 @@ def _kernel_attention_masked(q: jax.Array, k: jax.Array, v: jax.Array,
     if softcap is not None:
         softcap = _checks.positive_float(op, "softcap", softcap, example="30.0",
                                          none_means="no cap")
-    km = kernel_masks(masks, b, s)
-    return _masked_kernel(q, k, v, km, float(scale), bool(causal), window, softcap)
+    return masks, window, softcap
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))

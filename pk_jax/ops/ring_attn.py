@@ -38,7 +38,8 @@ place that decides.
 
 Masks (segment_ids, local_window_size, logits_soft_cap, query_seq_lengths,
 key_value_seq_lengths; see `ring_attention`) run the jax.lax ring on every platform: the fused
-kernels do not take them yet. There each rank's K/V block travels with its key segment ids
+forward's masked kernel (`_kernel_ring_masked`, below) is not routed to until its GPU tests
+pass, and the fused backward takes no masks yet. There each rank's K/V block travels with its key segment ids
 (one more ppermuted [B, S/P] int32 array); the block's global positions follow from its owner
 rank and the layout, so every mask compares global positions and segments may cross chunk
 and rank boundaries. A step's block, or a zigzag step's half-block pair, that no mask lets
@@ -241,14 +242,22 @@ def workspace_need_bwd(q: jax.Array, k: jax.Array, p: int) -> int:
     return _ffi.workspace_need("ring_attn_bwd", p, b=b, s=s, h=q.shape[2], hkv=hkv, d=d)
 
 
-def _kernel_call(q, k, v, axis_name, causal, scale, zigzag):
+def _kernel_call(q, k, v, axis_name, causal, scale, zigzag, *, p: int = 1,
+                 km: _attention_op.KernelMasks | None = None, window=None, softcap=None):
+    """o and lse [B, H, S/P] from one pk_ring_attn call; with `km` (the masks' operands over
+    the whole sequence of S/P * p positions) the masked kernel."""
     b, s, h, _ = q.shape
+    extra = [] if km is None else km.operands()
     o, lse = _ffi.call(
         "pk_ring_attn", [jax.ShapeDtypeStruct(q.shape, q.dtype),
                          jax.ShapeDtypeStruct((b, h, s), jnp.float32)],
-        q, k, v, _backend.rank_operand(axis_name), comm_id=np.int64(state.comm_id(axis_name)),
+        q, k, v, _backend.rank_operand(axis_name), *extra,
+        comm_id=np.int64(state.comm_id(axis_name)),
         scale=np.float32(scale), causal=np.int64(causal), zigzag=np.int64(zigzag),
-        num_comm_sms=np.int64(FWD_COMM_SMS))
+        num_comm_sms=np.int64(FWD_COMM_SMS),
+        **_attention_op.mask_attributes(s * p, window=window, softcap=softcap,
+                                        segments=km is not None and km.segmented,
+                                        masked=km is not None))
     return o, lse  # lse [B, H, S/P]
 
 
@@ -517,3 +526,104 @@ def _zigzag_attention(q, k, v, masks, axis_name, scale, p, causal, window, softc
 
 
 _zigzag_attention.defvjp(_zigzag_fwd, _zigzag_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused forward with masks (issue 38 section 3), not routed to yet: ring_attention keeps the
+# reference for masked calls until tests/gpu/test_emulator_ring_masks.py and sp_masked_mp.py
+# ring / ring-zigzag pass on a GPU. The kernel reads the masks by GLOBAL position: the segment
+# ids of every rank are all-gathered along the axis ([B, S/P] int32 each, put in global order
+# for the zigzag layout) into the whole sequence's ids and chunk ranges
+# (attention.segment_info), so segments may cross chunk and rank boundaries; the lengths
+# (replicated) and the window are global already.
+
+def _kernel_ring_masked(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str,
+                        masks: _attention.Masks | None, scale: float, causal: bool,
+                        window: tuple[int, int] | None = None, softcap: float | None = None,
+                        layout: str = "contiguous") -> jax.Array:
+    """ring_attention with masks on the fused forward kernel (pk_ring_attn, masked); its
+    custom VJP is the jax.lax ring's backward (`reference`'s) on the kernel's output and lse.
+
+    Private until its GPU tests pass (tests/gpu/test_emulator_ring_masks.py, sp_masked_mp.py
+    ring and ring-zigzag). Call inside shard_map over `axis_name` (P > 1) with q [B, S/P, H,
+    D], k, v [B, S/P, Hkv, D] in `layout` and the masks as `_attention.check_masks` returns
+    them for ring_attention: segment ids [B, S/P] laid out like q, lengths [B] (the same on
+    every rank) over global positions; the window over global positions.
+
+    Raises:
+        ValueError: operands the fused kernel does not take (`kernel_supports`: P > 1, bf16 /
+            fp16, head_dim 64 or 128, sizes within the grid limits); an unknown layout or
+            zigzag with an odd S/P; masks whose shapes do not fit q; a negative window; a cap
+            that is not positive.
+    """
+    op = f"{NAME} (masked kernels)"
+    p = _checks.axis_size(NAME, axis_name)
+    if not kernel_supports(q, k, p):
+        raise ValueError(f"pk.{op}: the fused kernel takes bf16 or fp16 q, k, v of head_dim "
+                         f"{HEAD_DIMS} at P > 1 within the grid limits; got {q.dtype} q "
+                         f"{tuple(q.shape)} at P = {p}.")
+    if layout not in LAYOUTS:
+        raise ValueError(f"pk.{op}: layout={layout!r} is not one of {LAYOUTS}.")
+    b, sl = q.shape[:2]
+    if layout == "zigzag" and sl % 2:
+        raise ValueError(f"pk.{op}: layout='zigzag' needs an even local sequence length, got "
+                         f"{sl}.")
+    masks, window, softcap = _attention_op.check_kernel_masks(op, masks, b, sl, window, softcap)
+    # As ring_attention: without a mask by position the layout does not matter.
+    positional = (causal or window is not None or masks.q_len is not None
+                  or masks.kv_len is not None)
+    zigzag = layout == "zigzag" and positional
+    km = _attention_op.kernel_masks(global_segments(masks, axis_name, p, zigzag), b, sl * p)
+    return _masked_ring(q, k, v, km, masks, axis_name, float(scale), bool(causal), p, zigzag,
+                        window, softcap)
+
+
+def global_segments(masks: _attention.Masks, axis_name: str, p: int,
+                    zigzag: bool) -> _attention.Masks:
+    """The masks with the whole sequence's segment ids [B, S] in global order (the kernels'
+    positions), from every rank's [B, S/P] in its layout; one all-gather when the queries'
+    and the keys' ids are one array. Without zigzag the ranks' rows in rank order are the
+    kernels' positions (contiguous, or a layout no mask by position sees)."""
+    if masks.q_seg is None:
+        return masks
+    sl = masks.q_seg.shape[1]
+    order = np.argsort(zigzag_indices(sl * p, p)) if zigzag else None
+
+    def gather(ids):
+        whole = lax.all_gather(ids.astype(jnp.int32), axis_name, axis=1, tiled=True)
+        return whole if order is None else jnp.take(whole, jnp.asarray(order, jnp.int32), axis=1)
+
+    q_seg = gather(masks.q_seg)
+    k_seg = q_seg if masks.k_seg is masks.q_seg else gather(masks.k_seg)
+    return masks._replace(q_seg=q_seg, k_seg=k_seg)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10, 11))
+def _masked_ring(q, k, v, km, masks, axis_name, scale, causal, p, zigzag, window, softcap):
+    return _masked_ring_fwd(q, k, v, km, masks, axis_name, scale, causal, p, zigzag, window,
+                            softcap)[0]
+
+
+def _masked_ring_fwd(q, k, v, km, masks, axis_name, scale, causal, p, zigzag, window, softcap):
+    o, lse = _kernel_call(q, k, v, axis_name, causal, scale, zigzag, p=p, km=km, window=window,
+                          softcap=softcap)
+    return o, (q, k, v, km, masks, o, lse)
+
+
+def _masked_ring_bwd(axis_name, scale, causal, p, zigzag, window, softcap, res, do):
+    # The jax.lax ring's backward (K/V heads repeated, their gradients summed in float32) on
+    # the kernel's output and lse (+inf on rows that see no key, as the reference's).
+    q, k, v, _km, masks, o, lse = res
+    kr, vr = _attention.repeat_kv(q, k, v)
+    args = (q, kr, vr, o, lse.transpose(0, 2, 1), masks)
+    if zigzag:
+        dq, dkr, dvr, _ = _zigzag_bwd(axis_name, scale, p, causal, window, softcap, args, do)
+    else:
+        dq, dkr, dvr, _ = _ring_bwd(axis_name, causal, scale, p, window, softcap, args, do)
+    b, s, hkv, d = k.shape
+    fold = lambda g, x: _vjp.fit(g.astype(jnp.float32).reshape(b, s, hkv, -1, d).sum(3)
+                                 .astype(x.dtype), x)
+    return dq, fold(dkr, k), fold(dvr, v), None, None
+
+
+_masked_ring.defvjp(_masked_ring_fwd, _masked_ring_bwd)

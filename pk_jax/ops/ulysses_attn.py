@@ -46,8 +46,9 @@ and its kernel backward, no exchange). `ulysses_attention` takes its paths from
 `_backend.route` at trace time: the forward's, and with the composed forward the backward's.
 
 Masks (segment_ids, local_window_size, logits_soft_cap, query_seq_lengths,
-key_value_seq_lengths; see `ulysses_attention`) run the reference on every platform: no kernel
-takes them yet. They apply after the all-to-all, where each rank holds the whole sequence of its
+key_value_seq_lengths; see `ulysses_attention`) run the reference on every platform: the
+composed kernels with masks (`_composed_masked`: the masked pk.attention kernels on the head
+groups) are not routed to until their GPU tests pass, and the fused kernels take no masks yet. They apply after the all-to-all, where each rank holds the whole sequence of its
 head group in global order: the segment ids are all-gathered along the axis ([B, S/P] int32 per
 rank to [B, S]), positions are the global ones, and the blockwise attention skips the tiles
 that no mask lets through.
@@ -273,6 +274,84 @@ def _fused_bwd(axis_name, causal, scale, rep, res, do):
 
 
 _composed_ulysses.defvjp(_composed_fwd, _composed_ulysses_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# The composed path with masks (issue 38 section 3), not routed to yet: ulysses_attention keeps
+# the reference for masked calls until tests/gpu/sp_masked_mp.py ulysses passes on a GPU. After
+# the all-to-all the rank holds the whole sequence of its head group in global order, so the
+# masks are pk.attention's over [B, S]: the segment ids all-gathered along the axis, the
+# lengths (replicated) and the window as given.
+
+def _composed_masked(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str,
+                     masks: _attention.Masks | None, scale: float, causal: bool,
+                     window: tuple[int, int] | None = None,
+                     softcap: float | None = None) -> jax.Array:
+    """ulysses_attention with masks on the composed kernels: pk.all_to_all of q, k, v to head
+    groups, the masked pk.attention forward kernel over the whole sequence, all_to_all back;
+    its custom VJP runs the masked pk.attention backward kernel on the saved head shards.
+
+    Private until its GPU tests pass (tests/gpu/sp_masked_mp.py ulysses). Call inside shard_map
+    over `axis_name` (P > 1) with q, k, v [B, S/P, H, D] and masks as
+    `_attention.check_masks` returns them for ulysses_attention: segment ids [B, S/P] (this
+    rank's contiguous rows), lengths [B] (the same on every rank) over global positions; the
+    window over global positions.
+
+    Raises:
+        ValueError: operands the composed kernels do not take (`composed_supports`: P > 1,
+            bf16 / fp16, head_dim 64 or 128, sizes within the grid limits); H not divisible by
+            P; masks whose shapes do not fit q; a negative window; a cap that is not positive.
+    """
+    op = f"{NAME} (masked composed kernels)"
+    p = _checks.axis_size(NAME, axis_name)
+    if q.shape[2] % p or not composed_supports(q, p):
+        raise ValueError(f"pk.{op}: the composed kernels take bf16 or fp16 q, k, v of head_dim "
+                         f"{_attention_op.HEAD_DIMS} at P > 1 with P dividing H, within the grid "
+                         f"limits; got {q.dtype} q {tuple(q.shape)} at P = {p}.")
+    b, sl = q.shape[:2]
+    masks, window, softcap = _attention_op.check_kernel_masks(op, masks, b, sl, window, softcap)
+    km = _attention_op.kernel_masks(_gather_segments(masks, axis_name), b, sl * p)
+    return _composed_masked_kernel(q, k, v, km, axis_name, float(scale), bool(causal),
+                                   kv_repeats(k.shape[2], p), window, softcap)
+
+
+def _gather_segments(masks: _attention.Masks, axis_name: str) -> _attention.Masks:
+    """The segment ids of the whole sequence [B, S] from every rank's [B, S/P] (contiguous
+    shards, rank order); one all-gather when the queries' and the keys' ids are one array."""
+    if masks.q_seg is None:
+        return masks
+    gather = lambda ids: jax.lax.all_gather(ids.astype(jnp.int32), axis_name, axis=1, tiled=True)
+    q_seg = gather(masks.q_seg)
+    k_seg = q_seg if masks.k_seg is masks.q_seg else gather(masks.k_seg)
+    return masks._replace(q_seg=q_seg, k_seg=k_seg)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+def _composed_masked_kernel(q, k, v, km, axis_name, scale, causal, rep, window, softcap):
+    return _composed_masked_fwd(q, k, v, km, axis_name, scale, causal, rep, window, softcap)[0]
+
+
+def _composed_masked_fwd(q, k, v, km, axis_name, scale, causal, rep, window, softcap):
+    qh, kh, vh = (all_to_all(x, axis_name, 2, 1) for x in (q, _repeat(k, rep), _repeat(v, rep)))
+    oh, lse = _attention_op._forward_call(qh, kh, vh, scale, causal, km=km, window=window,
+                                          softcap=softcap)  # lse [B, H/P, S], +inf: no key
+    like = tuple(x[:0] for x in (q, k, v))
+    return all_to_all(oh, axis_name, 1, 2), (qh, kh, vh, oh, lse, km, like)
+
+
+def _composed_masked_bwd(axis_name, scale, causal, rep, window, softcap, res, do):
+    qh, kh, vh, oh, lse, km, (q, k, v) = res
+    doh = all_to_all(do.astype(qh.dtype), axis_name, 2, 1)
+    # delta = rowsum(dO * O): 0 on rows that see no key (O = 0 there).
+    delta = jnp.sum(doh.astype(jnp.float32) * oh.astype(jnp.float32), axis=-1
+                    ).transpose(0, 2, 1)
+    dq, dkr, dvr = (all_to_all(g, axis_name, 1, 2) for g in _attention_op.backward_call(
+        qh, kh, vh, doh, lse, delta, scale, causal, km=km, window=window, softcap=softcap))
+    dk, dv = _unrepeat(dkr, rep, k), _unrepeat(dvr, rep, v)
+    return (*(_vjp.fit(g, x) for g, x in ((dq, q), (dk, k), (dv, v))), None)
+
+
+_composed_masked_kernel.defvjp(_composed_masked_fwd, _composed_masked_bwd)
 
 
 def _head_group_bwd(scale, causal, qh, kh, vh, doh, lse, delta):

@@ -340,6 +340,96 @@ def ring_attn(qs, ks, vs, dtype: str, *, causal: bool, zigzag: bool = False,
                 exact=False, atol=2e-2, rtol=2e-2)
 
 
+def segment_operands(ids: np.ndarray):
+    """The masked kernels' segment operands of whole-sequence ids [B, S] (int32): (q_seg,
+    kv_seg [B, SP], q_info, kv_info [B, SP / 64, 4]), SP = S rounded up to 128, as the ops
+    pass them (pk_jax.ops.attention.segment_info, the same ids for queries and keys)."""
+    import jax.numpy as jnp
+
+    from pk_jax.ops.attention import segment_info
+
+    ids = jnp.asarray(np.asarray(ids, np.int32))
+    return tuple(np.asarray(x, np.int32) for x in segment_info(ids, ids))
+
+
+def masked_visible(q_pos, k_pos, *, b: int, causal: bool, window=None, ids=None, q_len=None,
+                   kv_len=None) -> np.ndarray:
+    """bool [B, len(q_pos), len(k_pos)]: whether query row i (global position q_pos[i]) sees
+    key j (k_pos[j]) under every mask (pk_jax/ops/_attention.py's definitions): causal, the
+    window (left, right), segment ids of the whole sequence [B, S], and the lengths [B]."""
+    qp, kp = np.asarray(q_pos)[:, None], np.asarray(k_pos)[None, :]
+    vis = np.ones((b, qp.shape[0], kp.shape[1]), bool)
+    if causal:
+        vis &= kp <= qp
+    if window is not None:
+        vis &= (kp >= qp - window[0]) & (kp <= qp + window[1])
+    if ids is not None:
+        ids = np.asarray(ids)
+        vis &= ids[:, q_pos][:, :, None] == ids[:, k_pos][:, None, :]
+    if q_len is not None:
+        vis &= qp[None] < np.asarray(q_len)[:, None, None]
+    if kv_len is not None:
+        vis &= kp[None] < np.asarray(kv_len)[:, None, None]
+    return vis
+
+
+def ring_attn_masked(qs, ks, vs, dtype: str, *, causal: bool, zigzag: bool = False,
+                     window=None, softcap: float | None = None, ids=None, q_len=None,
+                     kv_len=None, scale: float | None = None, num_comm_sms: int = 2) -> Case:
+    """The masked fused ring forward (pk_ring_attn with masked = 1): o_r and lse_r of every
+    rank's rows over the whole sequence, every mask on global positions (the zigzag layout's
+    with zigzag), float32; rows that see no key give o = 0 and lse = +inf. ids: the whole
+    sequence's segment ids [B, S] in global order (or None); q_len, kv_len: [B] (None: S);
+    window (left, right) or None; softcap c or None. Inputs per rank: q, k, v and the mask
+    operands (the same on every rank: the lengths, and with ids their padded copies and chunk
+    ranges, `segment_operands`)."""
+    p = len(qs)
+    b, sl, h, d = qs[0].shape
+    hkv = ks[0].shape[2]
+    s = sl * p
+    scale = float(1.0 / np.sqrt(d)) if scale is None else float(scale)
+    qs, ks, vs = ([_cast(x, dtype) for x in xs] for xs in (qs, ks, vs))
+    pos = [seq_positions(p, r, sl, zigzag) for r in range(p)]
+    k_all = np.concatenate([k.astype(np.float32) for k in ks], axis=1)  # [B, S, Hkv, D]
+    v_all = np.concatenate([v.astype(np.float32) for v in vs], axis=1)
+    k_pos = np.concatenate(pos)
+    group = h // hkv
+    lens = {"q_len": np.full(b, s, np.int32) if q_len is None else np.asarray(q_len, np.int32),
+            "kv_len": np.full(b, s, np.int32) if kv_len is None else np.asarray(kv_len, np.int32)}
+    operands = dict(lens)
+    if ids is not None:
+        operands.update(zip(("q_seg", "kv_seg", "q_info", "kv_info"), segment_operands(ids)))
+    expected = []
+    for r in range(p):
+        vis = masked_visible(pos[r], k_pos, b=b, causal=causal, window=window, ids=ids,
+                             q_len=lens["q_len"], kv_len=lens["kv_len"])
+        q = qs[r].astype(np.float32)
+        o = np.zeros((b, sl, h, d), np.float32)
+        lse = np.full((b, h, sl), np.inf, np.float32)
+        for hh in range(h):
+            kk, vv = k_all[:, :, hh // group], v_all[:, :, hh // group]
+            sc = np.einsum("bqd,bkd->bqk", q[:, :, hh], kk) * scale
+            if softcap is not None:
+                sc = softcap * np.tanh(sc / softcap)
+            sc = np.where(vis, sc, -np.inf)
+            mx = sc.max(axis=-1, keepdims=True)
+            live = np.isfinite(mx)
+            e = np.where(vis, np.exp(sc - np.where(live, mx, 0)), 0)
+            den = e.sum(axis=-1, keepdims=True)
+            o[:, :, hh] = np.einsum("bqk,bkd->bqd", e / np.where(den > 0, den, 1), vv)
+            lse[:, hh] = np.where(live, mx + np.log(np.where(den > 0, den, 1)), np.inf)[..., 0]
+        expected.append({"o": _cast(o, dtype), "lse": lse})
+    left, right = (s, s) if window is None else (min(window[0], s), min(window[1], s))
+    params = {"b": b, "s": sl, "h": h, "hkv": hkv, "d": d, "scale": scale,
+              "causal": int(causal), "zigzag": int(zigzag), "num_comm_sms": num_comm_sms,
+              "masked": 1, "window_left": left, "window_right": right,
+              "soft_cap": 0.0 if softcap is None else float(softcap),
+              "segments": int(ids is not None)}
+    return Case("ring_attn", dtype,
+                [{"q": qs[r], "k": ks[r], "v": vs[r], **operands} for r in range(p)], expected,
+                params, exact=False, atol=2e-2, rtol=2e-2)
+
+
 def ulysses_attn(qs, ks, vs, dtype: str, *, causal: bool, scale: float | None = None,
                  num_comm_sms: int = 2) -> Case:
     """o_r = softmax(scale q_r K^T) V over all ranks' keys, with the contiguous layout (rank r
@@ -469,7 +559,10 @@ class Call:
                     ok = np.array_equal(got.astype(np.float64), want.astype(np.float64))
                 else:
                     g, w = got.astype(np.float64), want.astype(np.float64)
-                    ok = bool(np.all(np.isfinite(g))) and np.allclose(g, w, c.atol, c.rtol)
+                    # finite, but for expected infinities (the lse of rows no key is
+                    # visible to), which must be met exactly
+                    ok = (bool(np.all(np.isfinite(g) | (np.isinf(w) & (g == w))))
+                          and np.allclose(g, w, c.atol, c.rtol))
                 if not ok:
                     g, w = got.astype(np.float64).ravel(), want.astype(np.float64).ravel()
                     bad = np.flatnonzero(~np.isclose(g, w, c.rtol, c.atol) | ~np.isfinite(g))

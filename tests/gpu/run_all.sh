@@ -248,13 +248,21 @@ section_moe_mp() {
 # the float32 reference (tests/gpu/test_emulator_attention.py, the backward's tests named
 # test_backward_*; PK_JAX_EMU_RING_CALLS sets the back-to-back forward calls per P, default
 # 100), pk.ring_attention's forward and gradients through JAX with 2 and 4 processes
-# sharing the GPU (tests/gpu/ring_mp.py), then the emulated benchmark (fused vs unfused:
-# all_gather of K/V, then pk.attention per block).
+# sharing the GPU (tests/gpu/ring_mp.py), the masked forward in the emulator
+# (tests/gpu/test_emulator_ring_masks.py) and through JAX (tests/gpu/sp_masked_mp.py ring and
+# ring-zigzag), then the emulated benchmark (fused vs unfused: all_gather of K/V, then
+# pk.attention per block).
 section_ring() {
   export CUDA_MODULE_LOADING=EAGER  # pk_jax.testing.require_eager_loading says why
   step "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_emulator_attention.py
+  # the masked forward (issue 38 section 3): P = 2, 4, 8 emulated, every mask, both layouts
+  step "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_emulator_ring_masks.py
   for n in 2 4; do  # through JAX: FFI handler, lowering (processes share the GPU)
     PK_JAX_TIMEOUT_S=30 step launch "$n" --timeout 250 tests/gpu/ring_mp.py
+    # the masked entry ring_attn._kernel_ring_masked through JAX, both layouts
+    for layout in ring ring-zigzag; do
+      PK_JAX_TIMEOUT_S=30 step launch "$n" --timeout 250 tests/gpu/sp_masked_mp.py "$layout"
+    done
   done
   step "$PY" bench/bench_ring_attn.py --quick
 }
@@ -289,7 +297,8 @@ section_moe_fused() {
 # per P, default 100), pk.ulysses_attention's forward and gradients through JAX with 2 and 4
 # processes sharing the GPU (tests/gpu/ulysses_mp.py: the default composed kernels; then with 2
 # processes and PK_JAX_ULYSSES_FUSED=1, the fused forward, and PK_JAX_ULYSSES_FUSED=bwd, the
-# fused backward), then the emulated benchmark (forward fused vs unfused: all_to_all of q, k, v,
+# fused backward), the composed path with masks (tests/gpu/sp_masked_mp.py ulysses, 2 and 4
+# processes), then the emulated benchmark (forward fused vs unfused: all_to_all of q, k, v,
 # pk.attention, all_to_all back; backward composed vs the fused ring backward).
 section_ulysses() {
   export CUDA_MODULE_LOADING=EAGER  # pk_jax.testing.require_eager_loading says why
@@ -305,6 +314,11 @@ section_ulysses() {
   for n in 2 4; do
     PK_JAX_ULYSSES_FUSED=bwd PK_JAX_TIMEOUT_S=60 step launch "$n" --timeout 250 \
       tests/gpu/ulysses_mp.py
+  done
+  # the composed path with masks (private entry ulysses_attn._composed_masked, issue 38
+  # section 3): the masked pk.attention kernels on the head groups, every mask, twice
+  for n in 2 4; do
+    PK_JAX_TIMEOUT_S=30 step launch "$n" --timeout 250 tests/gpu/sp_masked_mp.py ulysses
   done
   step "$PY" bench/bench_ulysses_attn.py --quick
 }
