@@ -84,19 +84,6 @@ def _iters(m, n, k) -> int:
     return max(5, min(200, int(0.04 / est_s)))
 
 
-class _Rotating:
-    """fn over its own input sets in turn, called with no arguments (time_us_interleaved
-    rotates one shared list of sets; here every variant has its own)."""
-
-    def __init__(self, fn, arg_sets):
-        self.fn, self.arg_sets, self.i = fn, arg_sets, 0
-
-    def __call__(self):
-        args = self.arg_sets[self.i % len(self.arg_sets)]
-        self.i += 1
-        return self.fn(*args)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run)")
@@ -147,7 +134,7 @@ def main() -> int:
             fns = {name: (fn, jax.block_until_ready(a)) for name, (fn, a) in fns.items()}
             # Interleaved: each rep times every variant in turn.
             measured = common.time_us_interleaved(
-                {name: _Rotating(fn, arg_sets) for name, (fn, arg_sets) in fns.items()},
+                {name: common.Rotating(fn, arg_sets) for name, (fn, arg_sets) in fns.items()},
                 [()], iters=iters, reps=reps)
             t = {name: v[0] for name, v in measured.items()}
             times[(m, n, k, scaling)] = t

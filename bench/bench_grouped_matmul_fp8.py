@@ -73,18 +73,6 @@ def _check(ours, xq, wq, gs, sx, sw, scaling, name) -> float:
     return err
 
 
-class _Rotating:
-    """fn over its own input sets in turn, called with no arguments."""
-
-    def __init__(self, fn, arg_sets):
-        self.fn, self.arg_sets, self.i = fn, arg_sets, 0
-
-    def __call__(self):
-        args = self.arg_sets[self.i % len(self.arg_sets)]
-        self.i += 1
-        return self.fn(*args)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run)")
@@ -135,7 +123,7 @@ def main() -> int:
                 }
                 fns = {k_: (fn, jax.block_until_ready(a)) for k_, (fn, a) in fns.items()}
                 measured = common.time_us_interleaved(
-                    {k_: _Rotating(fn, a) for k_, (fn, a) in fns.items()}, [()], iters=iters,
+                    {k_: common.Rotating(fn, a) for k_, (fn, a) in fns.items()}, [()], iters=iters,
                     reps=reps)
                 t = {k_: v[0] for k_, v in measured.items()}
                 shape = {"tokens": m, "experts": e, "k": k, "n": n, "dist": dist, "name": name}

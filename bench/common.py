@@ -59,6 +59,19 @@ def time_us_interleaved(fns: dict[str, Callable], arg_sets: Sequence[tuple], *, 
             for name in fns}
 
 
+class Rotating:
+    """fn over its own input sets in turn, called with no arguments: for time_us_interleaved
+    (which rotates one shared list of sets) where every variant has its own sets."""
+
+    def __init__(self, fn, arg_sets):
+        self.fn, self.arg_sets, self.i = fn, arg_sets, 0
+
+    def __call__(self):
+        args = self.arg_sets[self.i % len(self.arg_sets)]
+        self.i += 1
+        return self.fn(*args)
+
+
 def gpu_name() -> str:
     d = jax.devices()[0]
     return d.device_kind if d.platform == "gpu" else d.platform

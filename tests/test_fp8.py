@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from util import poison
+from util import run_twice
 
 import pk_jax as pk
 from pk_jax import fp8, nn
@@ -337,17 +337,6 @@ def _pow2_scales(key, shape):
     return jnp.exp2(e.astype(jnp.float32))
 
 
-def _run_twice(f, out_shape, out_dtype, *args):
-    """Two calls in a row under jit, each after poisoning fresh memory of the output's size."""
-    outs = []
-    for _ in range(2):
-        poison(out_shape, out_dtype)
-        outs.append(np.asarray(jax.block_until_ready(f(*args)), np.float64))
-    assert not np.isnan(outs[0]).any(), "output not fully written"
-    np.testing.assert_array_equal(outs[0], outs[1])
-    return outs[0]
-
-
 def _id(v):
     if isinstance(v, tuple):
         return "x".join(str(i) if isinstance(i, int) else np.dtype(i).name[8:] for i in v)
@@ -372,7 +361,7 @@ def test_gpu_fp8_kernel_exact_on_integers(shape, scaling, out_dtype):
         sx = _pow2_scales(3, fp8.block_shape("x", (m, k)))
         sw = _pow2_scales(4, fp8.block_shape("w", (k, n)))
     f = jax.jit(lambda *a: mm._fp8_kernel(*a, out_dtype=out_dtype))
-    y = _run_twice(f, (m, -(-n // 8) * 8), out_dtype, xq, wq, sx, sw)
+    y = run_twice(f, (m, -(-n // 8) * 8), out_dtype, xq, wq, sx, sw)
     want = _expanded_reference(xq, sx, wq, sw)
     want = np.asarray(jnp.asarray(want, jnp.float32).astype(out_dtype), np.float64)
     np.testing.assert_array_equal(y, want)
@@ -407,7 +396,7 @@ def test_gpu_fp8_kernel_random_within_tolerance(shape, scaling, out_dtype):
     m, k, n = shape
     xq, sx, wq, sw = _fp8_pair(50 + k, m, k, n, scaling, scaling)
     f = jax.jit(lambda *a: mm._fp8_kernel(*a, out_dtype=out_dtype))
-    y = _run_twice(f, (m, -(-n // 8) * 8), out_dtype, xq, wq, sx, sw)
+    y = run_twice(f, (m, -(-n // 8) * 8), out_dtype, xq, wq, sx, sw)
     want = _expanded_reference(xq, sx, wq, sw)
     err = np.abs(y - want).max() / np.abs(want).max()
     tol = _tolerance(k, scaling, out_dtype)
@@ -430,7 +419,7 @@ def test_gpu_fp8_kernel_every_format_pair(combo, scaling):
         sx = _pow2_scales(7, fp8.block_shape("x", (m, k)))
         sw = _pow2_scales(8, fp8.block_shape("w", (k, n)))
     f = jax.jit(lambda *a: mm._fp8_kernel(*a, out_dtype=jnp.float32))
-    y = _run_twice(f, (m, n), jnp.float32, xq, wq, sx, sw)
+    y = run_twice(f, (m, n), jnp.float32, xq, wq, sx, sw)
     np.testing.assert_array_equal(y, _expanded_reference(xq, sx, wq, sw))
 
 
@@ -455,7 +444,7 @@ def test_gpu_fp8_kernel_each_tile_config(config, scaling):
         return _ffi.call("pk_matmul_fp8", jax.ShapeDtypeStruct((m, n), jnp.float32), x, wt, xs,
                          ws, config=np.int64(config), group_m=np.int64(16))
 
-    y = _run_twice(jax.jit(call), (m, n), jnp.float32, xq, wq.T, sx, sw)
+    y = run_twice(jax.jit(call), (m, n), jnp.float32, xq, wq.T, sx, sw)
     np.testing.assert_array_equal(y, _expanded_reference(xq, sx, wq, sw))
     # The entry with w already [N, K] gives the same product.
     y_nk = mm._fp8_kernel(xq, wq.T, sx, sw, jnp.float32, w_layout="nk")

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_fp8 import _id, _pow2_scales, _small_int_codes, _tolerance
-from util import poison
+from util import run_twice
 
 import pk_jax as pk
 from pk_jax import fp8
@@ -267,17 +267,6 @@ def _gpu_setup():
     assert pk._backend.use_kernel(gm.FP8_STEM), "no pk_grouped_matmul_fp8 in this build"
 
 
-def _run_twice(f, out_shape, out_dtype, *args):
-    """Two calls in a row under jit, each after poisoning fresh memory of the output's size."""
-    outs = []
-    for _ in range(2):
-        poison(out_shape, out_dtype)
-        outs.append(np.asarray(jax.block_until_ready(f(*args)), np.float64))
-    assert not np.isnan(outs[0]).any(), "output not fully written"
-    np.testing.assert_array_equal(outs[0], outs[1])
-    return outs[0]
-
-
 def _int_operands(key, m, k, n, e, scaling, x_dtype=E4M3, w_dtype=E4M3):
     xq = _small_int_codes(key, (m, k), x_dtype)
     wq = _small_int_codes(key + 1, (e, k, n), w_dtype)
@@ -302,7 +291,7 @@ def test_gpu_fp8_grouped_exact_on_integers(case, scaling, out_dtype):
     xq, wq, sx, sw = _int_operands(20, m, k, n, len(sizes), scaling)
     gs = jnp.asarray(sizes, jnp.int32)
     f = jax.jit(lambda *a: gm._fp8_kernel(*a, out_dtype=out_dtype))
-    y = _run_twice(f, (m, -(-n // 8) * 8), out_dtype, xq, wq, gs, sx, sw)
+    y = run_twice(f, (m, -(-n // 8) * 8), out_dtype, xq, wq, gs, sx, sw)
     want = _expanded_reference(xq, sx, wq, sw, sizes)
     want = np.asarray(jnp.asarray(want, jnp.float32).astype(out_dtype), np.float64)
     np.testing.assert_array_equal(y, want)
@@ -323,7 +312,7 @@ def test_gpu_fp8_grouped_random_within_tolerance(case, scaling, out_dtype):
     wq, sw = _w_scales(31 + k, e, k, n, scaling)
     gs = jnp.asarray(sizes, jnp.int32)
     f = jax.jit(lambda *a: gm._fp8_kernel(*a, out_dtype=out_dtype))
-    y = _run_twice(f, (m, -(-n // 8) * 8), out_dtype, xq, wq, gs, sx, sw)
+    y = run_twice(f, (m, -(-n // 8) * 8), out_dtype, xq, wq, gs, sx, sw)
     want = _expanded_reference(xq, sx, wq, sw, sizes)
     err = np.abs(y - want).max() / np.abs(want).max()
     assert err <= _tolerance(k, scaling, out_dtype), (err, _tolerance(k, scaling, out_dtype))
@@ -343,7 +332,7 @@ def test_gpu_fp8_grouped_every_format_pair(combo, scaling):
     xq, wq, sx, sw = _int_operands(40, m, k, n, len(sizes), scaling, *combo)
     gs = jnp.asarray(sizes, jnp.int32)
     f = jax.jit(lambda *a: gm._fp8_kernel(*a, out_dtype=jnp.float32))
-    y = _run_twice(f, (m, -(-n // 8) * 8), jnp.float32, xq, wq, gs, sx, sw)
+    y = run_twice(f, (m, -(-n // 8) * 8), jnp.float32, xq, wq, gs, sx, sw)
     np.testing.assert_array_equal(y, _expanded_reference(xq, sx, wq, sw, sizes))
 
 
@@ -365,7 +354,7 @@ def test_gpu_fp8_grouped_each_tile_config(config, scaling):
                          wt, xs, ws, g, config=np.int64(config), group_m=np.int64(16))
 
     wt = jnp.swapaxes(wq, 1, 2)
-    y = _run_twice(jax.jit(call), (m, n), jnp.float32, xq, wt, gs, sx, sw)
+    y = run_twice(jax.jit(call), (m, n), jnp.float32, xq, wt, gs, sx, sw)
     np.testing.assert_array_equal(y, _expanded_reference(xq, sx, wq, sw, sizes))
     y_enk = gm._fp8_kernel(xq, wt, gs, sx, sw, jnp.float32, w_layout="enk")
     np.testing.assert_array_equal(np.asarray(y_enk, np.float64), y)
@@ -380,6 +369,6 @@ def test_gpu_fp8_grouped_sizes_change_without_a_recompile():
     xq, wq, sx, sw = _int_operands(60, m, k, n, e, "block")
     f = jax.jit(lambda *a: gm._fp8_kernel(*a, out_dtype=jnp.float32))
     for sizes in ([96, 96, 96, 96], [0, 0, 0, 0], [383, 0, 1, 0]):
-        y = _run_twice(f, (m, n), jnp.float32, xq, wq, jnp.asarray(sizes, jnp.int32), sx, sw)
+        y = run_twice(f, (m, n), jnp.float32, xq, wq, jnp.asarray(sizes, jnp.int32), sx, sw)
         np.testing.assert_array_equal(y, _expanded_reference(xq, sx, wq, sw, sizes))
     assert f._cache_size() == 1

@@ -232,6 +232,19 @@ def poison(shape, dtype) -> None:
     jax.block_until_ready(jnp.full(shape, jnp.nan, dtype))
 
 
+def run_twice(f, out_shape, out_dtype, *args):
+    """Two calls in a row of f(*args), each after poisoning fresh memory of the output's size:
+    the first output fully written (no NaN), the second bit for bit the first; returns it as
+    float64."""
+    outs = []
+    for _ in range(2):
+        poison(out_shape, out_dtype)
+        outs.append(np.asarray(jax.block_until_ready(f(*args)), np.float64))
+    assert not np.isnan(outs[0]).any(), "output not fully written"
+    np.testing.assert_array_equal(outs[0], outs[1])
+    return outs[0]
+
+
 def check_gemm_p1(call, exact_fn, shape, dtype, *, integers: bool) -> None:
     """Two calls in a row of a P = 1 GEMM op on the GPU, y = call(x, w) or (y, gathered x):
     random normal inputs within XLA's error, or small integers exactly (fp32 sums of integers
