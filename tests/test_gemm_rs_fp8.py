@@ -359,8 +359,9 @@ def test_gpu_p1_exact_on_integers_twice(kind, shape, formats):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind,shape", list(itertools.product(OPS, GPU_SHAPES[:4])))
 def test_gpu_p1_random_within_bound(kind, shape):
-    """Normal values, quantized per tensor: within 2^-8 of the largest |y| (one bf16 rounding
-    of the fp32 accumulation, whose own error at these K is far below it) of the model."""
+    """Normal values, quantized per tensor: within 2^-6 of the largest |y| of the model (a
+    bf16 ulp is at most 2^-7 of the value, so this allows the fp32 accumulation's small
+    difference from float64 to move a rounding by one ulp; a wrong scale is far outside)."""
     m, k, n = shape
     rng = np.random.default_rng(k)
     xq, sx = pk.fp8.quantize(jnp.asarray(rng.standard_normal((m, k)), jnp.float32), role="x")
@@ -369,5 +370,5 @@ def test_gpu_p1_random_within_bound(kind, shape):
     want = want.astype(np.float64)
     poison((m, n), jnp.bfloat16)
     y = np.asarray(_gpu_call(kind, xq, wq, sx, sw), np.float64)
-    bound = 2.0 ** -8 * np.max(np.abs(want))
+    bound = 2.0 ** -6 * np.max(np.abs(want))
     assert np.max(np.abs(y - want)) <= bound

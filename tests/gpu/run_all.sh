@@ -436,6 +436,7 @@ section_bench() {
   step "$PY" bench/bench_ping.py
   step "$PY" bench/bench_matmul.py
   step "$PY" bench/bench_fp8.py
+  step "$PY" bench/bench_gemm_rs_fp8.py
   step "$PY" bench/bench_tp.py --quick
   step "$PY" bench/bench_emulated.py
   step "$PY" bench/bench_grouped_matmul.py --vjp
