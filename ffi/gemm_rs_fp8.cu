@@ -1,7 +1,8 @@
 // FFI handlers and launchers of pk_gemm_rs_fp8 and pk_gemm_ar_fp8: gemm_rs / gemm_ar with fp8
-// operands and per-tensor scales (see cuda/kernels/gemm_rs_fp8.cuh). w comes transposed per
-// rank, wt [N, K/P], as matmul_fp8's; the Python ops (pk_jax/ops/gemm_rs.py, gemm_ar.py) lay
-// out the operands. Launches on XLA's stream; no host synchronisation.
+// operands and per-tensor or blockwise scales (see cuda/kernels/gemm_rs_fp8.cuh). w comes
+// transposed per rank, wt [N, K/P], as matmul_fp8's; the Python ops (pk_jax/ops/gemm_rs.py,
+// gemm_ar.py) lay out the operands and scales. Launches on XLA's stream; no host
+// synchronisation.
 #include <cstring>
 #include <string>
 
@@ -26,10 +27,11 @@ bool ToFp8(ffi::DataType t, DType* out) {
   }
 }
 
-// Calls launch(C{}) for the configuration of the call's formats and tile: the one place mapping
-// them (8 kernels: 2 x formats x 2 w formats x 2 tiles).
+// Calls launch(C{}) for the configuration of the call's formats, scales and tile: the one place
+// mapping them (12 kernels: 2 x formats x 2 w formats x (2 per-tensor tiles + blockwise)).
 template <typename XT, typename WT, class F>
 cudaError_t WithTile(const GemmFp8Args& a, F&& launch) {
+  if (a.blockwise) return launch(rf::config_block<XT, WT>{});
   return a.config == op_table::kTile128x256 ? launch(rf::config_128x256<XT, WT>{})
                                             : launch(rf::config_128x128<XT, WT>{});
 }
@@ -58,12 +60,6 @@ Status RowSplitGemmFp8(const char* op, int op_id, const Where& at, const GemmFp8
     return Status::Invalid(pre + "x and w must be float8_e4m3fn or float8_e5m2.");
   }
   if (a.y_dtype != DType::kBF16) return Status::Invalid(pre + "y must be bfloat16.");
-  if (a.blockwise) {
-    return Status::Invalid(pre + "takes per-tensor scales only (one float each for x and w).");
-  }
-  if (a.xs_rows * a.xs_cols != 1 || a.ws_rows * a.ws_cols != 1) {
-    return Status::Invalid(pre + "per-tensor scales must be one float each.");
-  }
   const int64_t m = a.m, k = a.k, n = a.n;
   if (m < 0 || k < 0 || n < 0 || k % 16 != 0 || n % 8 != 0) {
     return Status::Invalid(pre +
@@ -76,6 +72,24 @@ Status RowSplitGemmFp8(const char* op, int op_id, const Where& at, const GemmFp8
   if (a.config != op_table::kTile128x256 && a.config != op_table::kTile128x128) {
     return Status::Invalid(pre + "tile config must be 128x256 or 128x128, got " +
                            std::to_string(a.config));
+  }
+  if (a.blockwise && a.config != op_table::kTile128x128) {
+    return Status::Invalid(pre + "blockwise scaling takes the 128x128 tile config.");
+  }
+  // matmul_fp8's scale layouts, of this rank's shard (K = K/P): blockwise x_scale transposed
+  // [KB, >= M] and w_scale [KB, >= NB], rows padded to multiples of 4 (16-byte TMA strides).
+  const int64_t kb = (k + 127) / 128, nb = (n + 127) / 128;
+  if (a.blockwise) {
+    if (a.xs_rows != kb || a.xs_cols < m || a.xs_cols % 4 != 0 || a.ws_rows != kb ||
+        a.ws_cols < nb || a.ws_cols % 4 != 0) {
+      return Status::Invalid(
+          pre + "blockwise scales must be x_scale transposed [ceil(K/128), >= M] and w_scale "
+                "[ceil(K/128), >= ceil(N/128)], rows padded to multiples of 4; got [" +
+          std::to_string(a.xs_rows) + ", " + std::to_string(a.xs_cols) + "] and [" +
+          std::to_string(a.ws_rows) + ", " + std::to_string(a.ws_cols) + "].");
+    }
+  } else if (a.xs_rows * a.xs_cols != 1 || a.ws_rows * a.ws_cols != 1) {
+    return Status::Invalid(pre + "per-tensor scales must be one float each.");
   }
   if (!GATHER && m % world != 0) return Status::Invalid(pre + "M must be divisible by P.");
   const int64_t m_out = GATHER ? m : m / world;
@@ -105,6 +119,20 @@ Status RowSplitGemmFp8(const char* op, int op_id, const Where& at, const GemmFp8
   if (Status s = TensorMap(op, {a.w, uint64_t(n), uint64_t(k), bn, 128, kMapFp8}, &g.w);
       !s.ok()) {
     return s;
+  }
+  if (a.blockwise) {
+    if (Status s = TensorMap(op, {a.x_scale, uint64_t(kb), uint64_t(a.xs_cols), 1, 128,
+                                  kMapF32Plain},
+                             &g.xs);
+        !s.ok()) {
+      return s;
+    }
+    if (Status s = TensorMap(op, {a.w_scale, uint64_t(kb), uint64_t(a.ws_cols), 1,
+                                  pk::fp8_layout::W_SCALE_BOX, kMapF32Plain},
+                             &g.ws);
+        !s.ok()) {
+      return s;
+    }
   }
   const int64_t mp = GATHER ? (m + world - 1) / world : m / world;
   const uint64_t owner_bytes = WorkspaceNeed(op_id, a, world);  // 16-byte multiple: n % 8 == 0
@@ -180,8 +208,8 @@ ffi::Error RunGemmFp8(const char* op, int op_id,
   }
   const auto sxd = x_scale.dimensions(), swd = w_scale.dimensions();
   if (sxd.size() != swd.size() || (sxd.size() != 0 && sxd.size() != 2)) {
-    return ffi::Error::InvalidArgument(pre +
-                                       "x_scale and w_scale must both be scalars (per tensor).");
+    return ffi::Error::InvalidArgument(
+        pre + "x_scale and w_scale must both be scalars (per tensor) or both rank 2 (blockwise).");
   }
   a.x = x.untyped_data();
   a.w = w.untyped_data();

@@ -222,7 +222,8 @@ void VisitMaskFields(V&& visit, A& a) {
 
 // The fused TP GEMMs in fp8 (cuda/kernels/gemm_rs_fp8.cuh): gemm_rs_fp8 / gemm_ar_fp8 are
 // gemm_rs / gemm_ar with matmul_fp8's operands per rank, x [m, k] and wt [n, k] (k: K/P), and
-// this rank's per-tensor scales (one float each; blockwise is refused); y bf16 [m/P or m, n].
+// this rank's scales of its shard as matmul_fp8 takes them (per tensor, or blockwise with
+// k = K/P); y bf16 [m/P or m, n].
 // rank: the int32 rank operand on the device.
 struct GemmFp8Args : MatmulFp8Args {
   const int32_t* rank;

@@ -29,13 +29,25 @@ FORMATS = (E4M3, E5M2)
 OPS = {"rs": gemm_rs, "ar": gemm_ar}
 
 
+def _dequantized(x, wt, a, b):
+    """x [M, K] and wt [N, K] times their scales, float64: a scalar, or blocks (x's a [M, KB]
+    per row and 128 columns; w's b [KB, NB] per 128 x 128 block of w [K, N])."""
+    x, wt = np.asarray(x, np.float64), np.asarray(wt, np.float64)
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    k = x.shape[1]
+    xa = np.repeat(a, 128, axis=1)[:, :k] if a.ndim == 2 else a
+    wb = np.kron(b, np.ones((128, 128)))[:k, :wt.shape[0]].T if b.ndim == 2 else b
+    return x * xa, wt * wb
+
+
 def _model(xs, wts, sx, sw, gather: bool) -> list[np.ndarray]:
     """What rank r holds after the call, from per-rank fp8 values x_p [M, K], wt_p [N, K] and
     scales: float64 products, one bf16 rounding per rank, the float64 sum, bf16 once more."""
     p = len(xs)
     partials = []
     for x, wt, a, b in zip(xs, wts, sx, sw):
-        prod = np.asarray(x, np.float64) @ np.asarray(wt, np.float64).T * float(a) * float(b)
+        xd, wd = _dequantized(x, wt, a, b)
+        prod = xd @ wd.T
         partials.append(prod.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64))
     total = np.sum(partials, axis=0).astype(np.float32).astype(ml_dtypes.bfloat16)
     m = total.shape[0]
@@ -53,24 +65,46 @@ def _exact_inputs(rng, p, m, k, n, fx, fw):
     return xs, wts, sx, sw
 
 
+def _block_inputs(rng, p, m, k, n, fx, fw):
+    """As _exact_inputs with blockwise scales: x's [M, KB] in {1/2, 1, 2}, w's [KB, NB] in
+    {1, 2}, values of x and w in {-1, 0, 1} with x zero but in columns 5 and 100 of each
+    128-column block: every partial and sum a multiple of 1/2 below 8 KB P <= 128, exact in
+    bf16 (so any order of rounding agrees); a scale applied to the wrong block changes it."""
+    xs, wts, _, _ = _exact_inputs(rng, p, m, k, n, fx, fw)
+    keep = np.isin(np.arange(k) % 128, (5, 100))
+    xs = [np.where(keep, x.astype(np.float32), 0).astype(x.dtype) for x in xs]
+    kb, nb = -(-k // 128), -(-n // 128)
+    sx = [(2.0 ** rng.integers(-1, 2, (m, kb))).astype(np.float32) for _ in range(p)]
+    sw = [(2.0 ** rng.integers(0, 2, (kb, nb))).astype(np.float32) for _ in range(p)]
+    return xs, wts, sx, sw
+
+
 def _global(xs, wts, sx, sw, w_layout):
     """The per-rank operands as the shard_map's global arrays: x [M, P K], w [P K, N] ("kn")
-    or [N, P K] ("nk"), scales [P]."""
+    or [N, P K] ("nk"), scales [P] (per tensor) or x's [M, P KB] and w's [P KB, NB]."""
     x = jnp.asarray(np.concatenate(xs, axis=1))
     wt = np.concatenate(wts, axis=1)
     w = jnp.asarray(wt.T if w_layout == "kn" else wt)
+    if np.ndim(sx[0]) == 2:
+        return x, w, jnp.asarray(np.concatenate(sx, axis=1)), jnp.asarray(np.concatenate(sw))
     return x, w, jnp.asarray(sx), jnp.asarray(sw)
 
 
-def _specs(kind, w_layout):
+def _specs(kind, w_layout, blockwise=False):
     w_spec = P("tp", None) if w_layout == "kn" else P(None, "tp")
     out = P("tp", None) if kind == "rs" else P(None, None)
-    return (P(None, "tp"), w_spec, P("tp"), P("tp")), out
+    scales = (P(None, "tp"), P("tp", None)) if blockwise else (P("tp"), P("tp"))
+    return (P(None, "tp"), w_spec, *scales), out
+
+
+def _local(s):
+    """A per-tensor scale's [1] shard as the scalar the ops take; blocks as they are."""
+    return s.reshape(()) if s.ndim == 1 else s
 
 
 def _per_rank(fn, w_layout):
     def body(x, w, sx, sw):
-        return fn(x, w, sx.reshape(()), sw.reshape(()), "tp", w_layout=w_layout)
+        return fn(x, w, _local(sx), _local(sw), "tp", w_layout=w_layout)
     return body
 
 
@@ -78,7 +112,7 @@ def _ref_body(kind):
     mod = OPS[kind]
 
     def body(x, w, sx, sw):
-        return mod.fp8_reference(x, w, sx.reshape(()), sw.reshape(()), "tp")
+        return mod.fp8_reference(x, w, _local(sx), _local(sw), "tp")
     return body
 
 
@@ -110,6 +144,24 @@ def test_reference_is_the_model_on_integers(kind, p, fx, fw):
         assert not np.array_equal(wrong.astype(np.float64), want.astype(np.float64))
 
 
+@pytest.mark.parametrize("kind,p", [("rs", 2), ("ar", 4)])
+def test_blockwise_reference_is_the_model(kind, p):
+    """Blockwise scales (x per row and 128 columns, w per 128 x 128 block, of each device's
+    shard): fp8_reference equals the model on values float32 holds exactly, and a model that
+    used the first k-block's scales everywhere differs."""
+    rng = np.random.default_rng(p + 40)
+    m, k, n = 2 * p, 272, 200
+    xs, wts, sx, sw = _block_inputs(rng, p, m, k, n, E4M3, E5M2)
+    mesh = cpu_mesh((p,), ("tp",))
+    in_specs, out_spec = _specs(kind, "kn", blockwise=True)
+    y = run(_ref_body(kind), mesh, in_specs, out_spec, *_global(xs, wts, sx, sw, "kn"))
+    want = _rows(_model(xs, wts, sx, sw, kind == "ar"), kind, p)
+    np.testing.assert_array_equal(np.asarray(y, np.float64), want.astype(np.float64))
+    first = [np.repeat(a[:, :1], a.shape[1], axis=1) for a in sx]
+    wrong = _rows(_model(xs, wts, first, sw, kind == "ar"), kind, p)
+    assert not np.array_equal(wrong.astype(np.float64), want.astype(np.float64))
+
+
 @pytest.mark.parametrize("kind", OPS)
 def test_emulator_cases_expect_the_model(kind):
     """pk_jax.testing.ops' fp8 cases: the inputs are the fp8 values and scales given, the
@@ -132,6 +184,36 @@ def test_emulator_cases_expect_the_model(kind):
     assert case.params["w_dtype"] == _op_table.DTYPES["float8_e4m3fn"]
     assert (case.params["m"], case.params["k"], case.params["n"]) == (m, k, n)
     assert case.params["y_rows"] == (m // p if kind == "rs" else m)
+
+
+@pytest.mark.parametrize("kind", OPS)
+def test_emulator_blockwise_case_in_the_kernels_layouts(kind):
+    """A blockwise case's scale inputs are what the kernel reads (x's transposed [KB, M4], w's
+    [KB, NB4], rows of 4 floats; 128x128 tiles): dequantized from those layouts, the case's
+    inputs give its expected outputs, which are the model's."""
+    rng = np.random.default_rng(21)
+    p, m, k, n = 2, 6, 272, 300
+    xs, wts, sx, sw = _block_inputs(rng, p, m, k, n, E4M3, E4M3)
+    make = emu_ops.gemm_rs_fp8 if kind == "rs" else emu_ops.gemm_ar_fp8
+    case = make([x.astype(np.float64) for x in xs], [w.astype(np.float64) for w in wts], sx,
+                sw)
+    kb = 3  # 272 columns; w has 3 blocks of 300 columns too (a row of 4 floats)
+    assert case.params["blockwise"] is True and case.params["config"] == _op_table.TILES[
+        "128x128"]
+    assert (case.params["xs_rows"], case.params["xs_cols"], case.params["ws_rows"],
+            case.params["ws_cols"]) == (kb, 8, kb, 4)
+    total = 0
+    for inp in case.inputs:
+        x, wt = inp["x"].astype(np.float64), inp["w"].astype(np.float64)
+        xd = x * inp["x_scale"][:, :m].T[:, np.arange(k) // 128]
+        wd = wt * inp["w_scale"][np.arange(k) // 128][:, np.arange(n) // 128].T
+        total = total + xd @ wd.T
+    want = _model(xs, wts, sx, sw, kind == "ar")
+    for r in range(p):
+        got = case.expected[r]["y"].astype(np.float64)
+        np.testing.assert_array_equal(got, want[r].astype(np.float64))
+        rows = slice(r * m // p, (r + 1) * m // p) if kind == "rs" else slice(None)
+        np.testing.assert_array_equal(got, total[rows])
 
 
 def test_emulator_random_case_bound_holds_for_the_model_and_catches_a_dropped_rank():
@@ -173,8 +255,13 @@ def _stand_in(monkeypatch):
                       "scales": (sx.shape, sx.dtype, sw.shape, sw.dtype),
                       "rank": (rank.shape, rank.dtype), "results": results,
                       **{k: int(v) for k, v in attrs.items()}})
-        part = jnp.dot(x.astype(jnp.float32), wt.astype(jnp.float32).T,
-                       precision=jax.lax.Precision.HIGHEST) * sx * sw
+        xf, wf = x.astype(jnp.float32), wt.astype(jnp.float32)
+        if sx.ndim == 2:  # blockwise, the kernel's layouts: sx [KB, >= M] (x's transposed)
+            m, k = x.shape  # and sw [KB, >= NB], rows padded to 4 floats
+            xf = xf * jnp.repeat(sx[:, :m].T, 128, axis=1)[:, :k]
+            wf = wf * jnp.repeat(jnp.repeat(sw, 128, axis=0), 128, axis=1)[:k, :wt.shape[0]].T
+            sx = sw = jnp.float32(1)
+        part = jnp.dot(xf, wf.T, precision=jax.lax.Precision.HIGHEST) * sx * sw
         part = part.astype(jnp.bfloat16).astype(jnp.float32)
         if target == "pk_gemm_rs_fp8":
             y = jax.lax.psum_scatter(part, "tp", scatter_dimension=0, tiled=True)
@@ -188,19 +275,26 @@ def _stand_in(monkeypatch):
     return calls
 
 
-CASES = [("rs", 4, 8, 32, 20, "kn", E4M3, E4M3), ("rs", 2, 6, 64, 24, "nk", E5M2, E4M3),
-         ("ar", 4, 5, 16, 13, "kn", E4M3, E5M2), ("ar", 8, 9, 16, 16, "nk", E5M2, E5M2),
-         ("rs", 1, 4, 48, 7, "kn", E4M3, E4M3), ("ar", 1, 3, 16, 8, "nk", E4M3, E4M3)]
+CASES = [("rs", 4, 8, 32, 20, "kn", E4M3, E4M3, False),
+         ("rs", 2, 6, 64, 24, "nk", E5M2, E4M3, False),
+         ("ar", 4, 5, 16, 13, "kn", E4M3, E5M2, False),
+         ("ar", 8, 9, 16, 16, "nk", E5M2, E5M2, False),
+         ("rs", 1, 4, 48, 7, "kn", E4M3, E4M3, False),
+         ("ar", 1, 3, 16, 8, "nk", E4M3, E4M3, False),
+         ("rs", 2, 5, 272, 300, "kn", E4M3, E4M3, True),  # 3 k-blocks, 3 n-blocks, N padded
+         ("ar", 4, 7, 256, 136, "nk", E5M2, E4M3, True),
+         ("ar", 1, 130, 144, 8, "kn", E4M3, E5M2, True)]
 
 
-@pytest.mark.parametrize("kind,p,m,k,n,w_layout,fx,fw", CASES)
+@pytest.mark.parametrize("kind,p,m,k,n,w_layout,fx,fw,blockwise", CASES)
 def test_entry_lowers_to_the_kernel_call_the_model_expects(monkeypatch, kind, p, m, k, n,
-                                                           w_layout, fx, fw):
+                                                           w_layout, fx, fw, blockwise):
     calls = _stand_in(monkeypatch)
     rng = np.random.default_rng(p * 100 + m)
-    xs, wts, sx, sw = _exact_inputs(rng, p, m * (p if kind == "rs" else 1), k, n, fx, fw)
+    make = _block_inputs if blockwise else _exact_inputs
+    xs, wts, sx, sw = make(rng, p, m * (p if kind == "rs" else 1), k, n, fx, fw)
     mesh = cpu_mesh((p,), ("tp",))
-    in_specs, out_spec = _specs(kind, w_layout)
+    in_specs, out_spec = _specs(kind, w_layout, blockwise)
     y = run(_per_rank(OPS[kind]._fp8_kernel, w_layout), mesh, in_specs, out_spec,
             *_global(xs, wts, sx, sw, w_layout))
     want = _rows(_model(xs, wts, sx, sw, kind == "ar"), kind, p)
@@ -213,10 +307,15 @@ def test_entry_lowers_to_the_kernel_call_the_model_expects(monkeypatch, kind, p,
     mm = xs[0].shape[0]
     assert c["target"] == f"pk_{OPS[kind].FP8_STEM}"
     assert c["x"] == ((mm, k), np.dtype(fx)) and c["wt"] == ((n8, k), np.dtype(fw))
-    assert c["scales"] == ((), np.dtype(np.float32), (), np.dtype(np.float32))
+    if blockwise:  # the kernel's layouts (matmul.fp8_operands): x's transposed, rows of 4
+        kb, nb = -(-k // 128), -(-n // 128)
+        m4, nb4 = -(-mm // 4) * 4, -(-nb // 4) * 4
+        assert c["scales"] == ((kb, m4), np.dtype(np.float32), (kb, nb4), np.dtype(np.float32))
+    else:
+        assert c["scales"] == ((), np.dtype(np.float32), (), np.dtype(np.float32))
     assert c["rank"] == ((1,), np.dtype(np.int32))
     assert c["results"].shape == (mm // p if kind == "rs" else mm, n8)
-    assert c["config"] == _op_table.TILES["128x128"] and c["group_m"] == matmul._GROUP_M
+    assert c["config"] == _op_table.TILES["128x128"] and c["group_m"] == matmul._GROUP_M  # small
     from pk_jax.runtime import state
 
     assert c["comm_id"] == state.comm_id("tp")
@@ -294,9 +393,12 @@ W = jax.ShapeDtypeStruct((32, 16), E4M3)
      "contraction dimensions differ"),
     (X, jax.ShapeDtypeStruct((16, 48), E4M3), ONE, ONE, "nk", ValueError,
      r"\[N, K/P\] \(w_layout='nk'\)"),
-    (X, W, jnp.ones((8, 1), jnp.float32), ONE, "kn", ValueError, "per-tensor scales only"),
-    (X, W, ONE, jnp.bfloat16(1), "kn", TypeError, "w_scale must be a float32 scalar"),
-    (X, W, None, ONE, "kn", TypeError, "x_scale must be a float32 scalar.*got None"),
+    (X, W, jnp.ones((8, 2), jnp.float32), ONE, "kn", ValueError,
+     r"x_scale must be a scalar or \[8, 1\] \(blockwise, of this device's x \[8, 32\]\)"),
+    (X, W, ONE, jnp.ones((1, 2), jnp.float32), "kn", ValueError,
+     r"w_scale must be a scalar or \[1, 1\]"),
+    (X, W, ONE, jnp.bfloat16(1), "kn", TypeError, "w_scale must be float32"),
+    (X, W, None, ONE, "kn", TypeError, "x_scale must be float32.*got None"),
     (X, W, ONE, ONE, "kk", ValueError, "w_layout must be 'kn'"),
     (jax.ShapeDtypeStruct((8, 32, 1), E4M3), W, ONE, ONE, "kn", ValueError,
      "x must have 2 dimensions"),
@@ -332,9 +434,12 @@ def test_entry_refuses_outside_init():
 def _gpu_call(kind, x, w, sx, sw, w_layout="kn"):
     mesh = jax.make_mesh((1,), ("tp",), devices=jax.devices("gpu")[:1])
     pk.init(mesh)
-    in_specs, out_spec = _specs(kind, w_layout)
+    blockwise = jnp.ndim(sx) == 2
+    in_specs, out_spec = _specs(kind, w_layout, blockwise)
+    if not blockwise:
+        sx, sw = jnp.reshape(sx, (1,)), jnp.reshape(sw, (1,))
     return run(_per_rank(OPS[kind]._fp8_kernel, w_layout), mesh, in_specs, out_spec,
-               x, w, jnp.reshape(sx, (1,)), jnp.reshape(sw, (1,)), init=False)
+               x, w, sx, sw, init=False)
 
 
 GPU_SHAPES = [(128, 128, 128), (300, 272, 200), (1000, 1024, 1032), (2048, 2048, 4096),
@@ -372,3 +477,20 @@ def test_gpu_p1_random_within_bound(kind, shape):
     y = np.asarray(_gpu_call(kind, xq, wq, sx, sw), np.float64)
     bound = 2.0 ** -6 * np.max(np.abs(want))
     assert np.max(np.abs(y - want)) <= bound
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind,shape,formats", list(itertools.product(
+    OPS, [(128, 272, 128), (300, 400, 200), (1000, 1040, 1032)], ((E4M3, E4M3), (E5M2, E4M3)))))
+def test_gpu_p1_blockwise_exact_twice(kind, shape, formats):
+    """Blockwise scales over several k-blocks (the last partial) and w blocks: exact
+    (_block_inputs), with w as [K, N] and as [N, K], twice on poisoned outputs."""
+    m, k, n = shape
+    rng = np.random.default_rng(m + k)
+    xs, wts, sx, sw = _block_inputs(rng, 1, m, k, n, *formats)
+    want = _model(xs, wts, sx, sw, kind == "ar")[0].astype(np.float64)
+    for w_layout in ("kn", "nk"):
+        for _ in range(2):
+            poison((m, n), jnp.bfloat16)
+            y = _gpu_call(kind, *_global(xs, wts, sx, sw, w_layout), w_layout)
+            np.testing.assert_array_equal(np.asarray(y, np.float64), want)

@@ -41,8 +41,10 @@ def check_fp8(name: str, x, w, x_scale, w_scale, w_layout: str) -> tuple[int, in
     """The fp8 TP GEMMs' trace-time checks of one rank's operands.
 
     x [M, K/P] and w [K/P, N] ("kn") or wt [N, K/P] ("nk"), both fp8 (either format), K/P a
-    multiple of 16; x_scale and w_scale float32 scalars, this rank's (each rank quantized its
-    own shard). Returns (M, K/P, N)."""
+    multiple of 16; x_scale and w_scale float32, this rank's (each rank quantized its own
+    shard): scalars, or pk.matmul's blockwise shapes of the shard ([M, ceil(K/P / 128)] and
+    [ceil(K/P / 128), ceil(N / 128)]; a scalar one beside a blockwise one is broadcast to its
+    blocks, as pk.matmul does). Returns (M, K/P, N)."""
     from pk_jax import _checks
     from pk_jax import fp8 as _fp8
 
@@ -64,15 +66,17 @@ def check_fp8(name: str, x, w, x_scale, w_scale, w_layout: str) -> tuple[int, in
                          f"has shape {w.shape}. w must be {want} for x [M, K/P].")
     _checks.divisible(name, "K/P (x.shape[1])", k, 16,
                       "fp8 rows need 16-byte strides: pad K with zeros in x and w.")
-    for arg, scale in (("x_scale", x_scale), ("w_scale", w_scale)):
+    for arg, scale, role, shape in (("x_scale", x_scale, "x", (m, k)),
+                                    ("w_scale", w_scale, "w", (k, n))):
+        block = _fp8.block_shape(role, shape)
         if scale is None or getattr(scale, "dtype", None) != jnp.float32:
             got = "None" if scale is None else getattr(scale, "dtype", type(scale).__name__)
-            raise TypeError(f"pk.{name}: {arg} must be a float32 scalar (this device's "
-                            f"per-tensor scale, pk_jax.fp8.quantize), got {got}.")
-        if scale.shape != ():
-            raise ValueError(f"pk.{name}: {arg} must be a scalar: the fused fp8 kernels take "
-                             f"per-tensor scales only (got shape {list(scale.shape)}); for "
-                             "blockwise scales use pk.matmul and the collective apart.")
+            raise TypeError(f"pk.{name}: {arg} must be float32, a scalar or {list(block)} "
+                            f"(this device's scales, pk_jax.fp8.quantize), got {got}.")
+        if scale.shape not in ((), block):
+            raise ValueError(f"pk.{name}: {arg} must be a scalar or {list(block)} (blockwise, "
+                             f"of this device's {role} {list(shape)}), got shape "
+                             f"{list(scale.shape)}.")
     if max(m, -(-n // 8) * 8, k) > _op_table.MAX_DIM:
         raise ValueError(f"pk.{name}: the fp8 kernels index sizes in int32; M, N and K/P must be "
                          f"at most {_op_table.MAX_DIM}.")
@@ -96,7 +100,7 @@ def fp8_call(name: str, target: str, x, w, x_scale, w_scale, axis_name: str, p: 
         raise RuntimeError(f"pk.{name}: the fused fp8 kernel ({target}) cannot run here: it "
                            "needs sm_90 GPUs and the pk_jax extension built with it.")
     m = x.shape[0]
-    x, wt, xs, ws, _, n = _mm.fp8_operands(x, w, x_scale, w_scale, w_layout=w_layout)
+    x, wt, xs, ws, blockwise, n = _mm.fp8_operands(x, w, x_scale, w_scale, w_layout=w_layout)
     n8 = wt.shape[0]
     check_workspace(name, _ffi.workspace_need(stem, p, m=m, n=n8),
                     f"its [{_owner_rows(stem, m, p)}, {n8}] bf16 accumulation buffer")
@@ -106,7 +110,7 @@ def fp8_call(name: str, target: str, x, w, x_scale, w_scale, axis_name: str, p: 
     y = _ffi.call(target, jax.ShapeDtypeStruct((rows, n8), jnp.bfloat16), x, wt, xs, ws,
                   _backend.rank_operand(axis_name), out_vma=out_vma,
                   comm_id=np.int64(state.comm_id(axis_name)),
-                  config=np.int64(_mm.fp8_tile_config(m, n8, False)),
+                  config=np.int64(_mm.fp8_tile_config(m, n8, blockwise)),
                   group_m=np.int64(_mm._GROUP_M))
     return y[:, :n] if n8 != n else y
 

@@ -128,7 +128,9 @@ def _fp8_kernel(x: jax.Array, w: jax.Array, x_scale: jax.Array, w_scale: jax.Arr
     Args:
         x: [M, K/P] fp8 (float8_e4m3fn or float8_e5m2); K/P a multiple of 16, any M.
         w: [K/P, N] fp8 (either format), or given transposed, [N, K/P], with w_layout="nk".
-        x_scale, w_scale: float32 scalars, this device's per-tensor scales.
+        x_scale, w_scale: float32, this device's scales of its shards: scalars (per tensor)
+            or pk.matmul's blockwise shapes ([M, ceil(K/P / 128)], [ceil(K/P / 128),
+            ceil(N / 128)]; 128 x 128 blocks of w as [K/P, N] either way).
         axis_name: one axis of the mesh given to `pk.init`.
         w_layout: "kn" or "nk".
 
@@ -137,8 +139,8 @@ def _fp8_kernel(x: jax.Array, w: jax.Array, x_scale: jax.Array, w_scale: jax.Arr
         (x * x_scale) @ (w * w_scale) (`fp8_reference`).
 
     Raises:
-        ValueError: as gemm_all_reduce; K/P not a multiple of 16; blockwise scales; too little
-            symmetric workspace.
+        ValueError: as gemm_all_reduce; K/P not a multiple of 16; scales of the wrong
+            shape; too little symmetric workspace.
         TypeError: operands not fp8, scales not float32.
         RuntimeError: the kernels cannot run here (no sm_90 GPU, or no extension with them).
     """

@@ -91,7 +91,8 @@ FP8_FORMATS = ("float8_e4m3fn", "float8_e5m2")
 
 def fp8_case(op: str, p: int, rng: np.random.Generator, *, size: str = "small",
              formats: tuple[str, str] | None = None, rank_valued: bool = False,
-             exact: bool = True, config: int | None = None) -> ops.Case:
+             exact: bool = True, config: int | None = None,
+             blockwise: bool = False) -> ops.Case:
     """A random case of gemm_rs_fp8 / gemm_ar_fp8 at world p, x [M, K] and wt [N, K] per rank.
 
     exact: x, wt in {-1, 0, 1} (exact in both formats) and per-rank scales x_scale = 2^a (a in
@@ -100,7 +101,14 @@ def fp8_case(op: str, p: int, rng: np.random.Generator, *, size: str = "small",
     and a kernel that drops or swaps either scale is off by a power of two. rank_valued: x = 1
     on odd ranks, 0 on even ones (whose rows must then add nothing). Not exact: normal values
     and scales, checked within the case's tolerance. size "big": several tiles per owner and
-    128-column panels past the first tile."""
+    128-column panels past the first tile.
+
+    blockwise: x's scales per row and 128 columns, w's per 128 x 128 block, K over 2 or more
+    k-blocks (the last one partial). Exact: x zero but in columns 5 and 100 of each k-block, x
+    scales in {1/2, 1, 2} and w scales in {1, 2}, so every sum is a multiple of 1/2 of size at
+    most 8 KB P <= 128, exact in bf16; a scale of the wrong block or row changes it."""
+    if blockwise:
+        return _fp8_block_case(op, p, rng, size=size, formats=formats, exact=exact)
     big = size == "big"
     xf, wf = formats or tuple(str(f) for f in rng.choice(FP8_FORMATS, 2))
     kmax = max(16, 128 // p // 16 * 16) if exact else 512
@@ -126,6 +134,32 @@ def fp8_case(op: str, p: int, rng: np.random.Generator, *, size: str = "small",
     make = ops.gemm_rs_fp8 if op == "gemm_rs_fp8" else ops.gemm_ar_fp8
     return make(xs, wts, x_scales, w_scales, x_format=xf, w_format=wf, config=config,
                 exact=exact)
+
+
+def _fp8_block_case(op, p, rng, *, size, formats, exact) -> ops.Case:
+    big = size == "big"
+    xf, wf = formats or tuple(str(f) for f in rng.choice(FP8_FORMATS, 2))
+    kb = int(rng.integers(2, max(2, 16 // p) + 1)) if exact else int(rng.integers(2, 5))
+    k = 128 * (kb - 1) + 16 * int(rng.integers(1, 9))
+    n = 8 * int(rng.integers(1, 60)) if not big else 1032
+    if op == "gemm_rs_fp8":
+        m = p * int(rng.integers(1, 120)) if not big else p * 300
+    else:
+        m = int(rng.integers(1, 400)) if not big else 8 * 300 + 5
+    nb = -(-n // 128)
+    if exact:
+        keep = np.isin(np.arange(k) % 128, (5, 100))
+        xs = [ops.integers(rng, (m, k), -1, 2) * keep for _ in range(p)]
+        wts = [ops.integers(rng, (n, k), -1, 2) for _ in range(p)]
+        x_scales = [2.0 ** rng.integers(-1, 2, (m, kb)) for _ in range(p)]
+        w_scales = [2.0 ** rng.integers(0, 2, (kb, nb)) for _ in range(p)]
+    else:
+        xs = [rng.standard_normal((m, k)) for _ in range(p)]
+        wts = [rng.standard_normal((n, k)) for _ in range(p)]
+        x_scales = [rng.uniform(0.25, 2.0, (m, kb)) for _ in range(p)]
+        w_scales = [rng.uniform(0.25, 2.0, (kb, nb)) for _ in range(p)]
+    make = ops.gemm_rs_fp8 if op == "gemm_rs_fp8" else ops.gemm_ar_fp8
+    return make(xs, wts, x_scales, w_scales, x_format=xf, w_format=wf, exact=exact)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -78,6 +78,27 @@ def test_random_within_bound(worlds, op, p):
     assert emu_cases.run_calls(w, cases, rng, skew_ns=SKEW_NS) == []
 
 
+@pytest.mark.parametrize("op,p,formats", list(itertools.product(ops.FP8_GEMMS, WORLDS,
+                                                                PAIRS[:2])))
+def test_blockwise_exact_twice(worlds, op, p, formats):
+    """Blockwise scales (x 1 x 128 per row, w 128 x 128, over 2+ k-blocks, the last partial):
+    exact (emu_cases.fp8_case blockwise), at odd sizes and big ones, twice, skewed."""
+    rng = _rng(op, p, formats, "block")
+    w = worlds(p)
+    cases = [emu_cases.fp8_case(op, p, rng, formats=formats, blockwise=True),
+             emu_cases.fp8_case(op, p, rng, formats=formats, blockwise=True, size="big")]
+    assert emu_cases.run_calls(w, cases, rng, skew_ns=0) == []
+    assert emu_cases.run_calls(w, cases[::-1], rng, skew_ns=SKEW_NS) == []
+
+
+@pytest.mark.parametrize("op,p", list(itertools.product(ops.FP8_GEMMS, WORLDS)))
+def test_blockwise_random_within_bound(worlds, op, p):
+    rng = _rng(op, p, "block random")
+    w = worlds(p)
+    cases = [emu_cases.fp8_case(op, p, rng, exact=False, blockwise=True) for _ in range(3)]
+    assert emu_cases.run_calls(w, cases, rng, skew_ns=SKEW_NS) == []
+
+
 @pytest.mark.parametrize("op,p", list(itertools.product(ops.FP8_GEMMS, WORLDS)))
 def test_back_to_back_with_skew(worlds, op, p):
     """CALLS calls, BATCH at a time without host synchronisation, each rank starting each call
