@@ -1,6 +1,6 @@
 """Shared trace-time helpers of the fused tensor-parallel GEMM lowerings (gemm_rs, ag_gemm,
-gemm_ar): the N padding TMA needs, the workspace check, and the fp8 forms' checks and call. Which path a call takes is
-decided in one place, `pk_jax._backend.route`."""
+gemm_ar): the N padding TMA needs, the workspace check, and the fp8 forms' checks and call.
+Which path a call takes is decided in one place, `pk_jax._backend.route`."""
 
 from __future__ import annotations
 
