@@ -98,8 +98,8 @@ def main() -> int:
         iters = bench_fp8._iters(m, n, k)
         sets = [s[:4] for s in bench_fp8._inputs(m, n, k, scaling)]
         errs = {name: _check(name, fused[name], refs[name], scaling, *sets[0]) for name in OPS}
-        fns = {"matmul_fp8": bench_fp8._Rotating(matmul, sets),
-               **{name: bench_fp8._Rotating(fn, sets) for name, fn in fused.items()}}
+        fns = {"matmul_fp8": common.Rotating(matmul, sets),
+               **{name: common.Rotating(fn, sets) for name, fn in fused.items()}}
         t = {name: v[0] for name, v in
              common.time_us_interleaved(fns, [()], iters=iters, reps=reps).items()}
         flop = 2.0 * m * n * k
