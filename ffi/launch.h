@@ -220,6 +220,24 @@ void VisitMaskFields(V&& visit, A& a) {
   }
 }
 
+// The fused TP GEMMs in fp8 (cuda/kernels/gemm_rs_fp8.cuh): gemm_rs_fp8 / gemm_ar_fp8 are
+// gemm_rs / gemm_ar with matmul_fp8's operands per rank, x [m, k] and wt [n, k] (k: K/P), and
+// this rank's scales of its shard as matmul_fp8 takes them (per tensor, or blockwise with
+// k = K/P); y bf16 [m/P or m, n].
+// rank: the int32 rank operand on the device.
+struct GemmFp8Args : MatmulFp8Args {
+  const int32_t* rank;
+};
+
+template <class V>
+void VisitFields(V&& visit, int op, GemmFp8Args& a) {
+  VisitFields(visit, op, static_cast<MatmulFp8Args&>(a));
+  visit("rank", a.rank);
+}
+
+Status LaunchGemmRsFp8(const Where& at, const GemmFp8Args& a, const CommView& v);
+Status LaunchGemmArFp8(const Where& at, const GemmFp8Args& a, const CommView& v);
+
 // Single-device attention (cuda/kernels/attention.cuh). Forward: q, k, v -> o, lse. Backward:
 // q, k, v, d_o, lse and delta (both [B, H, SP], SP = S rounded up to 128) -> dq, dk, dv, with
 // dq_acc a float32 [B, S, H, D] scratch. Masked (the masked kernels, either pass): the lengths
@@ -670,6 +688,11 @@ inline uint64_t WorkspaceNeed(int op, const GemmArgs& a, int world) {
   const int64_t mp = op == kOpGemmAr ? (a.m + world - 1) / world : a.m / world;
   return uint64_t(mp) * uint64_t(a.n) * 2;
 }
+// gemm_rs_fp8 / gemm_ar_fp8: gemm_rs's / gemm_ar's bf16 owner buffer (Mp rows of N).
+inline uint64_t WorkspaceNeed(int op, const GemmFp8Args& a, int world) {
+  const int64_t mp = op == kOpGemmArFp8 ? (a.m + world - 1) / world : a.m / world;
+  return uint64_t(mp) * uint64_t(a.n) * 2;
+}
 // moe_dispatch / moe_scatter: the capacity rows of H this rank's experts receive.
 inline uint64_t WorkspaceNeed(int, const MoeDispatchArgs& a, int) {
   return uint64_t(a.capacity) * uint64_t(a.h) * ByteWidth(a.dtype);
@@ -735,6 +758,8 @@ constexpr auto WithLauncher(int id, F&& f, G&& none) {
     case kOpGemmRs: return f(LaunchGemmRs);
     case kOpAgGemm: return f(LaunchAgGemm);
     case kOpGemmAr: return f(LaunchGemmAr);
+    case kOpGemmRsFp8: return f(LaunchGemmRsFp8);
+    case kOpGemmArFp8: return f(LaunchGemmArFp8);
     case kOpGroupedMatmul: return f(LaunchGroupedMatmul);
     case kOpGroupedMatmulFp8: return f(LaunchGroupedMatmulFp8);
     case kOpAttention: return f(LaunchAttention);

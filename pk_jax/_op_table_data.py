@@ -15,6 +15,8 @@ _OPS = [
     (5, 'gemm_rs', 'gemm_rs', 8192, 16384, True, True, True, 5),
     (6, 'ag_gemm', 'ag_gemm', 24576, 16384, True, True, True, 6),
     (7, 'gemm_ar', 'gemm_ar', 40960, 16384, True, True, True, 7),
+    (24, 'gemm_rs_fp8', 'gemm_rs', 8192, 16384, True, True, True, 24),
+    (25, 'gemm_ar_fp8', 'gemm_ar', 40960, 16384, True, True, True, 25),
     (9, 'grouped_matmul', 'grouped_matmul', 0, 0, False, True, True, 9),
     (23, 'grouped_matmul_fp8', 'grouped_matmul', 0, 0, False, True, True, 23),
     (10, 'attention', 'attention', 0, 0, False, True, True, 10),

@@ -133,7 +133,7 @@ def test_emulator_ops_are_the_tables():
     body = launch_h[launch_h.index("constexpr auto WithLauncher("):]
     launched = {_snake(name) for name in re.findall(r"case kOp(\w+): return f\(", body)}
     assert launched == emu
-    used = set(ops.OPS + ops.MOE + ops.ATTENTION + ops.FUSED_MOE)
+    used = set(ops.OPS + ops.MOE + ops.ATTENTION + ops.FUSED_MOE + ops.FP8_GEMMS)
     assert used | {"ulysses_attn_bwd", "matmul", "matmul_fp8", "attention",
                    "grouped_matmul", "grouped_matmul_fp8"} == emu
 
@@ -211,6 +211,11 @@ def test_the_emulator_decodes_each_field_by_its_key():
     gfp8 = {**fp8, "group_sizes": 256, "groups": 3, "ws_rows": 6}
     assert decode("grouped_matmul_fp8", {**gfp8, "blockwise": 1}) == {
         **gfp8, "blockwise": True, "config": 0, "group_m": 8}
+    # gemm_rs_fp8 / gemm_ar_fp8: matmul_fp8's fields and the rank operand.
+    for op in ("gemm_rs_fp8", "gemm_ar_fp8"):
+        assert decode(op, {**fp8, "rank": 64}) == {
+            **fp8, "rank": 64, "blockwise": False, "config": 1, "group_m": 8}
+        assert "rank" not in decode("matmul_fp8", {**fp8, "rank": 64})
     # A missing float does not: scale has no fallback.
     with pytest.raises(KeyError):
         decode("ring_attn", {})
@@ -417,6 +422,9 @@ def _testing_launches(monkeypatch) -> list[tuple[str, dict]]:
         ops.all_to_all([rand(4, 8) for _ in range(p)], "float32", 0, 1),
         ops.gemm_rs(xs, ws, "bfloat16"), ops.gemm_ar(xs, ws, "bfloat16"),
         ops.ag_gemm(xs, ws, "bfloat16"),
+        ops.gemm_rs_fp8(xs, [w.T for w in ws], [1.0] * p, [0.5] * p),
+        ops.gemm_ar_fp8(xs, [w.T for w in ws], [2.0] * p, [1.0] * p,
+                        x_format="float8_e5m2", w_format="float8_e4m3fn"),
         ops.moe_dispatch([rand(4, 8) for _ in range(p)], ids, "bfloat16", **moe),
         ops.moe_scatter([rand(8, 8) for _ in range(p)], ids, "bfloat16", **moe),
         ops.moe_combine([rand(8, 8) for _ in range(p)], rng.random((p, 4, 2)), ids, "bfloat16",

@@ -66,6 +66,27 @@ struct globals : matmul::globals {
   int direct;                      // 1: P = 1, tiles go straight to y (matmul's y map: {N, Mp})
 };
 
+/**
+ * @brief Rank r starts on owner r + 1's rows (see the table): the tile a block's walk index `t`
+ * stands for. G: any globals with the owner fields (gemm_rs's, gemm_rs_fp8's).
+ */
+template <class G>
+__device__ inline tile_coord owner_place(const G& g, tile_coord t) {
+  t.m = (t.m + ((g.rank + 1) % g.world) * g.tiles_per_owner) % (g.world * g.tiles_per_owner);
+  return t;
+}
+
+/**
+ * @brief x's first row for placed tile row `tm`. gemm_ar: an owner whose rows all lie past M
+ * loads row M - 1 instead of a box wholly out of bounds; its buffer rows are never gathered.
+ */
+template <int BM, class G>
+__device__ inline int owner_x_row(const G& g, int tm) {
+  const int o = tm / g.tiles_per_owner, i = tm % g.tiles_per_owner;
+  const int row = o * g.rows_per_owner + i * BM;
+  return row < g.m ? row : g.m - 1;
+}
+
 /** @brief matmul's pipeline with the owner split of the tile rows and a reduce-add storer. */
 template <class C>
 struct kernel_def : matmul::kernel_def<C> {
@@ -78,11 +99,7 @@ struct kernel_def : matmul::kernel_def<C> {
   __device__ static tile_scheduler scheduler(const globals& g) {
     return tile_scheduler(g.world * g.tiles_per_owner, ceil_div(g.n, BN), g.group_m);
   }
-  /** @brief Rank r starts on owner r + 1's rows (see the table). */
-  __device__ static tile_coord place(const globals& g, tile_coord t) {
-    t.m = (t.m + ((g.rank + 1) % g.world) * g.tiles_per_owner) % (g.world * g.tiles_per_owner);
-    return t;
-  }
+  __device__ static tile_coord place(const globals& g, tile_coord t) { return owner_place(g, t); }
   __device__ static void setup(const globals& g, lcsc::block_info) {
     tma::prefetch(&g.x);
     tma::prefetch(&g.w);
@@ -96,11 +113,7 @@ struct kernel_def : matmul::kernel_def<C> {
   __device__ static void loader(const globals& g, stage_t& s, mbarrier* full, tile_coord t,
                                 int k) {
     t = place(g, t);
-    const int o = t.m / g.tiles_per_owner, i = t.m % g.tiles_per_owner;
-    // gemm_ar: an owner whose rows all lie past M loads row M - 1 instead of a box wholly out
-    // of bounds; its buffer rows are never gathered.
-    const int row = o * g.rows_per_owner + i * BM;
-    tma::load_2d(s.a.data, &g.x, full, k * BK, row < g.m ? row : g.m - 1);
+    tma::load_2d(s.a.data, &g.x, full, k * BK, owner_x_row<BM>(g, t.m));
 #pragma unroll
     for (int p = 0; p < base::b_tile::PANELS; ++p) {
       tma::load_2d(s.b.panel(p), &g.w, full, t.n * BN + p * 64, k * BK);

@@ -1,12 +1,14 @@
 """Shared trace-time helpers of the fused tensor-parallel GEMM lowerings (gemm_rs, ag_gemm,
-gemm_ar): the N padding TMA needs, and the workspace check. Which path a call takes is
-decided in one place, `pk_jax._backend.route`."""
+gemm_ar): the N padding TMA needs, the workspace check, and the fp8 forms' checks and call.
+Which path a call takes is decided in one place, `pk_jax._backend.route`."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from pk_jax import _op_table
 from pk_jax.runtime import state
 
 
@@ -28,3 +30,90 @@ def check_workspace(name: str, need: int, what: str) -> None:
             f"pk.{name}: this call needs {need} bytes of symmetric workspace per device for "
             f"{what}, and pk.init was given {have}. Call pk.init(mesh, "
             f"workspace_bytes={mib << 20}) (or more), or use smaller shards.")
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused TP GEMMs in fp8 (pk_gemm_rs_fp8, pk_gemm_ar_fp8: cuda/kernels/gemm_rs_fp8.cuh),
+# behind private entries (gemm_rs._fp8_kernel, gemm_ar._fp8_kernel) until they have run on a GPU.
+
+
+def check_fp8(name: str, x, w, x_scale, w_scale, w_layout: str) -> tuple[int, int, int]:
+    """The fp8 TP GEMMs' trace-time checks of one rank's operands.
+
+    x [M, K/P] and w [K/P, N] ("kn") or wt [N, K/P] ("nk"), both fp8 (either format), K/P a
+    multiple of 16; x_scale and w_scale float32, this rank's (each rank quantized its own
+    shard): scalars, or pk.matmul's blockwise shapes of the shard ([M, ceil(K/P / 128)] and
+    [ceil(K/P / 128), ceil(N / 128)]; a scalar one beside a blockwise one is broadcast to its
+    blocks, as pk.matmul does). Returns (M, K/P, N)."""
+    from pk_jax import _checks
+    from pk_jax import fp8 as _fp8
+
+    formats = ", ".join(np.dtype(d).name for d in _fp8.FORMATS)
+    if w_layout not in ("kn", "nk"):
+        raise ValueError(f"pk.{name}: w_layout must be 'kn' (w [K/P, N]) or 'nk' (w transposed, "
+                         f"[N, K/P]), got {w_layout!r}.")
+    _checks.ndim_is(name, "x", x, 2)
+    _checks.ndim_is(name, "w", w, 2)
+    for arg, a in (("x", x), ("w", w)):
+        if not _fp8.is_fp8(a.dtype):
+            raise TypeError(f"pk.{name}: x and w must be fp8 ({formats}); {arg} is {a.dtype}. "
+                            "Quantize it with pk_jax.fp8.quantize.")
+    m, k = x.shape
+    n, wk = (w.shape[1], w.shape[0]) if w_layout == "kn" else w.shape
+    if wk != k:
+        want = "[K/P, N]" if w_layout == "kn" else "[N, K/P] (w_layout='nk')"
+        raise ValueError(f"pk.{name}: contraction dimensions differ: x has shape {x.shape} and w "
+                         f"has shape {w.shape}. w must be {want} for x [M, K/P].")
+    _checks.divisible(name, "K/P (x.shape[1])", k, 16,
+                      "fp8 rows need 16-byte strides: pad K with zeros in x and w.")
+    for arg, scale, role, shape in (("x_scale", x_scale, "x", (m, k)),
+                                    ("w_scale", w_scale, "w", (k, n))):
+        block = _fp8.block_shape(role, shape)
+        if scale is None or getattr(scale, "dtype", None) != jnp.float32:
+            got = "None" if scale is None else getattr(scale, "dtype", type(scale).__name__)
+            raise TypeError(f"pk.{name}: {arg} must be float32, a scalar or {list(block)} "
+                            f"(this device's scales, pk_jax.fp8.quantize), got {got}.")
+        if scale.shape not in ((), block):
+            raise ValueError(f"pk.{name}: {arg} must be a scalar or {list(block)} (blockwise, "
+                             f"of this device's {role} {list(shape)}), got shape "
+                             f"{list(scale.shape)}.")
+    if max(m, -(-n // 8) * 8, k) > _op_table.MAX_DIM:
+        raise ValueError(f"pk.{name}: the fp8 kernels index sizes in int32; M, N and K/P must be "
+                         f"at most {_op_table.MAX_DIM}.")
+    return m, k, n
+
+
+def fp8_call(name: str, target: str, x, w, x_scale, w_scale, axis_name: str, p: int,
+             rows: int, w_layout: str) -> jax.Array:
+    """Calls `target` (pk_gemm_rs_fp8 or pk_gemm_ar_fp8) on checked operands (check_fp8): w
+    transposed to wt [N8, K/P] unless given so (fp8 wgmma reads B K-major) and N padded to
+    N8, a multiple of 8, with zero rows; y bf16 [rows, N] (`rows`: M / P or M).
+
+    The result varies along every axis an operand varies along; gemm_rs_fp8's also along
+    axis_name (each device its rows: _ffi.call's default once the rank operand is passed),
+    gemm_ar_fp8's not (like psum, the same sum on every device)."""
+    from pk_jax import _backend, _ffi
+    from pk_jax.ops import matmul as _mm
+
+    stem = target.removeprefix("pk_")
+    if not _backend.use_kernel(stem, axis_name):
+        raise RuntimeError(f"pk.{name}: the fused fp8 kernel ({target}) cannot run here: it "
+                           "needs sm_90 GPUs and the pk_jax extension built with it.")
+    m = x.shape[0]
+    x, wt, xs, ws, blockwise, n = _mm.fp8_operands(x, w, x_scale, w_scale, w_layout=w_layout)
+    n8 = wt.shape[0]
+    check_workspace(name, _ffi.workspace_need(stem, p, m=m, n=n8),
+                    f"its [{_owner_rows(stem, m, p)}, {n8}] bf16 accumulation buffer")
+    out_vma = None
+    if stem == "gemm_ar_fp8":
+        out_vma = (_ffi.vma(x) | _ffi.vma(wt) | _ffi.vma(xs) | _ffi.vma(ws)) - {axis_name}
+    y = _ffi.call(target, jax.ShapeDtypeStruct((rows, n8), jnp.bfloat16), x, wt, xs, ws,
+                  _backend.rank_operand(axis_name), out_vma=out_vma,
+                  comm_id=np.int64(state.comm_id(axis_name)),
+                  config=np.int64(_mm.fp8_tile_config(m, n8, blockwise)),
+                  group_m=np.int64(_mm._GROUP_M))
+    return y[:, :n] if n8 != n else y
+
+
+def _owner_rows(stem: str, m: int, p: int) -> int:
+    return -(-m // p) if stem == "gemm_ar_fp8" else m // p

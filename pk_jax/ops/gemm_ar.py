@@ -6,6 +6,7 @@ from __future__ import annotations
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from pk_jax import _backend, _checks, _ffi
@@ -101,3 +102,49 @@ def _gemm_ar_bwd(axis_name, res, dy):
 
 
 _gemm_ar.defvjp(_gemm_ar_fwd, _gemm_ar_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# fp8 (pk_gemm_ar_fp8: gemm_rs_fp8's kernels, cuda/kernels/gemm_rs_fp8.cuh, and gemm_ar's
+# gather), behind a private entry until it has run on a GPU: nothing routes to it yet.
+
+FP8_STEM = "gemm_ar_fp8"
+
+
+def fp8_reference(x: jax.Array, w: jax.Array, x_scale: jax.Array, w_scale: jax.Array,
+                  axis_name: str) -> jax.Array:
+    """The fp8 form's reference: each device's operands dequantized with its own scales, a
+    float32 dot, the float32 sum over the axis, then bf16 (the kernel sums bf16 partials)."""
+    y = _mm.fp8_reference(x, w, x_scale, w_scale, jnp.float32)
+    return jax.lax.psum(y, axis_name).astype(jnp.bfloat16)
+
+
+def _fp8_kernel(x: jax.Array, w: jax.Array, x_scale: jax.Array, w_scale: jax.Array,
+                axis_name: str, *, w_layout: str = "kn") -> jax.Array:
+    """gemm_all_reduce of fp8 operands by the fused fp8 kernels (pk_gemm_ar_fp8), whatever the
+    router would pick: the entry the GPU tests call until the kernels are verified and routed
+    to. Forward only (no VJP yet).
+
+    Args:
+        x: [M, K/P] fp8 (float8_e4m3fn or float8_e5m2); K/P a multiple of 16, any M.
+        w: [K/P, N] fp8 (either format), or given transposed, [N, K/P], with w_layout="nk".
+        x_scale, w_scale: float32, this device's scales of its shards: scalars (per tensor)
+            or pk.matmul's blockwise shapes ([M, ceil(K/P / 128)], [ceil(K/P / 128),
+            ceil(N / 128)]; 128 x 128 blocks of w as [K/P, N] either way).
+        axis_name: one axis of the mesh given to `pk.init`.
+        w_layout: "kn" or "nk".
+
+    Returns:
+        [M, N] bf16, the same on every device: the sum over devices of
+        (x * x_scale) @ (w * w_scale) (`fp8_reference`).
+
+    Raises:
+        ValueError: as gemm_all_reduce; K/P not a multiple of 16; scales of the wrong
+            shape; too little symmetric workspace.
+        TypeError: operands not fp8, scales not float32.
+        RuntimeError: the kernels cannot run here (no sm_90 GPU, or no extension with them).
+    """
+    p = _checks.axis_size(NAME, axis_name)
+    m, _, _ = _tp.check_fp8(NAME, x, w, x_scale, w_scale, w_layout)
+    return _tp.fp8_call(NAME, "pk_gemm_ar_fp8", x, w, x_scale, w_scale, axis_name, p, m,
+                        w_layout)

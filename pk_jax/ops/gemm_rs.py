@@ -10,6 +10,7 @@ from __future__ import annotations
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from pk_jax import _backend, _checks, _ffi
@@ -112,3 +113,53 @@ def _gemm_rs_bwd(axis_name, res, dy):
 
 
 _gemm_rs.defvjp(_gemm_rs_fwd, _gemm_rs_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# fp8 (pk_gemm_rs_fp8, cuda/kernels/gemm_rs_fp8.cuh), behind a private entry until it has run
+# on a GPU: nothing routes to it yet.
+
+FP8_STEM = "gemm_rs_fp8"
+
+
+def fp8_reference(x: jax.Array, w: jax.Array, x_scale: jax.Array, w_scale: jax.Array,
+                  axis_name: str) -> jax.Array:
+    """The fp8 form's reference: each device's operands dequantized with its own scales, a
+    float32 dot, the float32 sum reduce-scattered by rows, then bf16 (the kernel rounds each
+    device's partial to bf16 and sums in bf16: within a few bf16 ulps of this)."""
+    y = _mm.fp8_reference(x, w, x_scale, w_scale, jnp.float32)
+    return jax.lax.psum_scatter(y, axis_name, scatter_dimension=0,
+                                tiled=True).astype(jnp.bfloat16)
+
+
+def _fp8_kernel(x: jax.Array, w: jax.Array, x_scale: jax.Array, w_scale: jax.Array,
+                axis_name: str, *, w_layout: str = "kn") -> jax.Array:
+    """gemm_reduce_scatter of fp8 operands by the fused fp8 kernel (pk_gemm_rs_fp8), whatever
+    the router would pick: the entry the GPU tests call until the kernel is verified and routed
+    to. Forward only (no VJP yet).
+
+    Args:
+        x: [M, K/P] fp8 (float8_e4m3fn or float8_e5m2); M divisible by P, K/P a multiple of 16.
+        w: [K/P, N] fp8 (either format), or given transposed, [N, K/P], with w_layout="nk".
+        x_scale, w_scale: float32, this device's scales of its shards: scalars (per tensor)
+            or pk.matmul's blockwise shapes ([M, ceil(K/P / 128)], [ceil(K/P / 128),
+            ceil(N / 128)]; 128 x 128 blocks of w as [K/P, N] either way).
+        axis_name: one axis of the mesh given to `pk.init`.
+        w_layout: "kn" or "nk".
+
+    Returns:
+        [M/P, N] bf16: rows [r M/P, (r+1) M/P) of the sum over devices of
+        (x * x_scale) @ (w * w_scale) (`fp8_reference`).
+
+    Raises:
+        ValueError: as gemm_reduce_scatter; K/P not a multiple of 16; scales of the wrong
+            shape; too little symmetric workspace.
+        TypeError: operands not fp8, scales not float32.
+        RuntimeError: the kernel cannot run here (no sm_90 GPU, or no extension with it).
+    """
+    p = _checks.axis_size(NAME, axis_name)
+    m, _, _ = _tp.check_fp8(NAME, x, w, x_scale, w_scale, w_layout)
+    _checks.divisible(NAME, "M (x.shape[0])", m, p,
+                      f"Pad the rows of x to a multiple of the size of axis {axis_name!r} ({p}).")
+    return _tp.fp8_call(NAME, "pk_gemm_rs_fp8", x, w, x_scale, w_scale, axis_name, p, m // p,
+                        w_layout)

@@ -29,8 +29,13 @@ ATTENTION = ("ring_attn", "ring_attn_bwd", "ulysses_attn")
 # (not in MOE: their cases come from tests/gpu/emu_cases.py's fused_case and gemm_combine_case,
 # their suites are tests/gpu/test_emulator_moe_fused.py).
 FUSED_MOE = ("moe_dispatch_gemm", "moe_gemm_combine")
-# The tile configs the fused GEMMs take (ffi/op_table.h Tile).
+# The fused TP GEMMs in fp8 (per-tensor or blockwise scales; their cases: gemm_rs_fp8 /
+# gemm_ar_fp8 below, their suite tests/gpu/test_emulator_fp8.py).
+FP8_GEMMS = ("gemm_rs_fp8", "gemm_ar_fp8")
+# The tile configs the fused GEMMs take (ffi/op_table.h Tile); the fp8 ones take 128x256 (4
+# stages, matmul_fp8's) or 128x128.
 TILE_128x128, TILE_128x256_S3 = _op_table.TILES["128x128"], _op_table.TILES["128x256_s3"]
+TILE_128x256 = _op_table.TILES["128x256"]
 
 
 @dataclass
@@ -141,6 +146,112 @@ def ag_gemm(xs, ws, dtype: str, *, num_comm_sms: int = 2, config: int | None = N
     params["num_comm_sms"] = num_comm_sms
     return Case("ag_gemm", dtype, [{"x": x, "w": _cast(w, dtype)} for x, w in zip(xs, ws)],
                 [{"y": y, "x_full": full} for y in ys], params, exact, 2e-2, 2e-2)
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused TP GEMMs in fp8: x_p [M, K] and wt_p [N, K] (w transposed) in fp8 with rank p's own
+# scalar scales; y bf16.
+
+def fp8_values(a: np.ndarray, fmt: str) -> np.ndarray:
+    """`a` rounded to fp8 format `fmt` (float8_e4m3fn or float8_e5m2), as that dtype."""
+    import ml_dtypes
+
+    return np.asarray(a, np.float32).astype(getattr(ml_dtypes, fmt))
+
+
+def fp8_rank_partials(xs, wts, x_scales, w_scales) -> list[np.ndarray]:
+    """What each rank adds into the owners' buffers: its fp32-accumulated product of the fp8
+    values (float64 here: exact for the sizes the tests use) dequantized by its own scales
+    (scalars, or blocks: x's [M, KB] per row and 128 columns, w's [KB, NB] per 128 x 128 block
+    of w [K, N]), rounded to bf16 once (the kernel's epilogue)."""
+    import ml_dtypes
+
+    out = []
+    for x, wt, sx, sw in zip(xs, wts, x_scales, w_scales):
+        x, wt = np.asarray(x, np.float64), np.asarray(wt, np.float64)
+        sx = np.asarray(sx, np.float32).astype(np.float64)
+        sw = np.asarray(sw, np.float32).astype(np.float64)
+        k = x.shape[1]
+        if sx.ndim == 2:
+            x = x * np.repeat(sx, 128, axis=1)[:, :k]
+            sx = 1.0
+        if sw.ndim == 2:
+            wt = wt * np.kron(sw, np.ones((128, 128)))[:k, :wt.shape[0]].T
+            sw = 1.0
+        scaled = (x @ wt.T * sx * sw).astype(np.float32)
+        out.append(scaled.astype(ml_dtypes.bfloat16).astype(np.float64))
+    return out
+
+
+def _round_up(v: int, to: int) -> int:
+    return -(-v // to) * to
+
+
+def _fp8_scale_inputs(sx, sw, m: int) -> tuple[np.ndarray, np.ndarray]:
+    """A rank's scales as the kernel reads them (pk_jax.ops.matmul.fp8_operands): one float
+    each, or x's blocks transposed to [KB, M] and w's [KB, NB], rows zero-padded to 4 floats."""
+    sx, sw = np.asarray(sx, np.float32), np.asarray(sw, np.float32)
+    if sx.ndim == 0:
+        return np.full((1,), sx, np.float32), np.full((1,), sw, np.float32)
+    xs = np.zeros((sx.shape[1], _round_up(m, 4)), np.float32)
+    xs[:, :m] = sx.T
+    ws = np.zeros((sw.shape[0], _round_up(sw.shape[1], 4)), np.float32)
+    ws[:, :sw.shape[1]] = sw
+    return xs, ws
+
+
+def _gemm_fp8(op: str, xs, wts, x_scales, w_scales, x_format: str, w_format: str,
+              config: int | None, exact: bool) -> Case:
+    p = len(xs)
+    xs = [fp8_values(x, x_format) for x in xs]
+    wts = [fp8_values(w, w_format) for w in wts]
+    partials = fp8_rank_partials(xs, wts, x_scales, w_scales)
+    total = np.sum(partials, axis=0)
+    m, k = xs[0].shape
+    n = wts[0].shape[0]
+    if op == "gemm_rs_fp8":
+        ys = [_cast(total[r * m // p:(r + 1) * m // p], "bfloat16") for r in range(p)]
+    else:
+        ys = [_cast(total, "bfloat16") for _ in range(p)]
+    scales = [_fp8_scale_inputs(sx, sw, m) for sx, sw in zip(x_scales, w_scales)]
+    blockwise = scales[0][0].ndim == 2
+    if config is None and not blockwise:
+        config = TILE_128x256 if m * n >= 4096 * 4096 else TILE_128x128
+    (xs_rows, xs_cols), (ws_rows, ws_cols) = ((s.shape if s.ndim == 2 else (1, 1))
+                                              for s in scales[0])
+    params = {"w_dtype": DTYPES[w_format], "y_dtype": DTYPES["bfloat16"],
+              "blockwise": blockwise, "xs_rows": xs_rows, "xs_cols": xs_cols,
+              "ws_rows": ws_rows, "ws_cols": ws_cols, "m": m, "k": k, "n": n,
+              "y_rows": ys[0].shape[0], "y_cols": n,
+              "config": TILE_128x128 if blockwise else config, "group_m": 8}
+    inputs = [{"x": x, "w": wt, "x_scale": a, "w_scale": b}
+              for x, wt, (a, b) in zip(xs, wts, scales)]
+    # Not exact: bf16 partials summed in bf16 in a varying order, against one rounding of the
+    # float64 sum. Every running sum is at most P times the largest partial and each of the
+    # P adds rounds by half a bf16 ulp (2^-9 relative) of it: P 2^-8 of the largest partial
+    # bounds the difference, with room, and stays far below a typical partial (a dropped,
+    # doubled or misplaced one shows in most elements).
+    big = max(float(np.max(np.abs(q))) for q in partials) if total.size else 0.0
+    return Case(op, x_format, inputs, [{"y": y} for y in ys], params, exact,
+                p * big * 2.0 ** -8, 2.0 ** -7)
+
+
+def gemm_rs_fp8(xs, wts, x_scales, w_scales, *, x_format: str = "float8_e4m3fn",
+                w_format: str = "float8_e4m3fn", config: int | None = None,
+                exact: bool = True) -> Case:
+    """y_r = rows [r M/P, (r+1) M/P) of sum_p bf16(xs_p ws_p x_p @ wt_p^T) (x_p [M, K] and
+    wt_p [N, K] rounded to the formats; x_scales, w_scales: per rank one float each, or blocks
+    x [M, ceil(K / 128)] and w [ceil(K / 128), ceil(N / 128)] (fp8_rank_partials))."""
+    return _gemm_fp8("gemm_rs_fp8", xs, wts, x_scales, w_scales, x_format, w_format, config,
+                     exact)
+
+
+def gemm_ar_fp8(xs, wts, x_scales, w_scales, *, x_format: str = "float8_e4m3fn",
+                w_format: str = "float8_e4m3fn", config: int | None = None,
+                exact: bool = True) -> Case:
+    """y = sum_p bf16(xs_p ws_p x_p @ wt_p^T) on every rank (as gemm_rs_fp8, all M rows)."""
+    return _gemm_fp8("gemm_ar_fp8", xs, wts, x_scales, w_scales, x_format, w_format, config,
+                     exact)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -529,7 +640,7 @@ class Call:
         fields = {"dtype": DTYPES[c.dtype], **c.params}
         fields.update({k: b for k, b in bufs.items()})
         # sizes in the params, buffers by their names
-        if c.op in MOE + ATTENTION + FUSED_MOE + ("ulysses_attn_bwd",):
+        if c.op in MOE + ATTENTION + FUSED_MOE + FP8_GEMMS + ("ulysses_attn_bwd",):
             return fields
         x = c.inputs[r]["x"]
         if c.op in COLLECTIVES:

@@ -34,6 +34,8 @@ def case(op: str, p: int, rng: np.random.Generator, *, size: str = "small",
         return ulysses_bwd_case(p, rng, dtype=dtype, size=size)
     if op in ops.ATTENTION:
         return ring_case(p, rng, dtype=dtype, size=size, backward=op == "ring_attn_bwd")
+    if op in ops.FP8_GEMMS:
+        return fp8_case(op, p, rng, size=size, rank_valued=rank_valued)
     big = size == "big"
 
     def ints(shape, r):
@@ -79,6 +81,85 @@ def case(op: str, p: int, rng: np.random.Generator, *, size: str = "small",
           for r in range(p)]
     ws = [ops.integers(rng, (k, n), -1, 2) for _ in range(p)]
     return (ops.gemm_rs if op == "gemm_rs" else ops.gemm_ar)(xs, ws, dt)
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused TP GEMMs in fp8 (pk_jax.testing.ops.FP8_GEMMS)
+
+FP8_FORMATS = ("float8_e4m3fn", "float8_e5m2")
+
+
+def fp8_case(op: str, p: int, rng: np.random.Generator, *, size: str = "small",
+             formats: tuple[str, str] | None = None, rank_valued: bool = False,
+             exact: bool = True, config: int | None = None,
+             blockwise: bool = False) -> ops.Case:
+    """A random case of gemm_rs_fp8 / gemm_ar_fp8 at world p, x [M, K] and wt [N, K] per rank.
+
+    exact: x, wt in {-1, 0, 1} (exact in both formats) and per-rank scales x_scale = 2^a (a in
+    -1..2), w_scale = 2^(b - a) (b in 0..1), so every partial is an integer of size at most 2 K
+    and every sum one of at most 2 P K <= 256: exact in bf16, whatever order the adds land in,
+    and a kernel that drops or swaps either scale is off by a power of two. rank_valued: x = 1
+    on odd ranks, 0 on even ones (whose rows must then add nothing). Not exact: normal values
+    and scales, checked within the case's tolerance. size "big": several tiles per owner and
+    128-column panels past the first tile.
+
+    blockwise: x's scales per row and 128 columns, w's per 128 x 128 block, K over 2 or more
+    k-blocks (the last one partial). Exact: x zero but in columns 5 and 100 of each k-block, x
+    scales in {1/2, 1, 2} and w scales in {1, 2}, so every sum is a multiple of 1/2 of size at
+    most 8 KB P <= 128, exact in bf16; a scale of the wrong block or row changes it."""
+    if blockwise:
+        return _fp8_block_case(op, p, rng, size=size, formats=formats, exact=exact)
+    big = size == "big"
+    xf, wf = formats or tuple(str(f) for f in rng.choice(FP8_FORMATS, 2))
+    kmax = max(16, 128 // p // 16 * 16) if exact else 512
+    k = 16 * int(rng.integers(1, kmax // 16 + 1)) if not big else kmax
+    n = 8 * int(rng.integers(1, 60)) if not big else 1032
+    if op == "gemm_rs_fp8":
+        m = p * int(rng.integers(1, 120)) if not big else p * 300
+    else:
+        m = int(rng.integers(1, 400)) if not big else 8 * 300 + 5
+    if exact:
+        xs = [np.full((m, k), float(r % 2)) if rank_valued else ops.integers(rng, (m, k), -1, 2)
+              for r in range(p)]
+        wts = [ops.integers(rng, (n, k), -1, 2) for _ in range(p)]
+        a = rng.integers(-1, 3, p)
+        b = rng.integers(0, 2, p)
+        x_scales = [2.0 ** int(v) for v in a]
+        w_scales = [2.0 ** int(bv - av) for av, bv in zip(a, b)]
+    else:
+        xs = [rng.standard_normal((m, k)) for _ in range(p)]
+        wts = [rng.standard_normal((n, k)) for _ in range(p)]
+        x_scales = [float(v) for v in rng.uniform(0.25, 2.0, p)]
+        w_scales = [float(v) for v in rng.uniform(0.25, 2.0, p)]
+    make = ops.gemm_rs_fp8 if op == "gemm_rs_fp8" else ops.gemm_ar_fp8
+    return make(xs, wts, x_scales, w_scales, x_format=xf, w_format=wf, config=config,
+                exact=exact)
+
+
+def _fp8_block_case(op, p, rng, *, size, formats, exact) -> ops.Case:
+    big = size == "big"
+    xf, wf = formats or tuple(str(f) for f in rng.choice(FP8_FORMATS, 2))
+    kb = int(rng.integers(2, max(2, 16 // p) + 1)) if exact else int(rng.integers(2, 5))
+    k = 128 * (kb - 1) + 16 * int(rng.integers(1, 9))
+    n = 8 * int(rng.integers(1, 60)) if not big else 1032
+    if op == "gemm_rs_fp8":
+        m = p * int(rng.integers(1, 120)) if not big else p * 300
+    else:
+        m = int(rng.integers(1, 400)) if not big else 8 * 300 + 5
+    nb = -(-n // 128)
+    if exact:
+        keep = np.isin(np.arange(k) % 128, (5, 100))
+        xs = [ops.integers(rng, (m, k), -1, 2) * keep for _ in range(p)]
+        wts = [ops.integers(rng, (n, k), -1, 2) for _ in range(p)]
+        x_scales = [2.0 ** rng.integers(-1, 2, (m, kb)) for _ in range(p)]
+        w_scales = [2.0 ** rng.integers(0, 2, (kb, nb)) for _ in range(p)]
+    else:
+        xs = [rng.standard_normal((m, k)) for _ in range(p)]
+        wts = [rng.standard_normal((n, k)) for _ in range(p)]
+        x_scales = [rng.uniform(0.25, 2.0, (m, kb)) for _ in range(p)]
+        w_scales = [rng.uniform(0.25, 2.0, (kb, nb)) for _ in range(p)]
+    make = ops.gemm_rs_fp8 if op == "gemm_rs_fp8" else ops.gemm_ar_fp8
+    return make(xs, wts, x_scales, w_scales, x_format=xf, w_format=wf, exact=exact)
 
 
 # ---------------------------------------------------------------------------------------------

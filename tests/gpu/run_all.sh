@@ -105,10 +105,11 @@ section_collectives_mp() {
   done
 }
 
-# Fused tensor-parallel GEMMs (issue 5): P = 1 in one process per op; then (tp_mp) P = 2, 4, 8
+# Fused tensor-parallel GEMMs (issue 5): P = 1 in one process per op, and the fp8 forms
+# (gemm_rs_fp8, gemm_ar_fp8: issue 40 section 2) at P = 1; then (tp_mp) P = 2, 4, 8
 # processes sharing the GPU (tests/gpu/tp_mp.py: exact integer cases, stragglers, repeats).
 section_tp() {
-  for op in gemm_rs ag_gemm gemm_ar; do
+  for op in gemm_rs ag_gemm gemm_ar gemm_rs_fp8; do
     PK_JAX_TIMEOUT_S=20 step "$PY" -m pytest -q -p no:cacheprovider -m "gpu and not large" \
       "tests/test_$op.py"
   done
@@ -170,11 +171,13 @@ section_users() {
 }
 
 # The rank emulator (issue 10): every cross-rank kernel with P ranks on disjoint SM partitions
-# of this GPU, truly concurrent (tests/gpu/test_emulator.py); PK_JAX_EMU_CALLS sets the number
-# of back-to-back calls per (op, P) (default 1000).
+# of this GPU, truly concurrent (tests/gpu/test_emulator.py; the fp8 TP GEMMs at P = 2, 4, 8 in
+# tests/gpu/test_emulator_fp8.py); PK_JAX_EMU_CALLS sets the number of back-to-back calls per
+# (op, P) (default 1000; a tenth of it for the fp8 GEMMs).
 section_emulator() {
   export CUDA_MODULE_LOADING=EAGER  # pk_jax.testing.require_eager_loading says why
   step "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_emulator.py
+  step "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_emulator_fp8.py
   step "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_emulator_link.py
 }
 
@@ -433,6 +436,7 @@ section_bench() {
   step "$PY" bench/bench_ping.py
   step "$PY" bench/bench_matmul.py
   step "$PY" bench/bench_fp8.py
+  step "$PY" bench/bench_gemm_rs_fp8.py
   step "$PY" bench/bench_tp.py --quick
   step "$PY" bench/bench_emulated.py
   step "$PY" bench/bench_grouped_matmul.py --vjp
