@@ -40,6 +40,18 @@ inline bool ToDType(ffi::DataType t, DType* out) {
   }
 }
 
+// Whether a launcher's element type is an fp8 format.
+inline bool IsFp8(DType t) { return t == DType::kE4M3 || t == DType::kE5M2; }
+
+// The launchers' code of an fp8 XLA buffer; false for any other type.
+inline bool ToFp8(ffi::DataType t, DType* out) {
+  switch (t) {
+    case ffi::DataType::F8E4M3FN: *out = DType::kE4M3; return true;
+    case ffi::DataType::F8E5M2: *out = DType::kE5M2; return true;
+    default: return false;
+  }
+}
+
 struct CommState;  // comm_state.h: the executable's communicator, bound at instantiation
 
 // The body of the four collective handlers: binds XLA's x, rank and y into CollArgs (p0, p1:

@@ -16,17 +16,6 @@ namespace rf = pk::gemm_rs_fp8;
 using E4M3 = __nv_fp8_e4m3;
 using E5M2 = __nv_fp8_e5m2;
 
-bool IsFp8(DType t) { return t == DType::kE4M3 || t == DType::kE5M2; }
-
-// The launchers' code of an fp8 XLA buffer; false for any other type.
-bool ToFp8(ffi::DataType t, DType* out) {
-  switch (t) {
-    case ffi::DataType::F8E4M3FN: *out = DType::kE4M3; return true;
-    case ffi::DataType::F8E5M2: *out = DType::kE5M2; return true;
-    default: return false;
-  }
-}
-
 // Calls launch(C{}) for the configuration of the call's formats, scales and tile: the one place
 // mapping them (12 kernels: 2 x formats x 2 w formats x (2 per-tensor tiles + blockwise)).
 template <typename XT, typename WT, class F>

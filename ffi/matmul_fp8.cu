@@ -38,17 +38,6 @@ cudaError_t LaunchW(const MatmulFp8Args& a, const mf::globals& g, const Where& a
   return a.w_dtype == DType::kE5M2 ? LaunchOut<XT, E5M2>(a, g, at) : LaunchOut<XT, E4M3>(a, g, at);
 }
 
-bool IsFp8(DType t) { return t == DType::kE4M3 || t == DType::kE5M2; }
-
-// The launchers' code of an fp8 XLA buffer; false for any other type.
-bool ToFp8(ffi::DataType t, DType* out) {
-  switch (t) {
-    case ffi::DataType::F8E4M3FN: *out = DType::kE4M3; return true;
-    case ffi::DataType::F8E5M2: *out = DType::kE5M2; return true;
-    default: return false;
-  }
-}
-
 }  // namespace
 
 Status LaunchMatmulFp8(const Where& at, const MatmulFp8Args& a) {
