@@ -110,8 +110,8 @@ Status RowSplitGemmFp8(const char* op, int op_id, const Where& at, const GemmFp8
     return s;
   }
   if (a.blockwise) {
-    if (Status s = TensorMap(op, {a.x_scale, uint64_t(kb), uint64_t(a.xs_cols), 1, 128,
-                                  kMapF32Plain},
+    if (Status s = TensorMap(op, {a.x_scale, uint64_t(kb), uint64_t(a.xs_cols), 1,
+                                  pk::fp8_layout::X_SCALE_BOX, kMapF32Plain},
                              &g.xs);
         !s.ok()) {
       return s;

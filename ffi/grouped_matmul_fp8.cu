@@ -120,7 +120,8 @@ Status LaunchGroupedMatmulFp8(const Where& at, const GroupedMatmulFp8Args& a) {
   const MapKey maps[] = {
       {a.x, uint64_t(m), uint64_t(k), 128, 128, kMapFp8},
       {a.y, uint64_t(m), uint64_t(n), 64, uint32_t(128 / out_bytes), y_type},
-      {a.x_scale, uint64_t(kb), uint64_t(a.xs_cols), 1, 128, kMapF32Plain},
+      {a.x_scale, uint64_t(kb), uint64_t(a.xs_cols), 1, pk::fp8_layout::X_SCALE_BOX,
+       kMapF32Plain},
       {a.w_scale, uint64_t(e * kb), uint64_t(a.ws_cols), 1, pk::fp8_layout::W_SCALE_BOX,
        kMapF32Plain},
   };

@@ -100,7 +100,8 @@ Status LaunchMatmulFp8(const Where& at, const MatmulFp8Args& a) {
       {a.x, uint64_t(m), uint64_t(k), 128, 128, kMapFp8},
       {a.w, uint64_t(n), uint64_t(k), bn, 128, kMapFp8},
       {a.y, uint64_t(m), uint64_t(n), 64, uint32_t(128 / out_bytes), y_type},
-      {a.x_scale, uint64_t(kb), uint64_t(a.xs_cols), 1, 128, kMapF32Plain},
+      {a.x_scale, uint64_t(kb), uint64_t(a.xs_cols), 1, pk::fp8_layout::X_SCALE_BOX,
+       kMapF32Plain},
       {a.w_scale, uint64_t(kb), uint64_t(a.ws_cols), 1, pk::fp8_layout::W_SCALE_BOX,
        kMapF32Plain},
   };

@@ -94,10 +94,16 @@ struct kernel_def : matmul_fp8::kernel_def<C> {
     tma::load_2d(s.b.data, &g.w, full, k * BK, t.n * BN);
     if constexpr (C::BLOCKWISE) {
       // The tile's rows start at an owner's row, not at a multiple of BM: the x-scale box
-      // starts there too (as a grouped GEMM's row tile does).
-      tma::load_2d(s.sx, &g.xs, full, fp8_layout::grouped_x_scale_box_inner(row), k);
+      // starts at or below it (as a grouped GEMM's row tile does), and consume reads from there.
+      tma::load_2d(s.sx, &g.xs, full, fp8_layout::x_scale_box_inner(row), k);
       tma::load_2d(s.sw, &g.ws, full, fp8_layout::w_scale_box_inner(t.n, BN), k);
     }
+  }
+
+  __device__ static void consumer(const globals& g, acc_t& acc, const stage_t& s, int c,
+                                  tile_coord t, int k) {
+    t = gemm_rs::owner_place(g, t);
+    base::consume(acc, s, c, gemm_rs::owner_x_row<BM>(g, t.m), t.n, k);
   }
 
   __device__ static void storer(const globals& g, acc_t& acc, out_t& out, int c, tile_coord t,

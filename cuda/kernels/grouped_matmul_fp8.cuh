@@ -146,11 +146,12 @@ struct kernel_def {
   struct scaled_stage {
     a_tile a;
     b_tile b;
-    float sx[BM];                                    // x scales of the tile's rows, this k-block
-    alignas(128) float sw[fp8_layout::W_SCALE_BOX];  // w scales from the tile's w block
+    float sx[fp8_layout::X_SCALE_BOX];               // x scales of the tile's rows, this k-block
+    alignas(128) float sw[fp8_layout::W_SCALE_BOX];  // w scales around the tile's w block
   };
   using stage_t = std::conditional_t<BLOCKWISE, scaled_stage, plain_stage>;
-  static constexpr uint32_t SCALE_BYTES = BLOCKWISE ? (BM + fp8_layout::W_SCALE_BOX) * 4 : 0;
+  static constexpr uint32_t SCALE_BYTES =
+      BLOCKWISE ? (fp8_layout::X_SCALE_BOX + fp8_layout::W_SCALE_BOX) * 4 : 0;
   static constexpr uint32_t STAGE_BYTES = a_tile::BYTES + b_tile::BYTES + SCALE_BYTES;
 
   // Store staging: 64 rows of two 128-byte panels a consumer (EPI_N columns a round).
@@ -214,7 +215,7 @@ struct kernel_def {
     tma::load_3d(st.b.data, &g.b, full, k * BK, w.nt * BN, w.e);
     if constexpr (BLOCKWISE) {
       namespace fl = fp8_layout;
-      tma::load_2d(st.sx, &g.xs, full, fl::grouped_x_scale_box_inner(w.row0), k);
+      tma::load_2d(st.sx, &g.xs, full, fl::x_scale_box_inner(w.row0), k);
       tma::load_2d(st.sw, &g.ws, full, fl::w_scale_box_inner(w.nt, BN),
                    fl::grouped_w_scale_row(w.e, k, k_iters(g)));
     }
@@ -241,7 +242,7 @@ struct kernel_def {
    * waited for, promoted into acc.main, the stage freed at once. Returns with every MMA done
    * and every stage of the tile freed; `pipe` carries over to the next tile.
    */
-  __device__ static void mainloop(const globals& g, acc_t& acc, shared_storage& s,
+  __device__ static void mainloop(const globals& g, acc_t& acc, shared_storage& s, const work& w,
                                   pipeline_state<STAGES>& pipe, int c, bool leader) {
     const int iters = k_iters(g);
     if constexpr (BLOCKWISE) {
@@ -250,7 +251,8 @@ struct kernel_def {
         const stage_t& st = s.stages[pipe.stage];
         // The scales are read before the MMAs are issued, so their latency hides behind them.
         float s0, s1;
-        fp8_gemm::row_scales(st.sx, st.sw, c, s0, s1);
+        fp8_gemm::row_scales(st.sx, st.sw, w.row0, fp8_layout::w_scale_slot(w.nt, BN, 0), c, s0,
+                             s1);
         fp8_gemm::mma_k_block<XT, WT, BN>(acc.part, st.a.data + c * 64 * 128, st.b.data, false);
         wgmma::wait<0>();
         wgmma::fence_regs(acc.part);
@@ -285,7 +287,7 @@ struct kernel_def {
     for (int id = blockIdx.x; id < num_tiles; id += gridDim.x) {
       const work w = tile(g, s, id);
       acc_t acc;
-      mainloop(g, acc, s, pipe, c, leader);
+      mainloop(g, acc, s, w, pipe, c, leader);
       epilogue(acc, w);
     }
   }

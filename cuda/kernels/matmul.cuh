@@ -108,7 +108,8 @@ struct kernel_def {
     }
   }
 
-  __device__ static void consumer(const globals&, acc_t& acc, const stage_t& s, int c, int k) {
+  __device__ static void consumer(const globals&, acc_t& acc, const stage_t& s, int c, tile_coord,
+                                  int k) {
     const T* a = s.a.data + c * 64 * BK;  // this consumer's 64 rows (8 KiB, atom-aligned)
     wgmma::fence_regs(acc);
     wgmma::fence();

@@ -121,11 +121,12 @@ struct kernel_def {
   struct scaled_stage {
     a_tile a;
     b_tile b;
-    float sx[BM];                           // x scales of the tile's rows, this k-block
-    alignas(128) float sw[fp8_layout::W_SCALE_BOX];  // w scales from the tile's first w block
+    float sx[fp8_layout::X_SCALE_BOX];      // x scales of the tile's rows, this k-block
+    alignas(128) float sw[fp8_layout::W_SCALE_BOX];  // w scales around the tile's w block
   };
   using stage_t = std::conditional_t<BLOCKWISE, scaled_stage, plain_stage>;
-  static constexpr uint32_t SCALE_BYTES = BLOCKWISE ? (BM + fp8_layout::W_SCALE_BOX) * 4 : 0;
+  static constexpr uint32_t SCALE_BYTES =
+      BLOCKWISE ? (fp8_layout::X_SCALE_BOX + fp8_layout::W_SCALE_BOX) * 4 : 0;
   static constexpr uint32_t STAGE_BYTES = a_tile::BYTES + b_tile::BYTES + SCALE_BYTES;
 
   // Store staging: 64 rows of two 128-byte panels a consumer (EPI_N columns a round).
@@ -161,17 +162,24 @@ struct kernel_def {
     tma::load_2d(s.a.data, &g.x, full, k * BK, t.m * BM);
     tma::load_2d(s.b.data, &g.w, full, k * BK, t.n * BN);
     if constexpr (BLOCKWISE) {
-      tma::load_2d(s.sx, &g.xs, full, fp8_layout::x_scale_box_inner(t.m, BM), k);
+      tma::load_2d(s.sx, &g.xs, full, fp8_layout::x_scale_box_inner(t.m * BM), k);
       tma::load_2d(s.sw, &g.ws, full, fp8_layout::w_scale_box_inner(t.n, BN), k);
     }
   }
 
-  __device__ static void consumer(const globals&, acc_t& acc, const stage_t& s, int c, int k) {
+  __device__ static void consumer(const globals& g, acc_t& acc, const stage_t& s, int c,
+                                  tile_coord t, int k) {
+    consume(acc, s, c, t.m * BM, t.n, k);
+  }
+
+  /** @brief Consumer c's k step k of a tile whose first row (of x and x_scale) is row0. */
+  __device__ static void consume(acc_t& acc, const stage_t& s, int c, int row0, int tile_n,
+                                 int k) {
     const unsigned char* a = s.a.data + c * 64 * 128;  // this consumer's 64 rows (8 KiB)
     if constexpr (BLOCKWISE) {
       // The scales are read before the MMAs are issued, so their latency hides behind them.
       float s0, s1;
-      fp8_gemm::row_scales(s.sx, s.sw, c, s0, s1);
+      fp8_gemm::row_scales(s.sx, s.sw, row0, fp8_layout::w_scale_slot(tile_n, BN, 0), c, s0, s1);
       fp8_gemm::mma_k_block<XT, WT, BN>(acc.part, a, s.b.data, false);  // a fresh accumulator
       wgmma::wait<0>();
       wgmma::fence_regs(acc.part);

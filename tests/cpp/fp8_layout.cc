@@ -42,26 +42,31 @@ void AccumulatorCoversTheTileOnce(int n) {
   for (int e = 0; e < 64 * n; ++e) Check(seen[e] == 1, "each element once", e, n, seen[e]);
 }
 
-// Blockwise scales: tile (tile_m, tile_n) of BM x BN, consumer c, fragment row r, column col
-// reads x scale [tile_m * BM + 64 c + r, kb] (box of BM rows of x_scale transposed at inner
-// coordinate x_scale_box_inner) and w scale [kb, (tile_n * BN + col) / 128] (box of 4 at
-// w_scale_box_inner).
-void ScaleIndices(int bm, int bn) {
-  for (int tile_m = 0; tile_m < 5; ++tile_m) {
-    for (int c = 0; c < bm / 64; ++c) {
+// Blockwise scales: a tile whose first row is row0 (tile_m * BM in matmul_fp8, any row in
+// gemm_rs_fp8 and the grouped GEMM), at column tile tile_n of BN, consumer c, fragment row r,
+// column col reads x scale [row0 + 64 c + r, kb] (box of X_SCALE_BOX rows of x_scale transposed
+// at inner coordinate x_scale_box_inner) and w scale [kb, (tile_n * BN + col) / 128] (box of 4 at
+// w_scale_box_inner). TMA starts every box on 16 bytes: a multiple of 4 floats.
+void ScaleIndices(int bn) {
+  for (int row0 : {0, 1, 2, 3, 127, 128, 300, 4093}) {
+    const int inner = fl::x_scale_box_inner(row0);
+    Check(inner % 4 == 0 && inner <= row0, "x-scale box on 16 bytes, at or below row0", row0, 0,
+          inner);
+    for (int c = 0; c < 2; ++c) {
       for (int r = 0; r < 64; ++r) {
-        const int slot = fl::x_scale_slot(c, r);
-        Check(slot >= 0 && slot < bm, "x scale slot in the box", c, r, slot);
-        Check(fl::x_scale_box_inner(tile_m, bm) + slot == tile_m * bm + 64 * c + r,
-              "x scale of the output row", tile_m, c, r);
+        const int slot = fl::x_scale_slot(row0, c, r);
+        Check(slot >= 0 && slot < fl::X_SCALE_BOX, "x scale slot in the box", row0, c, slot);
+        Check(inner + slot == row0 + 64 * c + r, "x scale of the output row", row0, c, r);
       }
     }
   }
-  for (int tile_n = 0; tile_n < 7; ++tile_n) {
+  for (int tile_n = 0; tile_n < 9; ++tile_n) {
+    const int inner = fl::w_scale_box_inner(tile_n, bn);
+    Check(inner % 4 == 0, "w-scale box on 16 bytes", tile_n, bn, inner);
     for (int col = 0; col < bn; ++col) {
-      const int slot = fl::w_scale_slot(col);
+      const int slot = fl::w_scale_slot(tile_n, bn, col);
       Check(slot >= 0 && slot < fl::W_SCALE_BOX, "w scale slot in the box", tile_n, col, slot);
-      Check(fl::w_scale_box_inner(tile_n, bn) + slot == (tile_n * bn + col) / 128,
+      Check(inner + slot == (tile_n * bn + col) / 128,
             "w scale of the output column's 128-block", tile_n, col, bn);
     }
   }
@@ -94,18 +99,9 @@ void StagingIsTheSwizzledPanels() {
   Check(bytes.size() == 2 * 64 * 128, "staging fills its 16 KiB once", ELEM, 0, 0);
 }
 
-// The grouped fp8 GEMM: a row tile starting at any row0 (a group's first row plus whole tiles)
-// reads x scale [row0 + 64 c + r, kb]; expert e's k-block kb of its w scales [E, KB, NB], row
-// major, starts at element (e * KB + kb) * NB, the row grouped_w_scale_row names of [E * KB, NB].
+// The grouped fp8 GEMM: expert e's k-block kb of its w scales [E, KB, NB], row major, starts at
+// element (e * KB + kb) * NB, the row grouped_w_scale_row names of [E * KB, NB].
 void GroupedScaleIndices() {
-  for (int row0 : {0, 1, 127, 128, 300, 4093}) {
-    for (int c = 0; c < 2; ++c) {
-      for (int r = 0; r < 64; ++r) {
-        Check(fl::grouped_x_scale_box_inner(row0) + fl::x_scale_slot(c, r) == row0 + 64 * c + r,
-              "grouped x scale of the output row", row0, c, r);
-      }
-    }
-  }
   for (int kblocks : {1, 3, 8}) {
     const int experts = 5, nb = 4;
     std::vector<int> seen(experts * kblocks, 0);
@@ -146,8 +142,8 @@ void StagedChunksAreConsecutiveColumns() {
 int main() {
   AccumulatorCoversTheTileOnce(128);
   AccumulatorCoversTheTileOnce(256);
-  ScaleIndices(128, 128);
-  ScaleIndices(128, 256);  // a BN of 256 would still index its two w blocks right
+  ScaleIndices(128);
+  ScaleIndices(256);  // a BN of 256 would still index its two w blocks right
   StagingIsTheSwizzledPanels<2>();
   StagingIsTheSwizzledPanels<4>();
   GroupedScaleIndices();

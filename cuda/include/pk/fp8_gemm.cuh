@@ -85,16 +85,17 @@ __device__ __forceinline__ float ld_shared(const float* p) {
 
 /**
  * @brief Blockwise, the scales of this thread's two accumulator rows for consumer c: x's of
- * rows frag_row(t, 0) and frag_row(t, 1) from the stage's x-scale box `sx` (the tile's BM rows),
- * times w's first entry of the stage's w-scale box `sw`.
+ * rows frag_row(t, 0) and frag_row(t, 1) from the stage's x-scale box `sx` (loaded at
+ * x_scale_box_inner(row0) for a tile whose first row is row0), times w's entry `w_slot` of the
+ * stage's w-scale box `sw` (fp8_layout::w_scale_slot of the tile's first column).
  */
-__device__ __forceinline__ void row_scales(const float* sx, const float* sw, int c, float& s0,
-                                           float& s1) {
+__device__ __forceinline__ void row_scales(const float* sx, const float* sw, int row0, int w_slot,
+                                           int c, float& s0, float& s1) {
   namespace fl = fp8_layout;
   const int t = warpgroup::thread();
-  const float w = ld_shared(&sw[fl::w_scale_slot(0)]);
-  s0 = ld_shared(&sx[fl::x_scale_slot(c, fl::frag_row(t, 0))]) * w;
-  s1 = ld_shared(&sx[fl::x_scale_slot(c, fl::frag_row(t, 1))]) * w;
+  const float w = ld_shared(&sw[w_slot]);
+  s0 = ld_shared(&sx[fl::x_scale_slot(row0, c, fl::frag_row(t, 0))]) * w;
+  s1 = ld_shared(&sx[fl::x_scale_slot(row0, c, fl::frag_row(t, 1))]) * w;
 }
 
 /** @brief Elements (row, col) and (row, col + 1) of a 64-row staging buffer (col even). */

@@ -9,9 +9,10 @@
  * nb] per 128 x 128 block of w [K, N]. The kernel loads, per k-block kb of a BM x BN tile at
  * (tile_m, tile_n), x_scale's column kb for the tile's BM rows (Python passes x_scale
  * transposed, [KB, M padded to 4], so that column is one contiguous TMA box) and
- * w_scale[kb, tile_n * BN / 128 ...] (a 4-float box: TMA's smallest). An output column col of
- * the tile lies in w block (tile_n * BN + col) / 128 = tile_n * BN / 128 + col / 128 because
- * 128 divides BN: the w scale of a column is entry col / 128 of the tile's box.
+ * w_scale[kb, tile_n * BN / 128] (a 4-float box: TMA's smallest). Both boxes start on a
+ * 16-byte boundary (box_start), so the scales sit box_skew floats into them. An output column
+ * col of the tile lies in w block (tile_n * BN + col) / 128 = tile_n * BN / 128 + col / 128
+ * because 128 divides BN.
  */
 #pragma once
 
@@ -25,9 +26,26 @@
 
 namespace pk::fp8_layout {
 
-/** @brief Scale block side (pk_jax.fp8.BLOCK) and the floats of the w-scale box. */
+/** @brief Scale block side (pk_jax.fp8.BLOCK). */
 constexpr int BLOCK = 128;
-constexpr int W_SCALE_BOX = 4;
+
+/**
+ * @brief Floats between the 16-byte boundaries at which a scale box may start. TMA starts a
+ * box's inner coordinate on 16 bytes: a box of fp32 scales at another float stopped the kernel
+ * with CUDA_ERROR_ILLEGAL_INSTRUCTION on the H100 (bench/results/fp8_notes.md). So a scale box
+ * starts at the multiple of SCALE_ALIGN at or below the first scale a tile needs, which then
+ * sits at slot box_skew(first) of the box.
+ */
+constexpr int SCALE_ALIGN = 4;
+/** @brief The x-scale box: a row tile's 128 rows and up to SCALE_ALIGN - 1 before them. */
+constexpr int X_SCALE_BOX = BLOCK + SCALE_ALIGN;
+/** @brief The w-scale box (TMA's smallest, 16 bytes): a 128-wide tile's block, skewed. */
+constexpr int W_SCALE_BOX = SCALE_ALIGN;
+
+/** @brief The 16-byte aligned inner coordinate of a box whose first needed scale is `first`. */
+PK_LAYOUT_HD constexpr int box_start(int first) { return first - first % SCALE_ALIGN; }
+/** @brief Where scale `first` sits in the box that box_start(first) starts. */
+PK_LAYOUT_HD constexpr int box_skew(int first) { return first % SCALE_ALIGN; }
 
 /**
  * @brief Row (0..63) of accumulator element d[4 j + 2 i + c] of thread t (0..127) of a
@@ -38,25 +56,27 @@ PK_LAYOUT_HD constexpr int frag_row(int t, int i) { return 16 * (t / 32) + (t % 
 /** @brief Column (0..N-1) of accumulator element d[4 j + 2 i + c] of thread t. */
 PK_LAYOUT_HD constexpr int frag_col(int t, int j, int c) { return 8 * j + 2 * (t % 4) + c; }
 
-/** @brief Index in the stage's x-scale box (the tile's BM rows) of consumer c's row r. */
-PK_LAYOUT_HD constexpr int x_scale_slot(int consumer, int r) { return 64 * consumer + r; }
+/**
+ * @brief TMA coordinates (inner, outer = kb) of the x-scale box of a row tile whose first row
+ * is `row0` (a multiple of BM in matmul_fp8; an owner's or a group's row in gemm_rs_fp8 and the
+ * grouped GEMM), in x_scale transposed ([KB, M]).
+ */
+PK_LAYOUT_HD constexpr int x_scale_box_inner(int row0) { return box_start(row0); }
 
-/** @brief Index in the stage's w-scale box of tile column col (BN a multiple of 128). */
-PK_LAYOUT_HD constexpr int w_scale_slot(int col) { return col / BLOCK; }
-
-/** @brief TMA coordinates (inner, outer) of the x-scale box of tile row tile_m, k-block kb,
- * in x_scale transposed ([KB, M]): BM scales of column kb. */
-PK_LAYOUT_HD constexpr int x_scale_box_inner(int tile_m, int bm) { return tile_m * bm; }
+/** @brief Index in that x-scale box of consumer c's row r of the tile. */
+PK_LAYOUT_HD constexpr int x_scale_slot(int row0, int consumer, int r) {
+  return box_skew(row0) + 64 * consumer + r;
+}
 
 /** @brief Inner TMA coordinate of the w-scale box of tile column tile_n (outer: kb). */
-PK_LAYOUT_HD constexpr int w_scale_box_inner(int tile_n, int bn) { return tile_n * (bn / BLOCK); }
+PK_LAYOUT_HD constexpr int w_scale_box_inner(int tile_n, int bn) {
+  return box_start(tile_n * (bn / BLOCK));
+}
 
-/**
- * @brief The grouped fp8 GEMM (cuda/kernels/grouped_matmul_fp8.cuh): inner TMA coordinate of
- * the x-scale box of a row tile that starts at row `row0` (a group's row, not tile aligned), in
- * x_scale transposed ([KB, M]); outer: kb.
- */
-PK_LAYOUT_HD constexpr int grouped_x_scale_box_inner(int row0) { return row0; }
+/** @brief Index in that w-scale box of tile column col (BN = 128 blockwise: one block). */
+PK_LAYOUT_HD constexpr int w_scale_slot(int tile_n, int bn, int col) {
+  return box_skew(tile_n * (bn / BLOCK)) + col / BLOCK;
+}
 
 /**
  * @brief The grouped fp8 GEMM: row of expert e's k-block kb in its w scales, [E, KB, NB] seen

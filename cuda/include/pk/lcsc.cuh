@@ -15,7 +15,7 @@
  *     for each tile, for k in k_iters: wait empty[s]; expect STAGE_BYTES on full[s];
  *                                      K::loader(g, stage[s], &full[s], tile, k)
  *   warpgroup 1..C (consumers, K::CONSUMER_REGS registers), consumer c:
- *     for each tile: for k: wait full[s]; K::consumer(g, acc, stage[s], c, k);
+ *     for each tile: for k: wait full[s]; K::consumer(g, acc, stage[s], c, t, k);
  *                           release stage s (one step late when K::ASYNC_MMA: wgmma reads it)
  *                    K::storer(g, acc, out[c], c, tile, sync)
  *                    after the last tile: K::finish(g, c) (the whole warpgroup)
@@ -159,7 +159,7 @@ __global__ void __launch_bounds__((K::CONSUMERS + 1) * WARPGROUP_THREADS, 1)
     int prev = 0;
     for (int k = 0; k < iters; ++k) {
       mbar_wait(&s.full[pipe.stage], pipe.phase);
-      K::consumer(g, acc, s.stages[pipe.stage], c, k);
+      K::consumer(g, acc, s.stages[pipe.stage], c, t, k);
       if constexpr (K::ASYNC_MMA) {
         // The MMAs of step k may still read stage s; those of step k-1 are done now.
         wgmma::wait<1>();
