@@ -139,6 +139,11 @@ def few_rows_forward(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.
     if not _kernel_applies(x, w):
         raise ValueError(f"pk.{STEM}: the kernels do not take these operands (x {x.shape} "
                          f"{x.dtype}, w {w.shape} {w.dtype}).")
+    # use_kernel also registers the extension's handlers, which a process whose first
+    # pk_jax call this is has not done yet (route does it for grouped_matmul).
+    if not _backend.use_kernel(STEM):
+        raise RuntimeError(f"pk.{STEM}: the few-rows kernel cannot run here: it needs an sm_90 "
+                           "GPU and the pk_jax extension.")
     return _forward(x, w, group_sizes, _FEW)
 
 

@@ -673,10 +673,11 @@ class Call:
                     # finite, but for expected infinities (the lse of rows no key is
                     # visible to), which must be met exactly
                     ok = (bool(np.all(np.isfinite(g) | (np.isinf(w) & (g == w))))
-                          and np.allclose(g, w, c.atol, c.rtol))
+                          and np.allclose(g, w, rtol=c.rtol, atol=c.atol))
                 if not ok:
                     g, w = got.astype(np.float64).ravel(), want.astype(np.float64).ravel()
-                    bad = np.flatnonzero(~np.isclose(g, w, c.rtol, c.atol) | ~np.isfinite(g))
+                    close = np.isclose(g, w, rtol=c.rtol, atol=c.atol)
+                    bad = np.flatnonzero(~close | ~np.isfinite(g))
                     i = int(bad[0]) if bad.size else 0
                     problems.append(f"{c.op} rank {r} {k}{list(want.shape)}: {bad.size} "
                                     f"elements differ, first at {i}: got {g[i]} want {w[i]}")
