@@ -102,6 +102,16 @@ def use_kernel(stem: str, axis_name: str | None = None) -> bool:
     return True
 
 
+def require_kernel(stem: str, who: str, axis_name: str | None = None) -> None:
+    """For a private entry that runs `stem`'s kernel whatever the router would pick: raises
+    RuntimeError naming `who` (e.g. "pk.matmul: the fp8 kernel (pk_matmul_fp8)") unless the
+    kernel can run in this trace; `use_kernel` also registers the extension's handlers."""
+    if not use_kernel(stem, axis_name):
+        gpus = "sm_90 GPUs" if axis_name is not None else "an sm_90 GPU"
+        raise RuntimeError(f"{who} cannot run here: it needs {gpus} and the pk_jax extension "
+                           "built with it.")
+
+
 @dataclasses.dataclass(frozen=True)
 class Route:
     """How one call runs (see the module docstring); num_comm_sms for fused ag_gemm; forced:

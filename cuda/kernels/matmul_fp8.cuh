@@ -167,7 +167,7 @@ struct kernel_def {
     }
   }
 
-  __device__ static void consumer(const globals& g, acc_t& acc, const stage_t& s, int c,
+  __device__ static void consumer(const globals&, acc_t& acc, const stage_t& s, int c,
                                   tile_coord t, int k) {
     consume(acc, s, c, t.m * BM, t.n, k);
   }

@@ -96,9 +96,7 @@ def fp8_call(name: str, target: str, x, w, x_scale, w_scale, axis_name: str, p: 
     from pk_jax.ops import matmul as _mm
 
     stem = target.removeprefix("pk_")
-    if not _backend.use_kernel(stem, axis_name):
-        raise RuntimeError(f"pk.{name}: the fused fp8 kernel ({target}) cannot run here: it "
-                           "needs sm_90 GPUs and the pk_jax extension built with it.")
+    _backend.require_kernel(stem, f"pk.{name}: the fused fp8 kernel ({target})", axis_name)
     m = x.shape[0]
     x, wt, xs, ws, blockwise, n = _mm.fp8_operands(x, w, x_scale, w_scale, w_layout=w_layout)
     n8 = wt.shape[0]

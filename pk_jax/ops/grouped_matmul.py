@@ -139,11 +139,7 @@ def few_rows_forward(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.
     if not _kernel_applies(x, w):
         raise ValueError(f"pk.{STEM}: the kernels do not take these operands (x {x.shape} "
                          f"{x.dtype}, w {w.shape} {w.dtype}).")
-    # use_kernel also registers the extension's handlers, which a process whose first
-    # pk_jax call this is has not done yet (route does it for grouped_matmul).
-    if not _backend.use_kernel(STEM):
-        raise RuntimeError(f"pk.{STEM}: the few-rows kernel cannot run here: it needs an sm_90 "
-                           "GPU and the pk_jax extension.")
+    _backend.require_kernel(STEM, f"pk.{STEM}: the few-rows kernel (pk_{STEM})")
     return _forward(x, w, group_sizes, _FEW)
 
 
@@ -357,9 +353,7 @@ def _fp8_kernel(x, w, group_sizes, x_scale, w_scale, out_dtype=None, *,
     if _split(x) or _split(w):
         raise ValueError(f"pk.{STEM}: the fp8 kernel takes local operands (inside shard_map or "
                          "unsplit); x or w is split over mesh axes here.")
-    if not _backend.use_kernel(FP8_STEM):
-        raise RuntimeError(f"pk.{STEM}: the fp8 kernel (pk_{FP8_STEM}) cannot run here: it "
-                           "needs an sm_90 GPU and the pk_jax extension built with it.")
+    _backend.require_kernel(FP8_STEM, f"pk.{STEM}: the fp8 kernel (pk_{FP8_STEM})")
     x, wt, xs, ws, blockwise, n = fp8_grouped_operands(x, w, x_scale, w_scale,
                                                        w_layout=w_layout)
     m, n8 = x.shape[0], wt.shape[1]

@@ -195,9 +195,7 @@ def _fp8_kernel(x: jax.Array, w: jax.Array, x_scale: jax.Array, w_scale: jax.Arr
     if not fp8_kernel_supports(x, w, x_scale, w_scale, w_layout=w_layout):
         raise ValueError(f"pk.{STEM}: the fp8 kernel indexes sizes in int32; M, N and K must "
                          f"be at most {_op_table.MAX_DIM}.")
-    if not _backend.use_kernel(FP8_STEM):
-        raise RuntimeError(f"pk.{STEM}: the fp8 kernel (pk_{FP8_STEM}) cannot run here: it "
-                           "needs an sm_90 GPU and the pk_jax extension built with it.")
+    _backend.require_kernel(FP8_STEM, f"pk.{STEM}: the fp8 kernel (pk_{FP8_STEM})")
     x, wt, xs, ws, blockwise, n = fp8_operands(x, w, x_scale, w_scale, w_layout=w_layout)
     m, n8 = x.shape[0], wt.shape[0]
     out = jax.ShapeDtypeStruct((m, n8), np.dtype(out_dtype or jnp.bfloat16))
