@@ -2,9 +2,9 @@
 packed documents no slower than the same documents one call each, and a sliding window of W
 keys costing O(S W).
 
-The masked kernels are reached through `pk_jax.ops.attention._kernel_attention_masked` (public
-masked calls still run the reference until the masked kernels' GPU tests pass); the unmasked
-calls are pk.attention's kernels.
+The masked calls run the masked kernels through their entry
+`pk_jax.ops.attention._kernel_attention_masked` (where pk.attention's masked calls go on the
+GPU); the unmasked calls are pk.attention's kernels.
 
 Modes (`--mode`, default both):
 - `packed`: B rows of S = 16K tokens (`--seq`), each packed with documents of mixed lengths

@@ -2,7 +2,7 @@
 XLA's fp8 dot (cuBLASLt) and against our bf16 pk.matmul, per-tensor and blockwise scaling.
 
 For each shape and scaling: a correctness check first (the kernel against the dequantized
-product in float32 on the device, within tests/test_fp8.py's tolerance model), then the median
+product in float32 on the device, within pk_jax.fp8.error_bound), then the median
 time of >= 20 batches of back-to-back calls (rotating over 3 input sets), every variant of the
 shape timed in turn (common.time_us_interleaved). One line per comparison ending in "x vs
 <baseline>", geometric means against the issue's targets at the end (issue 40, section 4):
@@ -62,17 +62,11 @@ def _inputs(m, n, k, scaling, sets=3):
     return jax.block_until_ready(out)
 
 
-def _tolerance(k: int, scaling: str) -> float:
-    """tests/test_fp8.py's model (bf16 output): fp8 MMAs accumulate with about 14 bits."""
-    acc = 2.0**-12 * max(1, k // 128) if scaling == "tensor" else 2.0**-11
-    return acc + 2.0**-8
-
-
 def _check(ours, xq, wq, sx, sw, scaling) -> float:
     ref = mm.fp8_reference(xq, wq, sx, sw, jnp.float32)
     y = ours(xq, wq, sx, sw).astype(jnp.float32)
     err = float(jnp.max(jnp.abs(y - ref)) / jnp.max(jnp.abs(ref)))
-    tol = _tolerance(xq.shape[1], scaling)
+    tol = fp8.error_bound(xq.shape[1], scaling)
     if not (math.isfinite(err) and err <= tol):
         raise SystemExit(f"matmul_fp8 is wrong at {xq.shape} @ {wq.shape} ({scaling}): relative "
                          f"max error {err:.4g} > {tol:.4g}")

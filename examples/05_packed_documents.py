@@ -23,8 +23,9 @@ without segment ids it would not).
 
 The mesh is ("sp", "tp"): the sequence split over "sp", heads and MLP over "tp". Without GPUs
 it runs on 8 CPU host devices and the ops' jax.lax references; on Hopper GPUs the linear layers
-run their kernels, and the attention, since it has a mask, its jax.lax reference (the kernels
-do not take masks yet).
+run their kernels; the attention, sharded over "sp" with a mask, runs its jax.lax reference (the
+sequence-parallel kernels are not routed to with masks yet; over a 1-device axis it would run
+pk.attention's masked kernels).
 """
 
 import os

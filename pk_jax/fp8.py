@@ -11,10 +11,10 @@ scale`, with the scale in float32 and of one of two layouts:
 `quantize` makes such a pair by current scaling: each tensor's or block's amax is taken now (no
 history), and the scale maps it to the format's largest finite value.
 
-`pk.matmul(x, w, x_scale=..., w_scale=...)` takes fp8 operands; its reference (`reference`)
-dequantizes both operands to float32 and multiplies them in float32. On every platform fp8
-`pk.matmul` runs that reference through XLA until the fp8 kernel (pk_matmul_fp8, reached for
-now only through `pk_jax.ops.matmul._fp8_kernel`) has passed its GPU tests.
+`pk.matmul(x, w, x_scale=..., w_scale=...)` takes fp8 operands: on Hopper GPUs its fp8 kernel
+(pk_matmul_fp8) multiplies them, elsewhere its reference dequantizes both operands to float32
+and multiplies them in float32. `error_bound` says how far the kernel's product may be from the
+reference's.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["BLOCK", "FORMATS", "dequantize", "quantize"]
+__all__ = ["BLOCK", "FORMATS", "dequantize", "error_bound", "quantize"]
 
 # The Hopper fp8 formats: e4m3 (finite-only, max 448) for values, e5m2 (max 57344) for gradients.
 FORMATS = (jnp.float8_e4m3fn, jnp.float8_e5m2)
@@ -36,6 +36,21 @@ _TINY = np.float32(np.finfo(np.float32).tiny)
 
 def is_fp8(dtype) -> bool:
     return np.dtype(dtype) in _FORMATS_NP
+
+
+def error_bound(k: int, scaling: str, out_dtype=jnp.bfloat16) -> float:
+    """The largest |y - exact| / max |exact| that pk_jax's fp8 kernels are held to (their GPU
+    tests and benchmarks check it), for a product over K = `k` of operands scaled per
+    "tensor" or by "block", with `out_dtype` (bfloat16 or float32) results.
+
+    Hopper's fp8 tensor cores accumulate with about 14 bits (DeepSeek-V3, section 3.3.2): about
+    2^-11 of the running sum per 128 of K, growing linearly with K (truncation has a sign) per
+    tensor, where the kernels keep the whole sum in the tensor cores' accumulator; blockwise,
+    the kernels promote each 128 of K into float32, so 2^-11 whatever K. bf16 results add their
+    rounding (2^-9, doubled). Measured errors: bench/results/fp8_notes.md.
+    """
+    acc = 2.0**-11 * max(1, k // BLOCK) if scaling == "tensor" else 2.0**-11
+    return acc + (2.0**-8 if np.dtype(out_dtype) == np.dtype(jnp.bfloat16) else 0.0)
 
 
 def _max(dtype) -> float:

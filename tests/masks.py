@@ -5,8 +5,6 @@ of ring and Ulysses over host devices on global arrays."""
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -188,24 +186,15 @@ def mask_kw(mask: dict, b: int, s: int) -> dict:
     return kw
 
 
-def attention_targets(jaxpr) -> list[str]:
-    """The FFI targets a jaxpr calls, its sub-jaxprs included, in order."""
-    from test_ring_attn import ffi_calls
-
-    return [e.params["target_name"] for e in ffi_calls(jaxpr)]
-
-
-def custom_calls(lowered_text: str) -> list[str]:
-    """The pk custom calls of a lowered program's text."""
-    return re.findall(r"custom_call @(pk_\w+)", lowered_text)
-
-
-
 def check_masked_sp_routing(monkeypatch, op: str, p: int) -> None:
     """With the kernels available (forced on CPU): op ("ring" or "ulysses") at P unmasked
-    traces to an attention kernel; with each of MASKS the gradient traces to no attention
-    kernel (Ulysses' reference may still use the pk_all_to_all kernel for its exchanges) and
-    the ring's forward_path says "reference"."""
+    traces to an attention kernel. With each of MASKS, at P = 1 the gradient traces to
+    pk.attention's masked kernels (two pk_attention calls with the mask attributes on, the
+    ring's forward_path "local"); at P > 1 to no attention kernel (Ulysses' reference may still
+    use the pk_all_to_all kernel for its exchanges) and the ring's forward_path says
+    "reference"."""
+    from test_ring_attn import ffi_calls
+
     from pk_jax import _backend
     from pk_jax.ops import _tp, ring_attn
 
@@ -225,12 +214,18 @@ def check_masked_sp_routing(monkeypatch, op: str, p: int) -> None:
         f = jax.shard_map(lambda a, kw=kw: fn(a, a, a, "sp", causal=True, **kw), mesh=mesh,
                           in_specs=SEQ, out_specs=SEQ)
         jaxpr = jax.make_jaxpr(jax.grad(lambda a, f=f: jnp.sum(f(a).astype(jnp.float32))))(q)
-        used = [t for t in attention_targets(jaxpr) if t in ATTENTION_KERNELS]
+        used = [e for e in ffi_calls(jaxpr) if e.params["target_name"] in ATTENTION_KERNELS]
+        names = [e.params["target_name"] for e in used]
         path = paths[-1] if op == "ring" else None  # Ulysses: its kernels' absence says it
-        if mask:
-            assert path == ("reference" if op == "ring" else None) and not used, (mask, path, used)
+        if mask and p == 1:
+            flags = [dict(e.params["attributes"])["masked"] for e in used]
+            assert names == ["pk_attention"] * 2 and flags == [1, 1], (mask, names, flags)
+            assert path == ("local" if op == "ring" else None), (mask, path)
+        elif mask:
+            assert path == ("reference" if op == "ring" else None) and not used, (mask, path,
+                                                                                 names)
         else:
-            assert path != "reference" and used, (path, used)
+            assert path != "reference" and used, (path, names)
 
 
 def check_sharded_mask_errors(op) -> None:

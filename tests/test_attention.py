@@ -14,9 +14,7 @@ import pytest
 from masks import (
     CASES,
     MASKS,
-    attention_targets,
     check_close,
-    custom_calls,
     dense_for,
     dense_masked,
     mask_args,
@@ -301,21 +299,31 @@ def test_mask_errors_name_the_argument(kw, err, msg):
 
 
 @pytest.mark.parametrize("mask", MASKS, ids=lambda m: next(iter(m)))
-def test_masked_attention_takes_the_reference_with_kernels_available(monkeypatch, mask):
-    """bf16, head dim 64: the kernels' operands. Unmasked, the gradient traces to the two
-    pk_attention calls; with any one mask, to none, and the lowering has no pk custom call."""
+def test_masked_attention_takes_the_masked_kernels(monkeypatch, mask):
+    """bf16, head dim 64: the kernels' operands (forced here). Unmasked and masked alike the
+    gradient traces to two pk_attention calls, forward and backward: unmasked with the mask
+    attributes off, masked with them on (and the kernels' mask operands); fp32 takes the
+    reference, masked or not."""
+    from test_ring_attn import ffi_calls
+
     from pk_jax import _backend
-    from pk_jax.ops import attention as att
 
     monkeypatch.setattr(_backend, "use_kernel", lambda stem, axis_name=None: True)
+
+    def traced(q, **kw):
+        grad = jax.grad(lambda q: jnp.sum(pk.attention(q, q, q, causal=True, **kw)
+                                          .astype(jnp.float32)))
+        return ffi_calls(jax.make_jaxpr(grad)(q))
+
     q = jnp.zeros((2, 40, 4, 64), jnp.bfloat16)
-    grad = lambda **kw: jax.grad(lambda q: jnp.sum(pk.attention(q, q, q, causal=True, **kw)
-                                                   .astype(jnp.float32)))
-    assert attention_targets(jax.make_jaxpr(grad())(q)) == ["pk_attention"] * 2
     kw = mask_kw(mask, 2, 40)
-    assert att.forward_path(q, q, q, masked=True) == "reference"
-    assert attention_targets(jax.make_jaxpr(grad(**kw))(q)) == []
-    assert not custom_calls(jax.jit(grad(**kw)).lower(q).as_text())
+    plain, masked = traced(q), traced(q, **kw)
+    for calls, flag in ((plain, 0), (masked, 1)):
+        assert [e.params["target_name"] for e in calls] == ["pk_attention"] * 2
+        assert [dict(e.params["attributes"])["masked"] for e in calls] == [flag, flag]
+        assert [dict(e.params["attributes"])["backward"] for e in calls] == [0, 1]
+    assert len(masked[0].invars) > len(plain[0].invars) == 3  # + lengths (and segment info)
+    assert traced(q.astype(jnp.float32), **kw) == []
 
 
 # GPU tests

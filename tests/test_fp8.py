@@ -167,23 +167,53 @@ def test_fp8_training_follows_bf16_training():
         assert rel.max() <= 0.02, (scaling, rel.max())
 
 
+def test_fp8_matmul_routes_to_the_kernel_with_the_references_gradient(monkeypatch):
+    """With the kernel available (forced here; the kernel entry stands in with the reference,
+    since a CPU has no kernel): pk.matmul's fp8 product goes to the kernel entry, f16 operands
+    do not, and the gradients (of x, w and both scales) are the reference's."""
+    from pk_jax import _backend
+    from pk_jax.ops import matmul as mm
+
+    calls = []
+
+    def stand_in(x, w, a, b, out_dtype=None, **kw):
+        calls.append(x.shape)
+        return mm.fp8_reference(x, w, a, b, out_dtype)
+
+    monkeypatch.setattr(_backend, "use_kernel", lambda stem, axis_name=None: True)
+    monkeypatch.setattr(mm, "_fp8_kernel", stand_in)
+    xq, sx, wq, sw = _fp8_pair(30, 32, 256, 48, "block", "tensor")
+    loss = lambda f: lambda *a: jnp.sum(f(*a).astype(jnp.float32) ** 2)
+    ours = jax.grad(loss(lambda x, w, a, b: pk.matmul(x, w, x_scale=a, w_scale=b)),
+                    argnums=(0, 1, 2, 3))(xq, wq, sx, sw)
+    assert calls == [(32, 256)]
+    want = jax.grad(loss(lambda *a: mm.fp8_reference(*a, jnp.bfloat16)),
+                    argnums=(0, 1, 2, 3))(xq, wq, sx, sw)
+    for g, r in zip(ours, want):
+        assert g.dtype == r.dtype and g.shape == r.shape
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(r, np.float32))
+
+
 @pytest.mark.gpu
 def test_gpu_fp8_matmul_is_the_product_of_the_dequantized_operands():
-    """On the GPU (the reference through XLA: no fp8 kernel yet), two calls in a row."""
+    """On the GPU pk.matmul's fp8 product runs the kernel (the lowered program calls
+    pk_matmul_fp8), within the tolerance model below, two calls in a row alike."""
     xq, sx = fp8.quantize(_rand(16, (256, 512)), role="x", scaling="block")
     wq, sw = fp8.quantize(_rand(17, (512, 384)), role="w", scaling="block")
     want = (np.asarray(fp8.dequantize(xq, sx, "x"), np.float64)
             @ np.asarray(fp8.dequantize(wq, sw, "w"), np.float64))
     f = jax.jit(lambda *a: pk.matmul(a[0], a[1], x_scale=a[2], w_scale=a[3],
                                      out_dtype=jnp.float32))
-    for _ in range(2):
-        y = np.asarray(f(xq, wq, sx, sw), np.float64)
-        assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max()
+    assert "pk_matmul_fp8" in f.lower(xq, wq, sx, sw).as_text()
+    first = np.asarray(f(xq, wq, sx, sw), np.float64)
+    np.testing.assert_array_equal(np.asarray(f(xq, wq, sx, sw), np.float64), first)
+    tol = _tolerance(512, "block", jnp.float32)
+    assert np.abs(first - want).max() <= tol * np.abs(want).max()
 
 
 # ---------------------------------------------------------------------------------------------
-# The fp8 kernel (pk_matmul_fp8) behind its private entry matmul._fp8_kernel: pk.matmul's fp8
-# path still runs the reference until the GPU tests below have passed. On a CPU: how the Python
+# The fp8 kernel (pk_matmul_fp8) through its entry matmul._fp8_kernel (pk.matmul's fp8 path on
+# the GPU). On a CPU: how the Python
 # side lays the operands out for it (transposed and padded w, transposed and padded x scales),
 # checked through a NumPy model of what the kernel computes from them; on the GPU: the kernel
 # against float64 NumPy.
@@ -367,16 +397,7 @@ def test_gpu_fp8_kernel_exact_on_integers(shape, scaling, out_dtype):
     np.testing.assert_array_equal(y, want)
 
 
-def _tolerance(k: int, scaling: str, out_dtype) -> float:
-    """Max |y - exact| / max |exact| allowed. Hopper's fp8 MMAs accumulate with about 14 bits
-    (DeepSeek-V3, section 3.3.2): 2^-11 of the running sum per 128 of K, growing linearly
-    (truncation has a sign) per tensor, where the kernel keeps every k-block in the tensor
-    cores' accumulator (the first GPU run measured 2^-11.3 at K = 128 and 2^-9.9 at K = 512
-    against a first guess of 2^-12 per 128: bench/results/fp8_notes.md); blockwise the
-    promotion resets that every 128, and the blocks add in fp32: 2^-11 whatever K. bf16 output
-    adds its rounding (2^-9, doubled)."""
-    acc = 2.0**-11 * max(1, k // 128) if scaling == "tensor" else 2.0**-11
-    return acc + (2.0**-8 if out_dtype == jnp.bfloat16 else 0.0)
+_tolerance = fp8.error_bound  # the kernels' accuracy model (its docstring)
 
 
 def _xla_fp8_error(xq, sx, wq, sw, want) -> float:

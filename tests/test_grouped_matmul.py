@@ -342,6 +342,24 @@ def test_gpu_sizes_outside_the_contract_equal_the_model(dtype):
             assert_same(got, jnp.asarray(want, jnp.float32).astype(dtype))  # one rounding
 
 
+@pytest.mark.parametrize("m,e,mode", [(8, 8, gm._FEW), (9, 8, gm._FWD), (1, 1, gm._FEW),
+                                      (64, 256, gm._FEW), (65, 256, gm._FWD)])
+def test_decode_sizes_take_the_few_rows_kernel(monkeypatch, m, e, mode):
+    """With the kernels forced (the CPU has none): the forward runs the few-rows kernel where
+    M <= E and M <= FEW_MAX_ROWS, else the tiled one; the VJP keeps the dx and dw kernels."""
+    from test_ring_attn import ffi_calls
+
+    from pk_jax import _backend
+
+    monkeypatch.setattr(_backend, "use_kernel", lambda stem, axis_name=None: True)
+    x, w = jnp.zeros((m, 64), jnp.bfloat16), jnp.zeros((e, 64, 48), jnp.bfloat16)
+    gs = jnp.zeros((e,), jnp.int32)
+    loss = lambda x, w: jnp.sum(pk.grouped_matmul(x, w, gs).astype(jnp.float32))
+    calls = ffi_calls(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, w))
+    assert [e_.params["target_name"] for e_ in calls] == ["pk_grouped_matmul"] * 3
+    assert [dict(e_.params["attributes"])["mode"] for e_ in calls] == [mode, gm._DX, gm._DW]
+
+
 def test_few_rows_entry_refuses_what_it_cannot_take():
     """The few-rows kernel's entry checks at trace time: more rows than it takes, and
     operands no kernel takes (fp32)."""

@@ -1,9 +1,10 @@
-"""The fp8 grouped GEMM (the MoE experts' forward in fp8): pk_grouped_matmul_fp8 behind its private
-entry grouped_matmul._fp8_kernel, and its reference grouped_matmul.fp8_reference, against float64
-NumPy. On a CPU: the reference, and how the Python side lays the operands out for the kernel
+"""The fp8 grouped GEMM (the MoE experts' forward in fp8): pk.grouped_matmul with fp8 operands,
+its kernel pk_grouped_matmul_fp8 (entry grouped_matmul._fp8_kernel) and its reference
+grouped_matmul.fp8_reference, against float64 NumPy. On a CPU: the reference, the public op's
+routing, gradient and errors, and how the Python side lays the operands out for the kernel
 (per-expert transposed w, transposed x scales, the experts' w scales as [E * KB, NB]), checked
 through a NumPy model of the kernel's walk over row tiles and its scale reads; on the GPU: the
-kernel itself (not yet run: grouped_matmul takes no fp8 operands until these pass)."""
+kernel itself, and the public op calling it."""
 
 import jax
 import jax.numpy as jnp
@@ -245,6 +246,56 @@ def test_fp8_kernel_entry_refuses_what_it_cannot_take():
             f(xq, wq, gs, sx, sw)
 
 
+def test_public_fp8_grouped_matmul_routes_to_the_kernel_with_the_references_gradient(
+        monkeypatch):
+    """With the kernel available (forced here; the kernel entry stands in with the reference,
+    since a CPU has no kernel): pk.grouped_matmul's fp8 product goes to the kernel entry, and
+    its gradients (of x, w and both scales) are the reference's. Without it, the reference."""
+    from pk_jax import _backend
+
+    m, sizes, k, n = 40, [10, 0, 25, 5], 256, 24
+    xq, sx = fp8.quantize(_rand(31, (m, k)), role="x", scaling="block")
+    wq, sw = _w_scales(32, len(sizes), k, n, "tensor")
+    gs = jnp.asarray(sizes, jnp.int32)
+    plain = pk.grouped_matmul(xq, wq, gs, x_scale=sx, w_scale=sw, out_dtype=jnp.float32)
+    np.testing.assert_allclose(np.asarray(plain, np.float64),
+                               _expanded_reference(xq, sx, wq, sw, sizes), rtol=1e-5,
+                               atol=1e-5 * float(jnp.abs(plain).max()))
+    calls = []
+
+    def stand_in(x, w, g, a, b, out_dtype=None, **kw):
+        calls.append(x.shape)
+        return gm.fp8_reference(x, w, g, a, b, out_dtype)
+
+    monkeypatch.setattr(_backend, "use_kernel", lambda stem, axis_name=None: True)
+    monkeypatch.setattr(gm, "_fp8_kernel", stand_in)
+    loss = lambda f: lambda *a: jnp.sum(f(*a).astype(jnp.float32) ** 2)
+    ours = jax.grad(loss(lambda x, w, a, b: pk.grouped_matmul(x, w, gs, x_scale=a, w_scale=b)),
+                    argnums=(0, 1, 2, 3))(xq, wq, sx, sw)
+    assert calls == [(m, k)]
+    want = jax.grad(loss(lambda x, w, a, b: gm.fp8_reference(x, w, gs, a, b)),
+                    argnums=(0, 1, 2, 3))(xq, wq, sx, sw)
+    for g, r in zip(ours, want):
+        assert g.dtype == r.dtype and g.shape == r.shape
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(r, np.float32))
+
+
+def test_public_fp8_grouped_matmul_errors():
+    m, e, k, n = 64, 4, 256, 64
+    xq, sx = fp8.quantize(_rand(9, (m, k)), role="x", scaling="block")
+    wq, sw = _w_scales(10, e, k, n, "block")
+    gs = jnp.asarray([16] * e, jnp.int32)
+    with pytest.raises(TypeError, match="pk.grouped_matmul: fp8 operands need w_scale"):
+        pk.grouped_matmul(xq, wq, gs, x_scale=sx)
+    with pytest.raises(TypeError, match="takes fp8 operands .* w is bfloat16"):
+        pk.grouped_matmul(xq, wq.astype(jnp.bfloat16), gs, x_scale=sx, w_scale=sw)
+    xb = xq.astype(jnp.bfloat16)
+    with pytest.raises(TypeError, match="x_scale, w_scale and out_dtype are for fp8 operands"):
+        pk.grouped_matmul(xb, wq.astype(jnp.bfloat16), gs, x_scale=sx)
+    with pytest.raises(TypeError, match="x_scale, w_scale and out_dtype are for fp8 operands"):
+        pk.grouped_matmul(xb, wq.astype(jnp.bfloat16), gs, out_dtype=jnp.float32)
+
+
 # ------------------------------------------------------------------ the kernel on the GPU
 
 # (M, K, N, group sizes): odd M, N and K edges, empty groups, rows past the sum (zeros),
@@ -319,6 +370,24 @@ def test_gpu_fp8_grouped_random_within_tolerance(case, scaling, out_dtype):
     # The reference through XLA agrees within the same bound (the kernel is its stand-in).
     ref = np.asarray(gm.fp8_reference(xq, wq, gs, sx, sw, jnp.float32), np.float64)
     assert np.abs(ref - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scaling", ["tensor", "block"])
+def test_gpu_public_fp8_grouped_matmul_runs_the_kernel(scaling):
+    """pk.grouped_matmul with fp8 operands: the lowered program calls pk_grouped_matmul_fp8,
+    and its product is within the accuracy model of float64 NumPy, two calls alike."""
+    _gpu_setup()
+    m, k, n, sizes = _GPU_CASES["edges"]
+    xq, sx = fp8.quantize(_rand(40, (m, k), 2.0), role="x", scaling=scaling)
+    wq, sw = _w_scales(41, len(sizes), k, n, scaling)
+    gs = jnp.asarray(sizes, jnp.int32)
+    f = jax.jit(lambda *a: pk.grouped_matmul(a[0], a[1], a[2], x_scale=a[3], w_scale=a[4]))
+    assert "pk_grouped_matmul_fp8" in f.lower(xq, wq, gs, sx, sw).as_text()
+    y = np.asarray(f(xq, wq, gs, sx, sw), np.float64)
+    np.testing.assert_array_equal(np.asarray(f(xq, wq, gs, sx, sw), np.float64), y)
+    want = _expanded_reference(xq, sx, wq, sw, sizes)
+    assert np.abs(y - want).max() <= _tolerance(k, scaling, jnp.bfloat16) * np.abs(want).max()
 
 
 @pytest.mark.gpu

@@ -492,9 +492,9 @@ def test_ring_mask_errors():
 
 
 @pytest.mark.parametrize("p", (1, 2))
-def test_masked_ring_takes_the_reference_with_kernels_available(monkeypatch, p):
-    """At P = 1 (where the pk.attention kernels run) and P = 2 (the fused ring), with the
-    kernels forced: unmasked calls trace to attention kernels, masked ones to none."""
+def test_masked_ring_routing_with_kernels_available(monkeypatch, p):
+    """With the kernels forced: unmasked calls trace to attention kernels; masked ones to
+    pk.attention's masked kernels at P = 1, to none at P = 2 (the jax.lax ring)."""
     check_masked_sp_routing(monkeypatch, "ring", p)
 
 

@@ -832,9 +832,10 @@ def test_ulysses_mask_errors():
 
 
 @pytest.mark.parametrize("p", (1, 2))
-def test_masked_ulysses_takes_the_reference_with_kernels_available(monkeypatch, p):
-    """At P = 1 (the pk.attention kernels) and P = 2 (the composed or fused kernels), with the
-    kernels forced: unmasked calls trace to attention kernels, masked ones to none."""
+def test_masked_ulysses_routing_with_kernels_available(monkeypatch, p):
+    """With the kernels forced: unmasked calls trace to attention kernels (pk.attention's at
+    P = 1, the composed or fused ones at P = 2); masked ones to pk.attention's masked kernels
+    at P = 1, to none at P = 2 (the reference)."""
     check_masked_sp_routing(monkeypatch, "ulysses", p)
 
 

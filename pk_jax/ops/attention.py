@@ -5,17 +5,13 @@ of cuda/kernels/attention.cuh (TMA loads through an mbarrier ring, wgmma for Q K
 online softmax in registers, causal tiles above the diagonal skipped), with a custom VJP whose
 backward is one kernel pass (dK and dV in registers, dQ's parts summed into a float32 scratch
 with atomic adds, so dq is not bitwise reproducible); grouped-query attention reads each K/V
-head in place. Everything else (fp32, other head dims, CPU, and any call with a mask argument:
-segment_ids, local_window_size, logits_soft_cap, query_seq_lengths, key_value_seq_lengths,
-which the kernels do not take yet) runs the reference: the blockwise online-softmax attention
-of `pk_jax.ops._attention` (memory O(S), so S = 32K runs where XLA's materialised attention
-cannot), with its blockwise custom VJP and the masks' fully hidden tiles skipped; grouped-query
-attention repeats each K/V head for its H / Hkv query heads there.
-
-The masked kernels (cuda/kernels/attention.cuh fwd_masked_kernel, bwd_masked_kernel) are
-reached only through the private `_kernel_attention_masked` until their GPU tests
-(tests/test_attention_masks.py) pass on an H200; then `forward_path` routes masked calls to
-them.
+head in place. Calls with masks (segment_ids, local_window_size, logits_soft_cap,
+query_seq_lengths, key_value_seq_lengths) run the masked kernels (cuda/kernels/attention.cuh
+fwd_masked_kernel, bwd_masked_kernel: fully hidden tiles skipped, element masks only on tiles
+the masks cut). Everything else (fp32, other head dims, CPU) runs the reference: the blockwise
+online-softmax attention of `pk_jax.ops._attention` (memory O(S), so S = 32K runs where XLA's
+materialised attention cannot), with its blockwise custom VJP and the masks' fully hidden tiles
+skipped; grouped-query attention repeats each K/V head for its H / Hkv query heads there.
 """
 
 from __future__ import annotations
@@ -72,8 +68,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
         as in FlashAttention and cuDNN, where jax's "xla" implementation gives the mean of all
         of v.
 
-    Any mask argument runs the jax.lax reference (blockwise, fully masked tiles skipped: a
-    window of W keys costs O(S W)), on GPUs too: the CUDA kernels do not take masks yet.
+    Masked calls skip fully masked tiles, on the GPU kernels and in the reference alike: a
+    window of W keys costs O(S W).
 
     Raises:
         ValueError: operands not rank 4, shapes that do not match, H not divisible by Hkv, a
@@ -106,19 +102,30 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
                  "logits_soft_cap": logits_soft_cap, "query_seq_lengths": query_seq_lengths,
                  "key_value_seq_lengths": key_value_seq_lengths}
     masks, window, softcap = _attention.check_masks(NAME, q, seq_total=s, **mask_args)
-    masked = _attention.mask_arguments_given(**mask_args)
-    if forward_path(q, k, v, masked=masked) == "kernel":
-        return _kernel_attention(q, k, v, float(scale), bool(causal))
+    if forward_path(q, k, v) == "kernel":
+        return kernel_forward(q, k, v, scale, causal, masks, window, softcap)
     return reference(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
                      masks=masks)
 
 
-def forward_path(q: jax.Array, k: jax.Array, v: jax.Array, *, masked: bool = False) -> str:
+def forward_path(q: jax.Array, k: jax.Array, v: jax.Array) -> str:
     """How the call runs, decided once at trace time: "kernel" (the CUDA kernels, forward and
-    backward) where they take the (already checked) operands and no mask is given, else
+    backward, masked or not) where they take the (already checked) operands, else
     "reference"."""
-    supported = kernel_supports(q, k, v) and not masked
-    return _backend.route(NAME, supported=supported).path
+    return _backend.route(NAME, supported=kernel_supports(q, k, v)).path
+
+
+def kernel_forward(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, causal: bool,
+                   masks: _attention.Masks | None = None,
+                   window: tuple[int, int] | None = None,
+                   softcap: float | None = None) -> jax.Array:
+    """pk.attention on the kernels (custom VJP: their backward) for operands `forward_path`
+    sends there, with the masks as `_attention.check_masks` returns them: the masked kernels
+    where any mask is left, else the plain ones (a call whose masks hide nothing, such as a
+    window of the whole sequence, pays nothing for them)."""
+    if (masks is None or all(x is None for x in masks)) and window is None and softcap is None:
+        return _kernel_attention(q, k, v, float(scale), bool(causal))
+    return _kernel_attention_masked(q, k, v, masks, scale, causal, window, softcap)
 
 
 def reference(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, scale: float,
@@ -151,13 +158,11 @@ def kernel_supports(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
             and not any(_split(x) for x in (q, k, v)))
 
 
-def p1_path(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, *,
-            masked: bool = False) -> str:
+def p1_path(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str) -> str:
     """How ring and Ulysses attention run over a 1-device axis, where the rank holds the whole
-    sequence and every head: "local" (this module's kernels on q, k, v as given, forward and
-    backward) where they take the operands and no mask is given (`masked`), else
-    "reference"."""
-    route = _backend.route(NAME, axis_name, supported=kernel_supports(q, k, v) and not masked)
+    sequence and every head: "local" (`kernel_forward` on q, k, v as given, masked or not)
+    where the kernels take the operands, else "reference"."""
+    route = _backend.route(NAME, axis_name, supported=kernel_supports(q, k, v))
     return "local" if route.path == "kernel" else "reference"
 
 
@@ -245,8 +250,7 @@ _kernel_attention.defvjp(_kernel_fwd, _kernel_bwd)
 
 
 # ---------------------------------------------------------------------------------------------
-# The masked kernels (segment ids, window, soft cap, lengths), not routed to yet: the public
-# call keeps the reference for masks until the GPU tests of tests/test_attention_masks.py pass.
+# The masked kernels (segment ids, window, soft cap, lengths).
 
 _CHUNK = 64  # the segment ids' chunks (cuda/include/pk/attn/masks.cuh CHUNK)
 
@@ -315,10 +319,9 @@ def _kernel_attention_masked(q: jax.Array, k: jax.Array, v: jax.Array,
                              masks: _attention.Masks | None, scale: float, causal: bool,
                              window: tuple[int, int] | None = None,
                              softcap: float | None = None) -> jax.Array:
-    """pk.attention with masks on the masked CUDA kernels, forward and backward (custom VJP).
-
-    Private until its GPU tests pass (tests/test_attention_masks.py); pk.attention still sends
-    masked calls to the reference. Arguments as `reference` takes them (the masks checked by
+    """pk.attention with masks on the masked CUDA kernels, forward and backward (custom VJP),
+    whatever the router would pick (pk.attention's masked calls come here through
+    `kernel_forward`). Arguments as `reference` takes them (the masks checked by
     `_attention.check_masks`, the window and cap as it returns them).
 
     Raises:

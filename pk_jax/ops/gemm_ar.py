@@ -106,7 +106,7 @@ _gemm_ar.defvjp(_gemm_ar_fwd, _gemm_ar_bwd)
 
 # ---------------------------------------------------------------------------------------------
 # fp8 (pk_gemm_ar_fp8: gemm_rs_fp8's kernels, cuda/kernels/gemm_rs_fp8.cuh, and gemm_ar's
-# gather), behind a private entry until it has run on a GPU: nothing routes to it yet.
+# gather), behind a private entry: nothing routes to it yet (as gemm_rs_fp8).
 
 FP8_STEM = "gemm_ar_fp8"
 

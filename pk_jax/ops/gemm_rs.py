@@ -116,8 +116,8 @@ _gemm_rs.defvjp(_gemm_rs_fwd, _gemm_rs_bwd)
 
 
 # ---------------------------------------------------------------------------------------------
-# fp8 (pk_gemm_rs_fp8, cuda/kernels/gemm_rs_fp8.cuh), behind a private entry until it has run
-# on a GPU: nothing routes to it yet.
+# fp8 (pk_gemm_rs_fp8, cuda/kernels/gemm_rs_fp8.cuh), behind a private entry: nothing routes to
+# it yet (gemm_reduce_scatter takes no fp8 operands; _tp.py).
 
 FP8_STEM = "gemm_rs_fp8"
 

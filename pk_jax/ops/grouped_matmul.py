@@ -7,6 +7,8 @@ sizes are traced values: changing them never recompiles and never syncs with the
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,7 +31,9 @@ MAX_GROUPS = _op_table.MAX_GROUPS
 _GROUP_M = 16
 
 
-def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
+                   x_scale: jax.Array | None = None, w_scale: jax.Array | None = None,
+                   out_dtype=None) -> jax.Array:
     """Multiplies each group of rows of `x` by its own matrix `w[e]`, fp32 accumulation.
 
     Group e is rows [sum(group_sizes[:e]), sum(group_sizes[:e + 1])) of `x`; rows past
@@ -41,22 +45,43 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Ar
     groups' ranges, from the cumulative sums of those clamped sizes, are cut at M (rows past M
     do not exist; groups that start at or past M are empty).
 
+    With fp8 operands (`pk_jax.fp8`: float8_e4m3fn or float8_e5m2, each with its float32
+    dequantization scale) the product is of the dequantized operands, in `out_dtype`: on Hopper
+    GPUs by the fp8 kernel (pk_grouped_matmul_fp8), elsewhere by its reference (dequantize,
+    then `ragged_dot` in float32). Its gradient is the reference's.
+
     Args:
-        x: [M, K], bf16 or fp16, K a multiple of 8.
-        w: [E, K, N], same dtype as `x`.
+        x: [M, K], bf16 or fp16, K a multiple of 8; or fp8, K a multiple of 16.
+        w: [E, K, N], same dtype as `x` (fp8: either format).
         group_sizes: [E] int32, non-negative, summing to at most M (otherwise as above).
+        x_scale: fp8 only: float32, a scalar or [M, ceil(K / 128)] (per row and 128 columns).
+        w_scale: fp8 only: float32, a scalar, [E] (per expert) or [E, ceil(K / 128),
+            ceil(N / 128)] (each expert's 128 x 128 blocks).
+        out_dtype: fp8 only: bfloat16 (the default) or float32.
 
     Returns:
-        [M, N] in the dtype of `x`, equal to
+        [M, N] in the dtype of `x` (fp8: `out_dtype`), equal to
         `jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)` cast to
-        the dtype of `x`.
+        that dtype (fp8: of the dequantized operands).
 
     Raises:
         ValueError: `x` not rank 2, `w` not rank 3, K of `x` and `w` that differ, K not a
-            multiple of 8, `group_sizes` not of shape [E].
-        TypeError: an unsupported dtype, `x` and `w` of different dtypes, `group_sizes` not
-            int32.
+            multiple of 8 (fp8: 16), `group_sizes` not of shape [E], scales of the wrong shape.
+        TypeError: an unsupported dtype, `x` and `w` of different dtypes (16-bit),
+            `group_sizes` not int32, scales missing or not float32 for fp8 operands or given
+            for others.
     """
+    if _fp8.is_fp8(x.dtype) or _fp8.is_fp8(w.dtype):
+        check_fp8(x, w, group_sizes, x_scale, w_scale, out_dtype)
+        out_dtype = np.dtype(out_dtype or jnp.bfloat16)
+        supported = _fp8_refusal(x, w, "ekn") is None
+        if _backend.route(FP8_STEM, supported=supported).path == "kernel":
+            return _fp8_product(x, w, group_sizes, x_scale, w_scale, out_dtype)
+        return fp8_reference(x, w, group_sizes, x_scale, w_scale, out_dtype)
+    if x_scale is not None or w_scale is not None or out_dtype is not None:
+        raise TypeError(
+            f"pk.{STEM}: x_scale, w_scale and out_dtype are for fp8 operands (pk_jax.fp8), and "
+            f"x is {x.dtype}; leave them out (the product comes out in x's dtype).")
     check(x, w, group_sizes)
     return _grouped(x, w, group_sizes)
 
@@ -127,11 +152,18 @@ def _forward(x, w, group_sizes, mode=_FWD):
     return y[:, :n] if n_pad != n else y
 
 
+def forward_mode(x: jax.Array, w: jax.Array) -> int:
+    """The forward kernel of a call the kernels take: the few-rows kernel (FEW) at decode
+    sizes, at most one row per expert on average (M <= E) and at most FEW_MAX_ROWS rows, where
+    it streams each expert's w once (the tiled kernel's 128-row tiles are mostly padding
+    there; bench/results/grouped_matmul_notes.md); else the tiled one (FWD)."""
+    return _FEW if x.shape[0] <= min(FEW_MAX_ROWS, w.shape[0]) else _FWD
+
+
 def few_rows_forward(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """The forward of `grouped_matmul` by the few-rows kernel (mode FEW), for calls of at most
-    FEW_MAX_ROWS rows: not yet routed to by `grouped_matmul` (it waits for its GPU tests,
-    tests/test_grouped_matmul.py); the GPU tests and bench/bench_grouped_matmul.py --specs call
-    it directly."""
+    FEW_MAX_ROWS rows, whatever `forward_mode` would pick (the GPU tests' and
+    bench/bench_grouped_matmul.py --specs' entry)."""
     check(x, w, group_sizes)
     if x.shape[0] > FEW_MAX_ROWS:
         raise ValueError(f"pk.{STEM}: the few-rows kernel takes at most {FEW_MAX_ROWS} rows, got "
@@ -166,11 +198,11 @@ def _grouped(x, w, group_sizes):
 
 @jax.custom_vjp
 def _grouped_kernel(x, w, group_sizes):
-    return _forward(x, w, group_sizes)
+    return _forward(x, w, group_sizes, forward_mode(x, w))
 
 
 def _fwd(x, w, group_sizes):
-    return _forward(x, w, group_sizes), (x, w, group_sizes)
+    return _forward(x, w, group_sizes, forward_mode(x, w)), (x, w, group_sizes)
 
 
 def _bwd(res, dy):
@@ -187,9 +219,9 @@ _grouped_kernel.defvjp(_fwd, _bwd)
 
 # ---------------------------------------------------------------------------------------------
 # The fp8 forward (pk_grouped_matmul_fp8, cuda/kernels/grouped_matmul_fp8.cuh), the MoE experts
-# in fp8, behind a private entry until it has run on a GPU: grouped_matmul takes no fp8 operands
-# yet. fp8_reference is its jax.lax reference; _fp8_kernel lays the operands out in XLA
-# (fp8_grouped_operands) and calls the kernel.
+# in fp8: grouped_matmul's fp8 path where the router picks it (_fp8_product). fp8_reference is
+# its jax.lax reference; _fp8_kernel lays the operands out in XLA (fp8_grouped_operands) and
+# calls the kernel (also the entry of the tests and benchmarks, whatever the route).
 
 FP8_STEM = "grouped_matmul_fp8"
 _FP8_TILE_128x256 = _op_table.TILES["128x256"]  # the fp8 kernel's tile shapes (its own stages)
@@ -325,10 +357,46 @@ def fp8_tile_config(n8: int, blockwise: bool) -> int:
     return _FP8_TILE_128x128 if blockwise or n8 <= 128 else _FP8_TILE_128x256
 
 
+def _fp8_refusal(x, w, w_layout: str) -> str | None:
+    """Why the fp8 kernel does not take these (checked) operands, or None where it does."""
+    e, k, n = _w_kn(w, w_layout)
+    if e > MAX_GROUPS:
+        return f"the fp8 kernel takes at most {MAX_GROUPS} groups, got w of shape {w.shape}."
+    if max(x.shape[0], _round_up(n, 8), k, e * -(-k // _fp8.BLOCK)) > _op_table.MAX_DIM:
+        return (f"the fp8 kernel indexes sizes in int32; M, N and K must be at most "
+                f"{_op_table.MAX_DIM}.")
+    if _split(x) or _split(w):
+        return ("the fp8 kernel takes local operands (inside shard_map or unsplit); x or w is "
+                "split over mesh axes here.")
+    return None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _fp8_product(x, w, group_sizes, x_scale, w_scale, out_dtype):
+    return _fp8_kernel(x, w, group_sizes, x_scale, w_scale, out_dtype)
+
+
+def _fp8_product_fwd(x, w, group_sizes, x_scale, w_scale, out_dtype):
+    return (_fp8_kernel(x, w, group_sizes, x_scale, w_scale, out_dtype),
+            (x, w, group_sizes, x_scale, w_scale))
+
+
+def _fp8_product_bwd(out_dtype, res, dy):
+    # The reference's gradient (its forward product is dead code here: XLA drops it).
+    x, w, group_sizes, x_scale, w_scale = res
+    _, pullback = jax.vjp(lambda a, b, c, d: fp8_reference(a, b, group_sizes, c, d, out_dtype),
+                          x, w, x_scale, w_scale)
+    dx, dw, dxs, dws = pullback(dy)
+    return dx, dw, np.zeros(group_sizes.shape, jax.dtypes.float0), dxs, dws
+
+
+_fp8_product.defvjp(_fp8_product_fwd, _fp8_product_bwd)
+
+
 def _fp8_kernel(x, w, group_sizes, x_scale, w_scale, out_dtype=None, *,
                 w_layout: str = "ekn") -> jax.Array:
-    """The fp8 grouped product by pk_grouped_matmul_fp8: the entry the GPU tests and the
-    benchmark call until the kernel is verified and routed to.
+    """The fp8 grouped product by pk_grouped_matmul_fp8, whatever the router would pick
+    (grouped_matmul comes here through `_fp8_product`).
 
     Args and checks as check_fp8; `w_layout="enk"`: each expert's w is given transposed, [E, N,
     K] (weights stored that way save the transpose in XLA).
@@ -342,17 +410,9 @@ def _fp8_kernel(x, w, group_sizes, x_scale, w_scale, out_dtype=None, *,
         RuntimeError: the kernel cannot run here (no sm_90 GPU, or no extension with it).
     """
     check_fp8(x, w, group_sizes, x_scale, w_scale, out_dtype, w_layout=w_layout)
-    e, k, n = _w_kn(w, w_layout)
-    if e > MAX_GROUPS:
-        raise ValueError(f"pk.{STEM}: the fp8 kernel takes at most {MAX_GROUPS} groups, got "
-                         f"w of shape {w.shape}.")
-    kb = -(-k // _fp8.BLOCK)
-    if max(x.shape[0], _round_up(n, 8), k, e * kb) > _op_table.MAX_DIM:
-        raise ValueError(f"pk.{STEM}: the fp8 kernel indexes sizes in int32; M, N and K must be "
-                         f"at most {_op_table.MAX_DIM}.")
-    if _split(x) or _split(w):
-        raise ValueError(f"pk.{STEM}: the fp8 kernel takes local operands (inside shard_map or "
-                         "unsplit); x or w is split over mesh axes here.")
+    refusal = _fp8_refusal(x, w, w_layout)
+    if refusal is not None:
+        raise ValueError(f"pk.{STEM}: {refusal}")
     _backend.require_kernel(FP8_STEM, f"pk.{STEM}: the fp8 kernel (pk_{FP8_STEM})")
     x, wt, xs, ws, blockwise, n = fp8_grouped_operands(x, w, x_scale, w_scale,
                                                        w_layout=w_layout)

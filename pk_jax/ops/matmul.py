@@ -5,6 +5,8 @@ The local GEMM engine that the fused ops build on; also the backward pass of eve
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,9 +29,11 @@ def matmul(x: jax.Array, w: jax.Array, *, x_scale: jax.Array | None = None,
 
     With fp8 operands (`pk_jax.fp8`: float8_e4m3fn or float8_e5m2, each with its float32
     dequantization scale, per tensor or blockwise) the product is of the dequantized operands,
-    accumulated in fp32, in `out_dtype`. That product runs its reference (`pk_jax.fp8`
-    dequantizes both operands, then a float32 dot) on every platform until the fp8 kernel
-    (pk_matmul_fp8) has passed its GPU tests.
+    accumulated in fp32, in `out_dtype`: on Hopper GPUs by the fp8 kernel (pk_matmul_fp8,
+    e4m3/e5m2 wgmma, blockwise scales promoted per 128 of K), elsewhere by its reference
+    (`pk_jax.fp8` dequantizes both operands, then a float32 dot). Its gradient is the
+    reference's (float32 products of the dequantized operands); `pk_jax.nn.fp8_matmul` is the
+    training recipe.
 
     Args:
         x: [M, K], bf16 or fp16, K a multiple of 8; or fp8, K a multiple of 16.
@@ -52,7 +56,12 @@ def matmul(x: jax.Array, w: jax.Array, *, x_scale: jax.Array | None = None,
     """
     if _fp8.is_fp8(x.dtype) or _fp8.is_fp8(w.dtype):
         _check_fp8(x, w, x_scale, w_scale, out_dtype)
-        return fp8_reference(x, w, x_scale, w_scale, out_dtype or jnp.bfloat16)
+        out_dtype = np.dtype(out_dtype or jnp.bfloat16)
+        supported = (fp8_kernel_supports(x, w, x_scale, w_scale)
+                     and not _split(x) and not _split(w))
+        if _backend.route(FP8_STEM, supported=supported).path == "kernel":
+            return _fp8_product(x, w, x_scale, w_scale, out_dtype)
+        return fp8_reference(x, w, x_scale, w_scale, out_dtype)
     if x_scale is not None or w_scale is not None or out_dtype is not None:
         raise TypeError(
             f"pk.{STEM}: x_scale, w_scale and out_dtype are for fp8 operands (pk_jax.fp8), and "
@@ -100,9 +109,9 @@ def fp8_reference(x, w, x_scale, w_scale, out_dtype) -> jax.Array:
 
 
 # ---------------------------------------------------------------------------------------------
-# The fp8 kernel (pk_matmul_fp8, cuda/kernels/matmul_fp8.cuh), behind a private entry until it
-# has run on a GPU: pk.matmul's fp8 path still runs fp8_reference. _fp8_kernel takes pk.matmul's
-# operands, lays them out for the kernel in XLA, and calls it.
+# The fp8 kernel (pk_matmul_fp8, cuda/kernels/matmul_fp8.cuh): pk.matmul's fp8 path where the
+# router picks it (_fp8_product); _fp8_kernel takes pk.matmul's operands, lays them out for the
+# kernel in XLA, and calls it (also the entry of the tests and benchmarks, whatever the route).
 
 FP8_STEM = "matmul_fp8"
 _FP8_TILE_128x256 = _op_table.TILES["128x256"]  # the fp8 kernel's tile shapes (its own stages)
@@ -180,8 +189,8 @@ def fp8_kernel_supports(x, w, x_scale, w_scale, *, w_layout: str = "kn") -> bool
 
 def _fp8_kernel(x: jax.Array, w: jax.Array, x_scale: jax.Array, w_scale: jax.Array,
                 out_dtype=None, *, w_layout: str = "kn") -> jax.Array:
-    """pk.matmul's fp8 product by the fp8 kernel, whatever the router would pick: the entry
-    the GPU tests and the benchmark call until the kernel is verified and routed to.
+    """pk.matmul's fp8 product by the fp8 kernel, whatever the router would pick (the GPU
+    tests' and the benchmark's entry; pk.matmul comes here through `_fp8_product`).
 
     Args and checks as pk.matmul's fp8 path; `w_layout="nk"`: w is given transposed, [N, K]
     (a weight stored that way saves the kernel's transpose of w in XLA).
@@ -203,6 +212,24 @@ def _fp8_kernel(x: jax.Array, w: jax.Array, x_scale: jax.Array, w_scale: jax.Arr
                   config=np.int64(fp8_tile_config(m, n8, blockwise)),
                   group_m=np.int64(_GROUP_M))
     return y[:, :n] if n8 != n else y
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _fp8_product(x, w, x_scale, w_scale, out_dtype):
+    return _fp8_kernel(x, w, x_scale, w_scale, out_dtype)
+
+
+def _fp8_product_fwd(x, w, x_scale, w_scale, out_dtype):
+    return _fp8_kernel(x, w, x_scale, w_scale, out_dtype), (x, w, x_scale, w_scale)
+
+
+def _fp8_product_bwd(out_dtype, res, dy):
+    # The reference's gradient (its forward product is dead code here: XLA drops it).
+    _, pullback = jax.vjp(lambda *a: fp8_reference(*a, out_dtype), *res)
+    return pullback(dy)
+
+
+_fp8_product.defvjp(_fp8_product_fwd, _fp8_product_bwd)
 
 
 def reference(x: jax.Array, w: jax.Array, *, out_sharding=None) -> jax.Array:

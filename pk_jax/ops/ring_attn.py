@@ -37,7 +37,8 @@ pk.attention: its forward kernel and its kernel backward, no ring. `forward_path
 place that decides.
 
 Masks (segment_ids, local_window_size, logits_soft_cap, query_seq_lengths,
-key_value_seq_lengths; see `ring_attention`) run the jax.lax ring on every platform: the fused
+key_value_seq_lengths; see `ring_attention`) run pk.attention's masked kernels at P = 1, and
+the jax.lax ring at P > 1 on every platform: the fused
 forward's masked kernel (`_kernel_ring_masked`, below) is not routed to until its GPU tests
 pass, and the fused backward takes no masks yet. There each rank's K/V block travels with its key segment ids
 (one more ppermuted [B, S/P] int32 array); the block's global positions follow from its owner
@@ -147,8 +148,9 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, *,
         queries, computed with float32 statistics and accumulation; with masks as
         `pk.attention` over the whole sequence (rows that no key is visible to give 0).
 
-    Any mask argument runs the jax.lax ring (on GPUs too: the fused kernels do not take masks
-    yet).
+    With any mask argument: over a 1-device axis, pk.attention's masked kernels where they
+    take the operands; at P > 1 the jax.lax ring (on GPUs too: the fused kernels are not routed
+    to with masks yet).
 
     Raises:
         ValueError: `pk.init` not called, a bad axis, q/k/v not rank 4 or of mismatched
@@ -184,8 +186,8 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, *,
     path = forward_path(q, k, v, p, axis_name, masked=masked)
     if path == "local":
         # One rank holds the whole sequence, and the zigzag layout at P = 1 (chunks 0 and 1 of
-        # 2) is the identity: plain attention, forward and backward.
-        return _attention_op._kernel_attention(q, k, v, float(scale), causal)
+        # 2) is the identity: plain attention, forward and backward, its masks by position.
+        return _attention_op.kernel_forward(q, k, v, scale, causal, masks, window, softcap)
     if path == "fused":
         _tp.check_workspace(NAME, workspace_need(k, p), f"{p - 1} K/V blocks of {k.shape}")
         return _kernel_ring(q, k, v, axis_name, causal, float(scale), p, zigzag)
@@ -197,12 +199,13 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, *,
 def forward_path(q: jax.Array, k: jax.Array, v: jax.Array, p: int, axis_name: str, *,
                  masked: bool = False) -> str:
     """How the call runs, forward and backward, decided once at trace time for (already
-    checked) operands: "local" (P = 1: the pk.attention forward kernel and its kernel
+    checked) operands: "local" (P = 1: the pk.attention kernels, masked or not, forward and
     backward, on q, k, v as given), "fused" (P > 1: pk_ring_attn and pk_ring_attn_bwd) or
     "reference" (the jax.lax ring; also wherever those kernels do not take the operands, and
-    with any mask argument (`masked`), which no kernel takes yet)."""
+    at P > 1 with any mask argument (`masked`), which the fused kernels are not routed to
+    with)."""
     if p == 1:
-        return _attention_op.p1_path(q, k, v, axis_name, masked=masked)
+        return _attention_op.p1_path(q, k, v, axis_name)
     route = _backend.route(STEM, axis_name, supported=kernel_supports(q, k, p) and not masked)
     return "fused" if route.path == "kernel" else "reference"
 

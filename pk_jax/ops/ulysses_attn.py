@@ -46,7 +46,8 @@ and its kernel backward, no exchange). `ulysses_attention` takes its paths from
 `_backend.route` at trace time: the forward's, and with the composed forward the backward's.
 
 Masks (segment_ids, local_window_size, logits_soft_cap, query_seq_lengths,
-key_value_seq_lengths; see `ulysses_attention`) run the reference on every platform: the
+key_value_seq_lengths; see `ulysses_attention`) run pk.attention's masked kernels at P = 1, and
+the reference at P > 1 on every platform: the
 composed kernels with masks (`_composed_masked`: the masked pk.attention kernels on the head
 groups) are not routed to until their GPU tests pass, and the fused kernels take no masks yet. They apply after the all-to-all, where each rank holds the whole sequence of its
 head group in global order: the segment ids are all-gathered along the axis ([B, S/P] int32 per
@@ -114,8 +115,9 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, 
         queries, computed with float32 statistics and accumulation; with masks as
         `pk.attention` over the whole sequence (rows that no key is visible to give 0).
 
-    Any mask argument runs the reference (all_to_all, the blockwise jax.lax attention, all_to_all
-    back), on GPUs too: the kernels do not take masks yet.
+    With any mask argument: over a 1-device axis, pk.attention's masked kernels where they take
+    the operands; at P > 1 the reference (all_to_all, the blockwise jax.lax attention,
+    all_to_all back), on GPUs too: the kernels are not routed to with masks yet.
 
     Raises:
         ValueError: `pk.init` not called, a bad axis, q/k/v not rank 4 or of mismatched
@@ -148,10 +150,10 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, 
         NAME, q, seq_total=q.shape[1] * p, axis_name=axis_name, seq="seq_local", **mask_args)
     masked = _attention.mask_arguments_given(**mask_args)
     decide = (overlap_shape(q, k, p, causal), q.dtype.itemsize)
-    if masked:
-        path = "reference"  # no kernel takes masks yet
-    elif p == 1:
+    if p == 1:
         path = _attention_op.p1_path(q, k, v, axis_name)
+    elif masked:
+        path = "reference"  # the masked kernels are not routed to at P > 1 yet
     elif _backend.route(STEM, axis_name, supported=kernel_supports(q, p),
                         overlap=decide).path == "fused":
         path = "fused"
@@ -161,7 +163,7 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, 
                 else "reference")
     if path == "local":
         # One rank holds the whole sequence and every head: plain attention, no exchange.
-        return _attention_op._kernel_attention(q, k, v, float(scale), causal)
+        return _attention_op.kernel_forward(q, k, v, scale, causal, masks, window, softcap)
     if path == "reference":
         k, v = _attention.repeat_kv(q, k, v)  # grouped-query attention (a no-op at H = Hkv)
         return reference(q, k, v, axis_name, causal=causal, scale=scale, window=window,
