@@ -35,6 +35,8 @@ from pk_jax.runtime import state
 BACKENDS = ("auto", "reference", "cuda")
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 TP_GEMMS = ("gemm_rs", "ag_gemm", "gemm_ar")
+# The fp8 forms of the TP GEMMs: routed as their bf16 ops, with the fp8 rates (cost_model).
+TP_GEMMS_FP8 = ("gemm_rs_fp8", "gemm_ar_fp8")
 _warned: set[str] = set()
 
 
@@ -133,7 +135,7 @@ def _gpu() -> cost_model.GPU:
 
 def route(stem: str, axis_name: str | None = None, *, supported: bool = True,
           gemm: tuple[int, int, int, object] | None = None,
-          overlap: tuple[dict, int] | None = None) -> Route:
+          overlap: tuple[dict, int] | None = None, fp8: str | None = None) -> Route:
     """The one decision of how a call of op `stem` runs, made at trace time.
 
     Args:
@@ -144,6 +146,8 @@ def route(stem: str, axis_name: str | None = None, *, supported: bool = True,
         gemm: for the TP GEMMs, (M, N, K, dtype) of the call: M the rows of the whole product,
             K the contraction each device multiplies; the cost model chooses local, serial or
             fused from them.
+        fp8: for the fp8 forms of the TP GEMMs (TP_GEMMS_FP8), their scaling ("tensor" or
+            "block"); `gemm`'s dtype is then not read.
         overlap: for a fused kernel of cost_model.ROUTED_OVERLAP_OPS over a P > 1 axis, (shape,
             itemsize) of the call (shape per device, cost_model.overlap_parts' keys): the route
             is "fused" where its override (`cost_model.overlap_override`) or else the decider
@@ -173,6 +177,10 @@ def route(stem: str, axis_name: str | None = None, *, supported: bool = True,
         m, n, k, dtype = gemm
         pl = cost_model.plan(stem, m, n, k, p, itemsize=np.dtype(dtype).itemsize, gpu=_gpu())
         return Route(pl.mode, pl.num_comm_sms)
+    if stem in TP_GEMMS_FP8:
+        m, n, k, _ = gemm
+        return Route(cost_model.plan(stem.removesuffix("_fp8"), m, n, k, p, gpu=_gpu(),
+                                     fp8=fp8).mode)
     return Route("kernel")
 
 

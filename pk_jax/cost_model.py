@@ -49,6 +49,11 @@ own error (`margin`: for ag_gemm its measured error on the fused kernel's time,
 FUSED_MARGIN[op]; for the overlap form, OVERLAP_MARGIN): a near-tie goes to the simpler serial
 path.
 
+The fp8 forms (gemm_rs and gemm_ar with fp8 operands, `fp8` = their scaling, "tensor" or
+"block"): operands of 1 byte, a bf16 output (the collective moves bf16), and the GEMM rate
+times FP8_SPEEDUP[scaling], the fp8 kernel's measured rate against pk.matmul's. Their other
+constants are the bf16 forms': not fitted on fp8 rows.
+
 Overrides: the context manager `override(mode=..., num_comm_sms=...)`, which is part of what
 jit caches on (a jitted function called inside and outside the block is traced for each), or
 PK_JAX_TP_MODE / PK_JAX_TP_COMM_SMS in the environment, fixed at the first `pk.init`. The
@@ -335,18 +340,29 @@ def collective_us(op: str, out_bytes: float, shard_bytes: float, p: int, gpu: GP
     return max(us, COLLECTIVE_FLOOR_US) if p > 1 else us
 
 
+# The fp8 GEMM's rate against pk.matmul's (bf16), per scaling: the geometric means over
+# bench_fp8.py's grid on an H100 (bench/results/fp8_notes.md), taken for the H200 too.
+FP8_SPEEDUP = {"tensor": 1.7, "block": 0.89}
+
+
 def predict(op: str, m: int, n: int, k: int, p: int, *, mode: str, num_comm_sms: int = 0,
-            itemsize: int = 2, gpu: GPU = H200) -> Plan:
-    """The predicted time of one call in `mode` (see the module docstring for the terms)."""
+            itemsize: int = 2, gpu: GPU = H200, fp8: str | None = None) -> Plan:
+    """The predicted time of one call in `mode` (see the module docstring for the terms);
+    `fp8`: the scaling of an fp8 form, whose operands are 1 byte and output bf16."""
     if op not in OPS:
         raise ValueError(f"pk_jax.cost_model: op={op!r} is not one of {OPS}.")
+    if fp8 is not None and (fp8 not in FP8_SPEEDUP or op == "ag_gemm"):
+        raise ValueError(f"pk_jax.cost_model: fp8={fp8!r} for {op}: the fp8 forms are gemm_rs "
+                         f"and gemm_ar, scaled by {tuple(FP8_SPEEDUP)}.")
     us = 1e6
     flops = 2.0 * m * n * k
-    rate = gpu.peak_tflops * 1e12 * gpu.gemm_efficiency
+    rate = gpu.peak_tflops * 1e12 * gpu.gemm_efficiency * (FP8_SPEEDUP[fp8] if fp8 else 1.0)
     hbm, nvl, copy = gpu.hbm_gbps * 1e9, gpu.nvlink_gbps * 1e9, gpu.copy_gbps * 1e9
     mp = -(-m // p)
-    gemm_bytes = itemsize * (m * k + k * n + m * n)
-    out_bytes = itemsize * m * n
+    out_size = 2 if fp8 else itemsize
+    itemsize = 1 if fp8 else itemsize
+    gemm_bytes = itemsize * (m * k + k * n) + out_size * m * n
+    out_bytes = out_size * m * n
     t = {"launch": 0.0, "comp": 0.0, "mem": gemm_bytes / hbm * us, "comm": 0.0,
          "non_overlap": 0.0, "sync": 0.0}
     if mode == "local" or p == 1 and mode != "fused":
@@ -394,7 +410,7 @@ def predict(op: str, m: int, n: int, k: int, p: int, *, mode: str, num_comm_sms:
 
 
 def plan(op: str, m: int, n: int, k: int, p: int, *, itemsize: int = 2,
-         gpu: GPU = H200) -> Plan:
+         gpu: GPU = H200, fp8: str | None = None) -> Plan:
     """How one call runs, after the overrides: the mode forced, else at P = 1 "local", else the
     faster of fused and serial as predicted, fused only beyond `margin(op)` (`auto_pick`).
 
@@ -406,6 +422,7 @@ def plan(op: str, m: int, n: int, k: int, p: int, *, itemsize: int = 2,
         p: the axis size.
         itemsize: bytes per element.
         gpu: the GPU constants.
+        fp8: for the fp8 forms of gemm_rs and gemm_ar, their scaling ("tensor" or "block").
 
     Returns:
         A Plan: mode, num_comm_sms, predicted microseconds and the terms.
@@ -421,7 +438,8 @@ def plan(op: str, m: int, n: int, k: int, p: int, *, itemsize: int = 2,
     for md in modes:
         cands = (sms,) if sms is not None else COMM_SMS_CANDIDATES
         for c in (cands if md == "fused" and op == "ag_gemm" else (0,)):
-            pl = predict(op, m, n, k, p, mode=md, num_comm_sms=c, itemsize=itemsize, gpu=gpu)
+            pl = predict(op, m, n, k, p, mode=md, num_comm_sms=c, itemsize=itemsize, gpu=gpu,
+                         fp8=fp8)
             if md not in fastest or pl.predicted_us < fastest[md].predicted_us:
                 fastest[md] = pl
     if len(modes) == 2:

@@ -103,6 +103,25 @@ def test_terms_add_up():
     assert pl.predicted_us == pytest.approx(want)
 
 
+@pytest.mark.parametrize("op", ("gemm_rs", "gemm_ar"))
+def test_fp8_forms_use_the_fp8_rate_and_bytes(op):
+    """The fp8 forms: the GEMM's compute term divided by FP8_SPEEDUP[scaling], its operands'
+    bytes halved, the output (and so the collective) still bf16; ag_gemm has no fp8 form."""
+    m, n, k, p = 8192, 8192, 2048, 4
+    bf16 = cm.predict(op, m, n, k, p, mode="serial")
+    for scaling, speedup in cm.FP8_SPEEDUP.items():
+        f8 = cm.predict(op, m, n, k, p, mode="serial", fp8=scaling)
+        assert f8.terms["comp"] == pytest.approx(bf16.terms["comp"] / speedup)
+        assert f8.terms["non_overlap"] == pytest.approx(bf16.terms["non_overlap"])
+        assert f8.terms["mem"] == pytest.approx(bf16.terms["mem"] * (m * k + k * n + 2 * m * n)
+                                                / (2 * (m * k + k * n + m * n)))
+        assert cm.plan(op, m, n, k, 1, fp8=scaling).mode == "local"
+    with pytest.raises(ValueError, match="fp8 forms are gemm_rs and gemm_ar"):
+        cm.predict("ag_gemm", m, n, k, p, mode="serial", fp8="tensor")
+    with pytest.raises(ValueError, match="fp8='e4m3'"):
+        cm.predict(op, m, n, k, p, mode="serial", fp8="e4m3")
+
+
 def test_large_k_prefers_fused_gemm_rs():
     # K well above the overlap bound: the GEMM hides the pushes.
     assert cm.plan("gemm_rs", 16384, 16384, 16384 // 8, 8).mode == "fused"

@@ -428,6 +428,97 @@ def test_entry_refuses_outside_init():
         gemm_rs._fp8_kernel(jnp.zeros((8, 32), E4M3), jnp.zeros((32, 16), E4M3), ONE, ONE, "tp")
 
 
+# ---------------------------------------------------------------- the public ops in fp8
+
+
+def _public_body(kind):
+    fn = pk.gemm_reduce_scatter if kind == "rs" else pk.gemm_all_reduce
+
+    def body(x, w, sx, sw):
+        return fn(x, w, "tp", x_scale=_local(sx), w_scale=_local(sw))
+    return body
+
+
+@pytest.mark.parametrize("kind,p,blockwise", [("rs", 2, False), ("ar", 4, True), ("rs", 1, True)])
+def test_public_op_is_the_model_without_kernels(kind, p, blockwise):
+    """pk.gemm_reduce_scatter / gemm_all_reduce with fp8 operands on a CPU (the reference):
+    exactly the model on exact inputs, P = 1, 2, 4, per tensor and blockwise."""
+    rng = np.random.default_rng(50 + p)
+    make = _block_inputs if blockwise else _exact_inputs
+    xs, wts, sx, sw = make(rng, p, 8 * p, 256 if blockwise else 32, 24, E4M3, E5M2)
+    mesh = cpu_mesh((p,), ("tp",))
+    in_specs, out_spec = _specs(kind, "kn", blockwise)
+    y = run(_public_body(kind), mesh, in_specs, out_spec, *_global(xs, wts, sx, sw, "kn"))
+    want = _rows(_model(xs, wts, sx, sw, kind == "ar"), kind, p)
+    assert y.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(y, np.float64), want.astype(np.float64))
+
+
+@pytest.mark.parametrize("kind", OPS)
+@pytest.mark.parametrize("p,mode,targets", [
+    (1, None, ["pk_matmul_fp8"]),
+    (2, "fused", ["pk_{stem}"]),
+    (2, "serial", ["pk_matmul_fp8", "pk_{collective}"]),
+])
+def test_public_op_routes_and_takes_the_references_gradient(monkeypatch, kind, p, mode,
+                                                             targets):
+    """With the kernels available (stand-ins: the fused kernel's math, the fp8 GEMM's
+    reference, the collectives' jax.lax forms): P = 1 runs the fp8 GEMM alone ("local"), P = 2
+    the fused kernel or the fp8 GEMM then the pk collective as forced; every route gives the
+    model on exact inputs, and its gradients (x, w, both scales) are the reference's."""
+    from pk_jax import cost_model
+
+    calls = _stand_in(monkeypatch)
+    monkeypatch.setattr(matmul, "_fp8_kernel", lambda x, w, a, b, out_dtype=None, **kw: (
+        calls.append({"target": "pk_matmul_fp8"}) or matmul.fp8_reference(x, w, a, b,
+                                                                           out_dtype)))
+    rng = np.random.default_rng(7 + p)
+    xs, wts, sx, sw = _exact_inputs(rng, p, 4 * p, 32, 16, E4M3, E4M3)
+    mesh = cpu_mesh((p,), ("tp",))
+    in_specs, out_spec = _specs(kind, "kn")
+    args = _global(xs, wts, sx, sw, "kn")
+
+    def grads(body):
+        loss = lambda *a: jnp.sum(body(*a).astype(jnp.float32) ** 2)
+        return jax.grad(loss, argnums=(0, 1, 2, 3))
+
+    with cost_model.override(mode=mode):
+        y = run(_public_body(kind), mesh, in_specs, out_spec, *args)
+        traced = [c["target"] for c in calls]
+        ours = run(lambda *a: grads(_public_body(kind))(*a), mesh, in_specs, in_specs, *args)
+    collective = "reduce_scatter" if kind == "rs" else "all_reduce"
+    want_targets = [t.format(stem=OPS[kind].FP8_STEM, collective=collective) for t in targets]
+    assert traced == want_targets, traced
+    want = _rows(_model(xs, wts, sx, sw, kind == "ar"), kind, p)
+    np.testing.assert_array_equal(np.asarray(y, np.float64), want.astype(np.float64))
+    ref = run(lambda *a: grads(_ref_body(kind))(*a), mesh, in_specs, in_specs, *args)
+    for a, b in zip(ours, ref):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.parametrize("kind", OPS)
+def test_public_op_scale_errors(kind):
+    mesh = cpu_mesh((2,), ("tp",))
+    pk.init(mesh)
+    fn = pk.gemm_reduce_scatter if kind == "rs" else pk.gemm_all_reduce
+    name = "gemm_reduce_scatter" if kind == "rs" else "gemm_all_reduce"
+
+    def trace(x, w, **kw):
+        f = jax.shard_map(lambda a, b: fn(a, b, "tp", **kw), mesh=mesh, in_specs=(P(), P()),
+                          out_specs=P(), check_vma=False)
+        return jax.eval_shape(f, x, w)
+
+    xb = jax.ShapeDtypeStruct((8, 32), jnp.bfloat16)
+    wb = jax.ShapeDtypeStruct((32, 16), jnp.bfloat16)
+    with pytest.raises(TypeError, match=f"pk.{name}: x_scale and w_scale are for fp8"):
+        trace(xb, wb, x_scale=ONE)
+    with pytest.raises(TypeError, match=f"pk.{name}: x_scale must be float32.*got None"):
+        trace(X, W, w_scale=ONE)
+    with pytest.raises(TypeError, match=f"pk.{name}: x and w must be fp8"):
+        trace(xb, W, x_scale=ONE, w_scale=ONE)
+
+
 # ---------------------------------------------------------------- GPU (P = 1: direct mode)
 
 

@@ -33,9 +33,61 @@ def check_workspace(name: str, need: int, what: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# The fused TP GEMMs in fp8 (pk_gemm_rs_fp8, pk_gemm_ar_fp8: cuda/kernels/gemm_rs_fp8.cuh),
-# behind private entries (gemm_rs._fp8_kernel, gemm_ar._fp8_kernel): the public TP GEMMs take no
-# fp8 operands yet (bench/results/fp8_notes.md says what they have passed on a GPU).
+# The TP GEMMs in fp8: gemm_reduce_scatter and gemm_all_reduce with fp8 operands (`fp8_op`),
+# routed as the bf16 forms are (local, serial or the fused kernels pk_gemm_rs_fp8 /
+# pk_gemm_ar_fp8 of cuda/kernels/gemm_rs_fp8.cuh; entries gemm_rs._fp8_kernel and
+# gemm_ar._fp8_kernel run the fused kernels whatever the route).
+
+
+def no_scales(name: str, x, x_scale, w_scale) -> None:
+    """The 16-bit forms take no scales: a TypeError naming them if given."""
+    if x_scale is not None or w_scale is not None:
+        raise TypeError(f"pk.{name}: x_scale and w_scale are for fp8 operands (pk_jax.fp8), and "
+                        f"x is {x.dtype}; leave them out.")
+
+
+def fp8_op(name: str, stem: str, reference, x, w, x_scale, w_scale,
+           axis_name: str) -> jax.Array:
+    """gemm_reduce_scatter (stem "gemm_rs_fp8") or gemm_all_reduce ("gemm_ar_fp8") of checked
+    fp8 operands (`check_fp8`), as `_backend.route` decides it: "local" (P = 1: the fp8 GEMM,
+    the collective XLA's no-op), "serial" (the fp8 GEMM into bf16, then the pk collective),
+    "fused" (the fused fp8 kernels) or "reference" (`reference(x, w, x_scale, w_scale,
+    axis_name)`, the op's fp8_reference). Its gradient is the reference's."""
+    import functools
+
+    from pk_jax import _backend
+    from pk_jax.ops import _vjp
+
+    m, k, n = x.shape[0], x.shape[1], w.shape[1]
+    scaling = "block" if x_scale.ndim == 2 or w_scale.ndim == 2 else "tensor"
+    r = _backend.route(stem, axis_name, gemm=(m, n, k, None), fp8=scaling)
+    ref = functools.partial(reference, axis_name=axis_name)
+    if r.path == "reference":
+        return ref(x, w, x_scale, w_scale)
+    forward = functools.partial(_fp8_forward, name=name, stem=stem, path=r.path,
+                                axis_name=axis_name)
+    return _vjp.with_reference_grad(forward, ref, x, w, x_scale, w_scale)
+
+
+def _fp8_forward(x, w, x_scale, w_scale, *, name: str, stem: str, path: str, axis_name: str):
+    from pk_jax.ops import matmul as _mm
+
+    p = jax.lax.axis_size(axis_name)
+    rs = stem == "gemm_rs_fp8"
+    if path == "fused":
+        return fp8_call(name, "pk_" + stem, x, w, x_scale, w_scale, axis_name, p,
+                        x.shape[0] // p if rs else x.shape[0], "kn")
+    y = _mm._fp8_kernel(x, w, x_scale, w_scale, jnp.bfloat16)
+    if path == "local":  # the collective over one device: XLA's no-op, the reference's type
+        return (jax.lax.psum_scatter(y, axis_name, scatter_dimension=0, tiled=True) if rs
+                else jax.lax.psum(y, axis_name))
+    if rs:
+        from pk_jax.ops import reduce_scatter
+
+        return reduce_scatter.kernel(y, axis_name, 0)
+    from pk_jax.ops import all_reduce
+
+    return all_reduce.kernel(y, axis_name, 0)
 
 
 def check_fp8(name: str, x, w, x_scale, w_scale, w_layout: str) -> tuple[int, int, int]:

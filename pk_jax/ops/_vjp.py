@@ -11,6 +11,8 @@ does nothing, as JAX's AD does not sum there either.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 
 from pk_jax import _ffi
@@ -43,3 +45,29 @@ def transpose_psum(dy: jax.Array, z_shape, z_dtype, z_axes, axis_name: str) -> j
     _, pullback = jax.vjp(lambda z: jax.lax.psum(z, axis_name), like(z_shape, z_dtype, z_axes))
     (dz,) = pullback(dy)
     return dz
+
+
+def with_reference_grad(forward, reference, *args) -> jax.Array:
+    """`forward(*args)` (a kernel without a backward of its own), differentiated as
+    `reference(*args)` is: the fp8 products, whose gradient is their reference's. `forward` and
+    `reference` are hashable callables of `args` alone (functools.partial over static
+    arguments); an integer argument (group sizes) gets JAX's float0 cotangent."""
+    return _reference_grad(forward, reference, *args)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _reference_grad(forward, reference, *args):
+    return forward(*args)
+
+
+def _reference_grad_fwd(forward, reference, *args):
+    return forward(*args), args
+
+
+def _reference_grad_bwd(forward, reference, args, dy):
+    # The reference's forward product is dead code here: XLA drops it.
+    _, pullback = jax.vjp(reference, *args)
+    return pullback(dy)
+
+
+_reference_grad.defvjp(_reference_grad_fwd, _reference_grad_bwd)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pk_jax import _backend, _checks, _ffi
+from pk_jax import fp8 as _fp8
 from pk_jax.ops import _tp, _vjp
 from pk_jax.ops import matmul as _mm
 from pk_jax.runtime import state
@@ -20,24 +21,39 @@ STEM = "gemm_ar"
 NAME = "gemm_all_reduce"  # the public name, used in error messages
 
 
-def gemm_all_reduce(x: jax.Array, w: jax.Array, axis_name: str) -> jax.Array:
+def gemm_all_reduce(x: jax.Array, w: jax.Array, axis_name: str, *,
+                    x_scale: jax.Array | None = None,
+                    w_scale: jax.Array | None = None) -> jax.Array:
     """Multiplies the local shards and sums the product over `axis_name` on every device.
 
+    With fp8 operands (`pk_jax.fp8`: float8_e4m3fn or float8_e5m2, each device's shards with
+    their own float32 scales) the product is of the dequantized shards, in bf16: on Hopper GPUs
+    the fp8 GEMM then the pk all-reduce, or the fused fp8 kernels, as the cost model picks;
+    elsewhere the reference (`fp8_reference`), whose gradient it has.
+
     Args:
-        x: [M, K/P], bf16 or fp16, K/P a multiple of 8.
-        w: [K/P, N], same dtype as `x`.
+        x: [M, K/P], bf16 or fp16, K/P a multiple of 8 (fp8: 16).
+        w: [K/P, N], same dtype as `x` (fp8: either format).
         axis_name: one axis of the mesh given to `pk.init`.
+        x_scale: fp8 only: float32, a scalar or [M, ceil(K/P / 128)] (this device's shard).
+        w_scale: fp8 only: float32, a scalar or [ceil(K/P / 128), ceil(N / 128)].
 
     Returns:
-        [M, N] in the dtype of `x`, equal to `lax.psum(x @ w, axis_name)` (fp32 accumulation
-        within a device).
+        [M, N] in the dtype of `x` (fp8: bf16), equal to `lax.psum(x @ w, axis_name)` (fp32
+        accumulation within a device).
 
     Raises:
         ValueError: `pk.init` not called, a bad `axis_name`, not inside shard_map, operands not
-            rank 2, contraction dimensions that differ, K/P not a multiple of 8.
-        TypeError: an unsupported dtype, or `x` and `w` of different dtypes.
+            rank 2, contraction dimensions that differ, K/P not a multiple of 8 (fp8: 16),
+            scales of the wrong shape.
+        TypeError: an unsupported dtype, `x` and `w` of different dtypes (16-bit), scales
+            missing or not float32 for fp8 operands or given for others.
     """
     _checks.axis_size(NAME, axis_name)
+    if _fp8.is_fp8(x.dtype) or _fp8.is_fp8(w.dtype):
+        _tp.check_fp8(NAME, x, w, x_scale, w_scale, "kn")
+        return _tp.fp8_op(NAME, FP8_STEM, fp8_reference, x, w, x_scale, w_scale, axis_name)
+    _tp.no_scales(NAME, x, x_scale, w_scale)
     _checks.matmul_operands(NAME, x, w, k_local=True)
     return _gemm_ar(x, w, axis_name)
 
@@ -105,8 +121,9 @@ _gemm_ar.defvjp(_gemm_ar_fwd, _gemm_ar_bwd)
 
 
 # ---------------------------------------------------------------------------------------------
-# fp8 (pk_gemm_ar_fp8: gemm_rs_fp8's kernels, cuda/kernels/gemm_rs_fp8.cuh, and gemm_ar's
-# gather), behind a private entry: nothing routes to it yet (as gemm_rs_fp8).
+# fp8: the reference, and the entry of the fused kernels (pk_gemm_ar_fp8: gemm_rs_fp8's,
+# cuda/kernels/gemm_rs_fp8.cuh, and gemm_ar's gather) whatever the route (gemm_all_reduce's fp8
+# path: _tp.fp8_op).
 
 FP8_STEM = "gemm_ar_fp8"
 
@@ -122,8 +139,7 @@ def fp8_reference(x: jax.Array, w: jax.Array, x_scale: jax.Array, w_scale: jax.A
 def _fp8_kernel(x: jax.Array, w: jax.Array, x_scale: jax.Array, w_scale: jax.Array,
                 axis_name: str, *, w_layout: str = "kn") -> jax.Array:
     """gemm_all_reduce of fp8 operands by the fused fp8 kernels (pk_gemm_ar_fp8), whatever the
-    router would pick: the entry the GPU tests call until the kernels are verified and routed
-    to. Forward only (no VJP yet).
+    router would pick (the GPU tests' and the benchmark's entry). Forward only.
 
     Args:
         x: [M, K/P] fp8 (float8_e4m3fn or float8_e5m2); K/P a multiple of 16, any M.

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pk_jax import _backend, _checks, _ffi
+from pk_jax import fp8 as _fp8
 from pk_jax.ops import _tp, _vjp
 from pk_jax.ops import matmul as _mm
 from pk_jax.runtime import state
@@ -24,29 +25,45 @@ STEM = "gemm_rs"
 NAME = "gemm_reduce_scatter"  # the public name, used in error messages
 
 
-def gemm_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: str) -> jax.Array:
+def gemm_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: str, *,
+                        x_scale: jax.Array | None = None,
+                        w_scale: jax.Array | None = None) -> jax.Array:
     """Multiplies the local shards and reduce-scatters the sum by rows over `axis_name`.
 
     With K sharded over the axis, `x @ w` summed over the devices is the full product; rank r
     keeps rows [r*M/P, (r+1)*M/P) of it.
 
+    With fp8 operands (`pk_jax.fp8`: float8_e4m3fn or float8_e5m2, each device's shards with
+    their own float32 scales) the product is of the dequantized shards, in bf16: on Hopper GPUs
+    the fp8 GEMM then the pk reduce-scatter, or the fused fp8 kernel, as the cost model picks;
+    elsewhere the reference (`fp8_reference`), whose gradient it has.
+
     Args:
-        x: [M, K/P], bf16 or fp16; M divisible by P, K/P a multiple of 8.
-        w: [K/P, N], same dtype as `x`.
+        x: [M, K/P], bf16 or fp16; M divisible by P, K/P a multiple of 8 (fp8: 16).
+        w: [K/P, N], same dtype as `x` (fp8: either format).
         axis_name: one axis of the mesh given to `pk.init`.
+        x_scale: fp8 only: float32, a scalar or [M, ceil(K/P / 128)] (this device's shard).
+        w_scale: fp8 only: float32, a scalar or [ceil(K/P / 128), ceil(N / 128)].
 
     Returns:
-        [M/P, N] in the dtype of `x`, equal to
+        [M/P, N] in the dtype of `x` (fp8: bf16), equal to
         `lax.psum_scatter(x @ w, axis_name, scatter_dimension=0, tiled=True)` (fp32
         accumulation within a device).
 
     Raises:
         ValueError: `pk.init` not called, a bad `axis_name`, not inside shard_map, operands not
             rank 2, contraction dimensions that differ, M not divisible by P, K/P not a
-            multiple of 8.
-        TypeError: an unsupported dtype, or `x` and `w` of different dtypes.
+            multiple of 8 (fp8: 16), scales of the wrong shape.
+        TypeError: an unsupported dtype, `x` and `w` of different dtypes (16-bit), scales
+            missing or not float32 for fp8 operands or given for others.
     """
     p = _checks.axis_size(NAME, axis_name)
+    if _fp8.is_fp8(x.dtype) or _fp8.is_fp8(w.dtype):
+        m, _, _ = _tp.check_fp8(NAME, x, w, x_scale, w_scale, "kn")
+        _checks.divisible(NAME, "M (x.shape[0])", m, p, f"Pad the rows of x to a multiple of "
+                          f"the size of axis {axis_name!r} ({p}).")
+        return _tp.fp8_op(NAME, FP8_STEM, fp8_reference, x, w, x_scale, w_scale, axis_name)
+    _tp.no_scales(NAME, x, x_scale, w_scale)
     _checks.matmul_operands(NAME, x, w, k_local=True)
     _checks.divisible(NAME, "M (x.shape[0])", x.shape[0], p,
                       f"Pad the rows of x to a multiple of the size of axis {axis_name!r} ({p}).")
@@ -116,8 +133,8 @@ _gemm_rs.defvjp(_gemm_rs_fwd, _gemm_rs_bwd)
 
 
 # ---------------------------------------------------------------------------------------------
-# fp8 (pk_gemm_rs_fp8, cuda/kernels/gemm_rs_fp8.cuh), behind a private entry: nothing routes to
-# it yet (gemm_reduce_scatter takes no fp8 operands; _tp.py).
+# fp8: the reference, and the entry of the fused kernel (pk_gemm_rs_fp8,
+# cuda/kernels/gemm_rs_fp8.cuh) whatever the route (gemm_reduce_scatter's fp8 path: _tp.fp8_op).
 
 FP8_STEM = "gemm_rs_fp8"
 
@@ -135,8 +152,7 @@ def fp8_reference(x: jax.Array, w: jax.Array, x_scale: jax.Array, w_scale: jax.A
 def _fp8_kernel(x: jax.Array, w: jax.Array, x_scale: jax.Array, w_scale: jax.Array,
                 axis_name: str, *, w_layout: str = "kn") -> jax.Array:
     """gemm_reduce_scatter of fp8 operands by the fused fp8 kernel (pk_gemm_rs_fp8), whatever
-    the router would pick: the entry the GPU tests call until the kernel is verified and routed
-    to. Forward only (no VJP yet).
+    the router would pick (the GPU tests' and the benchmark's entry). Forward only.
 
     Args:
         x: [M, K/P] fp8 (float8_e4m3fn or float8_e5m2); M divisible by P, K/P a multiple of 16.

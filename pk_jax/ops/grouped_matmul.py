@@ -76,7 +76,10 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
         out_dtype = np.dtype(out_dtype or jnp.bfloat16)
         supported = _fp8_refusal(x, w, "ekn") is None
         if _backend.route(FP8_STEM, supported=supported).path == "kernel":
-            return _fp8_product(x, w, group_sizes, x_scale, w_scale, out_dtype)
+            return _vjp.with_reference_grad(
+                functools.partial(_fp8_kernel, out_dtype=out_dtype),
+                functools.partial(fp8_reference, out_dtype=out_dtype),
+                x, w, group_sizes, x_scale, w_scale)
         return fp8_reference(x, w, group_sizes, x_scale, w_scale, out_dtype)
     if x_scale is not None or w_scale is not None or out_dtype is not None:
         raise TypeError(
@@ -219,7 +222,7 @@ _grouped_kernel.defvjp(_fwd, _bwd)
 
 # ---------------------------------------------------------------------------------------------
 # The fp8 forward (pk_grouped_matmul_fp8, cuda/kernels/grouped_matmul_fp8.cuh), the MoE experts
-# in fp8: grouped_matmul's fp8 path where the router picks it (_fp8_product). fp8_reference is
+# in fp8: grouped_matmul's fp8 path where the router picks it. fp8_reference is
 # its jax.lax reference; _fp8_kernel lays the operands out in XLA (fp8_grouped_operands) and
 # calls the kernel (also the entry of the tests and benchmarks, whatever the route).
 
@@ -371,32 +374,10 @@ def _fp8_refusal(x, w, w_layout: str) -> str | None:
     return None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _fp8_product(x, w, group_sizes, x_scale, w_scale, out_dtype):
-    return _fp8_kernel(x, w, group_sizes, x_scale, w_scale, out_dtype)
-
-
-def _fp8_product_fwd(x, w, group_sizes, x_scale, w_scale, out_dtype):
-    return (_fp8_kernel(x, w, group_sizes, x_scale, w_scale, out_dtype),
-            (x, w, group_sizes, x_scale, w_scale))
-
-
-def _fp8_product_bwd(out_dtype, res, dy):
-    # The reference's gradient (its forward product is dead code here: XLA drops it).
-    x, w, group_sizes, x_scale, w_scale = res
-    _, pullback = jax.vjp(lambda a, b, c, d: fp8_reference(a, b, group_sizes, c, d, out_dtype),
-                          x, w, x_scale, w_scale)
-    dx, dw, dxs, dws = pullback(dy)
-    return dx, dw, np.zeros(group_sizes.shape, jax.dtypes.float0), dxs, dws
-
-
-_fp8_product.defvjp(_fp8_product_fwd, _fp8_product_bwd)
-
-
 def _fp8_kernel(x, w, group_sizes, x_scale, w_scale, out_dtype=None, *,
                 w_layout: str = "ekn") -> jax.Array:
     """The fp8 grouped product by pk_grouped_matmul_fp8, whatever the router would pick
-    (grouped_matmul comes here through `_fp8_product`).
+    (the tests' and the benchmark's entry, and grouped_matmul's kernel path).
 
     Args and checks as check_fp8; `w_layout="enk"`: each expert's w is given transposed, [E, N,
     K] (weights stored that way save the transpose in XLA).

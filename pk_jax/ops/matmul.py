@@ -60,7 +60,9 @@ def matmul(x: jax.Array, w: jax.Array, *, x_scale: jax.Array | None = None,
         supported = (fp8_kernel_supports(x, w, x_scale, w_scale)
                      and not _split(x) and not _split(w))
         if _backend.route(FP8_STEM, supported=supported).path == "kernel":
-            return _fp8_product(x, w, x_scale, w_scale, out_dtype)
+            return _vjp.with_reference_grad(
+                functools.partial(_fp8_kernel, out_dtype=out_dtype),
+                functools.partial(fp8_reference, out_dtype=out_dtype), x, w, x_scale, w_scale)
         return fp8_reference(x, w, x_scale, w_scale, out_dtype)
     if x_scale is not None or w_scale is not None or out_dtype is not None:
         raise TypeError(
@@ -110,7 +112,7 @@ def fp8_reference(x, w, x_scale, w_scale, out_dtype) -> jax.Array:
 
 # ---------------------------------------------------------------------------------------------
 # The fp8 kernel (pk_matmul_fp8, cuda/kernels/matmul_fp8.cuh): pk.matmul's fp8 path where the
-# router picks it (_fp8_product); _fp8_kernel takes pk.matmul's operands, lays them out for the
+# router picks it; _fp8_kernel takes pk.matmul's operands, lays them out for the
 # kernel in XLA, and calls it (also the entry of the tests and benchmarks, whatever the route).
 
 FP8_STEM = "matmul_fp8"
@@ -190,7 +192,7 @@ def fp8_kernel_supports(x, w, x_scale, w_scale, *, w_layout: str = "kn") -> bool
 def _fp8_kernel(x: jax.Array, w: jax.Array, x_scale: jax.Array, w_scale: jax.Array,
                 out_dtype=None, *, w_layout: str = "kn") -> jax.Array:
     """pk.matmul's fp8 product by the fp8 kernel, whatever the router would pick (the GPU
-    tests' and the benchmark's entry; pk.matmul comes here through `_fp8_product`).
+    tests' and the benchmark's entry, and pk.matmul's kernel path).
 
     Args and checks as pk.matmul's fp8 path; `w_layout="nk"`: w is given transposed, [N, K]
     (a weight stored that way saves the kernel's transpose of w in XLA).
@@ -212,24 +214,6 @@ def _fp8_kernel(x: jax.Array, w: jax.Array, x_scale: jax.Array, w_scale: jax.Arr
                   config=np.int64(fp8_tile_config(m, n8, blockwise)),
                   group_m=np.int64(_GROUP_M))
     return y[:, :n] if n8 != n else y
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _fp8_product(x, w, x_scale, w_scale, out_dtype):
-    return _fp8_kernel(x, w, x_scale, w_scale, out_dtype)
-
-
-def _fp8_product_fwd(x, w, x_scale, w_scale, out_dtype):
-    return _fp8_kernel(x, w, x_scale, w_scale, out_dtype), (x, w, x_scale, w_scale)
-
-
-def _fp8_product_bwd(out_dtype, res, dy):
-    # The reference's gradient (its forward product is dead code here: XLA drops it).
-    _, pullback = jax.vjp(lambda *a: fp8_reference(*a, out_dtype), *res)
-    return pullback(dy)
-
-
-_fp8_product.defvjp(_fp8_product_fwd, _fp8_product_bwd)
 
 
 def reference(x: jax.Array, w: jax.Array, *, out_sharding=None) -> jax.Array:
