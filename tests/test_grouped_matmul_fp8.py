@@ -263,9 +263,9 @@ def test_public_fp8_grouped_matmul_routes_to_the_kernel_with_the_references_grad
                                atol=1e-5 * float(jnp.abs(plain).max()))
     calls = []
 
-    def stand_in(x, w, g, a, b, out_dtype=None, **kw):
+    def stand_in(x, w, g, a, b, out_dtype=None, *, w_layout="ekn"):
         calls.append(x.shape)
-        return gm.fp8_reference(x, w, g, a, b, out_dtype)
+        return gm.fp8_reference(x, w, g, a, b, out_dtype, w_layout=w_layout)
 
     monkeypatch.setattr(_backend, "use_kernel", lambda stem, axis_name=None: True)
     monkeypatch.setattr(gm, "_fp8_kernel", stand_in)
@@ -275,9 +275,19 @@ def test_public_fp8_grouped_matmul_routes_to_the_kernel_with_the_references_grad
     assert calls == [(m, k)]
     want = jax.grad(loss(lambda x, w, a, b: gm.fp8_reference(x, w, gs, a, b)),
                     argnums=(0, 1, 2, 3))(xq, wq, sx, sw)
-    for g, r in zip(ours, want):
+    # Each expert's w given transposed ("enk"): the same product, its w gradient transposed.
+    wt = jnp.swapaxes(wq, 1, 2)
+    enk = jax.grad(loss(lambda x, w, a, b: pk.grouped_matmul(x, w, gs, x_scale=a, w_scale=b,
+                                                             w_layout="enk")),
+                   argnums=(0, 1, 2, 3))(xq, wt, sx, sw)
+    assert calls == [(m, k)] * 2
+    for g, r, t in zip(ours, want, (*enk[:1], jnp.swapaxes(enk[1], 1, 2), *enk[2:])):
         assert g.dtype == r.dtype and g.shape == r.shape
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(r, np.float32))
+        np.testing.assert_array_equal(np.asarray(t, np.float32), np.asarray(r, np.float32))
+    y_enk = pk.grouped_matmul(xq, wt, gs, x_scale=sx, w_scale=sw, out_dtype=jnp.float32,
+                              w_layout="enk")
+    np.testing.assert_array_equal(np.asarray(y_enk), np.asarray(plain))
 
 
 def test_public_fp8_grouped_matmul_errors():
@@ -290,10 +300,13 @@ def test_public_fp8_grouped_matmul_errors():
     with pytest.raises(TypeError, match="takes fp8 operands .* w is bfloat16"):
         pk.grouped_matmul(xq, wq.astype(jnp.bfloat16), gs, x_scale=sx, w_scale=sw)
     xb = xq.astype(jnp.bfloat16)
-    with pytest.raises(TypeError, match="x_scale, w_scale and out_dtype are for fp8 operands"):
-        pk.grouped_matmul(xb, wq.astype(jnp.bfloat16), gs, x_scale=sx)
-    with pytest.raises(TypeError, match="x_scale, w_scale and out_dtype are for fp8 operands"):
-        pk.grouped_matmul(xb, wq.astype(jnp.bfloat16), gs, out_dtype=jnp.float32)
+    for kw in ({"x_scale": sx}, {"out_dtype": jnp.float32}, {"w_layout": "enk"}):
+        with pytest.raises(TypeError, match="x_scale, w_scale, out_dtype and w_layout are for"):
+            pk.grouped_matmul(xb, wq.astype(jnp.bfloat16), gs, **kw)
+    with pytest.raises(ValueError, match="pk.grouped_matmul: w_layout must be 'ekn'"):
+        pk.grouped_matmul(xq, wq, gs, x_scale=sx, w_scale=sw, w_layout="kn")
+    with pytest.raises(ValueError, match="contraction dimensions differ"):
+        pk.grouped_matmul(xq, wq, gs, x_scale=sx, w_scale=sw, w_layout="enk")
 
 
 # ------------------------------------------------------------------ the kernel on the GPU
@@ -374,18 +387,22 @@ def test_gpu_fp8_grouped_random_within_tolerance(case, scaling, out_dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("scaling", ["tensor", "block"])
-def test_gpu_public_fp8_grouped_matmul_runs_the_kernel(scaling):
-    """pk.grouped_matmul with fp8 operands: the lowered program calls pk_grouped_matmul_fp8,
-    and its product is within the accuracy model of float64 NumPy, two calls alike."""
+@pytest.mark.parametrize("w_layout", ["ekn", "enk"])
+def test_gpu_public_fp8_grouped_matmul_runs_the_kernel(scaling, w_layout):
+    """pk.grouped_matmul with fp8 operands, w as [E, K, N] or [E, N, K]: the lowered program
+    calls pk_grouped_matmul_fp8, and its product is within the accuracy model of float64
+    NumPy, two calls alike."""
     _gpu_setup()
     m, k, n, sizes = _GPU_CASES["edges"]
     xq, sx = fp8.quantize(_rand(40, (m, k), 2.0), role="x", scaling=scaling)
     wq, sw = _w_scales(41, len(sizes), k, n, scaling)
     gs = jnp.asarray(sizes, jnp.int32)
-    f = jax.jit(lambda *a: pk.grouped_matmul(a[0], a[1], a[2], x_scale=a[3], w_scale=a[4]))
-    assert "pk_grouped_matmul_fp8" in f.lower(xq, wq, gs, sx, sw).as_text()
-    y = np.asarray(f(xq, wq, gs, sx, sw), np.float64)
-    np.testing.assert_array_equal(np.asarray(f(xq, wq, gs, sx, sw), np.float64), y)
+    w_in = wq if w_layout == "ekn" else jnp.swapaxes(wq, 1, 2)
+    f = jax.jit(lambda *a: pk.grouped_matmul(a[0], a[1], a[2], x_scale=a[3], w_scale=a[4],
+                                             w_layout=w_layout))
+    assert "pk_grouped_matmul_fp8" in f.lower(xq, w_in, gs, sx, sw).as_text()
+    y = np.asarray(f(xq, w_in, gs, sx, sw), np.float64)
+    np.testing.assert_array_equal(np.asarray(f(xq, w_in, gs, sx, sw), np.float64), y)
     want = _expanded_reference(xq, sx, wq, sw, sizes)
     assert np.abs(y - want).max() <= _tolerance(k, scaling, jnp.bfloat16) * np.abs(want).max()
 

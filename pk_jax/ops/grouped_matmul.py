@@ -33,7 +33,7 @@ _GROUP_M = 16
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
                    x_scale: jax.Array | None = None, w_scale: jax.Array | None = None,
-                   out_dtype=None) -> jax.Array:
+                   out_dtype=None, w_layout: str = "ekn") -> jax.Array:
     """Multiplies each group of rows of `x` by its own matrix `w[e]`, fp32 accumulation.
 
     Group e is rows [sum(group_sizes[:e]), sum(group_sizes[:e + 1])) of `x`; rows past
@@ -48,7 +48,10 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     With fp8 operands (`pk_jax.fp8`: float8_e4m3fn or float8_e5m2, each with its float32
     dequantization scale) the product is of the dequantized operands, in `out_dtype`: on Hopper
     GPUs by the fp8 kernel (pk_grouped_matmul_fp8), elsewhere by its reference (dequantize,
-    then `ragged_dot` in float32). Its gradient is the reference's.
+    then `ragged_dot` in float32). Its gradient is the reference's. The fp8 kernel reads each
+    expert's weight transposed, [N, K]: weights kept that way (`w_layout="enk"`, w [E, N, K])
+    save the transpose of all of w on every call, which measured 1.2-2.5x of the kernel's time
+    (bench/results/fp8_notes.md).
 
     Args:
         x: [M, K], bf16 or fp16, K a multiple of 8; or fp8, K a multiple of 16.
@@ -58,11 +61,13 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
         w_scale: fp8 only: float32, a scalar, [E] (per expert) or [E, ceil(K / 128),
             ceil(N / 128)] (each expert's 128 x 128 blocks).
         out_dtype: fp8 only: bfloat16 (the default) or float32.
+        w_layout: fp8 only: "ekn" (w [E, K, N], the default) or "enk" (each expert's w
+            transposed, [E, N, K]; w_scale's blocks still those of w[e] as [K, N]).
 
     Returns:
         [M, N] in the dtype of `x` (fp8: `out_dtype`), equal to
         `jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)` cast to
-        that dtype (fp8: of the dequantized operands).
+        that dtype (fp8: of the dequantized operands, w taken in `w_layout`).
 
     Raises:
         ValueError: `x` not rank 2, `w` not rank 3, K of `x` and `w` that differ, K not a
@@ -72,19 +77,21 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
             for others.
     """
     if _fp8.is_fp8(x.dtype) or _fp8.is_fp8(w.dtype):
-        check_fp8(x, w, group_sizes, x_scale, w_scale, out_dtype)
+        check_fp8(x, w, group_sizes, x_scale, w_scale, out_dtype, w_layout=w_layout)
         out_dtype = np.dtype(out_dtype or jnp.bfloat16)
-        supported = _fp8_refusal(x, w, "ekn") is None
+        reference = functools.partial(fp8_reference, out_dtype=out_dtype, w_layout=w_layout)
+        supported = _fp8_refusal(x, w, w_layout) is None
         if _backend.route(FP8_STEM, supported=supported).path == "kernel":
             return _vjp.with_reference_grad(
-                functools.partial(_fp8_kernel, out_dtype=out_dtype),
-                functools.partial(fp8_reference, out_dtype=out_dtype),
-                x, w, group_sizes, x_scale, w_scale)
-        return fp8_reference(x, w, group_sizes, x_scale, w_scale, out_dtype)
-    if x_scale is not None or w_scale is not None or out_dtype is not None:
+                functools.partial(_fp8_kernel, out_dtype=out_dtype, w_layout=w_layout),
+                reference, x, w, group_sizes, x_scale, w_scale)
+        return reference(x, w, group_sizes, x_scale, w_scale)
+    if (x_scale is not None or w_scale is not None or out_dtype is not None
+            or w_layout != "ekn"):
         raise TypeError(
-            f"pk.{STEM}: x_scale, w_scale and out_dtype are for fp8 operands (pk_jax.fp8), and "
-            f"x is {x.dtype}; leave them out (the product comes out in x's dtype).")
+            f"pk.{STEM}: x_scale, w_scale, out_dtype and w_layout are for fp8 operands "
+            f"(pk_jax.fp8), and x is {x.dtype}; leave them out (the product comes out in x's "
+            "dtype, w is [E, K, N]).")
     check(x, w, group_sizes)
     return _grouped(x, w, group_sizes)
 
