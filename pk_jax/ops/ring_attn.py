@@ -38,9 +38,9 @@ place that decides.
 
 Masks (segment_ids, local_window_size, logits_soft_cap, query_seq_lengths,
 key_value_seq_lengths; see `ring_attention`) run pk.attention's masked kernels at P = 1, and
-the jax.lax ring at P > 1 on every platform: the fused
-forward's masked kernel (`_kernel_ring_masked`, below) is not routed to until its GPU tests
-pass, and the fused backward takes no masks yet. There each rank's K/V block travels with its key segment ids
+the jax.lax ring at P > 1 on every platform: the fused forward's masked kernel
+(`_kernel_ring_masked`, below) is not routed to until its GPU tests pass, and the fused
+backward takes no masks yet. There each rank's K/V block travels with its key segment ids
 (one more ppermuted [B, S/P] int32 array); the block's global positions follow from its owner
 rank and the layout, so every mask compares global positions and segments may cross chunk
 and rank boundaries. A step's block, or a zigzag step's half-block pair, that no mask lets

@@ -47,10 +47,10 @@ and its kernel backward, no exchange). `ulysses_attention` takes its paths from
 
 Masks (segment_ids, local_window_size, logits_soft_cap, query_seq_lengths,
 key_value_seq_lengths; see `ulysses_attention`) run pk.attention's masked kernels at P = 1, and
-the reference at P > 1 on every platform: the
-composed kernels with masks (`_composed_masked`: the masked pk.attention kernels on the head
-groups) are not routed to until their GPU tests pass, and the fused kernels take no masks yet. They apply after the all-to-all, where each rank holds the whole sequence of its
-head group in global order: the segment ids are all-gathered along the axis ([B, S/P] int32 per
+the reference at P > 1 on every platform: the composed kernels with masks (`_composed_masked`:
+the masked pk.attention kernels on the head groups) are not routed to until their GPU tests
+pass, and the fused kernels take no masks yet. They apply after the all-to-all, where each
+rank holds the whole sequence of its head group in global order: the segment ids are all-gathered along the axis ([B, S/P] int32 per
 rank to [B, S]), positions are the global ones, and the blockwise attention skips the tiles
 that no mask lets through.
 """
