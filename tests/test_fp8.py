@@ -194,6 +194,49 @@ def test_fp8_matmul_routes_to_the_kernel_with_the_references_gradient(monkeypatc
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(r, np.float32))
 
 
+@pytest.mark.parametrize("kind,p,scaling", [("rs", 2, "tensor"), ("ar", 4, "block"),
+                                             ("rs", 1, "block")])
+def test_fp8_tp_recipe_forward_is_the_fp8_op_and_backward_the_bf16_ops(kind, p, scaling):
+    """nn.fp8_gemm_reduce_scatter / fp8_gemm_all_reduce: the forward equals the public op's fp8
+    form on the shards quantized by current scaling, bit for bit; the gradients equal the
+    bf16 op's on the unquantized shards, bit for bit."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    from util import cpu_mesh
+
+    mesh = cpu_mesh((p,), ("tp",))
+    pk.init(mesh)
+    m, k, n = 8 * p, 128 * p, 24
+    x = _rand(60, (m, k)).astype(jnp.bfloat16)
+    w = _rand(61, (k, n), 0.05).astype(jnp.bfloat16)
+    recipe = nn.fp8_gemm_reduce_scatter if kind == "rs" else nn.fp8_gemm_all_reduce
+    public = pk.gemm_reduce_scatter if kind == "rs" else pk.gemm_all_reduce
+    out = P("tp", None) if kind == "rs" else P()
+    specs = (P(None, "tp"), P("tp", None))
+
+    def on_mesh(body):
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out))
+
+    def quantized(a, b):
+        aq, sa = fp8.quantize(a, role="x", scaling=scaling)
+        bq, sb = fp8.quantize(b, role="w", scaling=scaling)
+        return public(aq, bq, "tp", x_scale=sa, w_scale=sb)
+
+    placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, w), specs)]
+    y = on_mesh(lambda a, b: recipe(a, b, "tp", scaling=scaling))(*placed)
+    np.testing.assert_array_equal(np.asarray(y, np.float32),
+                                  np.asarray(on_mesh(quantized)(*placed), np.float32))
+    r = _rand(62, y.shape)
+    grad = lambda f: jax.jit(jax.grad(lambda a, b: jnp.sum(
+        jax.shard_map(f, mesh=mesh, in_specs=specs, out_specs=out)(a, b).astype(jnp.float32)
+        * r), argnums=(0, 1)))
+    ours = grad(lambda a, b: recipe(a, b, "tp", scaling=scaling))(*placed)
+    want = grad(lambda a, b: public(a, b, "tp"))(*placed)
+    for g, h in zip(ours, want):
+        assert g.dtype == h.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(h, np.float32))
+
+
 @pytest.mark.gpu
 def test_gpu_fp8_matmul_is_the_product_of_the_dequantized_operands():
     """On the GPU pk.matmul's fp8 product runs the kernel (the lowered program calls

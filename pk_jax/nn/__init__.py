@@ -83,7 +83,7 @@ import numpy as np
 
 import pk_jax as pk
 from pk_jax import _checks
-from pk_jax.nn._fp8 import fp8_matmul
+from pk_jax.nn._fp8 import fp8_gemm_all_reduce, fp8_gemm_reduce_scatter, fp8_matmul
 from pk_jax.runtime import state
 
 DEFAULT_AXIS = "tp"
@@ -259,9 +259,9 @@ def row_parallel_linear(h: jax.Array, w: jax.Array, b: jax.Array | None, *, axis
         axis_name: the tensor-parallel mesh axis.
         sequence_parallel: reduce-scatter the first dimension instead of all-reducing.
         dtype: the compute dtype (bf16 or fp16).
-        fp8: None, or "tensor" / "block": the local GEMM by the fp8 recipe (`fp8_matmul`), its
-            partial products summed in `dtype` by `pk.all_reduce` / `pk.reduce_scatter`, not
-            fused with the GEMM (K/P a multiple of 16).
+        fp8: None, or "tensor" / "block": the GEMM and its reduction by the fp8 recipe
+            (`fp8_gemm_all_reduce` / `fp8_gemm_reduce_scatter`: fp8 forward, fused where the
+            cost model picks it, the backward in `dtype`; K/P a multiple of 16).
 
     Returns:
         plain: [..., N], replicated; sequence-parallel: [S/P, ..., N], this device's block.
@@ -280,13 +280,12 @@ def row_parallel_linear(h: jax.Array, w: jax.Array, b: jax.Array | None, *, axis
         if fp8 is None:
             y = pk.gemm_reduce_scatter(h2, w, axis_name)
         else:
-            y = pk.reduce_scatter(fp8_matmul(h2, w, scaling=fp8), axis_name)
+            y = fp8_gemm_reduce_scatter(h2, w, axis_name, scaling=fp8)
         y = y.reshape(lead[0] // p, *lead[1:], y.shape[-1])
     elif fp8 is None:
         y = pk.gemm_all_reduce(h2, w, axis_name).reshape(*lead, w.shape[-1])
     else:
-        y = pk.all_reduce(fp8_matmul(h2, w, scaling=fp8), axis_name).reshape(*lead,
-                                                                             w.shape[-1])
+        y = fp8_gemm_all_reduce(h2, w, axis_name, scaling=fp8).reshape(*lead, w.shape[-1])
     return y if b is None else y + b.astype(dtype)
 
 
@@ -305,5 +304,5 @@ def reference_mlp(x: jax.Array, w1: jax.Array, b1: jax.Array | None, w2: jax.Arr
     return dense(activation(dense(x, w1, b1)), w2, b2)
 
 
-__all__ = ["DEFAULT_AXIS", "column_parallel_linear", "fp8_matmul", "reference_mlp",
-           "row_parallel_linear"]
+__all__ = ["DEFAULT_AXIS", "column_parallel_linear", "fp8_gemm_all_reduce",
+           "fp8_gemm_reduce_scatter", "fp8_matmul", "reference_mlp", "row_parallel_linear"]

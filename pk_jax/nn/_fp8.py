@@ -1,4 +1,6 @@
-"""The fp8 training recipe for a local GEMM: current scaling, fp8 forward, bf16 backward."""
+"""The fp8 training recipe: current scaling, fp8 forward, bf16 backward, for a local GEMM
+(`fp8_matmul`) and the row-parallel TP GEMMs (`fp8_gemm_reduce_scatter`,
+`fp8_gemm_all_reduce`: each device quantizes its own shards)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from pk_jax import fp8
-from pk_jax.ops import _vjp
+from pk_jax.ops import _vjp, gemm_ar, gemm_rs
 from pk_jax.ops import matmul as _mm
 
 
@@ -31,20 +33,29 @@ def fp8_matmul(x: jax.Array, w: jax.Array, *, scaling: str = "tensor") -> jax.Ar
         ValueError, TypeError: as `pk_jax.fp8.quantize` and `pk.matmul` raise them, or `w` of
             another dtype than `x`.
     """
-    if x.dtype != w.dtype:
-        raise TypeError(f"pk.nn.fp8_matmul: x and w must share a dtype, got {x.dtype} and "
-                        f"{w.dtype}.")
-    if scaling not in ("tensor", "block"):
-        raise ValueError(f"pk.nn.fp8_matmul: scaling must be 'tensor' or 'block', got "
-                         f"{scaling!r}.")
+    _check("fp8_matmul", x, w, scaling)
     return _fp8_matmul(x, w, scaling)
 
 
-def _forward(x, w, scaling):
+def _check(name: str, x, w, scaling) -> None:
+    if x.dtype != w.dtype:
+        raise TypeError(f"pk.nn.{name}: x and w must share a dtype, got {x.dtype} and "
+                        f"{w.dtype}.")
+    if scaling not in ("tensor", "block"):
+        raise ValueError(f"pk.nn.{name}: scaling must be 'tensor' or 'block', got "
+                         f"{scaling!r}.")
+
+
+def _quantized(x, w, scaling):
     xq, sx = fp8.quantize(x, role="x", scaling=scaling)
     wq, sw = fp8.quantize(w, role="w", scaling=scaling)
+    return xq, wq, {"x_scale": sx, "w_scale": sw}
+
+
+def _forward(x, w, scaling):
+    xq, wq, scales = _quantized(x, w, scaling)
     out = jnp.float32 if x.dtype == jnp.float32 else jnp.bfloat16
-    return _mm.matmul(xq, wq, x_scale=sx, w_scale=sw, out_dtype=out).astype(x.dtype)
+    return _mm.matmul(xq, wq, **scales, out_dtype=out).astype(x.dtype)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -64,3 +75,64 @@ def _bwd(scaling, res, dy):
 
 
 _fp8_matmul.defvjp(_fwd, _bwd)
+
+
+def fp8_gemm_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: str, *,
+                            scaling: str = "tensor") -> jax.Array:
+    """`pk.gemm_reduce_scatter(x, w, axis_name)` for training in fp8 (call inside shard_map):
+    the forward quantizes this device's shards x [M, K/P] and w [K/P, N] (current scaling, as
+    `fp8_matmul`) and runs gemm_reduce_scatter's fp8 form (the fp8 GEMM and the reduce-scatter,
+    fused where the cost model picks it); the backward is the 16-bit op's, on the unquantized
+    shards in `x`'s dtype (dgrad an all-gather + GEMM, wgrad x^T times the gathered dy).
+
+    Args:
+        x: [M, K/P], bf16 or fp16, M divisible by P, K/P a multiple of 16.
+        w: [K/P, N], `x`'s dtype.
+        axis_name: the tensor-parallel mesh axis.
+        scaling: "tensor" or "block".
+
+    Returns:
+        [M/P, N] in `x`'s dtype.
+
+    Raises:
+        ValueError, TypeError: as `pk_jax.fp8.quantize` and `pk.gemm_reduce_scatter` raise
+            them, or `w` of another dtype than `x`.
+    """
+    _check("fp8_gemm_reduce_scatter", x, w, scaling)
+    return _fp8_tp(x, w, axis_name, scaling, gemm_rs)
+
+
+def fp8_gemm_all_reduce(x: jax.Array, w: jax.Array, axis_name: str, *,
+                        scaling: str = "tensor") -> jax.Array:
+    """`pk.gemm_all_reduce(x, w, axis_name)` for training in fp8, as `fp8_gemm_reduce_scatter`
+    (the backward the 16-bit op's: dgrad and wgrad from dy, which every device holds).
+
+    Returns:
+        [M, N] in `x`'s dtype, the same on every device.
+    """
+    _check("fp8_gemm_all_reduce", x, w, scaling)
+    return _fp8_tp(x, w, axis_name, scaling, gemm_ar)
+
+
+def _tp_forward(x, w, axis_name, scaling, op):
+    xq, wq, scales = _quantized(x, w, scaling)
+    public = gemm_rs.gemm_reduce_scatter if op is gemm_rs else gemm_ar.gemm_all_reduce
+    return public(xq, wq, axis_name, **scales).astype(x.dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _fp8_tp(x, w, axis_name, scaling, op):
+    return _tp_forward(x, w, axis_name, scaling, op)
+
+
+def _tp_fwd(x, w, axis_name, scaling, op):
+    return _tp_forward(x, w, axis_name, scaling, op), (x, w)
+
+
+def _tp_bwd(axis_name, scaling, op, res, dy):
+    # The 16-bit op's own backward (its custom VJP's), on the unquantized shards.
+    backward = gemm_rs._gemm_rs_bwd if op is gemm_rs else gemm_ar._gemm_ar_bwd
+    return backward(axis_name, res, dy.astype(res[0].dtype))
+
+
+_fp8_tp.defvjp(_tp_fwd, _tp_bwd)
