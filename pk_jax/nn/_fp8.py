@@ -99,7 +99,7 @@ def fp8_gemm_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: str, *,
             them, or `w` of another dtype than `x`.
     """
     _check("fp8_gemm_reduce_scatter", x, w, scaling)
-    return _fp8_tp(x, w, axis_name, scaling, gemm_rs)
+    return _fp8_tp(x, w, axis_name, scaling, gemm_rs.gemm_reduce_scatter, gemm_rs._gemm_rs_bwd)
 
 
 def fp8_gemm_all_reduce(x: jax.Array, w: jax.Array, axis_name: str, *,
@@ -111,27 +111,22 @@ def fp8_gemm_all_reduce(x: jax.Array, w: jax.Array, axis_name: str, *,
         [M, N] in `x`'s dtype, the same on every device.
     """
     _check("fp8_gemm_all_reduce", x, w, scaling)
-    return _fp8_tp(x, w, axis_name, scaling, gemm_ar)
+    return _fp8_tp(x, w, axis_name, scaling, gemm_ar.gemm_all_reduce, gemm_ar._gemm_ar_bwd)
 
 
-def _tp_forward(x, w, axis_name, scaling, op):
+# op: the public TP op (its fp8 form runs the forward); backward: its 16-bit custom VJP's
+# backward, run on the unquantized shards.
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _fp8_tp(x, w, axis_name, scaling, op, backward):
     xq, wq, scales = _quantized(x, w, scaling)
-    public = gemm_rs.gemm_reduce_scatter if op is gemm_rs else gemm_ar.gemm_all_reduce
-    return public(xq, wq, axis_name, **scales).astype(x.dtype)
+    return op(xq, wq, axis_name, **scales).astype(x.dtype)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _fp8_tp(x, w, axis_name, scaling, op):
-    return _tp_forward(x, w, axis_name, scaling, op)
+def _tp_fwd(x, w, axis_name, scaling, op, backward):
+    return _fp8_tp(x, w, axis_name, scaling, op, backward), (x, w)
 
 
-def _tp_fwd(x, w, axis_name, scaling, op):
-    return _tp_forward(x, w, axis_name, scaling, op), (x, w)
-
-
-def _tp_bwd(axis_name, scaling, op, res, dy):
-    # The 16-bit op's own backward (its custom VJP's), on the unquantized shards.
-    backward = gemm_rs._gemm_rs_bwd if op is gemm_rs else gemm_ar._gemm_ar_bwd
+def _tp_bwd(axis_name, scaling, op, backward, res, dy):
     return backward(axis_name, res, dy.astype(res[0].dtype))
 
 

@@ -4,11 +4,16 @@ Which path a call takes is decided in one place, `pk_jax._backend.route`."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pk_jax import _op_table
+from pk_jax import _backend, _checks, _ffi, _op_table
+from pk_jax import fp8 as _fp8
+from pk_jax.ops import _vjp, all_reduce, reduce_scatter
+from pk_jax.ops import matmul as _mm
 from pk_jax.runtime import state
 
 
@@ -53,11 +58,6 @@ def fp8_op(name: str, stem: str, reference, x, w, x_scale, w_scale,
     the collective XLA's no-op), "serial" (the fp8 GEMM into bf16, then the pk collective),
     "fused" (the fused fp8 kernels) or "reference" (`reference(x, w, x_scale, w_scale,
     axis_name)`, the op's fp8_reference). Its gradient is the reference's."""
-    import functools
-
-    from pk_jax import _backend
-    from pk_jax.ops import _vjp
-
     m, k, n = x.shape[0], x.shape[1], w.shape[1]
     scaling = "block" if x_scale.ndim == 2 or w_scale.ndim == 2 else "tensor"
     r = _backend.route(stem, axis_name, gemm=(m, n, k, None), fp8=scaling)
@@ -70,8 +70,6 @@ def fp8_op(name: str, stem: str, reference, x, w, x_scale, w_scale,
 
 
 def _fp8_forward(x, w, x_scale, w_scale, *, name: str, stem: str, path: str, axis_name: str):
-    from pk_jax.ops import matmul as _mm
-
     p = jax.lax.axis_size(axis_name)
     rs = stem == "gemm_rs_fp8"
     if path == "fused":
@@ -82,11 +80,7 @@ def _fp8_forward(x, w, x_scale, w_scale, *, name: str, stem: str, path: str, axi
         return (jax.lax.psum_scatter(y, axis_name, scatter_dimension=0, tiled=True) if rs
                 else jax.lax.psum(y, axis_name))
     if rs:
-        from pk_jax.ops import reduce_scatter
-
         return reduce_scatter.kernel(y, axis_name, 0)
-    from pk_jax.ops import all_reduce
-
     return all_reduce.kernel(y, axis_name, 0)
 
 
@@ -98,9 +92,6 @@ def check_fp8(name: str, x, w, x_scale, w_scale, w_layout: str) -> tuple[int, in
     shard): scalars, or pk.matmul's blockwise shapes of the shard ([M, ceil(K/P / 128)] and
     [ceil(K/P / 128), ceil(N / 128)]; a scalar one beside a blockwise one is broadcast to its
     blocks, as pk.matmul does). Returns (M, K/P, N)."""
-    from pk_jax import _checks
-    from pk_jax import fp8 as _fp8
-
     formats = ", ".join(np.dtype(d).name for d in _fp8.FORMATS)
     if w_layout not in ("kn", "nk"):
         raise ValueError(f"pk.{name}: w_layout must be 'kn' (w [K/P, N]) or 'nk' (w transposed, "
@@ -145,9 +136,6 @@ def fp8_call(name: str, target: str, x, w, x_scale, w_scale, axis_name: str, p: 
     The result varies along every axis an operand varies along; gemm_rs_fp8's also along
     axis_name (each device its rows: _ffi.call's default once the rank operand is passed),
     gemm_ar_fp8's not (like psum, the same sum on every device)."""
-    from pk_jax import _backend, _ffi
-    from pk_jax.ops import matmul as _mm
-
     stem = target.removeprefix("pk_")
     _backend.require_kernel(stem, f"pk.{name}: the fused fp8 kernel ({target})", axis_name)
     m = x.shape[0]

@@ -47,16 +47,12 @@ def transpose_psum(dy: jax.Array, z_shape, z_dtype, z_axes, axis_name: str) -> j
     return dz
 
 
-def with_reference_grad(forward, reference, *args) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def with_reference_grad(forward, reference, *args):
     """`forward(*args)` (a kernel without a backward of its own), differentiated as
     `reference(*args)` is: the fp8 products, whose gradient is their reference's. `forward` and
     `reference` are hashable callables of `args` alone (functools.partial over static
     arguments); an integer argument (group sizes) gets JAX's float0 cotangent."""
-    return _reference_grad(forward, reference, *args)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _reference_grad(forward, reference, *args):
     return forward(*args)
 
 
@@ -70,4 +66,4 @@ def _reference_grad_bwd(forward, reference, args, dy):
     return pullback(dy)
 
 
-_reference_grad.defvjp(_reference_grad_fwd, _reference_grad_bwd)
+with_reference_grad.defvjp(_reference_grad_fwd, _reference_grad_bwd)

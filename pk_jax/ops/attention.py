@@ -122,10 +122,13 @@ def kernel_forward(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, causa
     """pk.attention on the kernels (custom VJP: their backward) for operands `forward_path`
     sends there, with the masks as `_attention.check_masks` returns them: the masked kernels
     where any mask is left, else the plain ones (a call whose masks hide nothing, such as a
-    window of the whole sequence, pays nothing for them)."""
-    if (masks is None or all(x is None for x in masks)) and window is None and softcap is None:
+    window of the whole sequence, pays nothing for them). The operands and masks are checked
+    already, so the masked entry's own checks are not repeated here."""
+    masks = _attention.NO_MASKS if masks is None else masks
+    if all(x is None for x in masks) and window is None and softcap is None:
         return _kernel_attention(q, k, v, float(scale), bool(causal))
-    return _kernel_attention_masked(q, k, v, masks, scale, causal, window, softcap)
+    km = kernel_masks(masks, *q.shape[:2])
+    return _masked_kernel(q, k, v, km, float(scale), bool(causal), window, softcap)
 
 
 def reference(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, scale: float,
@@ -320,9 +323,10 @@ def _kernel_attention_masked(q: jax.Array, k: jax.Array, v: jax.Array,
                              window: tuple[int, int] | None = None,
                              softcap: float | None = None) -> jax.Array:
     """pk.attention with masks on the masked CUDA kernels, forward and backward (custom VJP),
-    whatever the router would pick (pk.attention's masked calls come here through
-    `kernel_forward`). Arguments as `reference` takes them (the masks checked by
-    `_attention.check_masks`, the window and cap as it returns them).
+    whatever the router would pick, with its own checks (the tests' and benchmarks' entry;
+    pk.attention's masked calls reach the same kernels through `kernel_forward`). Arguments as
+    `reference` takes them (the masks checked by `_attention.check_masks`, the window and cap
+    as it returns them).
 
     Raises:
         ValueError: operands the kernels do not take (dtype other than bf16 / fp16, head_dim

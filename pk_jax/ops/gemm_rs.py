@@ -58,15 +58,16 @@ def gemm_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: str, *,
             missing or not float32 for fp8 operands or given for others.
     """
     p = _checks.axis_size(NAME, axis_name)
-    if _fp8.is_fp8(x.dtype) or _fp8.is_fp8(w.dtype):
-        m, _, _ = _tp.check_fp8(NAME, x, w, x_scale, w_scale, "kn")
-        _checks.divisible(NAME, "M (x.shape[0])", m, p, f"Pad the rows of x to a multiple of "
-                          f"the size of axis {axis_name!r} ({p}).")
-        return _tp.fp8_op(NAME, FP8_STEM, fp8_reference, x, w, x_scale, w_scale, axis_name)
-    _tp.no_scales(NAME, x, x_scale, w_scale)
-    _checks.matmul_operands(NAME, x, w, k_local=True)
+    fp8 = _fp8.is_fp8(x.dtype) or _fp8.is_fp8(w.dtype)
+    if fp8:
+        _tp.check_fp8(NAME, x, w, x_scale, w_scale, "kn")
+    else:
+        _tp.no_scales(NAME, x, x_scale, w_scale)
+        _checks.matmul_operands(NAME, x, w, k_local=True)
     _checks.divisible(NAME, "M (x.shape[0])", x.shape[0], p,
                       f"Pad the rows of x to a multiple of the size of axis {axis_name!r} ({p}).")
+    if fp8:
+        return _tp.fp8_op(NAME, FP8_STEM, fp8_reference, x, w, x_scale, w_scale, axis_name)
     return _gemm_rs(x, w, axis_name)
 
 
