@@ -37,6 +37,9 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 TP_GEMMS = ("gemm_rs", "ag_gemm", "gemm_ar")
 # The fp8 forms of the TP GEMMs: routed as their bf16 ops, with the fp8 rates (cost_model).
 TP_GEMMS_FP8 = ("gemm_rs_fp8", "gemm_ar_fp8")
+# all_gather_gemm's fp8 form has no fused kernel: "local" (P = 1: the fp8 GEMM) or "serial"
+# (the pk all_gather of the fp8 rows, then the fp8 GEMM), from these two kernels.
+GATHER_GEMM_FP8 = "ag_gemm_fp8"
 _warned: set[str] = set()
 
 
@@ -147,7 +150,8 @@ def route(stem: str, axis_name: str | None = None, *, supported: bool = True,
             K the contraction each device multiplies; the cost model chooses local, serial or
             fused from them.
         fp8: for the fp8 forms of the TP GEMMs (TP_GEMMS_FP8), their scaling ("tensor" or
-            "block"); `gemm`'s dtype is then not read.
+            "block"); `gemm`'s dtype is then not read. all_gather_gemm's fp8 form
+            (GATHER_GEMM_FP8) takes neither: it has no fused kernel to choose.
         overlap: for a fused kernel of cost_model.ROUTED_OVERLAP_OPS over a P > 1 axis, (shape,
             itemsize) of the call (shape per device, cost_model.overlap_parts' keys): the route
             is "fused" where its override (`cost_model.overlap_override`) or else the decider
@@ -166,6 +170,13 @@ def route(stem: str, axis_name: str | None = None, *, supported: bool = True,
         p = jax.lax.axis_size(axis_name)
         mode = forced or cost_model.choose(stem, shape, p, itemsize=itemsize, gpu=_gpu())
         return Route(mode, forced=forced is not None)
+    if stem == GATHER_GEMM_FP8:
+        p = jax.lax.axis_size(axis_name)
+        if not supported or not use_kernel("matmul_fp8", axis_name):
+            return REFERENCE
+        if p == 1:
+            return Route("local")
+        return Route("serial") if use_kernel("all_gather", axis_name) else REFERENCE
     if not supported or not use_kernel(stem, axis_name):
         return REFERENCE
     p = jax.lax.axis_size(axis_name) if axis_name is not None else 1

@@ -585,3 +585,186 @@ def test_gpu_p1_blockwise_exact_twice(kind, shape, formats):
             poison((m, n), jnp.bfloat16)
             y = _gpu_call(kind, *_global(xs, wts, sx, sw, w_layout), w_layout)
             np.testing.assert_array_equal(np.asarray(y, np.float64), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", OPS)
+@pytest.mark.parametrize("blockwise", [False, True], ids=["tensor", "block"])
+def test_gpu_public_op_at_p1_runs_the_fp8_gemm(kind, blockwise):
+    """pk.gemm_reduce_scatter / gemm_all_reduce with fp8 operands over a 1-device axis, as a
+    user calls them: the jitted program calls pk_matmul_fp8 and no fused kernel or collective,
+    and the result is the model's exactly on exact inputs, twice on poisoned outputs."""
+    mesh = jax.make_mesh((1,), ("tp",), devices=jax.devices("gpu")[:1])
+    pk.init(mesh)
+    rng = np.random.default_rng(31 + blockwise)
+    make = _block_inputs if blockwise else _exact_inputs
+    xs, wts, sx, sw = make(rng, 1, 300, 400 if blockwise else 128, 200, E4M3, E5M2)
+    in_specs, out_spec = _specs(kind, "kn", blockwise)
+    args = _global(xs, wts, sx, sw, "kn")
+    body = jax.jit(jax.shard_map(_public_body(kind), mesh=mesh, in_specs=in_specs,
+                                 out_specs=out_spec, check_vma=False))
+    lowered = body.lower(*args).as_text()
+    assert lowered.count("custom_call @pk_matmul_fp8") == 1
+    assert "@pk_gemm" not in lowered and "@pk_reduce_scatter" not in lowered
+    assert "@pk_all_reduce" not in lowered
+    want = _rows(_model(xs, wts, sx, sw, kind == "ar"), kind, 1).astype(np.float64)
+    for _ in range(2):
+        poison((300, 200), jnp.bfloat16)
+        np.testing.assert_array_equal(np.asarray(body(*args), np.float64), want)
+
+
+# ---------------------------------------------------------------- all_gather_gemm's fp8 form
+# pk.all_gather_gemm with fp8 operands: no fused kernel; "local" (P = 1: the fp8 GEMM) or
+# "serial" (the pk all_gather of the fp8 rows and of their scales, then the fp8 GEMM).
+
+
+def _ag_model(xs, wts, sx, sw) -> list[np.ndarray]:
+    """Rank r's result: every rank's rows dequantized with its own scales, gathered, times
+    rank r's dequantized w, float64, rounded to bf16 once."""
+    x_full = np.concatenate([_dequantized(x, wts[0], a, sw[0])[0] for x, a in zip(xs, sx)])
+    return [(x_full @ _dequantized(xs[0], wt, sx[0], b)[1].T).astype(np.float32)
+            .astype(ml_dtypes.bfloat16) for wt, b in zip(wts, sw)]
+
+
+def _ag_global(xs, wts, sx, sw):
+    """x [M, K] by rows, w [K, P N] by columns, scales [P] or x's [M, KB] / w's [KB, P NB]."""
+    x, w = np.concatenate(xs), np.concatenate([wt.T for wt in wts], axis=1)
+    sx = np.concatenate(sx) if np.ndim(sx[0]) == 2 else np.asarray(sx)
+    sw = np.concatenate(sw, axis=1) if np.ndim(sw[0]) == 2 else np.asarray(sw)
+    return tuple(jnp.asarray(a) for a in (x, w, sx, sw))
+
+
+def _ag_specs(blockwise):
+    scales = (P("tp", None), P(None, "tp")) if blockwise else (P("tp"), P("tp"))
+    return (P("tp", None), P(None, "tp"), *scales), P(None, "tp")
+
+
+def _ag_body(fn):
+    return lambda x, w, sx, sw: fn(x, w, "tp", x_scale=_local(sx), w_scale=_local(sw))
+
+
+def _ag_inputs(blockwise, rng, p, m, k, n, fx, fw):
+    """_block_inputs, or values in {-1, 0, 1} with x scales in {1/2, 1, 2} and w scales in
+    {1, 2} per rank (a row of rank p meets rank r's w: any pair of scales; sums of K <= 128
+    terms stay exact in bf16)."""
+    if blockwise:
+        return _block_inputs(rng, p, m, k, n, fx, fw)
+    xs, wts, _, _ = _exact_inputs(rng, p, m, k, n, fx, fw)
+    sx = (2.0 ** rng.integers(-1, 2, p)).astype(np.float32)
+    sw = (2.0 ** rng.integers(0, 2, p)).astype(np.float32)
+    return xs, wts, sx, sw
+
+
+@pytest.mark.parametrize("p,blockwise", [(1, False), (2, False), (4, True), (2, True)])
+def test_ag_public_op_is_the_model_without_kernels(p, blockwise):
+    """On a CPU (the reference): exactly the model on exact inputs."""
+    rng = np.random.default_rng(80 + p)
+    xs, wts, sx, sw = _ag_inputs(blockwise, rng, p, 6, 272 if blockwise else 48, 20, E5M2,
+                                 E4M3)
+    in_specs, out_spec = _ag_specs(blockwise)
+    y = run(_ag_body(pk.all_gather_gemm), cpu_mesh((p,), ("tp",)), in_specs, out_spec,
+            *_ag_global(xs, wts, sx, sw))
+    assert y.dtype == jnp.bfloat16 and y.shape == (6 * p, 20 * p)
+    want = np.concatenate(_ag_model(xs, wts, sx, sw), axis=1).astype(np.float64)
+    np.testing.assert_array_equal(np.asarray(y, np.float64), want)
+
+
+@pytest.mark.parametrize("p,scaling,targets", [
+    (1, "tensor", ["pk_matmul_fp8"]),
+    (2, "tensor", ["pk_all_gather", "pk_all_gather", "pk_matmul_fp8"]),
+    (4, "block", ["pk_all_gather", "pk_all_gather", "pk_matmul_fp8"]),
+    (2, "mixed", ["pk_all_gather", "pk_all_gather", "pk_matmul_fp8"]),
+])
+def test_ag_public_op_routes_and_takes_the_references_gradient(monkeypatch, p, scaling,
+                                                               targets):
+    """With the kernels available (stand-ins: the collectives' jax.lax forms, the fp8 GEMM's
+    reference): P = 1 runs the fp8 GEMM alone, P > 1 gathers x's fp8 rows (as bf16 pairs) and
+    its scales, then the fp8 GEMM (per tensor: x's scale 1 into float32, each rank's rows then
+    scaled). Every route gives the model on exact inputs, and its gradients (x, w, both scales)
+    are the reference's."""
+    calls = stand_in_kernels(monkeypatch)
+    seen = []
+
+    def fp8_gemm(x, w, a, b, out_dtype=None, **kw):
+        calls.append({"target": "pk_matmul_fp8"})
+        seen.append((x.dtype, a.shape, out_dtype))
+        return matmul.fp8_reference(x, w, a, b, out_dtype)
+
+    monkeypatch.setattr(matmul, "_fp8_kernel", fp8_gemm)
+    rng = np.random.default_rng(90 + p)
+    blockwise = scaling != "tensor"
+    xs, wts, sx, sw = _ag_inputs(blockwise, rng, p, 5, 272 if blockwise else 32, 24, E4M3, E4M3)
+    if scaling == "mixed":  # x per tensor beside blockwise w: x's scalar broadcast to its blocks
+        sx = np.array([s[0, 0] for s in sx], np.float32)
+    mesh = cpu_mesh((p,), ("tp",))
+    in_specs, out_spec = _ag_specs(blockwise)
+    if scaling == "mixed":
+        in_specs = (in_specs[0], in_specs[1], P("tp"), in_specs[3])
+    args = _ag_global(xs, wts, sx, sw)
+
+    def grads(body):
+        loss = lambda *a: jnp.sum(body(*a).astype(jnp.float32) ** 2)
+        return jax.grad(loss, argnums=(0, 1, 2, 3))
+
+    y = run(_ag_body(pk.all_gather_gemm), mesh, in_specs, out_spec, *args)
+    assert [c["target"] for c in calls] == targets
+    assert seen[0][0] == E4M3  # the gathered rows stay fp8
+    if p > 1:
+        assert seen[0][1] == (() if scaling == "tensor" else (5 * p, 3))
+        assert seen[0][2] == (jnp.float32 if scaling == "tensor" else jnp.bfloat16)
+    want = np.concatenate(_ag_model(xs, wts, sx, sw), axis=1).astype(np.float64)
+    np.testing.assert_array_equal(np.asarray(y, np.float64), want)
+    ours = run(lambda *a: grads(_ag_body(pk.all_gather_gemm))(*a), mesh, in_specs, in_specs,
+               *args)
+    from pk_jax.ops import ag_gemm
+    ref = run(lambda *a: grads(lambda x, w, c, d: ag_gemm.fp8_reference(
+        x, w, _local(c), _local(d), "tp"))(*a), mesh, in_specs, in_specs, *args)
+    for a, b in zip(ours, ref):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_ag_public_op_errors():
+    mesh = cpu_mesh((2,), ("tp",))
+    pk.init(mesh)
+
+    def trace(x, w, **kw):
+        f = jax.shard_map(lambda a, b: pk.all_gather_gemm(a, b, "tp", **kw), mesh=mesh,
+                          in_specs=(P(), P()), out_specs=P(), check_vma=False)
+        return jax.eval_shape(f, x, w)
+
+    xb = jax.ShapeDtypeStruct((8, 32), jnp.bfloat16)
+    wb = jax.ShapeDtypeStruct((32, 16), jnp.bfloat16)
+    with pytest.raises(TypeError, match="pk.all_gather_gemm: x_scale and w_scale are for fp8"):
+        trace(xb, wb, x_scale=ONE)
+    with pytest.raises(TypeError, match="pk.all_gather_gemm: x_scale must be float32.*got None"):
+        trace(X, W, w_scale=ONE)
+    with pytest.raises(ValueError, match=r"w must be \[K, N\] for x \[M/P, K\]"):
+        trace(X, jax.ShapeDtypeStruct((48, 16), E4M3), x_scale=ONE, w_scale=ONE)
+    with pytest.raises(ValueError, match=r"K \(x.shape\[1\]\) = 24 is not divisible by 16"):
+        trace(jax.ShapeDtypeStruct((8, 24), E4M3), jax.ShapeDtypeStruct((24, 16), E4M3),
+              x_scale=ONE, w_scale=ONE)
+    with pytest.raises(ValueError, match=r"x_scale must be a scalar or \[8, 1\]"):
+        trace(X, W, x_scale=jnp.ones((16, 1), jnp.float32), w_scale=ONE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("blockwise", [False, True], ids=["tensor", "block"])
+def test_gpu_ag_public_op_at_p1_runs_the_fp8_gemm(blockwise):
+    """pk.all_gather_gemm with fp8 operands over a 1-device axis: the program calls
+    pk_matmul_fp8 alone, and the result is the model's exactly, twice on poisoned outputs."""
+    mesh = jax.make_mesh((1,), ("tp",), devices=jax.devices("gpu")[:1])
+    pk.init(mesh)
+    rng = np.random.default_rng(41 + blockwise)
+    xs, wts, sx, sw = _ag_inputs(blockwise, rng, 1, 300, 400 if blockwise else 128, 200, E4M3,
+                                 E5M2)
+    in_specs, out_spec = _ag_specs(blockwise)
+    args = _ag_global(xs, wts, sx, sw)
+    body = jax.jit(jax.shard_map(_ag_body(pk.all_gather_gemm), mesh=mesh, in_specs=in_specs,
+                                 out_specs=out_spec, check_vma=False))
+    lowered = body.lower(*args).as_text()
+    assert lowered.count("custom_call @pk_matmul_fp8") == 1 and "@pk_all_gather" not in lowered
+    want = _ag_model(xs, wts, sx, sw)[0].astype(np.float64)
+    for _ in range(2):
+        poison((300, 200), jnp.bfloat16)
+        np.testing.assert_array_equal(np.asarray(body(*args), np.float64), want)

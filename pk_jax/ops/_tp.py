@@ -84,18 +84,20 @@ def _fp8_forward(x, w, x_scale, w_scale, *, name: str, stem: str, path: str, axi
     return all_reduce.kernel(y, axis_name, 0)
 
 
-def check_fp8(name: str, x, w, x_scale, w_scale, w_layout: str) -> tuple[int, int, int]:
+def check_fp8(name: str, x, w, x_scale, w_scale, w_layout: str, *, rows: str = "M",
+              depth: str = "K/P") -> tuple[int, int, int]:
     """The fp8 TP GEMMs' trace-time checks of one rank's operands.
 
     x [M, K/P] and w [K/P, N] ("kn") or wt [N, K/P] ("nk"), both fp8 (either format), K/P a
     multiple of 16; x_scale and w_scale float32, this rank's (each rank quantized its own
     shard): scalars, or pk.matmul's blockwise shapes of the shard ([M, ceil(K/P / 128)] and
     [ceil(K/P / 128), ceil(N / 128)]; a scalar one beside a blockwise one is broadcast to its
-    blocks, as pk.matmul does). Returns (M, K/P, N)."""
+    blocks, as pk.matmul does). `rows` and `depth` name x's dimensions in the messages
+    (all_gather_gemm: "M/P" and "K"). Returns (rows, depth, N)."""
     formats = ", ".join(np.dtype(d).name for d in _fp8.FORMATS)
     if w_layout not in ("kn", "nk"):
-        raise ValueError(f"pk.{name}: w_layout must be 'kn' (w [K/P, N]) or 'nk' (w transposed, "
-                         f"[N, K/P]), got {w_layout!r}.")
+        raise ValueError(f"pk.{name}: w_layout must be 'kn' (w [{depth}, N]) or 'nk' (w "
+                         f"transposed, [N, {depth}]), got {w_layout!r}.")
     _checks.ndim_is(name, "x", x, 2)
     _checks.ndim_is(name, "w", w, 2)
     for arg, a in (("x", x), ("w", w)):
@@ -105,10 +107,10 @@ def check_fp8(name: str, x, w, x_scale, w_scale, w_layout: str) -> tuple[int, in
     m, k = x.shape
     n, wk = (w.shape[1], w.shape[0]) if w_layout == "kn" else w.shape
     if wk != k:
-        want = "[K/P, N]" if w_layout == "kn" else "[N, K/P] (w_layout='nk')"
+        want = f"[{depth}, N]" if w_layout == "kn" else f"[N, {depth}] (w_layout='nk')"
         raise ValueError(f"pk.{name}: contraction dimensions differ: x has shape {x.shape} and w "
-                         f"has shape {w.shape}. w must be {want} for x [M, K/P].")
-    _checks.divisible(name, "K/P (x.shape[1])", k, 16,
+                         f"has shape {w.shape}. w must be {want} for x [{rows}, {depth}].")
+    _checks.divisible(name, f"{depth} (x.shape[1])", k, 16,
                       "fp8 rows need 16-byte strides: pad K with zeros in x and w.")
     for arg, scale, role, shape in (("x_scale", x_scale, "x", (m, k)),
                                     ("w_scale", w_scale, "w", (k, n))):
@@ -122,8 +124,8 @@ def check_fp8(name: str, x, w, x_scale, w_scale, w_layout: str) -> tuple[int, in
                              f"of this device's {role} {list(shape)}), got shape "
                              f"{list(scale.shape)}.")
     if max(m, -(-n // 8) * 8, k) > _op_table.MAX_DIM:
-        raise ValueError(f"pk.{name}: the fp8 kernels index sizes in int32; M, N and K/P must be "
-                         f"at most {_op_table.MAX_DIM}.")
+        raise ValueError(f"pk.{name}: the fp8 kernels index sizes in int32; {rows}, N and {depth} "
+                         f"must be at most {_op_table.MAX_DIM}.")
     return m, k, n
 
 

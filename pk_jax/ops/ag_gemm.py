@@ -10,10 +10,13 @@ from __future__ import annotations
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from pk_jax import _backend, _checks, _ffi
+from pk_jax import _backend, _checks, _ffi, _op_table
+from pk_jax import fp8 as _fp8
 from pk_jax.ops import _tp, _vjp
+from pk_jax.ops import all_gather as _ag
 from pk_jax.ops import matmul as _mm
 from pk_jax.runtime import state
 
@@ -23,24 +26,44 @@ STEM = "ag_gemm"
 NAME = "all_gather_gemm"  # the public name, used in error messages
 
 
-def all_gather_gemm(x: jax.Array, w: jax.Array, axis_name: str) -> jax.Array:
+def all_gather_gemm(x: jax.Array, w: jax.Array, axis_name: str, *,
+                    x_scale: jax.Array | None = None,
+                    w_scale: jax.Array | None = None) -> jax.Array:
     """Gathers the row shards of `x` over `axis_name` (in rank order) and multiplies by `w`.
 
+    With fp8 operands (`pk_jax.fp8`: float8_e4m3fn or float8_e5m2, each device's shards with
+    their own float32 scales) the product is of the dequantized gathered rows, in bf16: on
+    Hopper GPUs the pk all_gather moves the fp8 rows (half the bytes of bf16) and their scales,
+    then the fp8 GEMM multiplies (no fused fp8 kernel yet); elsewhere the reference
+    (`fp8_reference`), whose gradient it has.
+
     Args:
-        x: [M/P, K], bf16 or fp16, K a multiple of 8.
-        w: [K, N], same dtype as `x` (typically this device's column shard of a weight).
+        x: [M/P, K], bf16 or fp16, K a multiple of 8 (fp8: 16).
+        w: [K, N], same dtype as `x` (typically this device's column shard of a weight; fp8:
+            either format).
         axis_name: one axis of the mesh given to `pk.init`.
+        x_scale: fp8 only: float32, a scalar or [M/P, ceil(K / 128)] (this device's rows).
+        w_scale: fp8 only: float32, a scalar or [ceil(K / 128), ceil(N / 128)].
 
     Returns:
-        [M, N] in the dtype of `x`, equal to
+        [M, N] in the dtype of `x` (fp8: bf16), equal to
         `lax.all_gather(x, axis_name, axis=0, tiled=True) @ w` (fp32 accumulation).
 
     Raises:
         ValueError: `pk.init` not called, a bad `axis_name`, not inside shard_map, operands not
-            rank 2, contraction dimensions that differ, K not a multiple of 8.
-        TypeError: an unsupported dtype, or `x` and `w` of different dtypes.
+            rank 2, contraction dimensions that differ, K not a multiple of 8 (fp8: 16), scales
+            of the wrong shape.
+        TypeError: an unsupported dtype, `x` and `w` of different dtypes (16-bit), scales
+            missing or not float32 for fp8 operands or given for others.
     """
-    _checks.axis_size(NAME, axis_name)
+    p = _checks.axis_size(NAME, axis_name)
+    if _fp8.is_fp8(x.dtype) or _fp8.is_fp8(w.dtype):
+        mp, _, _ = _tp.check_fp8(NAME, x, w, x_scale, w_scale, "kn", rows="M/P", depth="K")
+        if mp * p > _op_table.MAX_DIM:
+            raise ValueError(f"pk.{NAME}: the fp8 kernels index sizes in int32; the gathered "
+                             f"rows M = {mp * p} must be at most {_op_table.MAX_DIM}.")
+        return _fp8_op(x, w, x_scale, w_scale, axis_name)
+    _tp.no_scales(NAME, x, x_scale, w_scale)
     _checks.matmul_operands(NAME, x, w)
     return _ag_gemm(x, w, axis_name)
 
@@ -125,3 +148,74 @@ def _ag_gemm_bwd(axis_name, res, dy):
 
 
 _ag_gemm.defvjp(_ag_gemm_fwd, _ag_gemm_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# fp8: the reference, and the form on GPUs (no fused fp8 kernel: `_backend.route` gives
+# "local" or "serial").
+
+FP8_STEM = _backend.GATHER_GEMM_FP8
+
+
+def fp8_reference(x: jax.Array, w: jax.Array, x_scale: jax.Array, w_scale: jax.Array,
+                  axis_name: str) -> jax.Array:
+    """The fp8 form's reference: each device's rows dequantized with its own scales and
+    gathered, a float32 dot with the dequantized w, then bf16."""
+    x_full = jax.lax.all_gather(_fp8.dequantize(x, x_scale, "x"), axis_name, axis=0, tiled=True)
+    return jnp.dot(x_full, _fp8.dequantize(w, w_scale, "w"), precision=jax.lax.Precision.HIGHEST,
+                   preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+
+def _fp8_op(x, w, x_scale, w_scale, axis_name: str) -> jax.Array:
+    r = _backend.route(FP8_STEM, axis_name,
+                       supported=_mm.fp8_kernel_supports(x, w, x_scale, w_scale))
+    if r.path == "reference":
+        return fp8_reference(x, w, x_scale, w_scale, axis_name)
+    # The kernels' result varies along every axis an operand varies along (and along axis_name
+    # after the pk all_gather); the reference's gathered rows do not vary along axis_name, so
+    # the gradient's reference is cast to the kernels' type (the cast's transpose sums dy).
+    axes = _ffi.vma(x) | _ffi.vma(w) | _ffi.vma(x_scale) | _ffi.vma(w_scale)
+    if r.path == "serial":
+        axes |= {axis_name}
+    forward = partial(_fp8_forward, path=r.path, axis_name=axis_name, axes=axes)
+    ref = partial(_fp8_reference_varying, axis_name=axis_name, axes=axes)
+    return _vjp.with_reference_grad(forward, ref, x, w, x_scale, w_scale)
+
+
+def _fp8_reference_varying(x, w, x_scale, w_scale, *, axis_name: str, axes: frozenset):
+    return _vjp.vary(fp8_reference(x, w, x_scale, w_scale, axis_name), axes)
+
+
+def _gather_rows(a: jax.Array, axis_name: str) -> jax.Array:
+    """The pk all_gather of `a` by rows; fp8 rows travel as bf16 pairs (the kernel moves bytes
+    and takes 16-bit types; K is a multiple of 16, so no pair straddles two rows)."""
+    if a.dtype.itemsize != 1:
+        return _ag.kernel(a, axis_name, 0)
+    pairs = jax.lax.bitcast_convert_type(a.reshape(a.shape[0], -1, 2), jnp.bfloat16)
+    full = _ag.kernel(pairs, axis_name, 0)
+    return jax.lax.bitcast_convert_type(full, a.dtype).reshape(-1, a.shape[1])
+
+
+def _fp8_forward(x, w, x_scale, w_scale, *, path: str, axis_name: str,
+                 axes: frozenset) -> jax.Array:
+    """"local" (P = 1): the fp8 GEMM. "serial": the pk all_gather of the fp8 rows and of their
+    x scales, then the fp8 GEMM of the gathered rows. A blockwise scale gives every gathered row
+    its own x scales ([M, KB]; a device's scalar broadcast to its rows' blocks). With both
+    scales per tensor the devices' x scales differ by rows, which the per-tensor kernel's one
+    scale cannot express: it runs with x's scale 1 into float32, and each device's rows are
+    scaled by its x scale in the rounding to bf16 (one elementwise pass over y in XLA)."""
+    if path == "local":
+        return _vjp.vary(_mm._fp8_kernel(x, w, x_scale, w_scale, jnp.bfloat16), axes)
+    p, mp, kb = jax.lax.axis_size(axis_name), x.shape[0], -(-x.shape[1] // 128)
+    x_full = _gather_rows(x, axis_name)
+    if x_scale.ndim == 2 or w_scale.ndim == 2:
+        if x_scale.ndim == 0:
+            x_scale = jnp.broadcast_to(x_scale, (mp, kb))
+        y = _mm._fp8_kernel(x_full, w, _gather_rows(x_scale, axis_name), w_scale, jnp.bfloat16)
+        return _vjp.vary(y, axes)
+    # device p's x scale at [4 p] (16 bytes a device: the collectives' unit)
+    scales = _gather_rows(jnp.broadcast_to(x_scale, (4,)), axis_name)[::4]
+    y = _mm._fp8_kernel(x_full, w, jnp.float32(1.0), w_scale, jnp.float32)
+    n = y.shape[1]
+    y = (y.reshape(p, mp, n) * scales[:, None, None]).reshape(p * mp, n).astype(jnp.bfloat16)
+    return _vjp.vary(y, axes)

@@ -59,6 +59,7 @@ from jax import lax
 
 from pk_jax import _backend, _checks, _ffi, _op_table
 from pk_jax.ops import _attention, _tp, _vjp
+from pk_jax.ops import all_gather as _all_gather
 from pk_jax.ops import attention as _attention_op
 from pk_jax.runtime import state
 
@@ -592,8 +593,8 @@ def global_segments(masks: _attention.Masks, axis_name: str, p: int,
     sl = masks.q_seg.shape[1]
     order = np.argsort(zigzag_indices(sl * p, p)) if zigzag else None
 
-    def gather(ids):
-        whole = lax.all_gather(ids.astype(jnp.int32), axis_name, axis=1, tiled=True)
+    def gather(ids):  # pk's all_gather kernel: the masked kernels' path runs no XLA collective
+        whole = _all_gather.kernel(ids.astype(jnp.int32), axis_name, 1)
         return whole if order is None else jnp.take(whole, jnp.asarray(order, jnp.int32), axis=1)
 
     q_seg = gather(masks.q_seg)

@@ -66,6 +66,7 @@ import numpy as np
 
 from pk_jax import _backend, _checks, _ffi, _op_table, cost_model
 from pk_jax.ops import _attention, _tp, _vjp
+from pk_jax.ops import all_gather as _all_gather
 from pk_jax.ops import attention as _attention_op
 from pk_jax.ops.all_to_all import all_to_all
 from pk_jax.runtime import state
@@ -322,7 +323,8 @@ def _gather_segments(masks: _attention.Masks, axis_name: str) -> _attention.Mask
     shards, rank order); one all-gather when the queries' and the keys' ids are one array."""
     if masks.q_seg is None:
         return masks
-    gather = lambda ids: jax.lax.all_gather(ids.astype(jnp.int32), axis_name, axis=1, tiled=True)
+    # pk's all_gather kernel: the masked kernels' path runs no XLA collective
+    gather = lambda ids: _all_gather.kernel(ids.astype(jnp.int32), axis_name, 1)
     q_seg = gather(masks.q_seg)
     k_seg = q_seg if masks.k_seg is masks.q_seg else gather(masks.k_seg)
     return masks._replace(q_seg=q_seg, k_seg=k_seg)

@@ -106,8 +106,9 @@ section_collectives_mp() {
 }
 
 # Fused tensor-parallel GEMMs (issue 5): P = 1 in one process per op, and the fp8 forms
-# (gemm_rs_fp8, gemm_ar_fp8: issue 40 section 2) at P = 1; then (tp_mp) P = 2, 4, 8
-# processes sharing the GPU (tests/gpu/tp_mp.py: exact integer cases, stragglers, repeats).
+# (gemm_rs_fp8, gemm_ar_fp8: issue 40 section 2; all_gather_gemm's fp8 form) at P = 1; then
+# (tp_mp) P = 2, 4, 8 processes sharing the GPU (tests/gpu/tp_mp.py: exact integer cases,
+# stragglers, repeats; tests/gpu/tp_fp8_mp.py: the public ops with fp8 operands, exact).
 section_tp() {
   for op in gemm_rs ag_gemm gemm_ar gemm_rs_fp8; do
     PK_JAX_TIMEOUT_S=20 step "$PY" -m pytest -q -p no:cacheprovider -m "gpu and not large" \
@@ -119,6 +120,7 @@ section_tp_mp() {
   for n in $SIZES; do
     PK_JAX_TIMEOUT_S=30 step launch "$n" --timeout 250 \
       tests/gpu/tp_mp.py
+    PK_JAX_TIMEOUT_S=30 step launch "$n" --timeout 250 tests/gpu/tp_fp8_mp.py
   done
 }
 
