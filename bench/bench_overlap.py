@@ -17,7 +17,9 @@ that form needs:
   reduce-scatter of the blocks' dK/dV (the pk reduce_scatter of P blocks of dK/dV);
 - Ulysses forward / backward: all_to_all, pk.attention (forward / backward), all_to_all;
 - moe_dispatch_gemm: moe_dispatch, then grouped_matmul; moe_gemm_combine: grouped_matmul,
-  then moe_combine.
+  then moe_combine;
+- and the fp8 forms gemm_rs_fp8 / gemm_ar_fp8 (issue 40; shape["scaling"] "tensor" or
+  "block"): the fp8 GEMM (matmul_fp8) into bf16, then the pk reduce_scatter / all_reduce.
 Both forms are checked against a float32 or exact numpy reference on sampled rows before
 anything is timed. Then fused and serial are timed interleaved (5 alternating repeats of a
 batch each, medians), and the serial form's compute and communication parts alone at the same
@@ -69,12 +71,12 @@ from pk_jax.testing.emulator import DTYPES, NODE_SMS, np_dtype
 from pk_jax.testing.ulysses_bwd import FusedUlyssesBackward, UlyssesBackward
 
 BF16 = "bfloat16"
-MACHINE = "h200-emulated"
+FP8 = "float8_e4m3fn"
 RESULTS = common.RESULTS / "overlap.jsonl"
 PASSES = {"gemm_rs": "forward", "ag_gemm": "forward", "gemm_ar": "forward",
           "ring_attn": "forward", "ring_attn_bwd": "backward", "ulysses_attn": "forward",
           "ulysses_attn_bwd": "backward", "moe_dispatch_gemm": "forward",
-          "moe_gemm_combine": "forward"}
+          "moe_gemm_combine": "forward", "gemm_rs_fp8": "forward", "gemm_ar_fp8": "forward"}
 
 
 @dataclasses.dataclass
@@ -181,6 +183,95 @@ def tp_bench(world: World, op: str, shape: dict, rng) -> Bench:
                  lambda: bench_emulated.serial_launch(world, op, b, parts=("compute",)),
                  lambda: bench_emulated.serial_launch(world, op, b, parts=("comm",)),
                  check, flops, comm_node, f"serial: {what} (scale model)", free)
+
+
+def _fp8_codes(rng, shape) -> np.ndarray:
+    """e4m3 values in {-1, 0, 1}, drawn as their bytes (ml_dtypes' conversion of a float array
+    takes seconds at the node's shapes)."""
+    import ml_dtypes
+
+    codes = np.array([0xB8, 0x00, 0x38], np.uint8)  # -1, 0, 1 in float8_e4m3fn
+    return codes[rng.integers(0, 3, shape, dtype=np.uint8)].view(ml_dtypes.float8_e4m3fn)
+
+
+def tp_fp8_bench(world: World, op: str, shape: dict, rng) -> Bench:
+    """gemm_rs_fp8 / gemm_ar_fp8 (x [M, K/P], wt [N, K/P] e4m3, each rank's own scales, per
+    tensor or blockwise) against the fp8 GEMM into bf16 then the pk collective."""
+    p = world.world
+    m, n, kr, scaling = shape["m"], shape["n"], shape["k_per_rank"], shape["scaling"]
+    xs = [_fp8_codes(rng, (m, kr)) for _ in range(p)]
+    wts = [_fp8_codes(rng, (n, kr)) for _ in range(p)]
+    if scaling == "block":
+        kb, nb = -(-kr // 128), -(-n // 128)
+        sx = [(2.0 ** rng.integers(-1, 2, (m, kb))).astype(np.float32) for _ in range(p)]
+        sw = [(2.0 ** rng.integers(0, 2, (kb, nb))).astype(np.float32) for _ in range(p)]
+    else:
+        sx = [np.float32(2.0 ** rng.integers(-1, 2)) for _ in range(p)]
+        sw = [np.float32(2.0 ** rng.integers(0, 2)) for _ in range(p)]
+    rows = m // p if op == "gemm_rs_fp8" else m
+    params, scales = ops.fp8_gemm_fields(m, kr, n, sx, sw, FP8, rows)
+    bf16 = np_dtype(BF16)
+    case = ops.Case(op, FP8, [{"x": x, "w": wt, "x_scale": a, "w_scale": b}
+                              for x, wt, (a, b) in zip(xs, wts, scales)],
+                    [{"y": np.zeros((rows, n), bf16)} for _ in range(p)], params, exact=False)
+    fused, serial = ops.Call(world, case), ops.Call(world, case)
+    tmp = [DeviceBuffer(m * n * 2) for _ in range(p)]
+    gemm = {"dtype": DTYPES[FP8], **params, "y_rows": m}
+    dt = DTYPES[BF16]
+
+    def serial_launch(parts=("compute", "comm")) -> None:
+        for r in range(p):
+            bufs = serial.buffers[r]
+            if "compute" in parts:
+                world.launch("matmul_fp8", r, {**gemm, "x": bufs["x"], "w": bufs["w"],
+                                               "x_scale": bufs["x_scale"],
+                                               "w_scale": bufs["w_scale"], "y": tmp[r]})
+            if "comm" not in parts:
+                continue
+            if op == "gemm_rs_fp8":
+                world.launch("reduce_scatter", r, {"dtype": dt, "x": tmp[r], "y": bufs["y"],
+                                                   "n": m * n, "n_out": rows * n,
+                                                   "p0": rows * n})
+            else:
+                world.launch("all_reduce", r, {"dtype": dt, "x": tmp[r], "y": bufs["y"],
+                                               "n": m * n, "n_out": m * n})
+
+    def dequantized_rows(r: int, pick: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        x = xs[r][pick].astype(np.float64)
+        w = wts[r].astype(np.float64).T  # [K/P, N]
+        if scaling == "block":
+            x = x * np.repeat(sx[r][pick], 128, axis=1)[:, :kr]
+            w = w * np.kron(sw[r], np.ones((128, 128)))[:kr, :n]
+        else:
+            x, w = x * float(sx[r]), w * float(sw[r])
+        return x, w
+
+    def check() -> None:
+        for c in (fused, serial):
+            for bufs in c.buffers:
+                bufs["y"].fill(0xFF)
+        sync_all(world, fused.launch, serial_launch)
+        pick = np.unique(np.concatenate([[0, rows - 1], rng.integers(0, rows, 30)]))
+        for r in (0, p - 1):
+            lo = r * rows if op == "gemm_rs_fp8" else 0
+            want = sum(np.matmul(*dequantized_rows(q, lo + pick)) for q in range(p))
+            for name, c in (("fused", fused), ("serial", serial)):
+                got = c.outputs(r)["y"][pick].astype(np.float64)
+                tol = 2e-2 * np.abs(want).max() + 1  # bf16 partials and sums, as tp_bench
+                if not (np.all(np.isfinite(got)) and np.all(np.abs(got - want) <= tol)):
+                    raise WrongResult(f"{op} {name} rank {r}: max error "
+                                      f"{np.abs(got - want).max()}")
+
+    def free() -> None:
+        for c in (fused, serial):
+            c.free()
+        for t in tmp:
+            t.free()
+
+    collective = "reduce_scatter" if op == "gemm_rs_fp8" else "all_reduce"
+    return Bench(fused.launch, serial_launch, lambda: serial_launch(("compute",)),
+                 lambda: serial_launch(("comm",)), check, 2.0 * m * n * kr, 0,
+                 f"serial: the fp8 GEMM into bf16, then pk {collective} (scale model)", free)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -587,6 +678,8 @@ def moe_bench(world: World, op: str, shape: dict, rng) -> Bench:
 def build(world: World, op: str, shape: dict, rng) -> Bench:
     if op in ("gemm_rs", "ag_gemm", "gemm_ar"):
         return tp_bench(world, op, shape, rng)
+    if op in cost_model.FP8_OPS:
+        return tp_fp8_bench(world, op, shape, rng)
     if op in ("ring_attn", "ring_attn_bwd"):
         return ring_bench(world, shape, rng, op == "ring_attn_bwd")
     if op == "ulysses_attn":
@@ -631,9 +724,10 @@ def measure(world: World, op: str, shape: dict, rng, tag: str, rows: list) -> di
     eff = (serial - fused) / (serial - bound) if serial - bound > 1e-9 else None
     sms = world.sms[0]
     row = common.record(
-        op=op, shape=shape, dtype=BF16, world=p, processes=1, median_us=fused,
+        op=op, shape=shape, dtype=FP8 if op in cost_model.FP8_OPS else BF16, world=p,
+        processes=1, median_us=fused,
         tflops=bench.flops / fused / 1e6, baseline=bench.baseline, baseline_median_us=serial,
-        path=RESULTS, emulated=True, machine=MACHINE, **world.scale,
+        path=RESULTS, emulated=True, machine=f"{common.machine()}-emulated", **world.scale,
         link=f"throttled {world.scale['flop_per_byte']:g} FLOP/B, asynchronous",
         comm_sms=world.comm_sms(bench.comm_sms_on_node) if bench.comm_sms_on_node else "auto",
         comm_sms_on_node=bench.comm_sms_on_node or "auto",
@@ -686,7 +780,7 @@ SHAPE_KEYS = {"tp": ("m", "n", "k_per_rank"), "ring": ("s", "h", "hkv", "d", "ca
 
 
 def family(op: str) -> str:
-    return ("tp" if op in cost_model.OPS else "moe" if op.startswith("moe")
+    return ("tp" if op.removesuffix("_fp8") in cost_model.OPS else "moe" if op.startswith("moe")
             else op.split("_")[0])
 
 
@@ -709,6 +803,8 @@ def check_shape(op: str, p: int, shape: dict) -> list[str]:
             bad.append("m is not a multiple of 128 P")
         if shape["n"] % 256 or shape["k_per_rank"] % 256:
             bad.append("n or k_per_rank is not a multiple of 256")
+        if op in cost_model.FP8_OPS and shape.get("scaling") not in cost_model.FP8_SPEEDUP:
+            bad.append(f"scaling is not one of {tuple(cost_model.FP8_SPEEDUP)}")
     elif fam in ("ring", "ulysses"):
         if shape["s"] % (128 * p):
             bad.append("s is not a multiple of 128 P")
@@ -736,12 +832,15 @@ def estimate_s(cases: list[dict], rows_path=RESULTS) -> float:
     rows = fit_decider.load(rows_path)
 
     def predicted(op, shape, p):
-        if op in cost_model.OPS:
+        if family(op) == "tp":
             m, n, k = shape["m"], shape["n"], shape["k_per_rank"]
-            fused = min(cost_model.predict(op, m, n, k, p, mode="fused", num_comm_sms=c)
-                        .predicted_us for c in (cost_model.COMM_SMS_CANDIDATES
-                                                if op == "ag_gemm" else (0,)))
-            return fused, cost_model.predict(op, m, n, k, p, mode="serial").predicted_us
+            fp8 = shape.get("scaling") if op in cost_model.FP8_OPS else None
+            op = op.removesuffix("_fp8")
+            fused = min(cost_model.predict(op, m, n, k, p, mode="fused", num_comm_sms=c,
+                                           fp8=fp8).predicted_us
+                        for c in (cost_model.COMM_SMS_CANDIDATES if op == "ag_gemm" else (0,)))
+            return fused, cost_model.predict(op, m, n, k, p, mode="serial",
+                                             fp8=fp8).predicted_us
         return cost_model.predict_overlap(op, shape, p)
 
     logs: dict = {}
@@ -753,11 +852,12 @@ def estimate_s(cases: list[dict], rows_path=RESULTS) -> float:
     total = 30.0 * len({c["world"] for c in cases})
     for c in cases:
         op, p = c["op"], c["world"]
-        k = math.exp(statistics.mean(logs[(op, p)]))
+        # an fp8 form without rows of its own: its bf16 form's emulator / model ratio
+        k = math.exp(statistics.mean(logs.get((op, p)) or logs[(op.removesuffix("_fp8"), p)]))
         fused, serial = (x * k * 1e-6 for x in predicted(op, c["shape"], p))
         batch = lambda t: min(10, max(2, int(0.02 / t))) * t
         total += 6 * (batch(fused) + batch(serial)) + 4 * batch(serial)
-        total += host["tp" if op in cost_model.OPS else "moe" if op.startswith("moe")
+        total += host["tp" if family(op) == "tp" else "moe" if op.startswith("moe")
                       else op] * (1.3 if p == 8 else 1.0)
     return total
 
@@ -767,7 +867,7 @@ def dry_run(cases: list[dict]) -> None:
     for c in cases:
         problems = check_shape(c["op"], c["world"], c["shape"])
         bad += bool(problems)
-        fused, serial = ((None, None) if problems or c["op"] in cost_model.OPS
+        fused, serial = ((None, None) if problems or family(c["op"]) == "tp"
                          else cost_model.predict_overlap(c["op"], c["shape"], c["world"]))
         pick = "-" if problems else cost_model.choose(c["op"], c["shape"], c["world"])
         ratio = "" if fused is None else f" predicted serial/fused {serial / fused:5.2f}"

@@ -55,11 +55,11 @@ def latest(rows: list[dict], tag: str) -> dict:
 
 
 def score(cases: list[dict], rows: dict, pick) -> dict:
-    """fit_decider.score over the cases that have a row, `pick(case)` each one's choice."""
+    """fit_decider.score over the cases that have a row, `pick(case, row)` each one's choice."""
     found = [(c, rows.get((c["op"], c["world"], json.dumps(c["shape"], sort_keys=True))))
              for c in cases]
     have = [(c, r) for c, r in found if r is not None]
-    result = fit_decider.score([r for _, r in have], [pick(c) for c, _ in have])
+    result = fit_decider.score([r for _, r in have], [pick(c, r) for c, r in have])
     return {**result, "missing": len(found) - len(have)}
 
 
@@ -90,11 +90,15 @@ def main() -> None:
         for (op, _, _), r in latest(rows, t).items():
             votes[op]["fused" if r["fused_us"] < r["serial_us"] else "serial"] += 1
     constant = {op: v.most_common(1)[0][0] for op, v in votes.items()}
+    # the decider at the GPU the row ran on (as _backend.route asks it: cost_model.gpu_for),
+    # and an fp8 form's constant rule its bf16 form's majority
     rules = {
-        "pk_jax": lambda c: cost_model.choose(c["op"], c["shape"], c["world"]),
-        "always_fused": lambda c: "fused",
-        "always_serial": lambda c: "serial",
-        "constant_per_op": lambda c: constant.get(c["op"], "serial"),
+        "pk_jax": lambda c, r: cost_model.choose(c["op"], c["shape"], c["world"],
+                                                 gpu=cost_model.gpu_for(r.get("gpu", "H200"))),
+        "always_fused": lambda c, r: "fused",
+        "always_serial": lambda c, r: "serial",
+        "constant_per_op": lambda c, r: constant.get(
+            c["op"], constant.get(c["op"].removesuffix("_fp8"), "serial")),
     }
     result = {"tag": tag, "train_tags": train_tags, "tie_band": TIE, "constant_per_op": constant,
               "scores": {name: score(cases, valid, rule) for name, rule in rules.items()}}

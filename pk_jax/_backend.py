@@ -36,7 +36,7 @@ BACKENDS = ("auto", "reference", "cuda")
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 TP_GEMMS = ("gemm_rs", "ag_gemm", "gemm_ar")
 # The fp8 forms of the TP GEMMs: routed as their bf16 ops, with the fp8 rates (cost_model).
-TP_GEMMS_FP8 = ("gemm_rs_fp8", "gemm_ar_fp8")
+TP_GEMMS_FP8 = cost_model.FP8_OPS
 # all_gather_gemm's fp8 form has no fused kernel: "local" (P = 1: the fp8 GEMM) or "serial"
 # (the pk all_gather of the fp8 rows, then the fp8 GEMM), from these two kernels.
 GATHER_GEMM_FP8 = "ag_gemm_fp8"

@@ -343,6 +343,8 @@ def collective_us(op: str, out_bytes: float, shard_bytes: float, p: int, gpu: GP
 # The fp8 GEMM's rate against pk.matmul's (bf16), per scaling: the geometric means over
 # bench_fp8.py's grid on an H100 (bench/results/fp8_notes.md), taken for the H200 too.
 FP8_SPEEDUP = {"tensor": 1.7, "block": 0.89}
+# The fp8 forms as `choose` names them (the ops' kernels: pk_gemm_rs_fp8, pk_gemm_ar_fp8).
+FP8_OPS = ("gemm_rs_fp8", "gemm_ar_fp8")
 
 
 def predict(op: str, m: int, n: int, k: int, p: int, *, mode: str, num_comm_sms: int = 0,
@@ -588,8 +590,9 @@ def choose(op: str, shape: dict, p: int, *, itemsize: int = 2, gpu: GPU = H200) 
 
     Args:
         op: a TP GEMM (OPS; shape {"m", "n", "k_per_rank"}: m rows of the whole product, n
-            output columns, k_per_rank the contraction each device multiplies) or one of
-            OVERLAP_OPS (shape as `overlap_parts`).
+            output columns, k_per_rank the contraction each device multiplies), an fp8 form of
+            one (FP8_OPS; the shape also names its "scaling") or one of OVERLAP_OPS (shape as
+            `overlap_parts`).
         shape: the call's shape, per device.
         p: the axis size (> 1).
         itemsize: bytes per element.
@@ -601,5 +604,8 @@ def choose(op: str, shape: dict, p: int, *, itemsize: int = 2, gpu: GPU = H200) 
     if op in OPS:
         return plan(op, shape["m"], shape["n"], shape["k_per_rank"], p, itemsize=itemsize,
                     gpu=gpu).mode
+    if op in FP8_OPS:
+        return plan(op.removesuffix("_fp8"), shape["m"], shape["n"], shape["k_per_rank"], p,
+                    gpu=gpu, fp8=shape["scaling"]).mode
     fused, serial = predict_overlap(op, shape, p, itemsize=itemsize, gpu=gpu)
     return "fused" if fused * (1 + margin(op)) < serial else "serial"

@@ -120,6 +120,12 @@ def test_fp8_forms_use_the_fp8_rate_and_bytes(op):
         cm.predict("ag_gemm", m, n, k, p, mode="serial", fp8="tensor")
     with pytest.raises(ValueError, match="fp8='e4m3'"):
         cm.predict(op, m, n, k, p, mode="serial", fp8="e4m3")
+    # the one decider names the fp8 forms by their ops (the validation cases' and rows' name)
+    for scaling in cm.FP8_SPEEDUP:
+        for p in (2, 8):
+            shape = {"m": m, "n": n, "k_per_rank": k, "scaling": scaling}
+            want = cm.plan(op, m, n, k, p, gpu=cm.H100, fp8=scaling).mode
+            assert cm.choose(f"{op}_fp8", shape, p, gpu=cm.H100) == want
 
 
 def test_large_k_prefers_fused_gemm_rs():

@@ -200,6 +200,26 @@ def _fp8_scale_inputs(sx, sw, m: int) -> tuple[np.ndarray, np.ndarray]:
     return xs, ws
 
 
+def fp8_gemm_fields(m: int, k: int, n: int, x_scales, w_scales, w_format: str, y_rows: int,
+                    config: int | None = None) -> tuple[dict, list]:
+    """The fields of an fp8 GEMM call (matmul_fp8, gemm_rs_fp8, gemm_ar_fp8) but its buffers
+    and x's format, and every rank's scales as the kernel reads them (`_fp8_scale_inputs`):
+    x [m, k], wt [n, k], y [y_rows, n] bf16; the tile config by size unless given (blockwise:
+    128x128, the only one)."""
+    scales = [_fp8_scale_inputs(sx, sw, m) for sx, sw in zip(x_scales, w_scales)]
+    blockwise = scales[0][0].ndim == 2
+    if config is None and not blockwise:
+        config = TILE_128x256 if m * n >= 4096 * 4096 else TILE_128x128
+    (xs_rows, xs_cols), (ws_rows, ws_cols) = ((s.shape if s.ndim == 2 else (1, 1))
+                                              for s in scales[0])
+    params = {"w_dtype": DTYPES[w_format], "y_dtype": DTYPES["bfloat16"],
+              "blockwise": blockwise, "xs_rows": xs_rows, "xs_cols": xs_cols,
+              "ws_rows": ws_rows, "ws_cols": ws_cols, "m": m, "k": k, "n": n,
+              "y_rows": y_rows, "y_cols": n,
+              "config": TILE_128x128 if blockwise else config, "group_m": 8}
+    return params, scales
+
+
 def _gemm_fp8(op: str, xs, wts, x_scales, w_scales, x_format: str, w_format: str,
               config: int | None, exact: bool) -> Case:
     p = len(xs)
@@ -213,17 +233,8 @@ def _gemm_fp8(op: str, xs, wts, x_scales, w_scales, x_format: str, w_format: str
         ys = [_cast(total[r * m // p:(r + 1) * m // p], "bfloat16") for r in range(p)]
     else:
         ys = [_cast(total, "bfloat16") for _ in range(p)]
-    scales = [_fp8_scale_inputs(sx, sw, m) for sx, sw in zip(x_scales, w_scales)]
-    blockwise = scales[0][0].ndim == 2
-    if config is None and not blockwise:
-        config = TILE_128x256 if m * n >= 4096 * 4096 else TILE_128x128
-    (xs_rows, xs_cols), (ws_rows, ws_cols) = ((s.shape if s.ndim == 2 else (1, 1))
-                                              for s in scales[0])
-    params = {"w_dtype": DTYPES[w_format], "y_dtype": DTYPES["bfloat16"],
-              "blockwise": blockwise, "xs_rows": xs_rows, "xs_cols": xs_cols,
-              "ws_rows": ws_rows, "ws_cols": ws_cols, "m": m, "k": k, "n": n,
-              "y_rows": ys[0].shape[0], "y_cols": n,
-              "config": TILE_128x128 if blockwise else config, "group_m": 8}
+    params, scales = fp8_gemm_fields(m, k, n, x_scales, w_scales, w_format, ys[0].shape[0],
+                                     config)
     inputs = [{"x": x, "w": wt, "x_scale": a, "w_scale": b}
               for x, wt, (a, b) in zip(xs, wts, scales)]
     # Not exact: bf16 partials summed in bf16 in a varying order, against one rounding of the
