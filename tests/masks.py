@@ -190,9 +190,10 @@ def check_masked_sp_routing(monkeypatch, op: str, p: int) -> None:
     """With the kernels available (forced on CPU): op ("ring" or "ulysses") at P unmasked
     traces to an attention kernel. With each of MASKS, at P = 1 the gradient traces to
     pk.attention's masked kernels (two pk_attention calls with the mask attributes on, the
-    ring's forward_path "local"); at P > 1 to no attention kernel (Ulysses' reference may still
-    use the pk_all_to_all kernel for its exchanges) and the ring's forward_path says
-    "reference"."""
+    ring's forward_path "local"); at P > 1 the ring's to its fused forward's masked kernel (one
+    pk_ring_attn call, masked; forward_path "fused_masked"; the backward the jax.lax ring's)
+    and Ulysses' to the masked pk.attention kernels on the head groups (forward and
+    backward)."""
     from test_ring_attn import ffi_calls
 
     from pk_jax import _backend
@@ -217,13 +218,13 @@ def check_masked_sp_routing(monkeypatch, op: str, p: int) -> None:
         used = [e for e in ffi_calls(jaxpr) if e.params["target_name"] in ATTENTION_KERNELS]
         names = [e.params["target_name"] for e in used]
         path = paths[-1] if op == "ring" else None  # Ulysses: its kernels' absence says it
-        if mask and p == 1:
-            flags = [dict(e.params["attributes"])["masked"] for e in used]
+        flags = [dict(e.params["attributes"]).get("masked") for e in used]
+        if mask and (p == 1 or op == "ulysses"):
             assert names == ["pk_attention"] * 2 and flags == [1, 1], (mask, names, flags)
             assert path == ("local" if op == "ring" else None), (mask, path)
         elif mask:
-            assert path == ("reference" if op == "ring" else None) and not used, (mask, path,
-                                                                                 names)
+            assert names == ["pk_ring_attn"] and flags == [1], (mask, names, flags)
+            assert path == "fused_masked", (mask, path)
         else:
             assert path != "reference" and used, (path, names)
 

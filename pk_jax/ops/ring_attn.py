@@ -38,9 +38,9 @@ place that decides.
 
 Masks (segment_ids, local_window_size, logits_soft_cap, query_seq_lengths,
 key_value_seq_lengths; see `ring_attention`) run pk.attention's masked kernels at P = 1, and
-the jax.lax ring at P > 1 on every platform: the fused forward's masked kernel
-(`_kernel_ring_masked`, below) is not routed to until its GPU tests pass, and the fused
-backward takes no masks yet. There each rank's K/V block travels with its key segment ids
+at P > 1 the fused forward's masked kernel (`_kernel_ring_masked`, below) where the fused
+kernels take the operands, with the jax.lax ring's backward (the fused backward takes no masks
+yet); elsewhere the jax.lax ring. There each rank's K/V block travels with its key segment ids
 (one more ppermuted [B, S/P] int32 array); the block's global positions follow from its owner
 rank and the layout, so every mask compares global positions and segments may cross chunk
 and rank boundaries. A step's block, or a zigzag step's half-block pair, that no mask lets
@@ -150,8 +150,8 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, *,
         `pk.attention` over the whole sequence (rows that no key is visible to give 0).
 
     With any mask argument: over a 1-device axis, pk.attention's masked kernels where they
-    take the operands; at P > 1 the jax.lax ring (on GPUs too: the fused kernels are not routed
-    to with masks yet).
+    take the operands; at P > 1 the fused forward's masked kernel where it takes them, with
+    the jax.lax ring's backward; elsewhere the jax.lax ring.
 
     Raises:
         ValueError: `pk.init` not called, a bad axis, q/k/v not rank 4 or of mismatched
@@ -189,9 +189,13 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, *,
         # One rank holds the whole sequence, and the zigzag layout at P = 1 (chunks 0 and 1 of
         # 2) is the identity: plain attention, forward and backward, its masks by position.
         return _attention_op.kernel_forward(q, k, v, scale, causal, masks, window, softcap)
-    if path == "fused":
+    if path in ("fused", "fused_masked"):
         _tp.check_workspace(NAME, workspace_need(k, p), f"{p - 1} K/V blocks of {k.shape}")
+    if path == "fused":
         return _kernel_ring(q, k, v, axis_name, causal, float(scale), p, zigzag)
+    if path == "fused_masked":
+        return _kernel_ring_masked(q, k, v, axis_name, masks, scale, causal, window, softcap,
+                                   layout=layout)
     k, v = _attention.repeat_kv(q, k, v)  # grouped-query attention (a no-op at H = Hkv)
     return reference(q, k, v, axis_name, causal=causal, scale=scale, p=p, zigzag=zigzag,
                      window=window, softcap=softcap, masks=masks)
@@ -201,14 +205,16 @@ def forward_path(q: jax.Array, k: jax.Array, v: jax.Array, p: int, axis_name: st
                  masked: bool = False) -> str:
     """How the call runs, forward and backward, decided once at trace time for (already
     checked) operands: "local" (P = 1: the pk.attention kernels, masked or not, forward and
-    backward, on q, k, v as given), "fused" (P > 1: pk_ring_attn and pk_ring_attn_bwd) or
-    "reference" (the jax.lax ring; also wherever those kernels do not take the operands, and
-    at P > 1 with any mask argument (`masked`), which the fused kernels are not routed to
-    with)."""
+    backward, on q, k, v as given), "fused" (P > 1: pk_ring_attn and pk_ring_attn_bwd),
+    "fused_masked" (P > 1 with any mask argument, `masked`: pk_ring_attn's masked kernel, the
+    jax.lax ring's backward) or "reference" (the jax.lax ring, wherever those kernels do not
+    take the operands)."""
     if p == 1:
         return _attention_op.p1_path(q, k, v, axis_name)
-    route = _backend.route(STEM, axis_name, supported=kernel_supports(q, k, p) and not masked)
-    return "fused" if route.path == "kernel" else "reference"
+    route = _backend.route(STEM, axis_name, supported=kernel_supports(q, k, p))
+    if route.path != "kernel":
+        return "reference"
+    return "fused_masked" if masked else "fused"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -533,9 +539,9 @@ _zigzag_attention.defvjp(_zigzag_fwd, _zigzag_bwd)
 
 
 # ---------------------------------------------------------------------------------------------
-# The fused forward with masks (issue 38 section 3), not routed to yet: ring_attention keeps the
-# reference for masked calls until tests/gpu/test_emulator_ring_masks.py and sp_masked_mp.py
-# ring / ring-zigzag pass on a GPU. The kernel reads the masks by GLOBAL position: the segment
+# The fused forward with masks (issue 38 section 3; its GPU tests:
+# tests/gpu/test_emulator_ring_masks.py, sp_masked_mp.py ring / ring-zigzag). The kernel reads
+# the masks by GLOBAL position: the segment
 # ids of every rank are all-gathered along the axis ([B, S/P] int32 each, put in global order
 # for the zigzag layout) into the whole sequence's ids and chunk ranges
 # (attention.segment_info), so segments may cross chunk and rank boundaries; the lengths
@@ -548,8 +554,8 @@ def _kernel_ring_masked(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str
     """ring_attention with masks on the fused forward kernel (pk_ring_attn, masked); its
     custom VJP is the jax.lax ring's backward (`reference`'s) on the kernel's output and lse.
 
-    Private until its GPU tests pass (tests/gpu/test_emulator_ring_masks.py, sp_masked_mp.py
-    ring and ring-zigzag). Call inside shard_map over `axis_name` (P > 1) with q [B, S/P, H,
+    ring_attention's path with masks at P > 1 (`forward_path`'s "fused_masked"), and the GPU
+    tests' entry. Call inside shard_map over `axis_name` (P > 1) with q [B, S/P, H,
     D], k, v [B, S/P, Hkv, D] in `layout` and the masks as `_attention.check_masks` returns
     them for ring_attention: segment ids [B, S/P] laid out like q, lengths [B] (the same on
     every rank) over global positions; the window over global positions.

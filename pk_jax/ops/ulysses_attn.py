@@ -47,12 +47,12 @@ and its kernel backward, no exchange). `ulysses_attention` takes its paths from
 
 Masks (segment_ids, local_window_size, logits_soft_cap, query_seq_lengths,
 key_value_seq_lengths; see `ulysses_attention`) run pk.attention's masked kernels at P = 1, and
-the reference at P > 1 on every platform: the composed kernels with masks (`_composed_masked`:
-the masked pk.attention kernels on the head groups) are not routed to until their GPU tests
-pass, and the fused kernels take no masks yet. They apply after the all-to-all, where each
-rank holds the whole sequence of its head group in global order: the segment ids are all-gathered along the axis ([B, S/P] int32 per
-rank to [B, S]), positions are the global ones, and the blockwise attention skips the tiles
-that no mask lets through.
+at P > 1 the composed kernels with masks (`_composed_masked`: the masked pk.attention kernels
+on the head groups) where those kernels take the operands, else the reference; the fused
+kernels take no masks yet. They apply after the all-to-all, where each rank holds the whole
+sequence of its head group in global order: the segment ids are all-gathered along the axis
+([B, S/P] int32 per rank to [B, S]), positions are the global ones, and the masked kernels
+(or the blockwise reference) skip the tiles that no mask lets through.
 """
 
 from __future__ import annotations
@@ -117,8 +117,9 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, 
         `pk.attention` over the whole sequence (rows that no key is visible to give 0).
 
     With any mask argument: over a 1-device axis, pk.attention's masked kernels where they take
-    the operands; at P > 1 the reference (all_to_all, the blockwise jax.lax attention,
-    all_to_all back), on GPUs too: the kernels are not routed to with masks yet.
+    the operands; at P > 1 the composed kernels with masks where the pk.attention kernels take
+    the head group (pk.all_to_all, the masked kernels forward and backward, all_to_all back),
+    else the reference (all_to_all, the blockwise jax.lax attention, all_to_all back).
 
     Raises:
         ValueError: `pk.init` not called, a bad axis, q/k/v not rank 4 or of mismatched
@@ -153,8 +154,10 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, 
     decide = (overlap_shape(q, k, p, causal), q.dtype.itemsize)
     if p == 1:
         path = _attention_op.p1_path(q, k, v, axis_name)
-    elif masked:
-        path = "reference"  # the masked kernels are not routed to at P > 1 yet
+    elif masked:  # the fused kernels take no masks: the composed kernels or the reference
+        path = ("composed_masked" if _backend.route(
+            _attention_op.NAME, supported=composed_supports(q, p)).path == "kernel"
+            else "reference")
     elif _backend.route(STEM, axis_name, supported=kernel_supports(q, p),
                         overlap=decide).path == "fused":
         path = "fused"
@@ -165,6 +168,8 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str, 
     if path == "local":
         # One rank holds the whole sequence and every head: plain attention, no exchange.
         return _attention_op.kernel_forward(q, k, v, scale, causal, masks, window, softcap)
+    if path == "composed_masked":
+        return _composed_masked(q, k, v, axis_name, masks, scale, causal, window, softcap)
     if path == "reference":
         k, v = _attention.repeat_kv(q, k, v)  # grouped-query attention (a no-op at H = Hkv)
         return reference(q, k, v, axis_name, causal=causal, scale=scale, window=window,
@@ -280,8 +285,8 @@ _composed_ulysses.defvjp(_composed_fwd, _composed_ulysses_bwd)
 
 
 # ---------------------------------------------------------------------------------------------
-# The composed path with masks (issue 38 section 3), not routed to yet: ulysses_attention keeps
-# the reference for masked calls until tests/gpu/sp_masked_mp.py ulysses passes on a GPU. After
+# The composed path with masks (issue 38 section 3; its GPU test: tests/gpu/sp_masked_mp.py
+# ulysses), ulysses_attention's path with masks at P > 1 where it takes the operands. After
 # the all-to-all the rank holds the whole sequence of its head group in global order, so the
 # masks are pk.attention's over [B, S]: the segment ids all-gathered along the axis, the
 # lengths (replicated) and the window as given.
@@ -294,7 +299,7 @@ def _composed_masked(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: str,
     groups, the masked pk.attention forward kernel over the whole sequence, all_to_all back;
     its custom VJP runs the masked pk.attention backward kernel on the saved head shards.
 
-    Private until its GPU tests pass (tests/gpu/sp_masked_mp.py ulysses). Call inside shard_map
+    ulysses_attention's masked path at P > 1, and the GPU test's entry. Call inside shard_map
     over `axis_name` (P > 1) with q, k, v [B, S/P, H, D] and masks as
     `_attention.check_masks` returns them for ulysses_attention: segment ids [B, S/P] (this
     rank's contiguous rows), lengths [B] (the same on every rank) over global positions; the
