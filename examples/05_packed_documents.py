@@ -23,9 +23,8 @@ without segment ids it would not).
 
 The mesh is ("sp", "tp"): the sequence split over "sp", heads and MLP over "tp". Without GPUs
 it runs on 8 CPU host devices and the ops' jax.lax references; on Hopper GPUs the linear layers
-run their kernels; the attention, sharded over "sp" with a mask, runs its jax.lax reference (the
-sequence-parallel kernels are not routed to with masks yet; over a 1-device axis it would run
-pk.attention's masked kernels).
+run their kernels, and the attention, sharded over "sp" with a mask, its masked kernels (the
+ring's fused forward, or Ulysses' composed kernels; over a 1-device axis pk.attention's).
 """
 
 import os

@@ -587,6 +587,13 @@ def test_gpu_p1_blockwise_exact_twice(kind, shape, formats):
             np.testing.assert_array_equal(np.asarray(y, np.float64), want)
 
 
+def _placed(mesh, specs, args) -> list:
+    """The global arrays on `mesh` as the shard_map's in_specs lay them out."""
+    from jax.sharding import NamedSharding
+
+    return [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", OPS)
 @pytest.mark.parametrize("blockwise", [False, True], ids=["tensor", "block"])
@@ -600,7 +607,7 @@ def test_gpu_public_op_at_p1_runs_the_fp8_gemm(kind, blockwise):
     make = _block_inputs if blockwise else _exact_inputs
     xs, wts, sx, sw = make(rng, 1, 300, 400 if blockwise else 128, 200, E4M3, E5M2)
     in_specs, out_spec = _specs(kind, "kn", blockwise)
-    args = _global(xs, wts, sx, sw, "kn")
+    args = _placed(mesh, in_specs, _global(xs, wts, sx, sw, "kn"))
     body = jax.jit(jax.shard_map(_public_body(kind), mesh=mesh, in_specs=in_specs,
                                  out_specs=out_spec, check_vma=False))
     lowered = body.lower(*args).as_text()
@@ -759,7 +766,7 @@ def test_gpu_ag_public_op_at_p1_runs_the_fp8_gemm(blockwise):
     xs, wts, sx, sw = _ag_inputs(blockwise, rng, 1, 300, 400 if blockwise else 128, 200, E4M3,
                                  E5M2)
     in_specs, out_spec = _ag_specs(blockwise)
-    args = _ag_global(xs, wts, sx, sw)
+    args = _placed(mesh, in_specs, _ag_global(xs, wts, sx, sw))
     body = jax.jit(jax.shard_map(_ag_body(pk.all_gather_gemm), mesh=mesh, in_specs=in_specs,
                                  out_specs=out_spec, check_vma=False))
     lowered = body.lower(*args).as_text()
