@@ -118,6 +118,17 @@ def copy_on_ranks(world: World, dst: list, src: list, nbytes: int) -> None:
 # ---------------------------------------------------------------------------------------------
 # Tensor parallelism: M = N = 8192 per rank, K per rank from the shape
 
+def check_rows(op: str, calls: dict, r: int, pick: np.ndarray, want: np.ndarray) -> None:
+    """Rows `pick` of y on rank r of each call (fused, serial) against float64 `want`. bf16
+    partial sums past 256 round, each rank's and each add's: a tolerance scaled by the rows'
+    magnitude, not exactness (issue 36)."""
+    tol = 2e-2 * np.abs(want).max() + 1
+    for name, c in calls.items():
+        got = c.outputs(r)["y"][pick].astype(np.float64)
+        if not (np.all(np.isfinite(got)) and np.all(np.abs(got - want) <= tol)):
+            raise WrongResult(f"{op} {name} rank {r}: max error {np.abs(got - want).max()}")
+
+
 def tp_bench(world: World, op: str, shape: dict, rng) -> Bench:
     p = world.world
     m, n, kr = shape["m"], shape["n"], shape["k_per_rank"]
@@ -160,14 +171,7 @@ def tp_bench(world: World, op: str, shape: dict, rng) -> Bench:
                 lo = r * (m // p) if op == "gemm_rs" else 0
                 want = sum(x[lo + pick].astype(np.float64) @ w.astype(np.float64)
                            for x, w in zip(xs, ws))
-            for name, c in (("fused", fused), ("serial", serial)):
-                got = c.outputs(r)["y"][pick].astype(np.float64)
-                # bf16 partial sums past 256 round, each rank's and each add's: a tolerance
-                # scaled by the row's magnitude, not exactness (issue 36)
-                tol = 2e-2 * np.abs(want).max() + 1
-                if not (np.all(np.isfinite(got)) and np.all(np.abs(got - want) <= tol)):
-                    raise WrongResult(f"{op} {name} rank {r}: max error "
-                                      f"{np.abs(got - want).max()}")
+            check_rows(op, {"fused": fused, "serial": serial}, r, pick, want)
 
     def free() -> None:
         for c in (fused, serial):
@@ -255,12 +259,7 @@ def tp_fp8_bench(world: World, op: str, shape: dict, rng) -> Bench:
         for r in (0, p - 1):
             lo = r * rows if op == "gemm_rs_fp8" else 0
             want = sum(np.matmul(*dequantized_rows(q, lo + pick)) for q in range(p))
-            for name, c in (("fused", fused), ("serial", serial)):
-                got = c.outputs(r)["y"][pick].astype(np.float64)
-                tol = 2e-2 * np.abs(want).max() + 1  # bf16 partials and sums, as tp_bench
-                if not (np.all(np.isfinite(got)) and np.all(np.abs(got - want) <= tol)):
-                    raise WrongResult(f"{op} {name} rank {r}: max error "
-                                      f"{np.abs(got - want).max()}")
+            check_rows(op, {"fused": fused, "serial": serial}, r, pick, want)
 
     def free() -> None:
         for c in (fused, serial):
