@@ -8,7 +8,12 @@ CPU: the references (fp8_reference) and the emulator cases (pk_jax.testing.ops) 
 model; the entries traced with a stand-in for the FFI call that computes what the kernel would
 from the operands and attributes it is given (the layout: w transposed, N padded; the scales
 in order; the tile config; the slice); the errors. GPU (P = 1, the kernels' direct mode):
-exact on integers, random within a bound, every format pair, twice on poisoned outputs."""
+exact on integers, random within a bound, every format pair, twice on poisoned outputs.
+
+The public ops with fp8 operands (pk.gemm_reduce_scatter, pk.gemm_all_reduce and
+pk.all_gather_gemm, whose fp8 form gathers the fp8 rows and their scales, then runs the fp8
+GEMM): the model without kernels, their routes and gradients with stand-in kernels, their
+errors, and on a GPU over one device (tests/gpu/tp_fp8_mp.py runs them across processes)."""
 
 import itertools
 
