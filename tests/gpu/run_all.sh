@@ -269,6 +269,8 @@ section_ring() {
       PK_JAX_TIMEOUT_S=30 step launch "$n" --timeout 250 tests/gpu/sp_masked_mp.py "$layout"
     done
   done
+  # pk.ring_attention with masks as users call it (routed to the masked kernel)
+  PK_JAX_TIMEOUT_S=30 step launch 2 --timeout 250 tests/gpu/sp_masked_mp.py ring-zigzag public
   step "$PY" bench/bench_ring_attn.py --quick
 }
 
@@ -325,6 +327,8 @@ section_ulysses() {
   for n in 2 4; do
     PK_JAX_TIMEOUT_S=30 step launch "$n" --timeout 250 tests/gpu/sp_masked_mp.py ulysses
   done
+  # pk.ulysses_attention with masks as users call it (routed to the masked composed kernels)
+  PK_JAX_TIMEOUT_S=30 step launch 2 --timeout 250 tests/gpu/sp_masked_mp.py ulysses public
   step "$PY" bench/bench_ulysses_attn.py --quick
 }
 

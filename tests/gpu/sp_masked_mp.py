@@ -11,7 +11,10 @@ exercise (tests/gpu/test_emulator_ring_masks.py runs the ring's masked kernel th
   sequence's ids gathered and put in global order; its VJP the jax.lax ring's backward), in
   the contiguous or the zigzag layout.
 
-    python -m pk_jax.launch -n 2 --share-gpu tests/gpu/sp_masked_mp.py ulysses
+    python -m pk_jax.launch -n 2 --share-gpu tests/gpu/sp_masked_mp.py ulysses [public]
+
+With `public` the same cases call pk.ulysses_attention / pk.ring_attention with the masks, which
+route to the same kernels on GPUs (checked in their lowering).
 
 run_all.sh runs P = 2 and 4 (sections ulysses and ring). Every process builds the global q, k,
 v, dO and masks from one seed, runs the entry under jit(shard_map) on a 1-D mesh over all
@@ -30,6 +33,7 @@ Without a GPU the same script runs the public op with the masks (the jax.lax ref
 against the same dense reference: a check of the script itself.
 """
 
+import functools
 import os
 import sys
 import time
@@ -43,6 +47,10 @@ from attn_mp import Harness
 def main() -> None:
     what = sys.argv[1] if len(sys.argv) > 1 else "ulysses"
     assert what in ("ulysses", "ring", "ring-zigzag"), what
+    # "public": the public op with the masks (routed to the same kernels on GPUs) instead of
+    # the private entry
+    via_public = sys.argv[2:] == ["public"]
+    assert via_public or len(sys.argv) <= 2, sys.argv
     layout = "zigzag" if what == "ring-zigzag" else "contiguous"
     t = Harness("ulysses_attn" if what == "ulysses" else "ring_attn")
     jax, np, pk, P = t.jax, t.np, t.pk, t.P
@@ -81,11 +89,11 @@ def main() -> None:
                       "query_seq_lengths": a.get("q_len"),
                       "key_value_seq_lengths": a.get("kv_len")}
             if what == "ulysses":
-                if not gpu:  # the script's own check: the public op's reference
+                if via_public or not gpu:  # without a GPU: the public op's reference
                     return pk.ulysses_attention(q, k, v, "sp", **public)
                 return ulysses_attn._composed_masked(q, k, v, "sp", masks, scale, causal,
                                                      window, softcap)
-            if not gpu:
+            if via_public or not gpu:
                 return pk.ring_attention(q, k, v, "sp", layout=layout, **public)
             return ring_attn._kernel_ring_masked(q, k, v, "sp", masks, scale, causal, window,
                                                  softcap, layout=layout)
@@ -133,7 +141,7 @@ def main() -> None:
             print(f"case {seed} passed at {time.time() - t0:.1f} s", flush=True)
 
     if gpu:
-        check_lowering(t, jnp, _attention, ulysses_attn, ring_attn, what, layout)
+        check_lowering(t, jnp, _attention, ulysses_attn, ring_attn, what, layout, via_public)
     t0 = time.time()
     case(1, 2, 200, 2 * n, n, 64, "bfloat16", segments=True)
     case(2, 1, 256, 2 * n, n, 128, "bfloat16", segments=True, causal=True)
@@ -145,7 +153,8 @@ def main() -> None:
          softcap=30.0, q_len=[256 * n - 5, 200], kv_len=[256 * n, 190])
     case(8, 1, 100, 2 * n, n, 64, "float16", segments=True, softcap=5.0, kv_len=[100 * n - 30])
     count = 8
-    print(f"sp_masked_mp OK: {what}, P={n}, {'kernels' if gpu else 'reference (no GPU)'}, "
+    print(f"sp_masked_mp OK: {what}{' (public op)' if via_public else ''}, P={n}, "
+          f"{'kernels' if gpu else 'reference (no GPU)'}, "
           f"{count} cases in {time.time() - t0:.1f} s", flush=True)
 
 
@@ -166,16 +175,21 @@ def _visible(np, b, s, causal, ids, window, q_len, kv_len):
     return vis
 
 
-def check_lowering(t, jnp, _attention, ulysses_attn, ring_attn, what, layout) -> None:
-    """The lowered entry and its gradient: Ulysses calls pk_attention twice (forward and
-    backward) with masked = 1 and pk_all_to_all; the ring calls pk_ring_attn once with
-    masked = 1 (its backward is the jax.lax ring's)."""
+def check_lowering(t, jnp, _attention, ulysses_attn, ring_attn, what, layout,
+                   via_public=False) -> None:
+    """The lowered entry (or public op) and its gradient: Ulysses calls pk_attention twice
+    (forward and backward) with masked = 1 and pk_all_to_all; the ring calls pk_ring_attn once
+    with masked = 1 (its backward is the jax.lax ring's)."""
     jax, np = t.jax, t.np
     x = t.place(np.zeros((1, 128 * t.n, 2 * t.n, 64), np.float32).astype(jnp.bfloat16))
 
     def body(q, ids):
         masks = _attention.Masks(ids, ids, None, None)
-        if what == "ulysses":
+        if via_public:
+            op = t.pk.ulysses_attention if what == "ulysses" else functools.partial(
+                t.pk.ring_attention, layout=layout)
+            f = lambda q: op(q, q, q, "sp", causal=True, scale=0.125, segment_ids=ids)
+        elif what == "ulysses":
             f = lambda q: ulysses_attn._composed_masked(q, q, q, "sp", masks, 0.125, True)
         else:
             f = lambda q: ring_attn._kernel_ring_masked(q, q, q, "sp", masks, 0.125, True,
