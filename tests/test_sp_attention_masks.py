@@ -1,5 +1,5 @@
 """The masks through ring_attention's and ulysses_attention's kernels (issue 38 section 3), on a
-CPU: the private entries that the public ops do not route to yet (their GPU tests have not run).
+CPU: the entries the public ops route to at P > 1 with masks on GPUs.
 
 - `ulysses_attn._composed_masked` (pk.all_to_all to head groups, the masked pk.attention
   kernels over the whole sequence, all_to_all back), with jax.lax stand-ins for the FFI calls
@@ -17,7 +17,8 @@ CPU: the private entries that the public ops do not route to yet (their GPU test
   permuted back), the lengths and window global; the traced call's attributes and operands;
   the trace-time errors.
 
-The kernels themselves run in the GPU tests: tests/gpu/sp_masked_mp.py (composed Ulysses and the ring entry through JAX),
+The kernels themselves run in the GPU tests: tests/gpu/sp_masked_mp.py (composed Ulysses and
+the ring entry through JAX, and the public ops with `public`),
 tests/gpu/test_emulator_ring_masks.py (the ring's fused forward, in the rank emulator).
 """
 
