@@ -599,8 +599,8 @@ def global_segments(masks: _attention.Masks, axis_name: str, p: int,
     sl = masks.q_seg.shape[1]
     order = np.argsort(zigzag_indices(sl * p, p)) if zigzag else None
 
-    def gather(ids):  # pk's all_gather kernel: the masked kernels' path runs no XLA collective
-        whole = _all_gather.kernel(ids.astype(jnp.int32), axis_name, 1)
+    def gather(ids):  # pk.all_gather: its kernel wherever the ring's runs, no XLA collective
+        whole = _all_gather.all_gather(ids.astype(jnp.int32), axis_name, axis=1)
         return whole if order is None else jnp.take(whole, jnp.asarray(order, jnp.int32), axis=1)
 
     q_seg = gather(masks.q_seg)

@@ -328,8 +328,8 @@ def _gather_segments(masks: _attention.Masks, axis_name: str) -> _attention.Mask
     shards, rank order); one all-gather when the queries' and the keys' ids are one array."""
     if masks.q_seg is None:
         return masks
-    # pk's all_gather kernel: the masked kernels' path runs no XLA collective
-    gather = lambda ids: _all_gather.kernel(ids.astype(jnp.int32), axis_name, 1)
+    # pk.all_gather: its kernel where it runs (no XLA collective there), else XLA's
+    gather = lambda ids: _all_gather.all_gather(ids.astype(jnp.int32), axis_name, axis=1)
     q_seg = gather(masks.q_seg)
     k_seg = q_seg if masks.k_seg is masks.q_seg else gather(masks.k_seg)
     return masks._replace(q_seg=q_seg, k_seg=k_seg)
