@@ -1,5 +1,6 @@
-"""What tests/gpu/ring_mp.py and tests/gpu/ulysses_mp.py share: one process of P on a 1-D
-mesh over all processes (axis "sp"), the sequence-sharded placement of inputs built alike on
+"""What tests/gpu/ring_mp.py and tests/gpu/ulysses_mp.py share (and, for its mesh and
+placement, tests/gpu/tp_fp8_mp.py): one process of P on a 1-D mesh over all processes (axis
+"sp" unless named), the sequence-sharded placement of inputs built alike on
 every process, and the forward check (every rank's inputs from one seed, the op under
 jit(shard_map), this process's shard against the float32 numpy reference; twice in a row, a
 pk.all_reduce reusing the workspace in between, a straggler), and the gradient check (jax.vjp
@@ -14,7 +15,7 @@ import time
 class Harness:
     """pk.init on a mesh over all processes (pk_jax.launch), and the forward check."""
 
-    def __init__(self, target: str):
+    def __init__(self, target: str, axis: str = "sp"):
         import pk_jax.launch
 
         pk_jax.launch.initialize()
@@ -28,15 +29,16 @@ class Harness:
         self.jax, self.np, self.pk = jax, np, pk
         self.NamedSharding, self.P = NamedSharding, P
         self.me, self.n = jax.process_index(), jax.process_count()
-        self.mesh = jax.make_mesh((self.n,), ("sp",))
+        self.mesh = jax.make_mesh((self.n,), (axis,))
         pk.init(self.mesh)
-        print(f"backend {target}={pk.backend_name(target, 'sp')}", flush=True)
-        self.seq = P(None, "sp")
+        print(f"backend {target}={pk.backend_name(target, axis)}", flush=True)
+        self.seq = P(None, axis)
 
-    def place(self, glob):
-        """The global [B, S, H, D] array, sharded along S over the processes."""
+    def place(self, glob, spec=None):
+        """The global array laid out by `spec` over the processes (default: [B, S, H, D]
+        sharded along S)."""
         return self.jax.make_array_from_callback(
-            glob.shape, self.NamedSharding(self.mesh, self.seq), lambda idx: glob[idx])
+            glob.shape, self.NamedSharding(self.mesh, spec or self.seq), lambda idx: glob[idx])
 
     def local(self, y):
         """This process's shard of y, as numpy."""

@@ -20,36 +20,24 @@ On a machine without a GPU the same script runs on CPU processes, where the ops 
 their references: a check of the script itself.
 """
 
+import os
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from attn_mp import Harness
 
 
 def main() -> None:
-    import pk_jax.launch
-
-    pk_jax.launch.initialize()
-    import jax
+    t = Harness("gemm_rs", axis="x")
+    jax, np, pk, P = t.jax, t.np, t.pk, t.P
     import ml_dtypes
-    import numpy as np
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
-    import pk_jax as pk
     from pk_jax import cost_model
 
-    me, n = jax.process_index(), jax.process_count()
-    mesh = jax.make_mesh((n,), ("x",))
-    pk.init(mesh)
+    me, n, mesh = t.me, t.n, t.mesh
     e4m3, e5m2 = jax.numpy.float8_e4m3fn, jax.numpy.float8_e5m2
     bf16 = ml_dtypes.bfloat16
-
-    def place(glob: np.ndarray, spec):
-        return jax.make_array_from_callback(glob.shape, NamedSharding(mesh, spec),
-                                            lambda idx: glob[idx])
-
-    def local(y) -> np.ndarray:
-        shards = y.addressable_shards
-        assert len(shards) == 1
-        return np.asarray(shards[0].data, dtype=np.float64)
 
     def inputs(rng, rows: int, k: int, cols: int, fx, fw, blockwise: bool, tied: bool):
         """Every rank's x [rows, k], w [k, cols] and scales. tied (gemm_rs / gemm_ar): each
@@ -108,8 +96,8 @@ def main() -> None:
             f = jax.jit(jax.shard_map(body, mesh=mesh,
                                       in_specs=(x_spec, w_spec, sx_spec, sw_spec),
                                       out_specs=out_spec))
-            args = [place(x, x_spec), place(w, w_spec), place(gsx, sx_spec),
-                    place(gsw, sw_spec)]
+            args = [t.place(x, x_spec), t.place(w, w_spec), t.place(gsx, sx_spec),
+                    t.place(gsw, sw_spec)]
             return f(*args)
 
     def model(op: str, xs, ws, sx, sw) -> np.ndarray:
@@ -134,7 +122,7 @@ def main() -> None:
         for call in range(2):  # a second call with new inputs finds the first one's epoch
             xs, ws, sx, sw = inputs(rng, rows, k, cols, fx, fw, blockwise,
                                     tied=op != "all_gather_gemm")
-            got = local(run(op, xs, ws, sx, sw, mode))
+            got = t.local(run(op, xs, ws, sx, sw, mode)).astype(np.float64)
             want = model(op, xs, ws, sx, sw)
             what = (f"{op} {'block' if blockwise else 'tensor'} mode={mode} rows={rows} k={k} "
                     f"cols={cols} call {call}")
