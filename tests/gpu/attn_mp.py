@@ -38,7 +38,8 @@ class Harness:
         """The global array laid out by `spec` over the processes (default: [B, S, H, D]
         sharded along S)."""
         return self.jax.make_array_from_callback(
-            glob.shape, self.NamedSharding(self.mesh, spec or self.seq), lambda idx: glob[idx])
+            glob.shape, self.NamedSharding(self.mesh, self.seq if spec is None else spec),
+            lambda idx: glob[idx])
 
     def local(self, y):
         """This process's shard of y, as numpy."""

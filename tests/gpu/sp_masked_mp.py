@@ -119,8 +119,7 @@ def main() -> None:
         dead_keys = ~vis.any(1)[:, rows]   # keys no row sees
         placed = [t.place(x[:, idx]) for x in glob]
         laid = {k: (x[:, idx] if k == "ids" else x) for k, x in arrays.items()}
-        mesh_arrays = {k: jax.make_array_from_callback(
-            x.shape, t.NamedSharding(t.mesh, specs[k]), x.__getitem__) for k, x in laid.items()}
+        mesh_arrays = {k: t.place(x, specs[k]) for k, x in laid.items()}
         where = (f"rank {t.me}: {what} b={b} S/P={sl} h={h} hkv={hkv} d={d} {dtype} causal={causal} "
                 f"segments={segments} window={window} softcap={softcap} q_len={q_len} "
                 f"kv_len={kv_len}")
@@ -197,8 +196,7 @@ def check_lowering(t, jnp, _attention, ulysses_attn, ring_attn, what, layout,
         o, pull = jax.vjp(f, q)
         return o, pull(o)[0]
 
-    ids = jax.make_array_from_callback((1, 128 * t.n), t.NamedSharding(t.mesh, t.seq),
-                                       np.zeros((1, 128 * t.n), np.int32).__getitem__)
+    ids = t.place(np.zeros((1, 128 * t.n), np.int32))
     text = jax.jit(jax.shard_map(body, mesh=t.mesh, in_specs=(t.seq, t.seq),
                                  out_specs=(t.seq, t.seq))).lower(x, ids).as_text()
     target, want = ("pk_attention", 2) if what == "ulysses" else ("pk_ring_attn", 1)
