@@ -7,8 +7,9 @@ is nothing to overlap.
 For each shape and scaling: a correctness check first (each op against the float32 product of
 the dequantized operands on the device, relative max error within pk_jax.fp8.error_bound),
 then the median time of >= 20 batches of back-to-back calls (rotating over 3 input sets), the
-variants interleaved (common.time_us_interleaved). One line per op and shape ending in "x vs pk matmul_fp8", the
-geometric mean against the issue's target at the end (issue 40, section 4: >= 0.92).
+variants interleaved (common.time_us_interleaved). One line per op and shape ending in "x vs
+pk matmul_fp8", the geometric mean against the issue's target at the end (issue 40, section
+4: >= 0.92).
 
 Rows go to bench/results/gemm_rs_fp8.jsonl and gemm_ar_fp8.jsonl with "dtype"
 (float8_e4m3fn), "scaling" ("tensor" or "block"), "baseline", "ratio" = baseline time / ours.
