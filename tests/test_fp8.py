@@ -195,24 +195,28 @@ def test_fp8_matmul_routes_to_the_kernel_with_the_references_gradient(monkeypatc
 
 
 @pytest.mark.parametrize("kind,p,scaling", [("rs", 2, "tensor"), ("ar", 4, "block"),
-                                             ("rs", 1, "block")])
+                                             ("rs", 1, "block"), ("ag", 2, "tensor"),
+                                             ("ag", 4, "block")])
 def test_fp8_tp_recipe_forward_is_the_fp8_op_and_backward_the_bf16_ops(kind, p, scaling):
-    """nn.fp8_gemm_reduce_scatter / fp8_gemm_all_reduce: the forward equals the public op's fp8
-    form on the shards quantized by current scaling, bit for bit; the gradients equal the
-    bf16 op's on the unquantized shards, bit for bit."""
+    """nn.fp8_gemm_reduce_scatter / fp8_gemm_all_reduce / fp8_all_gather_gemm: the forward
+    equals the public op's fp8 form on the shards quantized by current scaling, bit for bit;
+    the gradients equal the bf16 op's on the unquantized shards, bit for bit."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
     from util import cpu_mesh
 
     mesh = cpu_mesh((p,), ("tp",))
     pk.init(mesh)
-    m, k, n = 8 * p, 128 * p, 24
+    m, k, n = (8 * p, 128, 24 * p) if kind == "ag" else (8 * p, 128 * p, 24)
     x = _rand(60, (m, k)).astype(jnp.bfloat16)
     w = _rand(61, (k, n), 0.05).astype(jnp.bfloat16)
-    recipe = nn.fp8_gemm_reduce_scatter if kind == "rs" else nn.fp8_gemm_all_reduce
-    public = pk.gemm_reduce_scatter if kind == "rs" else pk.gemm_all_reduce
-    out = P("tp", None) if kind == "rs" else P()
-    specs = (P(None, "tp"), P("tp", None))
+    recipe = {"rs": nn.fp8_gemm_reduce_scatter, "ar": nn.fp8_gemm_all_reduce,
+              "ag": nn.fp8_all_gather_gemm}[kind]
+    public = {"rs": pk.gemm_reduce_scatter, "ar": pk.gemm_all_reduce,
+              "ag": pk.all_gather_gemm}[kind]
+    out = {"rs": P("tp", None), "ar": P(), "ag": P(None, "tp")}[kind]
+    # ag: x's rows and w's columns split (the sequence-parallel column layer's shards)
+    specs = (P("tp", None), P(None, "tp")) if kind == "ag" else (P(None, "tp"), P("tp", None))
 
     def on_mesh(body):
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out))

@@ -83,7 +83,12 @@ import numpy as np
 
 import pk_jax as pk
 from pk_jax import _checks
-from pk_jax.nn._fp8 import fp8_gemm_all_reduce, fp8_gemm_reduce_scatter, fp8_matmul
+from pk_jax.nn._fp8 import (
+    fp8_all_gather_gemm,
+    fp8_gemm_all_reduce,
+    fp8_gemm_reduce_scatter,
+    fp8_matmul,
+)
 from pk_jax.runtime import state
 
 DEFAULT_AXIS = "tp"
@@ -224,8 +229,8 @@ def column_parallel_linear(x: jax.Array, w: jax.Array, b: jax.Array | None, *, a
         dtype: the compute dtype (bf16 or fp16).
         fp8: None, or "tensor" / "block": the GEMM by the fp8 recipe (`fp8_matmul`: fp8
             forward with current scaling, dgrad and wgrad in `dtype`); with sequence_parallel
-            the rows are all-gathered in `dtype` first (`pk.all_gather`) and the GEMM is not
-            fused with the gather (K a multiple of 16).
+            `fp8_all_gather_gemm` (the rows gathered in fp8 with their scales, then the fp8
+            GEMM; the backward gathers them again in `dtype`). K a multiple of 16.
 
     Returns:
         plain: [..., N/P]; sequence-parallel: [S, ..., N/P] (the first dimension gathered).
@@ -237,7 +242,7 @@ def column_parallel_linear(x: jax.Array, w: jax.Array, b: jax.Array | None, *, a
         if fp8 is None:
             y = pk.all_gather_gemm(x2, w, axis_name)
         else:
-            y = fp8_matmul(pk.all_gather(x2, axis_name), w, scaling=fp8)
+            y = fp8_all_gather_gemm(x2, w, axis_name, scaling=fp8)
         y = y.reshape(p * lead[0], *lead[1:], y.shape[-1])
     elif fp8 is None:
         y = pk.matmul(x2, w).reshape(*lead, w.shape[-1])
@@ -304,5 +309,5 @@ def reference_mlp(x: jax.Array, w1: jax.Array, b1: jax.Array | None, w2: jax.Arr
     return dense(activation(dense(x, w1, b1)), w2, b2)
 
 
-__all__ = ["DEFAULT_AXIS", "column_parallel_linear", "fp8_gemm_all_reduce",
+__all__ = ["DEFAULT_AXIS", "column_parallel_linear", "fp8_all_gather_gemm", "fp8_gemm_all_reduce",
            "fp8_gemm_reduce_scatter", "fp8_matmul", "reference_mlp", "row_parallel_linear"]

@@ -1,6 +1,7 @@
 """The fp8 training recipe: current scaling, fp8 forward, bf16 backward, for a local GEMM
-(`fp8_matmul`) and the row-parallel TP GEMMs (`fp8_gemm_reduce_scatter`,
-`fp8_gemm_all_reduce`: each device quantizes its own shards)."""
+(`fp8_matmul`), the row-parallel TP GEMMs (`fp8_gemm_reduce_scatter`, `fp8_gemm_all_reduce`)
+and the sequence-parallel column GEMM (`fp8_all_gather_gemm`); each device quantizes its own
+shards."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import jax
 import jax.numpy as jnp
 
 from pk_jax import fp8
-from pk_jax.ops import _vjp, gemm_ar, gemm_rs
+from pk_jax.ops import _vjp, ag_gemm, gemm_ar, gemm_rs
+from pk_jax.ops import all_gather as _all_gather
 from pk_jax.ops import matmul as _mm
 
 
@@ -112,6 +114,39 @@ def fp8_gemm_all_reduce(x: jax.Array, w: jax.Array, axis_name: str, *,
     """
     _check("fp8_gemm_all_reduce", x, w, scaling)
     return _fp8_tp(x, w, axis_name, scaling, gemm_ar.gemm_all_reduce, gemm_ar._gemm_ar_bwd)
+
+
+def fp8_all_gather_gemm(x: jax.Array, w: jax.Array, axis_name: str, *,
+                        scaling: str = "tensor") -> jax.Array:
+    """`pk.all_gather_gemm(x, w, axis_name)` for training in fp8 (call inside shard_map): the
+    forward quantizes this device's row shard x [M/P, K] and w [K, N] (current scaling, as
+    `fp8_matmul`) and runs all_gather_gemm's fp8 form, so the gathered rows and their scales
+    move as fp8 (half the bytes of a bf16 gather). The backward is the 16-bit op's on the
+    unquantized operands in `x`'s dtype (dgrad a GEMM + reduce-scatter, wgrad the gathered x^T
+    times dy); it gathers x again in that dtype (`pk.all_gather`) rather than keep the gathered
+    rows from the forward, so only the shard is saved.
+
+    Args:
+        x: [M/P, K], bf16 or fp16, K a multiple of 16.
+        w: [K, N], `x`'s dtype.
+        axis_name: the tensor-parallel mesh axis.
+        scaling: "tensor" or "block".
+
+    Returns:
+        [M, N] in `x`'s dtype.
+
+    Raises:
+        ValueError, TypeError: as `pk_jax.fp8.quantize` and `pk.all_gather_gemm` raise them, or
+            `w` of another dtype than `x`.
+    """
+    _check("fp8_all_gather_gemm", x, w, scaling)
+    return _fp8_tp(x, w, axis_name, scaling, ag_gemm.all_gather_gemm, _ag_gemm_backward)
+
+
+def _ag_gemm_backward(axis_name, res, dy):
+    x, w = res
+    x_full = _all_gather.all_gather(x, axis_name)
+    return ag_gemm._ag_gemm_bwd(axis_name, (x, x_full, w), dy)
 
 
 # op: the public TP op (its fp8 form runs the forward); backward: its 16-bit custom VJP's
