@@ -18,7 +18,7 @@ Weights are stored `[in, out]` (the pk_jax GEMM layout), not Equinox's `[out, in
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +35,51 @@ default_kernel_init = jax.nn.initializers.lecun_normal()
 default_bias_init = jax.nn.initializers.zeros
 
 
-class ColumnParallelLinear(eqx.Module):
+class _ParallelLinear(eqx.Module):
+    """What ColumnParallelLinear and RowParallelLinear share: their fields, checks and call;
+    `_COLUMN` says which dimension of the weight is split over `axis_name`."""
+
+    _COLUMN: ClassVar[bool]
+    weight: jax.Array
+    bias: jax.Array | None
+    in_features: int = eqx.field(static=True)
+    out_features: int = eqx.field(static=True)
+    axis_name: str = eqx.field(static=True)
+    sequence_parallel: bool = eqx.field(static=True)
+    dtype: Any = eqx.field(static=True)
+    fp8: str | None = eqx.field(static=True)
+
+    def __init__(self, in_features: int, out_features: int, *, key: jax.Array,
+                 axis_name: str = _nn.DEFAULT_AXIS, sequence_parallel: bool = False,
+                 use_bias: bool = True, dtype: Any = jnp.bfloat16, fp8: str | None = None,
+                 param_dtype: Any = jnp.float32, kernel_init: Initializer = default_kernel_init,
+                 bias_init: Initializer = default_bias_init):
+        name = f"equinox.{type(self).__name__}"
+        wkey, bkey = jax.random.split(key)
+        self.in_features, self.out_features = in_features, out_features
+        self.axis_name, self.sequence_parallel = axis_name, sequence_parallel
+        _nn.check_linear(name, in_features, out_features, axis_name, column=self._COLUMN)
+        self.dtype = _nn.check_dtype(name, dtype)
+        self.fp8 = _nn.check_fp8(name, fp8)
+        self.weight = kernel_init(wkey, (in_features, out_features), param_dtype)
+        self.bias = bias_init(bkey, (out_features,), param_dtype) if use_bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        _nn.check_local_shape(type(self).__name__, "weight", self.weight,
+                              (self.in_features, self.out_features), int(self._COLUMN),
+                              self.axis_name)
+        linear = _nn.column_parallel_linear if self._COLUMN else _nn.row_parallel_linear
+        return linear(x, self.weight, self.bias, axis_name=self.axis_name,
+                      sequence_parallel=self.sequence_parallel, dtype=self.dtype, fp8=self.fp8)
+
+    def partition_spec(self) -> _ParallelLinear:
+        """This layer with a PartitionSpec in place of each array."""
+        if self._COLUMN:
+            return _with_specs(self, P(None, self.axis_name), P(self.axis_name))
+        return _with_specs(self, P(self.axis_name, None), P(None))
+
+
+class ColumnParallelLinear(_ParallelLinear):
     """`y = x @ weight + bias` with `weight: [in, out]` split by columns over `axis_name`.
 
     Inside shard_map each device holds `weight: [in, out/P]` and `bias: [out/P]` and returns its
@@ -58,43 +102,10 @@ class ColumnParallelLinear(eqx.Module):
         bias_init: initialiser `(key, shape, dtype) -> array` of the FULL bias.
     """
 
-    weight: jax.Array
-    bias: jax.Array | None
-    in_features: int = eqx.field(static=True)
-    out_features: int = eqx.field(static=True)
-    axis_name: str = eqx.field(static=True)
-    sequence_parallel: bool = eqx.field(static=True)
-    dtype: Any = eqx.field(static=True)
-    fp8: str | None = eqx.field(static=True)
-
-    def __init__(self, in_features: int, out_features: int, *, key: jax.Array,
-                 axis_name: str = _nn.DEFAULT_AXIS, sequence_parallel: bool = False,
-                 use_bias: bool = True, dtype: Any = jnp.bfloat16, fp8: str | None = None,
-                 param_dtype: Any = jnp.float32, kernel_init: Initializer = default_kernel_init,
-                 bias_init: Initializer = default_bias_init):
-        wkey, bkey = jax.random.split(key)
-        self.in_features, self.out_features = in_features, out_features
-        self.axis_name, self.sequence_parallel = axis_name, sequence_parallel
-        _nn.check_linear("equinox.ColumnParallelLinear", in_features, out_features, axis_name,
-                         column=True)
-        self.dtype = _nn.check_dtype("equinox.ColumnParallelLinear", dtype)
-        self.fp8 = _nn.check_fp8("equinox.ColumnParallelLinear", fp8)
-        self.weight = kernel_init(wkey, (in_features, out_features), param_dtype)
-        self.bias = bias_init(bkey, (out_features,), param_dtype) if use_bias else None
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        _nn.check_local_shape("ColumnParallelLinear", "weight", self.weight,
-                              (self.in_features, self.out_features), 1, self.axis_name)
-        return _nn.column_parallel_linear(x, self.weight, self.bias, axis_name=self.axis_name,
-                                          sequence_parallel=self.sequence_parallel,
-                                          dtype=self.dtype, fp8=self.fp8)
-
-    def partition_spec(self) -> ColumnParallelLinear:
-        """This layer with a PartitionSpec in place of each array."""
-        return _with_specs(self, P(None, self.axis_name), P(self.axis_name))
+    _COLUMN = True
 
 
-class RowParallelLinear(eqx.Module):
+class RowParallelLinear(_ParallelLinear):
     """`y = h @ weight + bias` with `weight: [in, out]` split by rows over `axis_name`.
 
     Inside shard_map each device holds `weight: [in/P, out]` and the whole `bias: [out]`, takes
@@ -109,40 +120,7 @@ class RowParallelLinear(eqx.Module):
     The other arguments are those of `ColumnParallelLinear`.
     """
 
-    weight: jax.Array
-    bias: jax.Array | None
-    in_features: int = eqx.field(static=True)
-    out_features: int = eqx.field(static=True)
-    axis_name: str = eqx.field(static=True)
-    sequence_parallel: bool = eqx.field(static=True)
-    dtype: Any = eqx.field(static=True)
-    fp8: str | None = eqx.field(static=True)
-
-    def __init__(self, in_features: int, out_features: int, *, key: jax.Array,
-                 axis_name: str = _nn.DEFAULT_AXIS, sequence_parallel: bool = False,
-                 use_bias: bool = True, dtype: Any = jnp.bfloat16, fp8: str | None = None,
-                 param_dtype: Any = jnp.float32, kernel_init: Initializer = default_kernel_init,
-                 bias_init: Initializer = default_bias_init):
-        wkey, bkey = jax.random.split(key)
-        self.in_features, self.out_features = in_features, out_features
-        self.axis_name, self.sequence_parallel = axis_name, sequence_parallel
-        _nn.check_linear("equinox.RowParallelLinear", in_features, out_features, axis_name,
-                         column=False)
-        self.dtype = _nn.check_dtype("equinox.RowParallelLinear", dtype)
-        self.fp8 = _nn.check_fp8("equinox.RowParallelLinear", fp8)
-        self.weight = kernel_init(wkey, (in_features, out_features), param_dtype)
-        self.bias = bias_init(bkey, (out_features,), param_dtype) if use_bias else None
-
-    def __call__(self, h: jax.Array) -> jax.Array:
-        _nn.check_local_shape("RowParallelLinear", "weight", self.weight,
-                              (self.in_features, self.out_features), 0, self.axis_name)
-        return _nn.row_parallel_linear(h, self.weight, self.bias, axis_name=self.axis_name,
-                                       sequence_parallel=self.sequence_parallel,
-                                       dtype=self.dtype, fp8=self.fp8)
-
-    def partition_spec(self) -> RowParallelLinear:
-        """This layer with a PartitionSpec in place of each array."""
-        return _with_specs(self, P(self.axis_name, None), P(None))
+    _COLUMN = False
 
 
 class ParallelMLP(eqx.Module):

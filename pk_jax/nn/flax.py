@@ -35,7 +35,43 @@ def _param(value: jax.Array, sharding: tuple) -> nnx.Param:
     return nnx.Param(value, out_sharding=sharding, eager_sharding=eager)
 
 
-class ColumnParallelLinear(nnx.Module):
+class _ParallelLinear(nnx.Module):
+    """What ColumnParallelLinear and RowParallelLinear share: their arguments, checks and
+    call; `_COLUMN` says which dimension of the weight is split over `axis_name`."""
+
+    _COLUMN: bool
+
+    def __init__(self, in_features: int, out_features: int, *, axis_name: str = _nn.DEFAULT_AXIS,
+                 sequence_parallel: bool = False, use_bias: bool = True,
+                 dtype: Any = jnp.bfloat16, fp8: str | None = None,
+                 param_dtype: Any = jnp.float32,
+                 kernel_init: Initializer = default_kernel_init,
+                 bias_init: Initializer = default_bias_init, rngs: nnx.Rngs):
+        name = f"flax.{type(self).__name__}"
+        self.in_features, self.out_features = in_features, out_features
+        self.axis_name, self.sequence_parallel = axis_name, sequence_parallel
+        _nn.check_linear(name, in_features, out_features, axis_name, column=self._COLUMN)
+        self.dtype = _nn.check_dtype(name, dtype)
+        self.fp8 = _nn.check_fp8(name, fp8)
+        kernel_spec, bias_spec = (((None, axis_name), (axis_name,)) if self._COLUMN
+                                  else ((axis_name, None), (None,)))
+        self.kernel = _param(kernel_init(rngs.params(), (in_features, out_features),
+                                         param_dtype), kernel_spec)
+        self.bias = (_param(bias_init(rngs.params(), (out_features,), param_dtype), bias_spec)
+                     if use_bias else None)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        w = self.kernel[...]
+        _nn.check_local_shape(type(self).__name__, "kernel", w,
+                              (self.in_features, self.out_features), int(self._COLUMN),
+                              self.axis_name)
+        b = None if self.bias is None else self.bias[...]
+        linear = _nn.column_parallel_linear if self._COLUMN else _nn.row_parallel_linear
+        return linear(x, w, b, axis_name=self.axis_name,
+                      sequence_parallel=self.sequence_parallel, dtype=self.dtype, fp8=self.fp8)
+
+
+class ColumnParallelLinear(_ParallelLinear):
     """`y = x @ w + b` with `w: [in, out]` split by columns over `axis_name`.
 
     Inside shard_map each device holds `kernel: [in, out/P]` and `bias: [out/P]` and returns its
@@ -59,34 +95,10 @@ class ColumnParallelLinear(nnx.Module):
         rngs: the nnx.Rngs whose `params` stream initialises the weights.
     """
 
-    def __init__(self, in_features: int, out_features: int, *, axis_name: str = _nn.DEFAULT_AXIS,
-                 sequence_parallel: bool = False, use_bias: bool = True,
-                 dtype: Any = jnp.bfloat16, fp8: str | None = None,
-                 param_dtype: Any = jnp.float32,
-                 kernel_init: Initializer = default_kernel_init,
-                 bias_init: Initializer = default_bias_init, rngs: nnx.Rngs):
-        self.in_features, self.out_features = in_features, out_features
-        self.axis_name, self.sequence_parallel = axis_name, sequence_parallel
-        _nn.check_linear("flax.ColumnParallelLinear", in_features, out_features, axis_name,
-                         column=True)
-        self.dtype = _nn.check_dtype("flax.ColumnParallelLinear", dtype)
-        self.fp8 = _nn.check_fp8("flax.ColumnParallelLinear", fp8)
-        self.kernel = _param(kernel_init(rngs.params(), (in_features, out_features),
-                                         param_dtype), (None, axis_name))
-        self.bias = (_param(bias_init(rngs.params(), (out_features,), param_dtype),
-                            (axis_name,)) if use_bias else None)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        w = self.kernel[...]
-        _nn.check_local_shape("ColumnParallelLinear", "kernel", w,
-                              (self.in_features, self.out_features), 1, self.axis_name)
-        b = None if self.bias is None else self.bias[...]
-        return _nn.column_parallel_linear(x, w, b, axis_name=self.axis_name,
-                                          sequence_parallel=self.sequence_parallel,
-                                          dtype=self.dtype, fp8=self.fp8)
+    _COLUMN = True
 
 
-class RowParallelLinear(nnx.Module):
+class RowParallelLinear(_ParallelLinear):
     """`y = h @ w + b` with `w: [in, out]` split by rows over `axis_name`.
 
     Inside shard_map each device holds `kernel: [in/P, out]` and the whole `bias: [out]`, takes
@@ -101,31 +113,7 @@ class RowParallelLinear(nnx.Module):
     The other arguments are those of `ColumnParallelLinear`.
     """
 
-    def __init__(self, in_features: int, out_features: int, *, axis_name: str = _nn.DEFAULT_AXIS,
-                 sequence_parallel: bool = False, use_bias: bool = True,
-                 dtype: Any = jnp.bfloat16, fp8: str | None = None,
-                 param_dtype: Any = jnp.float32,
-                 kernel_init: Initializer = default_kernel_init,
-                 bias_init: Initializer = default_bias_init, rngs: nnx.Rngs):
-        self.in_features, self.out_features = in_features, out_features
-        self.axis_name, self.sequence_parallel = axis_name, sequence_parallel
-        _nn.check_linear("flax.RowParallelLinear", in_features, out_features, axis_name,
-                         column=False)
-        self.dtype = _nn.check_dtype("flax.RowParallelLinear", dtype)
-        self.fp8 = _nn.check_fp8("flax.RowParallelLinear", fp8)
-        self.kernel = _param(kernel_init(rngs.params(), (in_features, out_features),
-                                         param_dtype), (axis_name, None))
-        self.bias = (_param(bias_init(rngs.params(), (out_features,), param_dtype),
-                            (None,)) if use_bias else None)
-
-    def __call__(self, h: jax.Array) -> jax.Array:
-        w = self.kernel[...]
-        _nn.check_local_shape("RowParallelLinear", "kernel", w,
-                              (self.in_features, self.out_features), 0, self.axis_name)
-        b = None if self.bias is None else self.bias[...]
-        return _nn.row_parallel_linear(h, w, b, axis_name=self.axis_name,
-                                       sequence_parallel=self.sequence_parallel,
-                                       dtype=self.dtype, fp8=self.fp8)
+    _COLUMN = False
 
 
 class ParallelMLP(nnx.Module):
