@@ -15,6 +15,8 @@ calls (rotating over 3 input sets), every variant timed in turn (common.time_us_
   bf16            pk.grouped_matmul on the bf16 data the fp8 operands came from   target >= 1.6
   dense           our fp8 matmul of [M, K] x [K, N] (per tensor; blockwise its blockwise)
                                                                                  target >= 0.9
+  dense_nk        the same with w given as [N, K] (no transpose in XLA): ours_enk's baseline,
+                  both in the layout the kernels read (ours_enk also against bf16)
   block vs tensor ours blockwise against ours per tensor                         target >= 0.9
 
 Rows go to bench/results/grouped_matmul_fp8.jsonl with "dtype" (float8_e4m3fn), "scaling"
@@ -84,6 +86,8 @@ def main() -> int:
                                                              w_layout="enk"))
     bf16 = jax.jit(pk.grouped_matmul)
     dense = jax.jit(lambda x, w, a, b: mm._fp8_kernel(x, w, a, b, jnp.bfloat16))
+    dense_nk = jax.jit(lambda x, wt, a, b: mm._fp8_kernel(x, wt, a, b, jnp.bfloat16,
+                                                          w_layout="nk"))
 
     ratios: dict[str, list[float]] = {}
 
@@ -113,6 +117,7 @@ def main() -> int:
                                             for s in sets]),
                     "bf16": (bf16, [(s[4], s[5], gs) for s in sets]),
                     "dense": (dense, [(s[0], s[6], s[2], s[7]) for s in sets]),
+                    "dense_nk": (dense_nk, [(s[0], s[6].T, s[2], s[7]) for s in sets]),
                 }
                 fns = {k_: (fn, jax.block_until_ready(a)) for k_, (fn, a) in fns.items()}
                 measured = common.time_us_interleaved(
@@ -129,6 +134,11 @@ def main() -> int:
                 row(shape, scaling, f"{scaling}_enk_vs_ekn", t["ours_enk"],
                     "pk grouped_matmul_fp8, w [E, K, N] (transposed in XLA)", t["ours"], flop,
                     **{**extra, "w_layout": "enk"})
+                row(shape, scaling, f"{scaling}_enk_vs_bf16", t["ours_enk"],
+                    "pk.grouped_matmul bf16", t["bf16"], flop, **{**extra, "w_layout": "enk"})
+                row(shape, scaling, f"{scaling}_enk_vs_dense_nk", t["ours_enk"],
+                    f"pk matmul_fp8 dense [M, K] x [K, N] given as [N, K], {scaling}",
+                    t["dense_nk"], flop, **{**extra, "w_layout": "enk"})
                 if scaling == "tensor":
                     per_tensor[dist] = t["ours"]
                 else:
