@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
 from util import (
     MATMUL_DTYPES,
     WORLD_SIZES,
@@ -18,6 +17,7 @@ from util import (
     check_grads_sharded,
     cpu_mesh,
     gpu_mesh,
+    grads_match_from_outside_shard_map,
     poison,
     product,
     rand,
@@ -169,19 +169,8 @@ def test_vjp_matches_jax_ad_of_reference_large(kind, dtype, check_vma, explicit)
 
 @pytest.mark.parametrize("check_vma", (True, False))
 def test_grad_from_outside_shard_map(check_vma):
-    # jax.grad of a global loss: the shard_map's transpose traces the custom VJP.
-    mesh, in_specs, out_spec = _vjp_case("w_invariant")[:3]
-    xs, ws = _vjp_case("w_invariant")[3:5]
-    x, w = rand(KEYS[0], xs, jnp.float32), rand(KEYS[1], ws, jnp.float32)
-    pk.init(mesh)
-    x, w = (jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, w), in_specs))
-    grads = []
-    for fn in (gemm_ar._gemm_ar, gemm_ar.reference):
-        g = jax.shard_map(lambda a, b, fn=fn: fn(a, b, "tp"), mesh=mesh, in_specs=in_specs,
-                          out_specs=out_spec, check_vma=check_vma)
-        grads.append(jax.jit(jax.grad(lambda a, b, g=g: jnp.sum(jnp.sin(g(a, b))), (0, 1)))(x, w))
-    for a, b in zip(*grads):
-        assert_same(a, b)
+    grads_match_from_outside_shard_map(gemm_ar._gemm_ar, gemm_ar.reference,
+                                       _vjp_case("w_invariant"), KEYS, check_vma=check_vma)
 
 
 @pytest.mark.parametrize("kind", ("2d_w_replicated_over_dp",))

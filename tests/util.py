@@ -209,6 +209,23 @@ def check_grads_sharded(fn, mesh, in_specs, out_spec, args, *, check_vma: bool =
     check_grads(f, args, order=1, modes=["rev"], atol=1e-2, rtol=1e-2)
 
 
+def grads_match_from_outside_shard_map(op, reference, case, keys, *, check_vma: bool):
+    """jax.grad of a global loss through jit(shard_map(op)), whose transpose traces op's custom
+    VJP, equals the same through `reference` bit for bit. case: (mesh, in_specs, out_spec, x
+    shape, w shape, ...) of a TP GEMM over axis "tp"; keys: two PRNG keys for x and w."""
+    mesh, in_specs, out_spec, xs, ws = case[:5]
+    x, w = rand(keys[0], xs, jnp.float32), rand(keys[1], ws, jnp.float32)
+    pk.init(mesh)
+    x, w = (jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, w), in_specs))
+    grads = []
+    for fn in (op, reference):
+        g = jax.shard_map(lambda a, b, fn=fn: fn(a, b, "tp"), mesh=mesh, in_specs=in_specs,
+                          out_specs=out_spec, check_vma=check_vma)
+        grads.append(jax.jit(jax.grad(lambda a, b, g=g: jnp.sum(jnp.sin(g(a, b))), (0, 1)))(x, w))
+    for a, b in zip(*grads):
+        assert_same(a, b)
+
+
 def assert_error_within_xla(actual, xla_same_dtype, exact, *, atol: float = 1e-3):
     """The project's tolerance: max |actual - exact| <= 2 * max |xla - exact| + atol, where `xla` is
     XLA's own computation in the same dtype and `exact` a float64/float32 result."""
