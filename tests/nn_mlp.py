@@ -50,10 +50,15 @@ def setup(fw, p, sp, dtype=jnp.bfloat16, *, mesh=None, x_spec=None, fp8=None):
     return full, params, apply, place
 
 
-def assert_rel_close(actual, expected, dtype, what):
+def rel_error(actual, expected) -> tuple[float, float]:
+    """(max |actual - expected| / max |expected|, max |expected|), in float32."""
     actual, expected = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
     scale = float(np.max(np.abs(expected))) or 1.0
-    err = float(np.max(np.abs(actual - expected))) / scale
+    return float(np.max(np.abs(actual - expected))) / scale, scale
+
+
+def assert_rel_close(actual, expected, dtype, what):
+    err, scale = rel_error(actual, expected)
     assert err <= REL_TOL[jnp.dtype(dtype)], f"{what}: max error {err:.3g} of max |ref| {scale:.3g}"
 
 
