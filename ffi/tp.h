@@ -107,22 +107,6 @@ inline Status StartEpoch(cudaStream_t stream, const pk::tp::comm& c) {
   return CudaStatus(cudaGetLastError(), "the epoch kernel");
 }
 
-// gemm_ar's gather under the GEMM (cuda/kernels/gemm_ar.cuh) at P > 1: each owner's tile rows
-// in up to kBands bands. Sets *ga and the count of band counters the enter kernel zeroes.
-inline void Gather(const pk::tp::comm& c, void* y, int64_t m, int tiles_per_owner,
-                   pk::tp::gather_args* ga, uint64_t* done_slots) {
-  constexpr int kBands = 8;
-  static_assert(kBands <= pk::tp::MAX_BANDS, "tp: gemm_ar's bands must fit their slots");
-  const int want = tiles_per_owner < kBands ? tiles_per_owner : kBands;
-  ga->c = c;
-  ga->y = static_cast<char*>(y);
-  ga->m = m;
-  ga->on = 1;
-  ga->band_tiles = (tiles_per_owner + want - 1) / want;
-  ga->bands = (tiles_per_owner + ga->band_tiles - 1) / ga->band_tiles;
-  *done_slots = uint64_t(c.world) * uint64_t(ga->bands);
-}
-
 inline Status WorkspaceCheck(const char* op, uint64_t need, uint64_t have) {
   if (need <= have) return Status::Ok();
   return Status::Invalid(std::string("pk.") + op + ": the symmetric workspace has " +

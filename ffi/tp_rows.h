@@ -84,9 +84,6 @@ Status RowSplitGemm(const char* op, int op_id, const Where& at, const GemmArgs& 
   r.y = a.y;
   r.owner_units = owner_bytes / 16;
   r.out_units = y_bytes / 16;
-  r.done_slots = 0;
-  // gemm_ar at P > 1: the gather under the GEMM (tp.h Gather)
-  if (GATHER && !g.direct) Gather(c, a.y, m, g.tiles_per_owner, &g.ga, &r.done_slots);
   // The helper kernels' blocks pair up across ranks: a grid from the problem, not the SMs.
   const int grid = pk::tp::helper_grid(r.owner_units > r.out_units ? r.owner_units
                                                                    : r.out_units);
@@ -100,8 +97,7 @@ Status RowSplitGemm(const char* op, int op_id, const Where& at, const GemmArgs& 
     return s;
   }
   if (g.direct) return Status::Ok();
-  // gemm_ar's leave kernel is barrier 3 alone: one block (the same on every rank).
-  pk::tp::leave_kernel<GATHER><<<GATHER ? 1 : grid, pk::tp::THREADS, 0, at.stream>>>(r);
+  pk::tp::leave_kernel<GATHER><<<grid, pk::tp::THREADS, 0, at.stream>>>(r);
   return CudaStatus(cudaGetLastError(), op);
 }
 

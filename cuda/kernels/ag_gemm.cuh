@@ -166,7 +166,7 @@ struct kernel_def : matmul::kernel_def<C> {
    * of x_full that the comm blocks have not claimed yet (16-byte loads and stores, 8 in flight
    * per thread), until none is left.
    */
-  __device__ static void finish(const globals& g, int, const lcsc::storer_sync&) {
+  __device__ static void finish(const globals& g, int) {
     if (g.own_hi <= g.own_lo) return;  // uniform: no own block-row
     const own_rows own = own_rows_of(g);
     const int lane = static_cast<int>(threadIdx.x % 32);

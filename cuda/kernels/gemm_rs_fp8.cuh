@@ -57,7 +57,6 @@ struct globals : matmul_fp8::globals {
   int tiles_per_owner;             // ceil(Mp / BM)
   int world, rank;
   int direct;                      // 1: P = 1, tiles go straight to y (matmul_fp8's y map)
-  tp::gather_args ga;              // gemm_ar_fp8 at P > 1: gemm_ar's gather (gemm_rs.cuh)
 };
 
 /** @brief matmul_fp8's pipeline with the owner split of the tile rows and a reduce-add storer. */
@@ -71,7 +70,7 @@ struct kernel_def : matmul_fp8::kernel_def<C> {
                 "gemm_rs_fp8: the owners' buffers and y are bf16");
 
   __device__ static tile_scheduler scheduler(const globals& g) {
-    return gemm_rs::owner_scheduler<BN>(g);
+    return tile_scheduler(g.world * g.tiles_per_owner, ceil_div(g.n, BN), g.group_m);
   }
   __device__ static void setup(const globals& g, lcsc::block_info) {
     tma::prefetch(&g.x);
@@ -110,7 +109,6 @@ struct kernel_def : matmul_fp8::kernel_def<C> {
   __device__ static void storer(const globals& g, acc_t& acc, out_t& out, int c, tile_coord t,
                                 const lcsc::storer_sync& sync) {
     t = gemm_rs::owner_place(g, t);
-    gemm_rs::gather_park<BN, base::CONSUMERS>(g, t.m, sync);
     const int o = t.m / g.tiles_per_owner;
     const int row0 = (t.m % g.tiles_per_owner) * BM + c * 64;  // row in owner o's buffer
     if (row0 >= g.rows_per_owner) return;  // uniform per warpgroup
@@ -137,17 +135,6 @@ struct kernel_def : matmul_fp8::kernel_def<C> {
       tma::store_add_2d(&g.acc[o], panel, col, row0);
       if (g.link.on() && o != g.rank) sync.linked(g.link.issue(64 * 128));
     });
-  }
-
-  __device__ static void finish(const globals& g, int, const lcsc::storer_sync& sync) {
-    if (g.ga.on && sync.leader) gemm_rs::gather_count<BN, base::CONSUMERS>(g, sync);
-  }
-  static constexpr bool HELPERS = true;  // gemm_ar's gather (gemm_rs::gather_help)
-  // The gathering warps' 16-byte loads need more than the producer's usual 40 registers
-  // (spills at 40); 128 x 56 + 256 x 224 still fits the SM's 64K.
-  static constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;
-  __device__ static void helper(const globals& g, lcsc::block_info info, int t, int nt) {
-    gemm_rs::gather_help(g, info, t, nt);
   }
 };
 

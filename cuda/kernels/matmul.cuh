@@ -75,7 +75,6 @@ struct kernel_def {
   static constexpr int PRODUCER_REGS = 40;
   static constexpr int CONSUMER_REGS = 232;
   static constexpr bool ASYNC_MMA = true;
-  static constexpr bool HELPERS = false;  // no helper warps (lcsc.cuh)
 
   using globals = pk::matmul::globals;
   using a_tile = st_panels<T, BM, BK>;   // K-major: one panel, BM rows of 64 k
@@ -134,7 +133,7 @@ struct kernel_def {
   }
 
   __device__ static void communicator(const globals&, lcsc::block_info, void*) {}
-  __device__ static void finish(const globals&, int, const lcsc::storer_sync&) {}
+  __device__ static void finish(const globals&, int) {}
 
  protected:
   /**

@@ -110,7 +110,6 @@ struct kernel_def {
   // Blockwise consumers wait for their own MMAs (the promotion reads them), so the template
   // may free a stage as soon as the consumer returns.
   static constexpr bool ASYNC_MMA = !BLOCKWISE;
-  static constexpr bool HELPERS = false;  // no helper warps (lcsc.cuh)
 
   using globals = pk::matmul_fp8::globals;
   using a_tile = st_bytes<BM, 1>;  // BM rows of 128 k (one 128-byte swizzled row each)
@@ -209,7 +208,7 @@ struct kernel_def {
   }
 
   __device__ static void communicator(const globals&, lcsc::block_info, void*) {}
-  __device__ static void finish(const globals&, int, const lcsc::storer_sync&) {}
+  __device__ static void finish(const globals&, int) {}
 
   /**
    * @brief The storers' epilogue: a consumer's 64 x BN fp32 accumulator times `scale` -> OUT

@@ -14,13 +14,11 @@
  *   warpgroup 0 (producer, K::PRODUCER_REGS registers), one thread:
  *     for each tile, for k in k_iters: wait empty[s]; expect STAGE_BYTES on full[s];
  *                                      K::loader(g, stage[s], &full[s], tile, k)
- *     and, where K::HELPERS, its warps 1..3: K::helper(g, info, t, 96), t = 0..95 (work of
- *     their own beside the pipeline, with the producer's registers; gemm_ar's gather)
  *   warpgroup 1..C (consumers, K::CONSUMER_REGS registers), consumer c:
  *     for each tile: for k: wait full[s]; K::consumer(g, acc, stage[s], c, t, k);
  *                           release stage s (one step late when K::ASYNC_MMA: wgmma reads it)
  *                    K::storer(g, acc, out[c], c, tile, sync)
- *                    after the last tile: K::finish(g, c, sync) (the whole warpgroup)
+ *                    after the last tile: K::finish(g, c) (the whole warpgroup)
  *
  * Communication block (the FIRST comm_blocks blocks of the grid): K::communicator(g, info,
  * smem), with the block's whole dynamic shared memory (sizeof(shared_storage<K>) bytes, 1024-
@@ -37,11 +35,10 @@
  *   types    globals, stage_t (one pipeline stage of inputs), out_t (a consumer's staging
  *            buffer for stores), acc_t (a consumer's register state for one tile)
  *   consts   STAGES, CONSUMERS, STAGE_BYTES (TMA bytes per stage), PRODUCER_REGS,
- *            CONSUMER_REGS, ASYNC_MMA, HELPERS
+ *            CONSUMER_REGS, ASYNC_MMA
  *   hooks    scheduler(g) -> tile_scheduler; k_iters(g) -> int (>= 1); setup(g, info) (one
  *            thread, before the roles start); loader; consumer; storer; finish; communicator;
- *            helper (where HELPERS); bound(g) -> pk::wait_bound (error record and timeout of
- *            its mbarrier waits)
+ *            bound(g) -> pk::wait_bound (error record and timeout of its mbarrier waits)
  */
 #pragma once
 
@@ -83,9 +80,6 @@ struct storer_sync {
   int barrier_id;
   bool leader;
   mutable uint64_t link_due = 0;  ///< leader: end of its last store's link time (0: none)
-  /// leader: one value a storer parks until its next call or K::finish (gemm_ar: the band of
-  /// the tile whose adds it counts once they have landed); -1: none
-  mutable int parked = -1;
 
   __device__ void acquire() const {
     if (leader) {
@@ -139,16 +133,7 @@ __global__ void __launch_bounds__((K::CONSUMERS + 1) * WARPGROUP_THREADS, 1)
   if (wg == 0) {
     // Loader: one thread issues every copy.
     warpgroup::decrease_registers<K::PRODUCER_REGS>();
-    if (warpgroup::thread() != 0) {
-      if constexpr (K::HELPERS) {  // warps 1..3 of the producer warpgroup (96 threads)
-        const int t = warpgroup::thread() - WARP_THREADS;
-        if (t >= 0) {
-          K::helper(g, block_info{compute_blocks, comm_blocks, index}, t,
-                    WARPGROUP_THREADS - WARP_THREADS);
-        }
-      }
-      return;
-    }
+    if (warpgroup::thread() != 0) return;
     pipeline_state<K::STAGES> pipe;
     for (int id = index; id < num_tiles; id += compute_blocks) {
       const tile_coord t = sched.coord(id);
@@ -195,7 +180,7 @@ __global__ void __launch_bounds__((K::CONSUMERS + 1) * WARPGROUP_THREADS, 1)
     tma::store_wait<0>();
     link_throttle::drain(sync.link_due);
   }
-  K::finish(g, c, sync);
+  K::finish(g, c);
 }
 
 /** @brief Dynamic shared memory the template kernel of K needs (with alignment slack). */

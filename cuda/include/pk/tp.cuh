@@ -34,14 +34,6 @@ constexpr uint64_t ROW = uint64_t(MAX_BLOCKS) * MAX_PEERS;   // slots of one per
 constexpr uint64_t BAR0 = 64;                                // barrier i: BAR0 + i * ROW
 constexpr uint64_t FLAGS = BAR0 + 4 * ROW;                   // ag_gemm: local row-block flags
 constexpr uint64_t MAX_FLAGS = OP_SLOTS - FLAGS;
-// gemm_ar's gather under the GEMM (kernels/gemm_ar.cuh), in gemm_ar's range: GATHER_DONE +
-// o B + b (local, zeroed by enter_kernel): my counted consumer tiles of band b of owner o;
-// GATHER_ARRIVED + (o B + b) P + p (raised to the epoch by rank p): p's adds there landed.
-constexpr int MAX_BANDS = 16;
-constexpr uint64_t GATHER_DONE = FLAGS;
-constexpr uint64_t GATHER_ARRIVED = GATHER_DONE + uint64_t(MAX_PEERS) * MAX_BANDS;
-static_assert(GATHER_ARRIVED + uint64_t(MAX_PEERS) * MAX_BANDS * MAX_PEERS <= OP_SLOTS,
-              "tp: gemm_ar's band slots must fit its range");
 
 /** @brief Slot row of per-block barrier `i` for block `b` (sender rank s at + s). */
 __host__ __device__ constexpr uint64_t bar_row(int i, int b) {
@@ -137,21 +129,6 @@ struct rows_args {
   void* y;                    ///< XLA's output
   uint64_t owner_units;       ///< 16-byte units of one owner's accumulation buffer [Mp, N]
   uint64_t out_units;         ///< 16-byte units of y
-  uint64_t done_slots;        ///< gemm_ar: GATHER_DONE slots to zero (P x bands), else 0
-};
-
-/**
- * @brief gemm_ar's gather under the GEMM as its GEMM kernel sees it (kernels/gemm_ar.cuh):
- * each owner's tile rows cut into `bands` bands of `band_tiles` row tiles (the last one
- * shorter), and what its gathering warps need to copy finished bands into y.
- */
-struct gather_args {
-  comm c;
-  char* y;         ///< XLA's output [M, N]
-  int64_t m;       ///< rows of y
-  int on;          ///< 1: gemm_ar at P > 1; 0: gemm_rs, or the direct mode
-  int bands;       ///< B <= MAX_BANDS
-  int band_tiles;  ///< H: tile rows of each band but the last
 };
 
 /**
@@ -169,41 +146,39 @@ static __global__ void __launch_bounds__(THREADS)
        i += uint64_t(gridDim.x) * blockDim.x) {
     mine[i] = zero;
   }
-  // gemm_ar's band counts: only my own GEMM kernel, later on this stream, adds to them.
-  if (blockIdx.x == 0) {
-    for (uint64_t i = threadIdx.x; i < a.done_slots; i += blockDim.x) {
-      c.sig[c.rank][GATHER_DONE + i] = 0;
-    }
-  }
   fence_proxy_async_global();  // peers reduce-add into it with TMA (async proxy)
   c.barrier(1, blockIdx.x, e);
 }
 
 /**
- * @brief After the GEMM.
- *   GATHER = false (gemm_rs): barrier 2 (every peer's reduce-adds into my buffer have landed:
- *                             their GEMM kernel completed before this kernel started), then
- *                             y = my buffer;
- *   GATHER = true (gemm_ar):  the GEMM kernel's gathering warps already copied every
- *                             owner's rows into y (they waited for each band's arrivals);
- *                             barrier 3 alone: no peer reads my buffer any more.
+ * @brief After the GEMM. barrier 2 (every peer's reduce-adds into my buffer have landed:
+ * their GEMM kernel completed before this kernel started), then
+ *   GATHER = false (gemm_rs): y = my buffer;
+ *   GATHER = true (gemm_ar):  y = the owners' buffers back to back (peer loads), then
+ *                             barrier 3 (no peer reads my buffer any more).
  */
 template <bool GATHER>
 static __global__ void __launch_bounds__(THREADS)
     leave_kernel(const __grid_constant__ rows_args a) {
   const comm& c = a.c;
   const uint64_t e = c.epoch();
+  fence_proxy_async_global();  // my GEMM's TMA adds (async proxy) before the release
+  c.barrier(2, blockIdx.x, e);
+  fence_proxy_async_global();  // peers' TMA adds before my generic loads
+  const uint4* const* ws = reinterpret_cast<const uint4* const*>(c.ws);
+  const uint64_t owner_units = a.owner_units;
+  const int r = c.rank;
+  copy_units(static_cast<uint4*>(a.y),
+             [&](uint64_t i) {
+               const uint64_t o = GATHER ? i / owner_units : uint64_t(r);
+               return ws[o] + (GATHER ? i - o * owner_units : i);
+             },
+             uint64_t(blockIdx.x) * blockDim.x + threadIdx.x, uint64_t(gridDim.x) * blockDim.x,
+             a.out_units);
   if constexpr (GATHER) {
-    fence_proxy_async_global();  // order my GEMM kernel's peer loads before the release
+    // Link throttle (emulator only): this block's share of the peer loads, after the fact.
+    c.link.pace_block((a.out_units - a.owner_units) * 16 / gridDim.x);
     c.barrier(3, blockIdx.x, e);
-  } else {
-    fence_proxy_async_global();  // my GEMM's TMA adds (async proxy) before the release
-    c.barrier(2, blockIdx.x, e);
-    fence_proxy_async_global();  // peers' TMA adds before my generic loads
-    const uint4* const mine = static_cast<const uint4*>(c.ws[c.rank]);
-    copy_units(static_cast<uint4*>(a.y), [&](uint64_t i) { return mine + i; },
-               uint64_t(blockIdx.x) * blockDim.x + threadIdx.x,
-               uint64_t(gridDim.x) * blockDim.x, a.out_units);
   }
 }
 
