@@ -83,18 +83,22 @@ def bars(ax, shapes: list[str], series: dict[str, list[float]], colors: list[str
     ax.legend(fontsize=7, loc="upper left", ncol=len(series))
 
 
+def provenance(rows: list[dict]) -> str:
+    """The GPUs and the newest date of the rows a panel draws (they may mix runs)."""
+    return f"{', '.join(sorted({r['gpu'] for r in rows}))} ({max(r['date'] for r in rows)[:10]})"
+
+
 def main() -> None:
     dense = latest("matmul_fp8")
     grouped = latest("grouped_matmul_fp8")
     fig, (a1, a2) = plt.subplots(2, 1, figsize=(10, 8))
     shapes, series = dense_bars(dense)
     bars(a1, shapes, series, ["#999999", "#555555", "#d62728", "#ff9896"])
-    a1.set_title(f"fp8 GEMM (e4m3, bf16 out) on {dense[0]['gpu']} ({dense[-1]['date'][:10]}), "
-                 "M x N x K", fontsize=9)
+    a1.set_title(f"fp8 GEMM (e4m3, bf16 out) on {provenance(dense)}, M x N x K", fontsize=9)
     shapes, series = grouped_bars(grouped)
     bars(a2, shapes, series, ["#999999", "#555555", "#1f77b4", "#aec7e8"])
-    a2.set_title(f"MoE grouped GEMM, w [E, N, K], on {grouped[0]['gpu']} "
-                 f"({grouped[-1]['date'][:10]}): experts x K -> N", fontsize=9)
+    a2.set_title(f"MoE grouped GEMM, w [E, N, K], on {provenance(grouped)}: experts x K -> N",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(RESULTS / "fp8.png", dpi=120)
     print("wrote", RESULTS / "fp8.png")
