@@ -81,8 +81,12 @@ def _iters(m, n, k) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run)")
+    ap.add_argument("--shapes", default=None,
+                    help="comma-separated MxNxK to run instead of the grid, e.g. 4096x4096x4096")
     args = ap.parse_args()
     reps = 7 if args.quick else 21
+    shapes = ([tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")]
+              if args.shapes else SHAPES)
 
     mesh = jax.make_mesh((1,), ("x",), devices=jax.devices()[:1])
     pk.init(mesh)
@@ -111,7 +115,7 @@ def main() -> int:
               f"{r['ratio']:.3f}x vs {baseline}", flush=True)
 
     times: dict[tuple, dict] = {}
-    for m, n, k in SHAPES:
+    for m, n, k in shapes:
         iters = _iters(m, n, k)
         for scaling in ("tensor", "block"):
             sets = _inputs(m, n, k, scaling)
