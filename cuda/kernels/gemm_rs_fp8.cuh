@@ -115,7 +115,6 @@ struct kernel_def : matmul_fp8::kernel_def<C> {
     // This rank's own scales: its partial product is dequantized before the cross-rank add
     // (per tensor here; blockwise, the promotion applied them per k-block).
     if constexpr (C::BLOCKWISE) {
-      fp8_gemm::blockwise_close<BN>(acc, base::k_iters(g));
       store_tile(g, acc.main, 1.0f, out, o, row0, t, sync);
     } else {
       store_tile(g, acc, __ldg(g.x_scale) * __ldg(g.w_scale), out, o, row0, t, sync);

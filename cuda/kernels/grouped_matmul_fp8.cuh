@@ -161,7 +161,11 @@ struct kernel_def {
   static constexpr int EPI_N = 2 * PANEL_COLS;
   static_assert(BN % EPI_N == 0, "grouped_matmul_fp8: whole store rounds");
 
-  using acc_t = std::conditional_t<BLOCKWISE, fp8_gemm::blockwise_acc<BN>, float[BN / 2]>;
+  struct block_acc {
+    float main[BN / 2];  // the tile's sum of promoted k-blocks
+    float part[BN / 2];  // this k-block's product, unscaled
+  };
+  using acc_t = std::conditional_t<BLOCKWISE, block_acc, float[BN / 2]>;
 
   struct shared_storage {
     stage_t stages[STAGES];
@@ -233,17 +237,15 @@ struct kernel_def {
   }
 
   /**
-   * @brief Consumer c over tile w: each k-block's MMAs into acc, the stage freed one step late
-   * (the MMAs of step k may still read it); blockwise, each k-block in two column halves, each
-   * promoted into acc.main while the other half's MMAs run (fp8_gemm::blockwise_step).
-   * Returns with every MMA done, acc final and every stage of the tile freed; `pipe` carries
-   * over to the next tile.
+   * @brief Consumer c over tile w: per tensor, each k-block's MMAs into acc, the stage freed one
+   * step late (the MMAs of step k may still read it); blockwise, each k-block into acc.part,
+   * waited for, promoted into acc.main, the stage freed at once. Returns with every MMA done
+   * and every stage of the tile freed; `pipe` carries over to the next tile.
    */
   __device__ static void mainloop(const globals& g, acc_t& acc, shared_storage& s, const work& w,
                                   pipeline_state<STAGES>& pipe, int c, bool leader) {
     const int iters = k_iters(g);
     if constexpr (BLOCKWISE) {
-      int prev = 0;
       for (int k = 0; k < iters; ++k) {
         mbar_wait(&s.full[pipe.stage], pipe.phase);
         const stage_t& st = s.stages[pipe.stage];
@@ -251,17 +253,16 @@ struct kernel_def {
         float s0, s1;
         fp8_gemm::row_scales(st.sx, st.sw, w.row0, fp8_layout::w_scale_slot(w.nt, BN, 0), c, s0,
                              s1);
-        fp8_gemm::blockwise_step<XT, WT, BN>(acc, st.a.data + c * 64 * 128, st.b.data, s0, s1, k);
+        fp8_gemm::mma_k_block<XT, WT, BN>(acc.part, st.a.data + c * 64 * 128, st.b.data, false);
+        wgmma::wait<0>();
+        wgmma::fence_regs(acc.part);
         // NOTES: every warp's scale reads must be done before the leader frees the stage (the
-        // loader may refill it) at the next step: the warpgroup's named barrier, the storer's
-        // (same threads).
+        // loader may refill it): the warpgroup's named barrier, the storer's (same threads).
         warpgroup::sync(1 + c);
-        if (k > 0 && leader) mbar_arrive(&s.empty[prev]);  // k - 1's MMAs are done
-        prev = pipe.stage;
+        fp8_gemm::promote<BN>(acc.main, acc.part, s0, s1, k == 0);
+        if (leader) mbar_arrive(&s.empty[pipe.stage]);
         pipe.advance();
       }
-      fp8_gemm::blockwise_close<BN>(acc, iters);
-      if (leader) mbar_arrive(&s.empty[prev]);
     } else {
       int prev = 0;
       for (int k = 0; k < iters; ++k) {

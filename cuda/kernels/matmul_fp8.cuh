@@ -23,25 +23,21 @@
  *             |                                     | (+ blockwise: xs box [BM], ws box [4])
  *   1         | consumer rows 0..63 of the tile     | 4 x wgmma m64nBNk32 from stage s
  *   2         | consumer rows 64..127 of the tile   | 4 x wgmma m64nBNk32 from stage s
- *   1, 2      | blockwise: two column halves, each  | 4 x wgmma m64n64k32 per half; a half's
- *             | promoted under the other's MMAs     | acc += part * scale while the other runs
+ *   1, 2      | blockwise: promotion after each k   | wait for the 4 MMAs, acc += part * scale
  *   1, 2      | storer (after the last k step)      | fp32 (x scale) -> bf16 / fp32 -> swizzled
  *             |                                     | smem -> TMA store, 2 panels a round
  *
  * A stage holds the same bytes as the bf16 kernel's (BK = 64 of 2 bytes), so the stage counts
  * carry over: 128x256 per tensor 4 stages, 128x128 6 (per tensor) or 5 (blockwise, which also
- * carries 528 bytes of scales a stage). A consumer frees stage s one step late (its MMAs run
- * while the next step's are issued), as in the bf16 kernel. Blockwise, a k-block's product is
- * two column halves of 64, each its own MMA group (fp8_gemm::blockwise_step): a consumer issues
- * k-block k's first half, promotes k - 1's second half, issues k's second half, promotes k's
- * first half, so every promotion overlaps the warpgroup's own MMAs; the storer promotes the
- * last second half (fp8_gemm::blockwise_close).
+ * carries 528 bytes of scales a stage). Per tensor, a consumer frees stage s one step late (its
+ * MMAs run while the next step's are issued), as in the bf16 kernel. Blockwise, a consumer
+ * waits for its step's MMAs before it promotes, then frees the stage at once; the other
+ * consumer warpgroup's MMAs keep the tensor cores busy meanwhile.
  *
  * Signals: none (no peers).
  *
- * Pitfalls: blockwise needs BN = 128: the tile's accumulator and the k-block's two halves take
- * 2 x 64 registers a thread (at BN = 256 they would take 256, past the 232 a consumer has; two
- * whole 64-register products in turn instead of halves spilled at 232), and a tile
+ * Pitfalls: blockwise needs BN = 128: the tile's accumulator and the fresh one take 2 x 64
+ * registers a thread (at BN = 256 they would take 256, past the 232 a consumer has), and a tile
  * then sits in one w block per k-block. Partial tiles at the M, N and K edges come from TMA
  * bounds: loads fill zeros (a zero K tail adds nothing; scales past M or N are zeros that only
  * reach rows and columns the store drops), stores drop what lies outside y. The boxes a full
@@ -111,9 +107,9 @@ struct kernel_def {
   static constexpr int CONSUMERS = BM / 64;
   static constexpr int PRODUCER_REGS = 40;
   static constexpr int CONSUMER_REGS = 232;
-  // Both forms return with MMAs of their step in flight (blockwise: the second column half),
-  // so the template frees a stage one step late.
-  static constexpr bool ASYNC_MMA = true;
+  // Blockwise consumers wait for their own MMAs (the promotion reads them), so the template
+  // may free a stage as soon as the consumer returns.
+  static constexpr bool ASYNC_MMA = !BLOCKWISE;
 
   using globals = pk::matmul_fp8::globals;
   using a_tile = st_bytes<BM, 1>;  // BM rows of 128 k (one 128-byte swizzled row each)
@@ -139,7 +135,11 @@ struct kernel_def {
   static constexpr int EPI_N = 2 * PANEL_COLS;
   static_assert(BN % EPI_N == 0, "matmul_fp8: whole store rounds");
 
-  using acc_t = std::conditional_t<BLOCKWISE, fp8_gemm::blockwise_acc<BN>, float[BN / 2]>;
+  struct block_acc {
+    float main[BN / 2];  // the tile's sum of promoted k-blocks
+    float part[BN / 2];  // this k-block's product, unscaled
+  };
+  using acc_t = std::conditional_t<BLOCKWISE, block_acc, float[BN / 2]>;
 
   __device__ static tile_scheduler scheduler(const globals& g) {
     return tile_scheduler(ceil_div(g.m, BM), ceil_div(g.n, BN), g.group_m);
@@ -180,11 +180,14 @@ struct kernel_def {
       // The scales are read before the MMAs are issued, so their latency hides behind them.
       float s0, s1;
       fp8_gemm::row_scales(s.sx, s.sw, row0, fp8_layout::w_scale_slot(tile_n, BN, 0), c, s0, s1);
-      fp8_gemm::blockwise_step<XT, WT, BN>(acc, a, s.b.data, s0, s1, k);
-      // NOTES: the leader frees this stage (the loader may refill it) at the next step, so
-      // every warp's reads of its scales must be done by then: the warpgroup's named barrier
+      fp8_gemm::mma_k_block<XT, WT, BN>(acc.part, a, s.b.data, false);  // a fresh accumulator
+      wgmma::wait<0>();
+      wgmma::fence_regs(acc.part);
+      // NOTES: the leader frees the stage (the loader may refill it) as soon as this returns,
+      // so every warp's reads of its scales must be done first: the warpgroup's named barrier
       // (the storer's, lcsc.cuh storer_sync; the same 128 threads, in program order).
       warpgroup::sync(1 + c);
+      fp8_gemm::promote<BN>(acc.main, acc.part, s0, s1, k == 0);
     } else {
       fp8_gemm::mma_k_block<XT, WT, BN>(acc, a, s.b.data, k > 0);
     }
@@ -198,7 +201,6 @@ struct kernel_def {
       tma::store_2d(&g.y, panel, col, row0);
     };
     if constexpr (BLOCKWISE) {
-      fp8_gemm::blockwise_close<BN>(acc, k_iters(g));
       epilogue(g, acc.main, 1.0f, out, t.n * BN, sync, store);
     } else {
       epilogue(g, acc, __ldg(g.x_scale) * __ldg(g.w_scale), out, t.n * BN, sync, store);

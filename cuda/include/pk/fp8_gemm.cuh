@@ -3,9 +3,9 @@
  * @brief The consumer-side pieces of the fp8 GEMMs, written once for matmul_fp8
  * (cuda/kernels/matmul_fp8.cuh) and grouped_matmul_fp8 (cuda/kernels/grouped_matmul_fp8.cuh):
  * one 128-deep k-block of fp8 wgmma into a warpgroup's m64nBN accumulator from K-major stage
- * tiles, the blockwise k-block in two column halves (each half's promotion into the tile's sum
- * overlapping the other half's MMAs), and the staging of a round of output columns (fp32 times
- * a scale -> bf16 / fp32) in a 128B-swizzled buffer for TMA or masked stores. The index arithmetic is pk/fp8_layout.cuh's (CPU-tested).
+ * tiles, the blockwise promotion of a k-block's product into the tile's sum, and the staging of
+ * a round of output columns (fp32 times a scale -> bf16 / fp32) in a 128B-swizzled buffer for
+ * TMA or masked stores. The index arithmetic is pk/fp8_layout.cuh's (CPU-tested).
  */
 #pragma once
 
@@ -50,102 +50,30 @@ __device__ __forceinline__ void mma_k_block(float (&d)[BN / 2], const unsigned c
 }
 
 /**
- * @brief One k-block's 4 wgmma m64n(BN/2)k32 for column half H of a BN-wide tile (B rows
- * [H BN/2, (H + 1) BN/2), 64 rows = 8 KiB apart, a whole number of 1024-byte swizzle atoms)
- * into a fresh d, committed as one group. d's layout is the m64nBN accumulator's elements of
- * that half (columns 8j..8j+7 of the half are d[4j..4j+3]).
+ * @brief Blockwise promotion (DeepSeek-V3): main (+)= part * scale of its row, s0 for this
+ * thread's rows frag_row(t, 0), s1 for frag_row(t, 1) (x scale times w scale; BN = 128: one w
+ * block a tile). `first`: the tile's first k-block, main is set instead of added to.
  */
-template <typename XT, typename WT, int BN, int H>
-__device__ __forceinline__ void mma_k_block_half(float (&d)[BN / 4], const unsigned char* a,
-                                                 const unsigned char* b) {
-  constexpr int HN = BN / 2;
-  wgmma::fence_regs(d);
-  wgmma::fence();
-#pragma unroll
-  for (int kk = 0; kk < BK / 32; ++kk) {
-    const uint64_t da = wgmma::desc_k_major(a, kk * 32);
-    const uint64_t db = wgmma::desc_k_major(b + H * HN * 128, kk * 32);
-    wgmma::mma_fp8<XT, WT, HN>(d, da, db, kk > 0 ? 1 : 0);
-  }
-  wgmma::commit();
-  wgmma::fence_regs(d);
-}
-
-/**
- * @brief Blockwise promotion (DeepSeek-V3) of column half H: main's elements of that half (+)=
- * part * the scale of their row, s0 for this thread's rows frag_row(t, 0), s1 for frag_row(t,
- * 1) (x scale times w scale; BN = 128: one w block a tile). `first`: the tile's first k-block,
- * main is set instead of added to.
- */
-template <int BN, int H>
-__device__ __forceinline__ void promote_half(float (&main)[BN / 2], const float (&part)[BN / 4],
-                                             float s0, float s1, bool first) {
-  constexpr int OFF = H * BN / 4;
+template <int BN>
+__device__ __forceinline__ void promote(float (&main)[BN / 2], const float (&part)[BN / 2],
+                                        float s0, float s1, bool first) {
   if (first) {
 #pragma unroll
-    for (int j = 0; j < BN / 16; ++j) {
-      main[OFF + 4 * j + 0] = part[4 * j + 0] * s0;
-      main[OFF + 4 * j + 1] = part[4 * j + 1] * s0;
-      main[OFF + 4 * j + 2] = part[4 * j + 2] * s1;
-      main[OFF + 4 * j + 3] = part[4 * j + 3] * s1;
+    for (int j = 0; j < BN / 8; ++j) {
+      main[4 * j + 0] = part[4 * j + 0] * s0;
+      main[4 * j + 1] = part[4 * j + 1] * s0;
+      main[4 * j + 2] = part[4 * j + 2] * s1;
+      main[4 * j + 3] = part[4 * j + 3] * s1;
     }
   } else {
 #pragma unroll
-    for (int j = 0; j < BN / 16; ++j) {
-      main[OFF + 4 * j + 0] = fmaf(part[4 * j + 0], s0, main[OFF + 4 * j + 0]);
-      main[OFF + 4 * j + 1] = fmaf(part[4 * j + 1], s0, main[OFF + 4 * j + 1]);
-      main[OFF + 4 * j + 2] = fmaf(part[4 * j + 2], s1, main[OFF + 4 * j + 2]);
-      main[OFF + 4 * j + 3] = fmaf(part[4 * j + 3], s1, main[OFF + 4 * j + 3]);
+    for (int j = 0; j < BN / 8; ++j) {
+      main[4 * j + 0] = fmaf(part[4 * j + 0], s0, main[4 * j + 0]);
+      main[4 * j + 1] = fmaf(part[4 * j + 1], s0, main[4 * j + 1]);
+      main[4 * j + 2] = fmaf(part[4 * j + 2], s1, main[4 * j + 2]);
+      main[4 * j + 3] = fmaf(part[4 * j + 3], s1, main[4 * j + 3]);
     }
   }
-}
-
-/**
- * @brief A blockwise consumer's registers for one tile: the promoted sum, and a k-block's
- * product in two column halves, each its own MMA group, so that one half's promotion runs
- * while the other half's MMAs do (blockwise_step); s0, s1 are the scales of the k-block whose
- * second half is still in flight. 64 + 2 x 32 accumulator registers a thread at BN = 128, as
- * a sum and one whole product would take.
- */
-template <int BN>
-struct blockwise_acc {
-  float main[BN / 2];
-  float part[2][BN / 4];
-  float s0, s1;
-};
-
-/**
- * @brief Blockwise k-block k of a tile (s0, s1: its scales, row_scales): issues its first
- * half's MMAs, waits for the previous k-block's second half and promotes it (that k-block's
- * scales, kept in acc), issues the second half's MMAs, waits for the first half and promotes
- * it. Each promotion runs while the warpgroup's other half is on the tensor cores. On return
- * the second half's MMAs may still read the stage: it may be freed after the next step's
- * first wait (the LCSC template's one-step-late release) or blockwise_close.
- */
-template <typename XT, typename WT, int BN>
-__device__ __forceinline__ void blockwise_step(blockwise_acc<BN>& acc, const unsigned char* a,
-                                               const unsigned char* b, float s0, float s1, int k) {
-  mma_k_block_half<XT, WT, BN, 0>(acc.part[0], a, b);
-  // NOTES: the wait is unconditional (at k = 0 nothing else is pending): under `k > 0` ptxas
-  // cannot tell that part[1] is no longer being written and serializes every wgmma.
-  wgmma::wait<1>();  // k - 1's second half is done; k's first half runs on
-  wgmma::fence_regs(acc.part[1]);
-  if (k > 0) promote_half<BN, 1>(acc.main, acc.part[1], acc.s0, acc.s1, k == 1);
-  mma_k_block_half<XT, WT, BN, 1>(acc.part[1], a, b);
-  wgmma::wait<1>();  // k's first half is done; its second half runs on
-  wgmma::fence_regs(acc.part[0]);
-  promote_half<BN, 0>(acc.main, acc.part[0], s0, s1, k == 0);
-  acc.s0 = s0;
-  acc.s1 = s1;
-}
-
-/** @brief After a tile's last blockwise_step (of `iters` k-blocks): waits for its second half
- *  and promotes it, so that acc.main holds the tile's sum. */
-template <int BN>
-__device__ __forceinline__ void blockwise_close(blockwise_acc<BN>& acc, int iters) {
-  wgmma::wait<0>();
-  wgmma::fence_regs(acc.part[1]);
-  promote_half<BN, 1>(acc.main, acc.part[1], acc.s0, acc.s1, iters == 1);
 }
 
 /** @brief A float of shared memory (a stage's address is generic to the compiler). */
