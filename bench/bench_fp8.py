@@ -78,15 +78,25 @@ def _iters(m, n, k) -> int:
     return max(5, min(200, int(0.04 / est_s)))
 
 
+def _shapes(text: str) -> list[tuple[int, int, int]]:
+    """--shapes: "MxNxK,..." as (M, N, K) tuples; argparse reports anything else."""
+    out = []
+    for item in text.split(","):
+        dims = item.split("x")
+        if len(dims) != 3 or not all(d.isdigit() and int(d) > 0 for d in dims):
+            raise argparse.ArgumentTypeError(f"{item!r} is not MxNxK (positive integers)")
+        out.append(tuple(int(d) for d in dims))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run)")
-    ap.add_argument("--shapes", default=None,
+    ap.add_argument("--shapes", type=_shapes, default=SHAPES,
                     help="comma-separated MxNxK to run instead of the grid, e.g. 4096x4096x4096")
     args = ap.parse_args()
     reps = 7 if args.quick else 21
-    shapes = ([tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")]
-              if args.shapes else SHAPES)
+    shapes = args.shapes
 
     mesh = jax.make_mesh((1,), ("x",), devices=jax.devices()[:1])
     pk.init(mesh)
