@@ -19,7 +19,13 @@ that form needs:
 - moe_dispatch_gemm: moe_dispatch, then grouped_matmul; moe_gemm_combine: grouped_matmul,
   then moe_combine;
 - and the fp8 forms gemm_rs_fp8 / gemm_ar_fp8 (issue 40; shape["scaling"] "tensor" or
-  "block"): the fp8 GEMM (matmul_fp8) into bf16, then the pk reduce_scatter / all_reduce.
+  "block"): the fp8 GEMM (matmul_fp8) into bf16, then the pk reduce_scatter / all_reduce;
+  ag_gemm_fp8: the pk all_gather of the fp8 rows and of their scales, then the fp8 GEMM. That
+  serial form leaves out the XLA passes pk.all_gather_gemm's serial path adds (per tensor: each
+  device's rows scaled by its own x scale; blockwise: the gathered scales transposed): the
+  ranks' per-tensor x scales are equal here, so the fp8 GEMM applies them, and the blockwise
+  GEMM reads the gathered scales from a buffer laid out before timing. A lower bound of the
+  serial time, so the fused kernel's ratio is not flattered.
 Both forms are checked against a float32 or exact numpy reference on sampled rows before
 anything is timed. Then fused and serial are timed interleaved (5 alternating repeats of a
 batch each, medians), and the serial form's compute and communication parts alone at the same
@@ -76,7 +82,8 @@ RESULTS = common.RESULTS / "overlap.jsonl"
 PASSES = {"gemm_rs": "forward", "ag_gemm": "forward", "gemm_ar": "forward",
           "ring_attn": "forward", "ring_attn_bwd": "backward", "ulysses_attn": "forward",
           "ulysses_attn_bwd": "backward", "moe_dispatch_gemm": "forward",
-          "moe_gemm_combine": "forward", "gemm_rs_fp8": "forward", "gemm_ar_fp8": "forward"}
+          "moe_gemm_combine": "forward", "gemm_rs_fp8": "forward", "gemm_ar_fp8": "forward",
+          "ag_gemm_fp8": "forward"}
 
 
 @dataclasses.dataclass
@@ -200,32 +207,76 @@ def _fp8_codes(rng, shape) -> np.ndarray:
 
 def tp_fp8_bench(world: World, op: str, shape: dict, rng) -> Bench:
     """gemm_rs_fp8 / gemm_ar_fp8 (x [M, K/P], wt [N, K/P] e4m3, each rank's own scales, per
-    tensor or blockwise) against the fp8 GEMM into bf16 then the pk collective."""
+    tensor or blockwise) against the fp8 GEMM into bf16 then the pk collective; ag_gemm_fp8
+    (x [M/P, K], wt [N, K]) against the pk all_gather of the rows and scales, then the fp8
+    GEMM (the module docstring says what that serial form leaves out)."""
     p = world.world
     m, n, kr, scaling = shape["m"], shape["n"], shape["k_per_rank"], shape["scaling"]
-    xs = [_fp8_codes(rng, (m, kr)) for _ in range(p)]
+    ag = op == "ag_gemm_fp8"
+    xr = m // p if ag else m  # x's rows on each rank
+    xs = [_fp8_codes(rng, (xr, kr)) for _ in range(p)]
     wts = [_fp8_codes(rng, (n, kr)) for _ in range(p)]
+    kb, nb = -(-kr // 128), -(-n // 128)
     if scaling == "block":
-        kb, nb = -(-kr // 128), -(-n // 128)
-        sx = [(2.0 ** rng.integers(-1, 2, (m, kb))).astype(np.float32) for _ in range(p)]
+        sx = [(2.0 ** rng.integers(-1, 2, (xr, kb))).astype(np.float32) for _ in range(p)]
         sw = [(2.0 ** rng.integers(0, 2, (kb, nb))).astype(np.float32) for _ in range(p)]
     else:
         sx = [np.float32(2.0 ** rng.integers(-1, 2)) for _ in range(p)]
         sw = [np.float32(2.0 ** rng.integers(0, 2)) for _ in range(p)]
+        if ag:
+            sx = [sx[0]] * p
     rows = m // p if op == "gemm_rs_fp8" else m
-    params, scales = ops.fp8_gemm_fields(m, kr, n, sx, sw, FP8, rows)
+    params, scales = ops.fp8_gemm_fields(xr, kr, n, sx, sw, FP8, rows)
     bf16 = np_dtype(BF16)
+    outs = [{"y": np.zeros((rows, n), bf16)} for _ in range(p)]
+    comm_node = 0
+    if ag:  # the comm SMs the model picks for the whole node
+        comm_node = cost_model.plan("ag_gemm", m, n, kr, p, fp8=scaling).num_comm_sms or 8
+        params["num_comm_sms"] = comm_node
+        full_scales = (np.concatenate([a[:, :xr] for a, _ in scales], axis=1)
+                       if scaling == "block" else np.concatenate([a for a, _ in scales]))
+        for o in outs:
+            o.update(x_full=np.zeros((m, kr), xs[0].dtype), xs_full=np.zeros_like(full_scales))
     case = ops.Case(op, FP8, [{"x": x, "w": wt, "x_scale": a, "w_scale": b}
-                              for x, wt, (a, b) in zip(xs, wts, scales)],
-                    [{"y": np.zeros((rows, n), bf16)} for _ in range(p)], params, exact=False)
+                              for x, wt, (a, b) in zip(xs, wts, scales)], outs, params,
+                    exact=False)
     fused, serial = ops.Call(world, case), ops.Call(world, case)
-    tmp = [DeviceBuffer(m * n * 2) for _ in range(p)]
-    gemm = {"dtype": DTYPES[FP8], **params, "y_rows": m}
-    dt = DTYPES[BF16]
+    dt, f32 = DTYPES[BF16], DTYPES["float32"]
+    if ag:  # the gathered rows, the scales' gather, and the scales as the GEMM reads them
+        tmp = [DeviceBuffer(m * kr) for _ in range(p)]
+        # the scales' gather moves 16-byte units: per tensor a device's scale in 4 floats
+        scale_src = [DeviceBuffer.from_array(a if scaling == "block" else np.repeat(a, 4))
+                     for a, _ in scales]
+        scale_tmp = [DeviceBuffer(scale_src[0].nbytes * p) for _ in range(p)]
+        gemm_scales = [DeviceBuffer.from_array(full_scales if scaling == "block" else a)
+                       for a, _ in scales]
+        gemm = {"dtype": DTYPES[FP8], **params, "m": m, "y_rows": m}
+        if scaling == "block":
+            gemm["xs_cols"] = m
+    else:
+        tmp = [DeviceBuffer(m * n * 2) for _ in range(p)]
+        scale_src = scale_tmp = gemm_scales = []
+        gemm = {"dtype": DTYPES[FP8], **params, "y_rows": m}
+    gemm.pop("num_comm_sms", None)
 
     def serial_launch(parts=("compute", "comm")) -> None:
         for r in range(p):
             bufs = serial.buffers[r]
+            if ag:
+                if "comm" in parts:  # fp8 rows as bf16 pairs (K is even), the scales as floats
+                    world.launch("all_gather", r, {"dtype": dt, "x": bufs["x"], "y": tmp[r],
+                                                   "n": xr * kr // 2, "n_out": m * kr // 2,
+                                                   "p0": xr * kr // 2})
+                    ns = scale_src[r].nbytes // 4
+                    world.launch("all_gather", r, {"dtype": f32, "x": scale_src[r],
+                                                   "y": scale_tmp[r], "n": ns,
+                                                   "n_out": ns * p, "p0": ns})
+                if "compute" in parts:
+                    world.launch("matmul_fp8", r, {**gemm, "x": tmp[r], "w": bufs["w"],
+                                                   "x_scale": gemm_scales[r],
+                                                   "w_scale": bufs["w_scale"],
+                                                   "y": bufs["y"]})
+                continue
             if "compute" in parts:
                 world.launch("matmul_fp8", r, {**gemm, "x": bufs["x"], "w": bufs["w"],
                                                "x_scale": bufs["x_scale"],
@@ -240,14 +291,15 @@ def tp_fp8_bench(world: World, op: str, shape: dict, rng) -> Bench:
                 world.launch("all_reduce", r, {"dtype": dt, "x": tmp[r], "y": bufs["y"],
                                                "n": m * n, "n_out": m * n})
 
-    def dequantized_rows(r: int, pick: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        x = xs[r][pick].astype(np.float64)
+    def dequantized_rows(q: int, pick: np.ndarray, r: int) -> tuple[np.ndarray, np.ndarray]:
+        """Rows `pick` of rank q's x and rank r's w (gemm_rs / gemm_ar: q == r), dequantized."""
+        x = xs[q][pick].astype(np.float64)
         w = wts[r].astype(np.float64).T  # [K/P, N]
         if scaling == "block":
-            x = x * np.repeat(sx[r][pick], 128, axis=1)[:, :kr]
+            x = x * np.repeat(sx[q][pick], 128, axis=1)[:, :kr]
             w = w * np.kron(sw[r], np.ones((128, 128)))[:kr, :n]
         else:
-            x, w = x * float(sx[r]), w * float(sw[r])
+            x, w = x * float(sx[q]), w * float(sw[r])
         return x, w
 
     def check() -> None:
@@ -257,20 +309,26 @@ def tp_fp8_bench(world: World, op: str, shape: dict, rng) -> Bench:
         sync_all(world, fused.launch, serial_launch)
         pick = np.unique(np.concatenate([[0, rows - 1], rng.integers(0, rows, 30)]))
         for r in (0, p - 1):
-            lo = r * rows if op == "gemm_rs_fp8" else 0
-            want = sum(np.matmul(*dequantized_rows(q, lo + pick)) for q in range(p))
+            if ag:  # row i of y is row i % Mp of rank i // Mp's x
+                want = np.concatenate([np.matmul(*dequantized_rows(q, pick[pick // xr == q] % xr,
+                                                                   r)) for q in range(p)])
+            else:
+                lo = r * rows if op == "gemm_rs_fp8" else 0
+                want = sum(np.matmul(*dequantized_rows(q, lo + pick, q)) for q in range(p))
             check_rows(op, {"fused": fused, "serial": serial}, r, pick, want)
 
     def free() -> None:
         for c in (fused, serial):
             c.free()
-        for t in tmp:
+        for t in [*tmp, *scale_src, *scale_tmp, *gemm_scales]:
             t.free()
 
-    collective = "reduce_scatter" if op == "gemm_rs_fp8" else "all_reduce"
+    serial_what = {"gemm_rs_fp8": "the fp8 GEMM into bf16, then pk reduce_scatter",
+                   "gemm_ar_fp8": "the fp8 GEMM into bf16, then pk all_reduce",
+                   "ag_gemm_fp8": "pk all_gather of the fp8 rows and scales, then the fp8 GEMM"}
     return Bench(fused.launch, serial_launch, lambda: serial_launch(("compute",)),
-                 lambda: serial_launch(("comm",)), check, 2.0 * m * n * kr, 0,
-                 f"serial: the fp8 GEMM into bf16, then pk {collective} (scale model)", free)
+                 lambda: serial_launch(("comm",)), check, 2.0 * m * n * kr, comm_node,
+                 f"serial: {serial_what[op]} (scale model)", free)
 
 
 # ---------------------------------------------------------------------------------------------

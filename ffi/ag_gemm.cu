@@ -19,28 +19,17 @@ Status LaunchAgGemm(const Where& at, const GemmArgs& a, const CommView& v) {
                            ", " + std::to_string(k) + "].");
   }
   if (m == 0) return Status::Ok();
-  if (m > INT32_MAX) {
-    return Status::Invalid(std::string("pk.") + op + ": M must be below 2^31.");
+  constexpr int64_t kRows = pk::ag_gemm::BLOCK_ROWS;  // a row block (the kernel's BM)
+  if (Status s = tp::GatherChecks(std::string("pk.") + op + ": ", m, kRows, a.num_comm_sms);
+      !s.ok()) {
+    return s;
   }
   if (k == 0 || n == 0) {
     // NOTES: nothing to gather or nothing to multiply; still a collective: take the reference
     // path in Python for these shapes (pk_jax/ops/ag_gemm.py never sends them here).
     return Status::Invalid(std::string("pk.") + op + ": K and N must be positive.");
   }
-  constexpr int64_t kRows = pk::ag_gemm::BLOCK_ROWS;  // a row block (the kernel's BM)
-  const int64_t tiles_m = (m + kRows - 1) / kRows;
-  if (static_cast<uint64_t>(tiles_m) > pk::tp::MAX_FLAGS) {
-    return Status::Invalid(std::string("pk.") + op + ": M must be at most " +
-                           std::to_string(pk::tp::MAX_FLAGS * kRows) + " rows.");
-  }
-  // NOTES: comm blocks pair up across ranks, so their number is the call's attribute and is
-  // never clipped by the local SM count; the compute grid adapts to the SMs (lcsc::launch).
   const int comm_blocks = static_cast<int>(a.num_comm_sms);
-  if (a.num_comm_sms < 1 || a.num_comm_sms > pk::tp::MAX_BLOCKS) {
-    return Status::Invalid(std::string("pk.") + op + ": num_comm_sms must be in 1.." +
-                           std::to_string(pk::tp::MAX_BLOCKS) + ", got " +
-                           std::to_string(a.num_comm_sms));
-  }
   if (Status s = tp::WorkspaceCheck(op, WorkspaceNeed(kOpAgGemm, a, c.world), v.workspace_bytes);
       !s.ok()) {
     return s;
@@ -74,15 +63,7 @@ Status LaunchAgGemm(const Where& at, const GemmArgs& a, const CommView& v) {
   g.c = c;
   g.x_local = a.x;
   g.x_full = a.x_full;
-  g.rows_per_rank = static_cast<int>(mp);
-  // Block-rows [own_lo, own_hi) lie wholly in rows [first, first + mp) (the last one may be
-  // partial only on the last rank); the tile order starts at own_lo (see ag_gemm.cuh).
-  const int64_t first = int64_t(c.rank) * mp, own_lo = (first + kRows - 1) / kRows;
-  const int64_t own_hi = first + mp >= m ? tiles_m : (first + mp) / kRows;
-  g.own_lo = static_cast<int>(own_lo);
-  g.own_hi = static_cast<int>(own_hi > own_lo ? own_hi : own_lo);
-  g.tiles_m = static_cast<int>(tiles_m);
-  g.row_shift = static_cast<int>(own_lo % tiles_m);
+  tp::PlaceGather(&g, c.rank, mp, m, kRows);
   if (Status s = tp::StartEpoch(at.stream, c); !s.ok()) return s;
   return CudaStatus(tp::WithConfig(a.dtype, a.config == op_table::kTile128x256S3, [&](auto cfg) {
                       return pk::ag_gemm::launch<decltype(cfg)>(g, at.stream, at.device,

@@ -13,26 +13,6 @@ namespace pk_ffi {
 namespace {
 
 namespace rf = pk::gemm_rs_fp8;
-using E4M3 = __nv_fp8_e4m3;
-using E5M2 = __nv_fp8_e5m2;
-
-// Calls launch(C{}) for the configuration of the call's formats, scales and tile: the one place
-// mapping them (12 kernels: 2 x formats x 2 w formats x (2 per-tensor tiles + blockwise)).
-template <typename XT, typename WT, class F>
-cudaError_t WithTile(const GemmFp8Args& a, F&& launch) {
-  if (a.blockwise) return launch(rf::config_block<XT, WT>{});
-  return a.config == op_table::kTile128x256 ? launch(rf::config_128x256<XT, WT>{})
-                                            : launch(rf::config_128x128<XT, WT>{});
-}
-template <typename XT, class F>
-cudaError_t WithW(const GemmFp8Args& a, F&& launch) {
-  return a.w_dtype == DType::kE5M2 ? WithTile<XT, E5M2>(a, launch)
-                                   : WithTile<XT, E4M3>(a, launch);
-}
-template <class F>
-cudaError_t WithConfigFp8(const GemmFp8Args& a, F&& launch) {
-  return a.dtype == DType::kE5M2 ? WithW<E5M2>(a, launch) : WithW<E4M3>(a, launch);
-}
 
 // y = the sum over ranks of (x_p x_scale_p) @ (w_p w_scale_p): rows [r Mp, (r+1) Mp) (GATHER =
 // false, gemm_rs_fp8, Mp = M / P) or all M rows (GATHER = true, gemm_ar_fp8, Mp = ceil(M / P)).
@@ -45,41 +25,8 @@ Status RowSplitGemmFp8(const char* op, int op_id, const Where& at, const GemmFp8
   if (Status s = tp::Comm(op, op_id, v, a.rank, &c); !s.ok()) return s;
   const int world = c.world;
   const std::string pre = std::string("pk.") + op + ": ";
-  if (!IsFp8(a.dtype) || !IsFp8(a.w_dtype)) {
-    return Status::Invalid(pre + "x and w must be float8_e4m3fn or float8_e5m2.");
-  }
-  if (a.y_dtype != DType::kBF16) return Status::Invalid(pre + "y must be bfloat16.");
-  const int64_t m = a.m, k = a.k, n = a.n;
-  if (m < 0 || k < 0 || n < 0 || k % 16 != 0 || n % 8 != 0) {
-    return Status::Invalid(pre +
-                           "K/P must be a multiple of 16 and N of 8 (16-byte TMA row strides of "
-                           "x, wt and y); pk_jax pads N.");
-  }
-  if (m > INT32_MAX || n > INT32_MAX || k > INT32_MAX) {
-    return Status::Invalid(pre + "dimensions must be below 2^31.");
-  }
-  if (a.config != op_table::kTile128x256 && a.config != op_table::kTile128x128) {
-    return Status::Invalid(pre + "tile config must be 128x256 or 128x128, got " +
-                           std::to_string(a.config));
-  }
-  if (a.blockwise && a.config != op_table::kTile128x128) {
-    return Status::Invalid(pre + "blockwise scaling takes the 128x128 tile config.");
-  }
-  // matmul_fp8's scale layouts, of this rank's shard (K = K/P): blockwise x_scale transposed
-  // [KB, >= M] and w_scale [KB, >= NB], rows padded to multiples of 4 (16-byte TMA strides).
-  const int64_t kb = (k + 127) / 128, nb = (n + 127) / 128;
-  if (a.blockwise) {
-    if (a.xs_rows != kb || a.xs_cols < m || a.xs_cols % 4 != 0 || a.ws_rows != kb ||
-        a.ws_cols < nb || a.ws_cols % 4 != 0) {
-      return Status::Invalid(
-          pre + "blockwise scales must be x_scale transposed [ceil(K/128), >= M] and w_scale "
-                "[ceil(K/128), >= ceil(N/128)], rows padded to multiples of 4; got [" +
-          std::to_string(a.xs_rows) + ", " + std::to_string(a.xs_cols) + "] and [" +
-          std::to_string(a.ws_rows) + ", " + std::to_string(a.ws_cols) + "].");
-    }
-  } else if (a.xs_rows * a.xs_cols != 1 || a.ws_rows * a.ws_cols != 1) {
-    return Status::Invalid(pre + "per-tensor scales must be one float each.");
-  }
+  if (Status s = tp::Fp8Operands(pre, a); !s.ok()) return s;
+  const int64_t m = a.m, k = a.k, n = a.n, kb = (k + 127) / 128;
   if (!GATHER && m % world != 0) return Status::Invalid(pre + "M must be divisible by P.");
   const int64_t m_out = GATHER ? m : m / world;
   if (a.y_rows != m_out || a.y_cols != n) {
@@ -154,7 +101,7 @@ Status RowSplitGemmFp8(const char* op, int op_id, const Where& at, const GemmFp8
   const int grid = pk::tp::helper_grid(r.owner_units > r.out_units ? r.owner_units
                                                                    : r.out_units);
   if (Status s = tp::StartEpoch(at.stream, c); !s.ok()) return s;
-  if (Status s = CudaStatus(WithConfigFp8(a, [&](auto cfg) {
+  if (Status s = CudaStatus(tp::WithConfigFp8(a, [&](auto cfg) {
                               return rf::launch_front<decltype(cfg)>(g, r, grid, at.stream,
                                                                      at.device, at.num_sms);
                             }),
@@ -165,60 +112,6 @@ Status RowSplitGemmFp8(const char* op, int op_id, const Where& at, const GemmFp8
   if (g.direct) return Status::Ok();
   pk::tp::leave_kernel<GATHER><<<grid, pk::tp::THREADS, 0, at.stream>>>(r);
   return CudaStatus(cudaGetLastError(), op);
-}
-
-// Binds XLA's buffers into GemmFp8Args, takes the communicator, SM count and peer-map cache
-// from the executable's state and calls `launch` (tp.h RunGemm's steps with the scales).
-ffi::Error RunGemmFp8(const char* op, int op_id,
-                      Status (*launch)(const Where&, const GemmFp8Args&, const CommView&),
-                      cudaStream_t stream, int32_t device, CommState* state,
-                      const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
-                      const ffi::Buffer<ffi::F32>& x_scale, const ffi::Buffer<ffi::F32>& w_scale,
-                      const ffi::Buffer<ffi::S32>& rank, ffi::AnyBuffer y, int64_t config,
-                      int64_t group_m) {
-  const CommView* v = nullptr;
-  int num_sms = 0;
-  PeerMaps* maps = nullptr;
-  if (ffi::Error e = BindComm(op, state, device, &v, &num_sms, &maps); e.failure()) return e;
-  const std::string pre = std::string("pk.") + op + ": ";
-  GemmFp8Args a{};
-  a.blockwise = x_scale.dimensions().size() == 2;  // the flag first: it says what the scales are
-  MarkFields(op_id, &a);
-  if (!ToFp8(x.element_type(), &a.dtype) || !ToFp8(w.element_type(), &a.w_dtype)) {
-    return ffi::Error::InvalidArgument(pre + "x and w must be float8_e4m3fn or float8_e5m2.");
-  }
-  if (y.element_type() != ffi::DataType::BF16) {
-    return ffi::Error::InvalidArgument(pre + "y must be bfloat16.");
-  }
-  a.y_dtype = DType::kBF16;
-  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || xd[1] != wd[1]) {
-    return ffi::Error::InvalidArgument(pre + "expected x [M, K/P], wt [N, K/P] and a 2-D y.");
-  }
-  const auto sxd = x_scale.dimensions(), swd = w_scale.dimensions();
-  if (sxd.size() != swd.size() || (sxd.size() != 0 && sxd.size() != 2)) {
-    return ffi::Error::InvalidArgument(
-        pre + "x_scale and w_scale must both be scalars (per tensor) or both rank 2 (blockwise).");
-  }
-  a.x = x.untyped_data();
-  a.w = w.untyped_data();
-  a.x_scale = x_scale.typed_data();
-  a.w_scale = w_scale.typed_data();
-  a.y = y.untyped_data();
-  a.rank = rank.typed_data();
-  a.m = xd[0];
-  a.k = xd[1];
-  a.n = wd[0];
-  a.y_rows = yd[0];
-  a.y_cols = yd[1];
-  a.xs_rows = a.blockwise ? sxd[0] : 1;
-  a.xs_cols = a.blockwise ? sxd[1] : 1;
-  a.ws_rows = a.blockwise ? swd[0] : 1;
-  a.ws_cols = a.blockwise ? swd[1] : 1;
-  a.config = config;
-  a.group_m = group_m;
-  if (ffi::Error e = CheckFilled(op_id, a); e.failure()) return e;
-  return ToError(launch(Where{stream, device, num_sms, maps}, a, *v));
 }
 
 }  // namespace
@@ -238,8 +131,8 @@ ffi::Error GemmRsFp8Cuda(cudaStream_t stream, int32_t device, CommState* state, 
                          ffi::Buffer<ffi::F32> w_scale, ffi::Buffer<ffi::S32> rank,
                          ffi::Result<ffi::AnyBuffer> y, int64_t /*comm_id*/, int64_t config,
                          int64_t group_m) {
-  return RunGemmFp8("gemm_reduce_scatter_fp8", kOpGemmRsFp8, LaunchGemmRsFp8, stream, device,
-                    state, x, w, x_scale, w_scale, rank, *y, config, group_m);
+  return tp::RunGemmFp8("gemm_reduce_scatter_fp8", kOpGemmRsFp8, LaunchGemmRsFp8, stream,
+                        device, state, x, w, x_scale, w_scale, rank, *y, config, group_m);
 }
 
 ffi::Error GemmArFp8Cuda(cudaStream_t stream, int32_t device, CommState* state, ffi::AnyBuffer x,
@@ -247,8 +140,8 @@ ffi::Error GemmArFp8Cuda(cudaStream_t stream, int32_t device, CommState* state, 
                          ffi::Buffer<ffi::F32> w_scale, ffi::Buffer<ffi::S32> rank,
                          ffi::Result<ffi::AnyBuffer> y, int64_t /*comm_id*/, int64_t config,
                          int64_t group_m) {
-  return RunGemmFp8("gemm_all_reduce_fp8", kOpGemmArFp8, LaunchGemmArFp8, stream, device, state,
-                    x, w, x_scale, w_scale, rank, *y, config, group_m);
+  return tp::RunGemmFp8("gemm_all_reduce_fp8", kOpGemmArFp8, LaunchGemmArFp8, stream, device,
+                        state, x, w, x_scale, w_scale, rank, *y, config, group_m);
 }
 
 }  // namespace

@@ -224,19 +224,31 @@ void VisitMaskFields(V&& visit, A& a) {
 // gemm_rs / gemm_ar with matmul_fp8's operands per rank, x [m, k] and wt [n, k] (k: K/P), and
 // this rank's scales of its shard as matmul_fp8 takes them (per tensor, or blockwise with
 // k = K/P); y bf16 [m/P or m, n].
-// rank: the int32 rank operand on the device.
+// rank: the int32 rank operand on the device. ag_gemm_fp8 (cuda/kernels/ag_gemm_fp8.cuh): x
+// [m, k] is this rank's row shard (m: Mp) and wt [n, k] its weight, y bf16 [P m, n]; it also
+// returns x_full [P m, k] (x's format) and xs_full (per tensor [P]; blockwise [KB, P m]), the
+// gathered rows and their scales, with num_comm_sms communication blocks.
 struct GemmFp8Args : MatmulFp8Args {
   const int32_t* rank;
+  void* x_full;          // ag_gemm_fp8 only
+  float* xs_full;        // ag_gemm_fp8 only
+  int64_t num_comm_sms;  // ag_gemm_fp8: communication blocks (the same on every rank)
 };
 
 template <class V>
 void VisitFields(V&& visit, int op, GemmFp8Args& a) {
   VisitFields(visit, op, static_cast<MatmulFp8Args&>(a));
   visit("rank", a.rank);
+  if (op == kOpAgGemmFp8) {
+    visit("x_full", a.x_full);
+    visit("xs_full", a.xs_full);
+    visit("num_comm_sms", a.num_comm_sms);
+  }
 }
 
 Status LaunchGemmRsFp8(const Where& at, const GemmFp8Args& a, const CommView& v);
 Status LaunchGemmArFp8(const Where& at, const GemmFp8Args& a, const CommView& v);
+Status LaunchAgGemmFp8(const Where& at, const GemmFp8Args& a, const CommView& v);
 
 // Single-device attention (cuda/kernels/attention.cuh). Forward: q, k, v -> o, lse. Backward:
 // q, k, v, d_o, lse and delta (both [B, H, SP], SP = S rounded up to 128) -> dq, dk, dv, with
@@ -688,8 +700,14 @@ inline uint64_t WorkspaceNeed(int op, const GemmArgs& a, int world) {
   const int64_t mp = op == kOpGemmAr ? (a.m + world - 1) / world : a.m / world;
   return uint64_t(mp) * uint64_t(a.n) * 2;
 }
-// gemm_rs_fp8 / gemm_ar_fp8: gemm_rs's / gemm_ar's bf16 owner buffer (Mp rows of N).
+// gemm_rs_fp8 / gemm_ar_fp8: gemm_rs's / gemm_ar's bf16 owner buffer (Mp rows of N);
+// ag_gemm_fp8: the staged shard, x's [Mp, K] bytes, then its scales (16 bytes per tensor,
+// blockwise [KB, Mp] floats).
 inline uint64_t WorkspaceNeed(int op, const GemmFp8Args& a, int world) {
+  if (op == kOpAgGemmFp8) {
+    const uint64_t shard = (uint64_t(a.m) * uint64_t(a.k) + 15) / 16 * 16;
+    return shard + (a.blockwise ? uint64_t((a.k + 127) / 128) * uint64_t(a.m) * 4 : 16);
+  }
   const int64_t mp = op == kOpGemmArFp8 ? (a.m + world - 1) / world : a.m / world;
   return uint64_t(mp) * uint64_t(a.n) * 2;
 }
@@ -760,6 +778,7 @@ constexpr auto WithLauncher(int id, F&& f, G&& none) {
     case kOpGemmAr: return f(LaunchGemmAr);
     case kOpGemmRsFp8: return f(LaunchGemmRsFp8);
     case kOpGemmArFp8: return f(LaunchGemmArFp8);
+    case kOpAgGemmFp8: return f(LaunchAgGemmFp8);
     case kOpGroupedMatmul: return f(LaunchGroupedMatmul);
     case kOpGroupedMatmulFp8: return f(LaunchGroupedMatmulFp8);
     case kOpAttention: return f(LaunchAttention);

@@ -23,7 +23,7 @@ namespace pk_ffi {
 
 // Element types of the operands (the launchers dispatch on them; Python passes these codes).
 // The fp8 formats are the fp8 GEMMs' operands only (pk_matmul_fp8, pk_grouped_matmul_fp8,
-// pk_gemm_rs_fp8, pk_gemm_ar_fp8).
+// pk_gemm_rs_fp8, pk_gemm_ar_fp8, pk_ag_gemm_fp8).
 enum class DType : int32_t { kBF16 = 0, kF16 = 1, kF32 = 2, kS32 = 3, kE4M3 = 4, kE5M2 = 5 };
 
 // Op ids. The error record carries them (an op whose kernels share another op's protocol
@@ -55,6 +55,7 @@ enum OpId : int {
   kOpGroupedMatmulFp8 = 23,
   kOpGemmRsFp8 = 24,
   kOpGemmArFp8 = 25,
+  kOpAgGemmFp8 = 26,
 };
 
 namespace op_table {
@@ -77,7 +78,8 @@ inline constexpr DTypeEntry kDTypes[] = {
 // pk_matmul (any of them) and of the fused TP GEMMs (kTile128x128 or kTile128x256S3); of
 // pk_matmul_fp8 the tile shape alone (kTile128x256 or kTile128x128: cuda/kernels/matmul_fp8.cuh
 // has its own stage counts, and its blockwise scaling takes kTile128x128) and of its fused TP
-// forms pk_gemm_rs_fp8 / pk_gemm_ar_fp8 (per tensor: kTile128x256 or kTile128x128).
+// forms pk_gemm_rs_fp8 / pk_gemm_ar_fp8 / pk_ag_gemm_fp8 (per tensor: kTile128x256 or
+// kTile128x128).
 enum Tile : int {
   kTile128x256 = 0,    // 4 stages, stores staged in two 128-column rounds
   kTile128x128 = 1,    // 6 stages: small outputs, twice the tiles to spread over the SMs
@@ -177,10 +179,12 @@ inline constexpr Op kOps[] = {
     {kOpGemmRs, "gemm_rs", "gemm_rs", kGemmRsSlots, true, true, true, kOpGemmRs},
     {kOpAgGemm, "ag_gemm", "ag_gemm", kAgGemmSlots, true, true, true, kOpAgGemm},
     {kOpGemmAr, "gemm_ar", "gemm_ar", kGemmArSlots, true, true, true, kOpGemmAr},
-    // The fp8 forms run gemm_rs's / gemm_ar's protocol in those ops' ranges (one epoch counter
-    // each: every rank makes the same calls in the same order); their records name the fp8 op.
+    // The fp8 forms run gemm_rs's / gemm_ar's / ag_gemm's protocol in those ops' ranges (one
+    // epoch counter each: every rank makes the same calls in the same order); their records
+    // name the fp8 op.
     {kOpGemmRsFp8, "gemm_rs_fp8", "gemm_rs", kGemmRsSlots, true, true, true, kOpGemmRsFp8},
     {kOpGemmArFp8, "gemm_ar_fp8", "gemm_ar", kGemmArSlots, true, true, true, kOpGemmArFp8},
+    {kOpAgGemmFp8, "ag_gemm_fp8", "ag_gemm", kAgGemmSlots, true, true, true, kOpAgGemmFp8},
     {kOpGroupedMatmul, "grouped_matmul", "grouped_matmul", kNoSlots, false, true, true,
      kOpGroupedMatmul},
     {kOpGroupedMatmulFp8, "grouped_matmul_fp8", "grouped_matmul", kNoSlots, false, true, true,

@@ -37,9 +37,14 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 TP_GEMMS = ("gemm_rs", "ag_gemm", "gemm_ar")
 # The fp8 forms of the TP GEMMs: routed as their bf16 ops, with the fp8 rates (cost_model).
 TP_GEMMS_FP8 = cost_model.FP8_OPS
-# all_gather_gemm's fp8 form has no fused kernel: "local" (P = 1: the fp8 GEMM) or "serial"
-# (the pk all_gather of the fp8 rows, then the fp8 GEMM), from these two kernels.
+# all_gather_gemm's fp8 form: "local" (P = 1: the fp8 GEMM), "serial" (the pk all_gather of the
+# fp8 rows and their scales, then the fp8 GEMM) or "fused" (pk_ag_gemm_fp8), as ag_gemm's model
+# picks with the fp8 rates.
 GATHER_GEMM_FP8 = "ag_gemm_fp8"
+# Whether "auto" may pick pk_ag_gemm_fp8 where the model prefers it. False until the kernel has
+# run on a GPU (bench/results/fp8_notes.md, "The fused fp8 all_gather_gemm"): until then only a
+# forced fused mode (cost_model.override, PK_JAX_TP_MODE=fused) runs it.
+GATHER_GEMM_FP8_AUTO = False
 _warned: set[str] = set()
 
 
@@ -149,9 +154,10 @@ def route(stem: str, axis_name: str | None = None, *, supported: bool = True,
         gemm: for the TP GEMMs, (M, N, K, dtype) of the call: M the rows of the whole product,
             K the contraction each device multiplies; the cost model chooses local, serial or
             fused from them.
-        fp8: for the fp8 forms of the TP GEMMs (TP_GEMMS_FP8), their scaling ("tensor" or
-            "block"); `gemm`'s dtype is then not read. all_gather_gemm's fp8 form
-            (GATHER_GEMM_FP8) takes neither: it has no fused kernel to choose.
+        fp8: for the fp8 forms of the TP GEMMs (TP_GEMMS_FP8 and all_gather_gemm's,
+            GATHER_GEMM_FP8), their scaling ("tensor" or "block"); `gemm`'s dtype is then not
+            read. For GATHER_GEMM_FP8, `supported` says whether the fused kernel takes the
+            operands (the serial form takes every checked call).
         overlap: for a fused kernel of cost_model.ROUTED_OVERLAP_OPS over a P > 1 axis, (shape,
             itemsize) of the call (shape per device, cost_model.overlap_parts' keys): the route
             is "fused" where its override (`cost_model.overlap_override`) or else the decider
@@ -172,8 +178,13 @@ def route(stem: str, axis_name: str | None = None, *, supported: bool = True,
         return Route(mode, forced=forced is not None)
     if stem == GATHER_GEMM_FP8:
         p = jax.lax.axis_size(axis_name)
-        if not supported or not use_kernel("matmul_fp8", axis_name):
+        if not use_kernel("matmul_fp8", axis_name):
             return REFERENCE
+        m, n, k, _ = gemm
+        pl = cost_model.plan("ag_gemm", m, n, k, p, gpu=_gpu(), fp8=fp8)
+        allowed = GATHER_GEMM_FP8_AUTO or cost_model.overrides()[0] == "fused"
+        if pl.mode == "fused" and allowed and supported and use_kernel(stem, axis_name):
+            return Route("fused", pl.num_comm_sms)
         if p == 1:
             return Route("local")
         return Route("serial") if use_kernel("all_gather", axis_name) else REFERENCE

@@ -17,6 +17,7 @@ _OPS = [
     (7, 'gemm_ar', 'gemm_ar', 40960, 16384, True, True, True, 7),
     (24, 'gemm_rs_fp8', 'gemm_rs', 8192, 16384, True, True, True, 24),
     (25, 'gemm_ar_fp8', 'gemm_ar', 40960, 16384, True, True, True, 25),
+    (26, 'ag_gemm_fp8', 'ag_gemm', 24576, 16384, True, True, True, 26),
     (9, 'grouped_matmul', 'grouped_matmul', 0, 0, False, True, True, 9),
     (23, 'grouped_matmul_fp8', 'grouped_matmul', 0, 0, False, True, True, 23),
     (10, 'attention', 'attention', 0, 0, False, True, True, 10),

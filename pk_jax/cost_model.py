@@ -343,8 +343,9 @@ def collective_us(op: str, out_bytes: float, shard_bytes: float, p: int, gpu: GP
 # The fp8 GEMM's rate against pk.matmul's (bf16), per scaling: the geometric means over
 # bench_fp8.py's grid on an H100 (bench/results/fp8_notes.md), taken for the H200 too.
 FP8_SPEEDUP = {"tensor": 1.7, "block": 0.89}
-# The fp8 forms as `choose` names them (the ops' kernels: pk_gemm_rs_fp8, pk_gemm_ar_fp8).
-FP8_OPS = ("gemm_rs_fp8", "gemm_ar_fp8")
+# The fp8 forms as `choose` names them, each with its bf16 op's model at the fp8 rates (the ops'
+# kernels: pk_gemm_rs_fp8, pk_gemm_ar_fp8, pk_ag_gemm_fp8).
+FP8_OPS = ("gemm_rs_fp8", "gemm_ar_fp8", "ag_gemm_fp8")
 
 
 def predict(op: str, m: int, n: int, k: int, p: int, *, mode: str, num_comm_sms: int = 0,
@@ -353,9 +354,9 @@ def predict(op: str, m: int, n: int, k: int, p: int, *, mode: str, num_comm_sms:
     `fp8`: the scaling of an fp8 form, whose operands are 1 byte and output bf16."""
     if op not in OPS:
         raise ValueError(f"pk_jax.cost_model: op={op!r} is not one of {OPS}.")
-    if fp8 is not None and (fp8 not in FP8_SPEEDUP or op == "ag_gemm"):
-        raise ValueError(f"pk_jax.cost_model: fp8={fp8!r} for {op}: the fp8 forms are gemm_rs "
-                         f"and gemm_ar, scaled by {tuple(FP8_SPEEDUP)}.")
+    if fp8 is not None and fp8 not in FP8_SPEEDUP:
+        raise ValueError(f"pk_jax.cost_model: fp8={fp8!r} for {op}: the fp8 forms are scaled by "
+                         f"{tuple(FP8_SPEEDUP)}.")
     us = 1e6
     flops = 2.0 * m * n * k
     rate = gpu.peak_tflops * 1e12 * gpu.gemm_efficiency * (FP8_SPEEDUP[fp8] if fp8 else 1.0)

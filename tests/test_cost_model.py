@@ -96,6 +96,22 @@ def test_emulated_cases_use_the_rows_rates():
                    for r in check_cost_model.latest_rows(op).values())
 
 
+def test_ag_gemm_fp8_gathers_fp8_bytes_at_the_fp8_rate():
+    """all_gather_gemm's fp8 form: the GEMM at FP8_SPEEDUP[scaling], the gathered rows in one
+    byte, in both modes; at P = 1 the fp8 GEMM alone."""
+    m, n, k, p = 8192, 8192, 4096, 4
+    for mode in ("serial", "fused"):
+        bf16 = cm.predict("ag_gemm", m, n, k, p, mode=mode, num_comm_sms=8)
+        for scaling, speedup in cm.FP8_SPEEDUP.items():
+            f8 = cm.predict("ag_gemm", m, n, k, p, mode=mode, num_comm_sms=8, fp8=scaling)
+            if mode == "serial":
+                assert f8.terms["comp"] == pytest.approx(bf16.terms["comp"] / speedup)
+                assert f8.terms["non_overlap"] < bf16.terms["non_overlap"]
+            else:
+                assert f8.terms["comm"] == pytest.approx(bf16.terms["comm"] / 2)
+    assert cm.plan("ag_gemm", m, n, k, 1, fp8="tensor").mode == "local"
+
+
 def test_terms_add_up():
     pl = cm.predict("gemm_rs", 8192, 8192, 1024, 8, mode="fused")
     t = pl.terms
@@ -106,7 +122,7 @@ def test_terms_add_up():
 @pytest.mark.parametrize("op", ("gemm_rs", "gemm_ar"))
 def test_fp8_forms_use_the_fp8_rate_and_bytes(op):
     """The fp8 forms: the GEMM's compute term divided by FP8_SPEEDUP[scaling], its operands'
-    bytes halved, the output (and so the collective) still bf16; ag_gemm has no fp8 form."""
+    bytes halved, the output (and so the collective) still bf16."""
     m, n, k, p = 8192, 8192, 2048, 4
     bf16 = cm.predict(op, m, n, k, p, mode="serial")
     for scaling, speedup in cm.FP8_SPEEDUP.items():
@@ -116,8 +132,6 @@ def test_fp8_forms_use_the_fp8_rate_and_bytes(op):
         assert f8.terms["mem"] == pytest.approx(bf16.terms["mem"] * (m * k + k * n + 2 * m * n)
                                                 / (2 * (m * k + k * n + m * n)))
         assert cm.plan(op, m, n, k, 1, fp8=scaling).mode == "local"
-    with pytest.raises(ValueError, match="fp8 forms are gemm_rs and gemm_ar"):
-        cm.predict("ag_gemm", m, n, k, p, mode="serial", fp8="tensor")
     with pytest.raises(ValueError, match="fp8='e4m3'"):
         cm.predict(op, m, n, k, p, mode="serial", fp8="e4m3")
     # the one decider names the fp8 forms by their ops (the validation cases' and rows' name)

@@ -626,8 +626,9 @@ def test_gpu_public_op_at_p1_runs_the_fp8_gemm(kind, blockwise):
 
 
 # ---------------------------------------------------------------- all_gather_gemm's fp8 form
-# pk.all_gather_gemm with fp8 operands: no fused kernel; "local" (P = 1: the fp8 GEMM) or
-# "serial" (the pk all_gather of the fp8 rows and of their scales, then the fp8 GEMM).
+# pk.all_gather_gemm with fp8 operands: "local" (P = 1: the fp8 GEMM), "serial" (the pk
+# all_gather of the fp8 rows and of their scales, then the fp8 GEMM) or "fused"
+# (pk_ag_gemm_fp8, cuda/kernels/ag_gemm_fp8.cuh), as the cost model or an override picks.
 
 
 def _ag_model(xs, wts, sx, sw) -> list[np.ndarray]:
@@ -690,10 +691,13 @@ def test_ag_public_op_is_the_model_without_kernels(p, blockwise):
 def test_ag_public_op_routes_and_takes_the_references_gradient(monkeypatch, p, scaling,
                                                                targets):
     """With the kernels available (stand-ins: the collectives' jax.lax forms, the fp8 GEMM's
-    reference): P = 1 runs the fp8 GEMM alone, P > 1 gathers x's fp8 rows (as bf16 pairs) and
-    its scales, then the fp8 GEMM (per tensor: x's scale 1 into float32, each rank's rows then
-    scaled). Every route gives the model on exact inputs, and its gradients (x, w, both scales)
-    are the reference's."""
+    reference) and serial forced (at these sizes the model prefers the fused kernel, whose route
+    test_ag_public_op_fused_route checks): P = 1 runs the fp8 GEMM alone, P > 1 gathers x's fp8
+    rows (as bf16 pairs) and its scales, then the fp8 GEMM (per tensor: x's scale 1 into
+    float32, each rank's rows then scaled). Every route gives the model on exact inputs, and
+    its gradients (x, w, both scales) are the reference's."""
+    from pk_jax import cost_model
+
     calls = stand_in_kernels(monkeypatch)
     seen = []
 
@@ -718,22 +722,91 @@ def test_ag_public_op_routes_and_takes_the_references_gradient(monkeypatch, p, s
         loss = lambda *a: jnp.sum(body(*a).astype(jnp.float32) ** 2)
         return jax.grad(loss, argnums=(0, 1, 2, 3))
 
-    y = run(_ag_body(pk.all_gather_gemm), mesh, in_specs, out_spec, *args)
-    assert [c["target"] for c in calls] == targets
+    with cost_model.override(mode="serial"):
+        y = run(_ag_body(pk.all_gather_gemm), mesh, in_specs, out_spec, *args)
+        ours = run(lambda *a: grads(_ag_body(pk.all_gather_gemm))(*a), mesh, in_specs,
+                   in_specs, *args)
+    assert [c["target"] for c in calls][:len(targets)] == targets
     assert seen[0][0] == E4M3  # the gathered rows stay fp8
     if p > 1:
         assert seen[0][1] == (() if scaling == "tensor" else (5 * p, 3))
         assert seen[0][2] == (jnp.float32 if scaling == "tensor" else jnp.bfloat16)
     want = np.concatenate(_ag_model(xs, wts, sx, sw), axis=1).astype(np.float64)
     np.testing.assert_array_equal(np.asarray(y, np.float64), want)
-    ours = run(lambda *a: grads(_ag_body(pk.all_gather_gemm))(*a), mesh, in_specs, in_specs,
-               *args)
     from pk_jax.ops import ag_gemm
     ref = run(lambda *a: grads(lambda x, w, c, d: ag_gemm.fp8_reference(
         x, w, _local(c), _local(d), "tp"))(*a), mesh, in_specs, in_specs, *args)
     for a, b in zip(ours, ref):
         assert a.dtype == b.dtype and a.shape == b.shape
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.parametrize("p,scaling,m", [(2, "tensor", 5), (4, "block", 8), (2, "mixed", 4),
+                                         (2, "block", 6)])
+def test_ag_public_op_fused_route(monkeypatch, p, scaling, m):
+    """Forced fused (stand-ins as above; pk_ag_gemm_fp8's: tests/util.py): one call of the fused
+    fp8 kernel with the override's num_comm_sms, the model's result on exact inputs, the
+    reference's gradients. Blockwise with M/P not a multiple of 4 (6), which the kernel does
+    not take, runs the serial form instead."""
+    from pk_jax import cost_model
+    from pk_jax.ops import ag_gemm
+
+    calls = stand_in_kernels(monkeypatch)
+
+    def fp8_gemm(x, w, a, b, out_dtype=None, **kw):
+        calls.append({"target": "pk_matmul_fp8"})
+        return matmul.fp8_reference(x, w, a, b, out_dtype)
+
+    monkeypatch.setattr(matmul, "_fp8_kernel", fp8_gemm)
+    rng = np.random.default_rng(70 + p + m)
+    blockwise = scaling != "tensor"
+    xs, wts, sx, sw = _ag_inputs(blockwise, rng, p, m, 272 if blockwise else 32, 24, E4M3, E5M2)
+    if scaling == "mixed":
+        sx = np.array([s[0, 0] for s in sx], np.float32)
+    mesh = cpu_mesh((p,), ("tp",))
+    in_specs, out_spec = _ag_specs(blockwise)
+    if scaling == "mixed":
+        in_specs = (in_specs[0], in_specs[1], P("tp"), in_specs[3])
+    args = _ag_global(xs, wts, sx, sw)
+    loss = lambda *a: jnp.sum(_ag_body(pk.all_gather_gemm)(*a).astype(jnp.float32) ** 2)
+    with cost_model.override(mode="fused", num_comm_sms=3):
+        y = run(_ag_body(pk.all_gather_gemm), mesh, in_specs, out_spec, *args)
+        ours = run(jax.grad(loss, argnums=(0, 1, 2, 3)), mesh, in_specs, in_specs, *args)
+    targets = [c["target"] for c in calls]
+    if scaling == "tensor" or m % 4 == 0:
+        assert targets[0] == "pk_ag_gemm_fp8" and calls[0]["num_comm_sms"] == 3
+        assert set(targets) == {"pk_ag_gemm_fp8"}
+    else:
+        assert targets[:3] == ["pk_all_gather", "pk_all_gather", "pk_matmul_fp8"]
+        assert "pk_ag_gemm_fp8" not in targets
+    want = np.concatenate(_ag_model(xs, wts, sx, sw), axis=1).astype(np.float64)
+    np.testing.assert_array_equal(np.asarray(y, np.float64), want)
+    ref_loss = lambda x, w, c, d: jnp.sum(ag_gemm.fp8_reference(
+        x, w, _local(c), _local(d), "tp").astype(jnp.float32) ** 2)
+    ref = run(jax.grad(ref_loss, argnums=(0, 1, 2, 3)), mesh, in_specs, in_specs, *args)
+    for a, b in zip(ours, ref):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_ag_auto_route_runs_the_fused_fp8_kernel_only_when_allowed(monkeypatch):
+    """At sizes where the model prefers the fused fp8 kernel, "auto" runs the serial form while
+    _backend.GATHER_GEMM_FP8_AUTO is off (the kernel not yet run on a GPU) and the fused kernel
+    once it is on; a forced fused mode runs it either way (test_ag_public_op_fused_route)."""
+    from pk_jax import _backend, cost_model
+
+    assert cost_model.plan("ag_gemm", 10, 24, 32, 2, fp8="tensor").mode == "fused"
+    rng = np.random.default_rng(5)
+    xs, wts, sx, sw = _ag_inputs(False, rng, 2, 5, 32, 24, E4M3, E4M3)
+    in_specs, out_spec = _ag_specs(False)
+    for auto, first in ((False, "pk_all_gather"), (True, "pk_ag_gemm_fp8")):
+        calls = stand_in_kernels(monkeypatch)
+        monkeypatch.setattr(matmul, "_fp8_kernel", lambda x, w, a, b, out_dtype=None, **kw:
+                            matmul.fp8_reference(x, w, a, b, out_dtype))
+        monkeypatch.setattr(_backend, "GATHER_GEMM_FP8_AUTO", auto)
+        run(_ag_body(pk.all_gather_gemm), cpu_mesh((2,), ("tp",)), in_specs, out_spec,
+            *_ag_global(xs, wts, sx, sw))
+        assert calls[0]["target"] == first
 
 
 def test_ag_public_op_errors():
@@ -761,22 +834,32 @@ def test_ag_public_op_errors():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("route", ["local", "fused"])
 @pytest.mark.parametrize("blockwise", [False, True], ids=["tensor", "block"])
-def test_gpu_ag_public_op_at_p1_runs_the_fp8_gemm(blockwise):
-    """pk.all_gather_gemm with fp8 operands over a 1-device axis: the program calls
-    pk_matmul_fp8 alone, and the result is the model's exactly, twice on poisoned outputs."""
+def test_gpu_ag_public_op_at_p1(blockwise, route):
+    """pk.all_gather_gemm with fp8 operands over a 1-device axis: by default the program calls
+    pk_matmul_fp8 alone; forced fused, pk_ag_gemm_fp8 once (the gather's comm blocks copy every
+    row: all are this device's). Either way the result is the model's exactly, twice on
+    poisoned outputs, at 300 rows (three row blocks, the last partial) and N past one
+    256-column tile."""
+    from pk_jax import cost_model
+
     mesh = jax.make_mesh((1,), ("tp",), devices=jax.devices("gpu")[:1])
     pk.init(mesh)
     rng = np.random.default_rng(41 + blockwise)
-    xs, wts, sx, sw = _ag_inputs(blockwise, rng, 1, 300, 400 if blockwise else 128, 200, E4M3,
+    xs, wts, sx, sw = _ag_inputs(blockwise, rng, 1, 300, 400 if blockwise else 128, 264, E4M3,
                                  E5M2)
     in_specs, out_spec = _ag_specs(blockwise)
     args = _placed(mesh, in_specs, _ag_global(xs, wts, sx, sw))
-    body = jax.jit(jax.shard_map(_ag_body(pk.all_gather_gemm), mesh=mesh, in_specs=in_specs,
-                                 out_specs=out_spec, check_vma=False))
-    lowered = body.lower(*args).as_text()
-    assert lowered.count("custom_call @pk_matmul_fp8") == 1 and "@pk_all_gather" not in lowered
-    want = _ag_model(xs, wts, sx, sw)[0].astype(np.float64)
-    for _ in range(2):
-        poison((300, 200), jnp.bfloat16)
-        np.testing.assert_array_equal(np.asarray(body(*args), np.float64), want)
+    forced = {"mode": "fused", "num_comm_sms": 2} if route == "fused" else {}
+    with cost_model.override(**forced):
+        body = jax.jit(jax.shard_map(_ag_body(pk.all_gather_gemm), mesh=mesh,
+                                     in_specs=in_specs, out_specs=out_spec, check_vma=False))
+        lowered = body.lower(*args).as_text()
+        target = "pk_ag_gemm_fp8" if route == "fused" else "pk_matmul_fp8"
+        assert lowered.count(f"custom_call @{target}") == 1 and "@pk_all_gather" not in lowered
+        want = _ag_model(xs, wts, sx, sw)[0].astype(np.float64)
+        for _ in range(2):
+            poison((300, 264), jnp.bfloat16)
+            np.testing.assert_array_equal(np.asarray(body(*args), np.float64), want)
+

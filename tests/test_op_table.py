@@ -216,6 +216,10 @@ def test_the_emulator_decodes_each_field_by_its_key():
         assert decode(op, {**fp8, "rank": 64}) == {
             **fp8, "rank": 64, "blockwise": False, "config": 1, "group_m": 8}
         assert "rank" not in decode("matmul_fp8", {**fp8, "rank": 64})
+        assert "x_full" not in decode(op, {**fp8, "rank": 64, "x_full": 7})
+    # ag_gemm_fp8: also the gathered rows and scales and the communication blocks.
+    ag = {**fp8, "rank": 64, "x_full": 7, "xs_full": 9, "num_comm_sms": 3}
+    assert decode("ag_gemm_fp8", ag) == {**ag, "blockwise": False, "config": 1, "group_m": 8}
     # A missing float does not: scale has no fallback.
     with pytest.raises(KeyError):
         decode("ring_attn", {})
@@ -425,6 +429,7 @@ def _testing_launches(monkeypatch) -> list[tuple[str, dict]]:
         ops.gemm_rs_fp8(xs, [w.T for w in ws], [1.0] * p, [0.5] * p),
         ops.gemm_ar_fp8(xs, [w.T for w in ws], [2.0] * p, [1.0] * p,
                         x_format="float8_e5m2", w_format="float8_e4m3fn"),
+        ops.ag_gemm_fp8(xs, [w.T for w in ws], [1.0] * p, [0.5] * p),
         ops.moe_dispatch([rand(4, 8) for _ in range(p)], ids, "bfloat16", **moe),
         ops.moe_scatter([rand(8, 8) for _ in range(p)], ids, "bfloat16", **moe),
         ops.moe_combine([rand(8, 8) for _ in range(p)], rng.random((p, 4, 2)), ids, "bfloat16",

@@ -507,7 +507,7 @@ def test_communicator_handlers_register_an_instantiate_stage():
             "pk_gemm_rs", "pk_ag_gemm", "pk_gemm_ar", "pk_moe_dispatch", "pk_moe_scatter",
             "pk_moe_combine", "pk_moe_dispatch_gemm", "pk_moe_gemm_combine", "pk_ring_attn",
             "pk_ring_attn_bwd", "pk_ulysses_attn", "pk_ulysses_attn_bwd", "pk_gemm_rs_fp8",
-            "pk_gemm_ar_fp8"}
+            "pk_gemm_ar_fp8", "pk_ag_gemm_fp8"}
     staged = {name for (name, _), h in regs.items() if isinstance(h, dict)}
     assert staged == comm
     instantiate = set()

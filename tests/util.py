@@ -313,6 +313,8 @@ def stand_in_kernels(monkeypatch) -> list[dict]:
             return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(results.dtype)
         axis = axis_of(int(attrs["comm_id"]))
         calls.append({"target": target, "axis": axis, **{k: int(v) for k, v in attrs.items()}})
+        if target == "pk_ag_gemm_fp8":
+            return _stand_in_ag_gemm_fp8(args, results, axis)
         x, shape = args[0], results.shape
         dim = next((i for i, (a, b) in enumerate(zip(x.shape, shape)) if a != b), 0)
         if target == "pk_all_reduce":
@@ -335,6 +337,31 @@ def stand_in_kernels(monkeypatch) -> list[dict]:
     monkeypatch.setattr(_ffi, "call", fake_call)
     monkeypatch.setattr(_backend, "use_kernel", lambda stem, axis_name=None: True)
     return calls
+
+
+def _stand_in_ag_gemm_fp8(args, results, axis: str):
+    """pk_ag_gemm_fp8 (ffi/ag_gemm_fp8.cu) from its operands as the handler takes them: x
+    [Mp, K] fp8, wt [N8, K], x and w scales (scalars, or blockwise x's transposed [KB, >= Mp]
+    and w's [KB, >= NB]); returns (y, x_full, xs_full) with the results' shapes, y from the
+    gathered rows dequantized by their owners' scales."""
+    from pk_jax.ops import matmul
+
+    x, wt, xs, ws = args[:4]
+    mp = x.shape[0]
+    x_full = jax.lax.all_gather(x, axis, axis=0, tiled=True)
+    if xs.ndim == 2:
+        xs_full = jax.lax.all_gather(xs[:, :mp], axis, axis=1, tiled=True)
+        nb = -(-wt.shape[0] // 128)
+        y = matmul.fp8_reference(x_full, wt.T, xs_full.T, ws[:, :nb], jnp.bfloat16)
+    else:
+        xs_full = jax.lax.all_gather(xs.reshape(1), axis, axis=0, tiled=True)
+        rows = jnp.repeat(xs_full, mp)[:, None] * x_full.astype(jnp.float32)
+        y = (jnp.dot(rows, wt.astype(jnp.float32).T, precision=jax.lax.Precision.HIGHEST)
+             * ws).astype(jnp.bfloat16)
+    out = (y, x_full, xs_full)
+    for a, want in zip(out, results):
+        assert a.shape == want.shape and a.dtype == want.dtype, (a.shape, want)
+    return out
 
 
 def _stand_in_masks(call: dict, attrs: dict, extra, b: int, s: int) -> dict:

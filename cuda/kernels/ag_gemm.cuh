@@ -55,6 +55,9 @@
  * remainder and 64-bit products, took a large share of the kernel in ncu).
  * measured: bench/results/tp_notes.md, "Measurements moved from code comments (issue 37)".
  *
+ * The placement, the loader's wait, the comm blocks and the own-row copy are ag_gemm::gather,
+ * which ag_gemm_fp8.cuh shares (its x scales travel with the rows through the Scales hooks).
+ *
  * Pitfalls: bulk copies and TMA loads are the async proxy, the signals the generic proxy, so
  * the copying thread and the loader fence.proxy.async.global around the release/acquire.
  * Compute blocks spin on flags written by comm blocks of the same grid, so every comm block
@@ -95,53 +98,46 @@ struct globals : matmul::globals {
   int own_lo, own_hi;   // block-rows [own_lo, own_hi) lie wholly in my shard
 };
 
-template <class C>
-struct kernel_def : matmul::kernel_def<C> {
-  using base = matmul::kernel_def<C>;
-  using globals = ag_gemm::globals;
-  using typename base::acc_t, typename base::out_t, typename base::stage_t;
-  static constexpr int BM = C::BM, BN = C::BN, BK = C::BK;
-  static_assert(BM == BLOCK_ROWS, "ag_gemm: the host places row blocks of BLOCK_ROWS rows");
+/** @brief What travels with the rows: nothing for the 16-bit op (ag_gemm_fp8.cuh moves the
+ * fp8 rows' scales through these hooks). */
+struct no_scales {
+  template <class G>
+  __device__ static void stage(const G&, bulk_ring&, int, int) {}
+  template <class G>
+  __device__ static void rows(const G&, bulk_ring&, int, int64_t, int64_t) {}
+  template <class G>
+  __device__ static void own(const G&, bulk_ring&, int, int) {}
+};
 
-  __device__ static bool own(const globals& g, int m) { return m >= g.own_lo && m < g.own_hi; }
+/**
+ * @brief The gather of the schedule above, shared by ag_gemm and ag_gemm_fp8: the tile order's
+ * placement, the loader's wait for a row block, the compute warps' share of the own-row copy
+ * and the communication blocks. G: the op's globals (the fields of `globals` above, by name);
+ * ROW_ELEM: bytes of an element of x; Scales: hooks that move what travels with the rows
+ * (stage: my share into ws_r; rows: after owner o's rows [a, b) reached x_full; own: my own
+ * block-rows), called by the comm blocks' copying thread.
+ */
+template <class G, int ROW_ELEM, class Scales = no_scales>
+struct gather {
+  static constexpr int BM = BLOCK_ROWS;
+
+  __device__ static bool own(const G& g, int m) { return m >= g.own_lo && m < g.own_hi; }
   /** @brief Rotates the tile order's block-rows to start at mine (row_shift from the host). */
-  __device__ static tile_coord place(const globals& g, tile_coord t) {
+  __device__ static tile_coord place(const G& g, tile_coord t) {
     t.m += g.row_shift;
     if (t.m >= g.tiles_m) t.m -= g.tiles_m;
     return t;
   }
-  __device__ static void setup(const globals& g, lcsc::block_info) {
-    const CUtensorMap* maps[] = {&g.x, &g.xl, &g.w, &g.y};
-    for (const CUtensorMap* m : maps) tma::prefetch(m);
-  }
 
-  __device__ static void loader(const globals& g, stage_t& s, mbarrier* full, tile_coord t,
-                                int k) {
-    // B first: it needs neither the placement nor the flag wait.
-#pragma unroll
-    for (int p = 0; p < base::b_tile::PANELS; ++p) {
-      tma::load_2d(s.b.panel(p), &g.w, full, t.n * BN + p * 64, k * BK);
-    }
-    t = place(g, t);
-    if (own(g, t.m)) {
-      tma::load_2d(s.a.data, &g.xl, full, k * BK, t.m * BM - g.c.rank * g.rows_per_rank);
-      return;
-    }
-    if (k == 0) {
-      // NOTES: a flag stays down when a comm block waits for a missing peer; that block's
-      // timeout names the peer, so the flag wait allows 1/8 more before naming the row
-      // block's owner itself.
-      const int owner = static_cast<int>(int64_t(t.m) * BM / g.rows_per_rank);
-      wait(g.c.sig[g.c.rank] + tp::FLAGS + t.m, g.c.epoch(), g.c.timeout_ns + g.c.timeout_ns / 8,
-           g.c.fail(), owner < g.c.world ? owner : g.c.world - 1);
-      fence_proxy_async_global();
-    }
-    tma::load_2d(s.a.data, &g.x, full, k * BK, t.m * BM);
-  }
-
-  __device__ static void storer(const globals& g, acc_t& acc, out_t& out, int c, tile_coord t,
-                                const lcsc::storer_sync& sync) {
-    base::storer(g, acc, out, c, place(g, t), sync);
+  /** @brief The loader, before its first TMA load of row block m (not an own one) of x_full. */
+  __device__ static void wait_rows(const G& g, int m) {
+    // NOTES: a flag stays down when a comm block waits for a missing peer; that block's
+    // timeout names the peer, so the flag wait allows 1/8 more before naming the row
+    // block's owner itself.
+    const int owner = static_cast<int>(int64_t(m) * BM / g.rows_per_rank);
+    wait(g.c.sig[g.c.rank] + tp::FLAGS + m, g.c.epoch(), g.c.timeout_ns + g.c.timeout_ns / 8,
+         g.c.fail(), owner < g.c.world ? owner : g.c.world - 1);
+    fence_proxy_async_global();
   }
 
   /** @brief My own block-rows of x_full and where they come from in x: `units` of OWN_UNIT. */
@@ -150,8 +146,8 @@ struct kernel_def : matmul::kernel_def<C> {
     const char* src;
     uint64_t bytes, units;
   };
-  __device__ static own_rows own_rows_of(const globals& g) {
-    const uint64_t row_bytes = uint64_t(g.k) * sizeof(typename C::dtype);
+  __device__ static own_rows own_rows_of(const G& g) {
+    const uint64_t row_bytes = uint64_t(g.k) * ROW_ELEM;
     const int64_t first = int64_t(g.own_lo) * BM;
     const int64_t last = int64_t(g.own_hi) * BM < g.m ? int64_t(g.own_hi) * BM : g.m;
     const uint64_t bytes = uint64_t(last - first) * row_bytes;
@@ -166,7 +162,7 @@ struct kernel_def : matmul::kernel_def<C> {
    * of x_full that the comm blocks have not claimed yet (16-byte loads and stores, 8 in flight
    * per thread), until none is left.
    */
-  __device__ static void finish(const globals& g, int) {
+  __device__ static void finish(const G& g) {
     if (g.own_hi <= g.own_lo) return;  // uniform: no own block-row
     const own_rows own = own_rows_of(g);
     const int lane = static_cast<int>(threadIdx.x % 32);
@@ -183,16 +179,13 @@ struct kernel_def : matmul::kernel_def<C> {
   }
 
   /** @brief One block of the gather: thread 0 moves the data with bulk copies (see above). */
-  __device__ static void communicator(const globals& g, lcsc::block_info info, void* smem) {
-    static_assert(sizeof(bulk_ring) <= sizeof(lcsc::shared_storage<kernel_def>),
-                  "ag_gemm: the bulk-copy ring must fit in the block's shared memory");
-    bulk_ring& ring = *static_cast<bulk_ring*>(smem);
+  __device__ static void communicator(const G& g, lcsc::block_info info, bulk_ring& ring) {
     const bool lead = threadIdx.x == 0;
     const tp::comm& c = g.c;
     const int nc = info.comm_blocks, cb = info.index, r = c.rank;
     const uint64_t e = c.epoch();
     const int64_t mp = g.rows_per_rank;
-    const uint64_t row_bytes = uint64_t(g.k) * sizeof(typename C::dtype);
+    const uint64_t row_bytes = uint64_t(g.k) * ROW_ELEM;
     const uint64_t shard_units = uint64_t(mp) * row_bytes / 16;
     if (lead) ring.init();
     c.barrier(0, cb, e);
@@ -201,6 +194,7 @@ struct kernel_def : matmul::kernel_def<C> {
       const uint64_t lo = shard_units * cb / nc * 16, hi = shard_units * (cb + 1) / nc * 16;
       bulk_copy(ring, static_cast<char*>(c.ws[r]) + lo,
                 static_cast<const char*>(g.x_local) + lo, hi - lo);
+      Scales::stage(g, ring, cb, nc);
     }
     tp::publish(c, tp::bar_row(1, cb) + r, e, /*local=*/false);  // staged[cb][r]
     const int tiles_m = ceil_div(g.m, BM);
@@ -230,10 +224,12 @@ struct kernel_def : matmul::kernel_def<C> {
                                    : static_cast<const char*>(c.ws[o]);
           bulk_copy(ring, static_cast<char*>(g.x_full) + a * row_bytes,
                     src + (a - o * mp) * row_bytes, (b - a) * row_bytes);
+          Scales::rows(g, ring, o, a, b);
         }
       }
       tp::publish(c, tp::FLAGS + j, e, /*local=*/true);  // flag[j]
     }
+    if (lead) Scales::own(g, ring, cb, nc);
     if (lead && g.own_hi > g.own_lo) {  // my own block-rows of x_full, claimed 128 KiB at a time
       const own_rows own = own_rows_of(g);
       uint64_t cur = 0, end = 0;
@@ -254,6 +250,50 @@ struct kernel_def : matmul::kernel_def<C> {
     }
     if (lead) fence_proxy_async_global();  // my bulk reads of peers' ws before the release
     c.barrier(2, cb, e);
+  }
+};
+
+template <class C>
+struct kernel_def : matmul::kernel_def<C> {
+  using base = matmul::kernel_def<C>;
+  using globals = ag_gemm::globals;
+  using typename base::acc_t, typename base::out_t, typename base::stage_t;
+  using rows = gather<globals, int(sizeof(typename C::dtype))>;
+  static constexpr int BM = C::BM, BN = C::BN, BK = C::BK;
+  static_assert(BM == BLOCK_ROWS, "ag_gemm: the host places row blocks of BLOCK_ROWS rows");
+
+  __device__ static void setup(const globals& g, lcsc::block_info) {
+    const CUtensorMap* maps[] = {&g.x, &g.xl, &g.w, &g.y};
+    for (const CUtensorMap* m : maps) tma::prefetch(m);
+  }
+
+  __device__ static void loader(const globals& g, stage_t& s, mbarrier* full, tile_coord t,
+                                int k) {
+    // B first: it needs neither the placement nor the flag wait.
+#pragma unroll
+    for (int p = 0; p < base::b_tile::PANELS; ++p) {
+      tma::load_2d(s.b.panel(p), &g.w, full, t.n * BN + p * 64, k * BK);
+    }
+    t = rows::place(g, t);
+    if (rows::own(g, t.m)) {
+      tma::load_2d(s.a.data, &g.xl, full, k * BK, t.m * BM - g.c.rank * g.rows_per_rank);
+      return;
+    }
+    if (k == 0) rows::wait_rows(g, t.m);
+    tma::load_2d(s.a.data, &g.x, full, k * BK, t.m * BM);
+  }
+
+  __device__ static void storer(const globals& g, acc_t& acc, out_t& out, int c, tile_coord t,
+                                const lcsc::storer_sync& sync) {
+    base::storer(g, acc, out, c, rows::place(g, t), sync);
+  }
+
+  __device__ static void finish(const globals& g, int) { rows::finish(g); }
+
+  __device__ static void communicator(const globals& g, lcsc::block_info info, void* smem) {
+    static_assert(sizeof(bulk_ring) <= sizeof(lcsc::shared_storage<kernel_def>),
+                  "ag_gemm: the bulk-copy ring must fit in the block's shared memory");
+    rows::communicator(g, info, *static_cast<bulk_ring*>(smem));
   }
 };
 

@@ -33,9 +33,9 @@ def all_gather_gemm(x: jax.Array, w: jax.Array, axis_name: str, *,
 
     With fp8 operands (`pk_jax.fp8`: float8_e4m3fn or float8_e5m2, each device's shards with
     their own float32 scales) the product is of the dequantized gathered rows, in bf16: on
-    Hopper GPUs the pk all_gather moves the fp8 rows (half the bytes of bf16) and their scales,
-    then the fp8 GEMM multiplies (no fused fp8 kernel yet); elsewhere the reference
-    (`fp8_reference`), whose gradient it has.
+    Hopper GPUs the fp8 rows (half the bytes of bf16) and their scales move, either in the
+    fused fp8 kernel (the gather under the GEMM) or by the pk all_gather before the fp8 GEMM,
+    as the cost model picks; elsewhere the reference (`fp8_reference`), whose gradient it has.
 
     Args:
         x: [M/P, K], bf16 or fp16, K a multiple of 8 (fp8: 16).
@@ -151,8 +151,8 @@ _ag_gemm.defvjp(_ag_gemm_fwd, _ag_gemm_bwd)
 
 
 # ---------------------------------------------------------------------------------------------
-# fp8: the reference, and the form on GPUs (no fused fp8 kernel: `_backend.route` gives
-# "local" or "serial").
+# fp8: the reference, and the forms on GPUs (`_backend.route` gives "local", "serial" or
+# "fused": pk_ag_gemm_fp8, cuda/kernels/ag_gemm_fp8.cuh).
 
 FP8_STEM = _backend.GATHER_GEMM_FP8
 
@@ -167,16 +167,23 @@ def fp8_reference(x: jax.Array, w: jax.Array, x_scale: jax.Array, w_scale: jax.A
 
 
 def _fp8_op(x, w, x_scale, w_scale, axis_name: str) -> jax.Array:
-    r = _backend.route(FP8_STEM, axis_name)  # sizes checked: the fp8 GEMM takes them
+    p, (mp, k), n = jax.lax.axis_size(axis_name), x.shape, w.shape[1]
+    scaling = "block" if x_scale.ndim == 2 or w_scale.ndim == 2 else "tensor"
+    # Sizes checked: the fp8 GEMM takes them. The fused kernel moves blockwise x scales in
+    # 16-byte units of a device's columns of [KB, M] (M/P a multiple of 4).
+    fusable = mp > 0 and n > 0 and (scaling == "tensor" or mp % 4 == 0)
+    r = _backend.route(FP8_STEM, axis_name, supported=fusable, gemm=(mp * p, n, k, None),
+                       fp8=scaling)
     if r.path == "reference":
         return fp8_reference(x, w, x_scale, w_scale, axis_name)
     # The kernels' result varies along every axis an operand varies along (and along axis_name
     # after the pk all_gather); the reference's gathered rows do not vary along axis_name, so
     # the gradient's reference is cast to the kernels' type (the cast's transpose sums dy).
     axes = _ffi.vma(x) | _ffi.vma(w) | _ffi.vma(x_scale) | _ffi.vma(w_scale)
-    if r.path == "serial":
+    if r.path in ("serial", "fused"):
         axes |= {axis_name}
-    forward = partial(_fp8_forward, path=r.path, axis_name=axis_name, axes=axes)
+    forward = partial(_fp8_forward, path=r.path, num_comm_sms=r.num_comm_sms,
+                      axis_name=axis_name, axes=axes)
     ref = partial(_fp8_reference_varying, axis_name=axis_name, axes=axes)
     return _vjp.with_reference_grad(forward, ref, x, w, x_scale, w_scale)
 
@@ -195,14 +202,38 @@ def _gather_rows(a: jax.Array, axis_name: str) -> jax.Array:
     return jax.lax.bitcast_convert_type(full, a.dtype).reshape(-1, a.shape[1])
 
 
-def _fp8_forward(x, w, x_scale, w_scale, *, path: str, axis_name: str,
+def fused_fp8(x, w, x_scale, w_scale, axis_name: str, num_comm_sms: int):
+    """The fused fp8 kernel pk_ag_gemm_fp8 on checked operands (w [K, N]): returns (y [M, N]
+    bf16, x_full [M, K] in x's format, xs_full: the gathered x scales, [P] per tensor or
+    [ceil(K / 128), M] blockwise, transposed as the kernel reads them)."""
+    p, mp = jax.lax.axis_size(axis_name), x.shape[0]
+    x, wt, xs, ws, blockwise, n = _mm.fp8_operands(x, w, x_scale, w_scale)
+    k, n8 = x.shape[1], wt.shape[0]
+    _tp.check_workspace(NAME, _ffi.workspace_need(FP8_STEM, p, m=mp, k=k, blockwise=blockwise),
+                        f"staging its [{mp}, {k}] fp8 shard and its scales")
+    scales = (-(-k // 128), mp * p) if blockwise else (p,)
+    y, x_full, xs_full = _ffi.call(
+        "pk_ag_gemm_fp8", (jax.ShapeDtypeStruct((mp * p, n8), jnp.bfloat16),
+                           jax.ShapeDtypeStruct((mp * p, k), x.dtype),
+                           jax.ShapeDtypeStruct(scales, jnp.float32)),
+        x, wt, xs, ws, _backend.rank_operand(axis_name),
+        comm_id=np.int64(state.comm_id(axis_name)),
+        config=np.int64(_mm.fp8_tile_config(mp * p, n8, blockwise)),
+        group_m=np.int64(_mm._GROUP_M), num_comm_sms=np.int64(num_comm_sms))
+    return (y[:, :n] if n8 != n else y), x_full, xs_full
+
+
+def _fp8_forward(x, w, x_scale, w_scale, *, path: str, num_comm_sms: int, axis_name: str,
                  axes: frozenset) -> jax.Array:
-    """"local" (P = 1): the fp8 GEMM. "serial": the pk all_gather of the fp8 rows and of their
+    """"fused": pk_ag_gemm_fp8. "local" (P = 1): the fp8 GEMM. "serial": the pk all_gather of
+    the fp8 rows and of their
     x scales, then the fp8 GEMM of the gathered rows. A blockwise scale gives every gathered row
     its own x scales ([M, KB]; a device's scalar broadcast to its rows' blocks). With both
     scales per tensor the devices' x scales differ by rows, which the per-tensor kernel's one
     scale cannot express: it runs with x's scale 1 into float32, and each device's rows are
     scaled by its x scale in the rounding to bf16 (one elementwise pass over y in XLA)."""
+    if path == "fused":
+        return _vjp.vary(fused_fp8(x, w, x_scale, w_scale, axis_name, num_comm_sms)[0], axes)
     if path == "local":
         return _vjp.vary(_mm._fp8_kernel(x, w, x_scale, w_scale, jnp.bfloat16), axes)
     p, mp, kb = jax.lax.axis_size(axis_name), x.shape[0], -(-x.shape[1] // 128)

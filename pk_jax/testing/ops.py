@@ -30,8 +30,8 @@ ATTENTION = ("ring_attn", "ring_attn_bwd", "ulysses_attn")
 # their suites are tests/gpu/test_emulator_moe_fused.py).
 FUSED_MOE = ("moe_dispatch_gemm", "moe_gemm_combine")
 # The fused TP GEMMs in fp8 (per-tensor or blockwise scales; their cases: gemm_rs_fp8 /
-# gemm_ar_fp8 below, their suite tests/gpu/test_emulator_fp8.py).
-FP8_GEMMS = ("gemm_rs_fp8", "gemm_ar_fp8")
+# gemm_ar_fp8 / ag_gemm_fp8 below, their suite tests/gpu/test_emulator_fp8.py).
+FP8_GEMMS = ("gemm_rs_fp8", "gemm_ar_fp8", "ag_gemm_fp8")
 # The tile configs the fused GEMMs take (ffi/op_table.h Tile); the fp8 ones take 128x256 (4
 # stages, matmul_fp8's) or 128x128.
 TILE_128x128, TILE_128x256_S3 = _op_table.TILES["128x128"], _op_table.TILES["128x256_s3"]
@@ -263,6 +263,37 @@ def gemm_ar_fp8(xs, wts, x_scales, w_scales, *, x_format: str = "float8_e4m3fn",
     """y = sum_p bf16(xs_p ws_p x_p @ wt_p^T) on every rank (as gemm_rs_fp8, all M rows)."""
     return _gemm_fp8("gemm_ar_fp8", xs, wts, x_scales, w_scales, x_format, w_format, config,
                      exact)
+
+
+def ag_gemm_fp8(xs, wts, x_scales, w_scales, *, x_format: str = "float8_e4m3fn",
+                w_format: str = "float8_e4m3fn", num_comm_sms: int = 2,
+                config: int | None = None, exact: bool = True) -> Case:
+    """y_r = concat_p(xs_p x_p) @ (ws_r wt_r)^T in bf16, x_full = concat_p(x_p) and xs_full =
+    the gathered x scales (per tensor [P]; blockwise [KB, P Mp], each rank's [Mp, KB]
+    transposed): x_p [Mp, K] and wt_p [N, K] rounded to the formats, each rank's own scales
+    (fp8_rank_partials). The model rounds each element to bf16 once, as the kernel does (no
+    cross-rank sum): exact on exactly representable data; else within one bf16 rounding of the
+    largest element (the fp32 sums' order may move an element across a rounding boundary)."""
+    p = len(xs)
+    xs = [fp8_values(x, x_format) for x in xs]
+    wts = [fp8_values(w, w_format) for w in wts]
+    mp, k = xs[0].shape
+    n = wts[0].shape[0]
+    ys = [np.concatenate(fp8_rank_partials(xs, [wt] * p, x_scales, [sw] * p))
+          for wt, sw in zip(wts, w_scales)]
+    params, scales = fp8_gemm_fields(mp, k, n, x_scales, w_scales, w_format, mp * p, config)
+    params["num_comm_sms"] = num_comm_sms
+    if params["blockwise"]:
+        xs_full = np.concatenate([s[0][:, :mp] for s in scales], axis=1)
+    else:
+        xs_full = np.concatenate([s[0] for s in scales])
+    inputs = [{"x": x, "w": wt, "x_scale": a, "w_scale": b}
+              for x, wt, (a, b) in zip(xs, wts, scales)]
+    outputs = [{"y": _cast(y, "bfloat16"), "x_full": np.concatenate(xs), "xs_full": xs_full}
+               for y in ys]
+    big = max(float(np.max(np.abs(y))) for y in ys) if ys[0].size else 0.0
+    return Case("ag_gemm_fp8", x_format, inputs, outputs, params, exact, big * 2.0 ** -8,
+                2.0 ** -7)
 
 
 # ---------------------------------------------------------------------------------------------

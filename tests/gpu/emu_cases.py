@@ -93,7 +93,9 @@ def fp8_case(op: str, p: int, rng: np.random.Generator, *, size: str = "small",
              formats: tuple[str, str] | None = None, rank_valued: bool = False,
              exact: bool = True, config: int | None = None,
              blockwise: bool = False) -> ops.Case:
-    """A random case of gemm_rs_fp8 / gemm_ar_fp8 at world p, x [M, K] and wt [N, K] per rank.
+    """A random case of gemm_rs_fp8 / gemm_ar_fp8 / ag_gemm_fp8 at world p, x [M, K] and
+    wt [N, K] per rank (ag_gemm_fp8: M is each rank's rows, Mp; blockwise a multiple of 4, as
+    the fused kernel takes it).
 
     exact: x, wt in {-1, 0, 1} (exact in both formats) and per-rank scales x_scale = 2^a (a in
     -1..2), w_scale = 2^(b - a) (b in 0..1), so every partial is an integer of size at most 2 K
@@ -114,10 +116,7 @@ def fp8_case(op: str, p: int, rng: np.random.Generator, *, size: str = "small",
     kmax = max(16, 128 // p // 16 * 16) if exact else 512
     k = 16 * int(rng.integers(1, kmax // 16 + 1)) if not big else kmax
     n = 8 * int(rng.integers(1, 60)) if not big else 1032
-    if op == "gemm_rs_fp8":
-        m = p * int(rng.integers(1, 120)) if not big else p * 300
-    else:
-        m = int(rng.integers(1, 400)) if not big else 8 * 300 + 5
+    m = _fp8_rows(op, p, rng, big, blockwise=False)
     if exact:
         xs = [np.full((m, k), float(r % 2)) if rank_valued else ops.integers(rng, (m, k), -1, 2)
               for r in range(p)]
@@ -131,9 +130,7 @@ def fp8_case(op: str, p: int, rng: np.random.Generator, *, size: str = "small",
         wts = [rng.standard_normal((n, k)) for _ in range(p)]
         x_scales = [float(v) for v in rng.uniform(0.25, 2.0, p)]
         w_scales = [float(v) for v in rng.uniform(0.25, 2.0, p)]
-    make = ops.gemm_rs_fp8 if op == "gemm_rs_fp8" else ops.gemm_ar_fp8
-    return make(xs, wts, x_scales, w_scales, x_format=xf, w_format=wf, config=config,
-                exact=exact)
+    return _fp8_make(op, xs, wts, x_scales, w_scales, xf, wf, config, exact)
 
 
 def _fp8_block_case(op, p, rng, *, size, formats, exact) -> ops.Case:
@@ -142,10 +139,7 @@ def _fp8_block_case(op, p, rng, *, size, formats, exact) -> ops.Case:
     kb = int(rng.integers(2, max(2, 16 // p) + 1)) if exact else int(rng.integers(2, 5))
     k = 128 * (kb - 1) + 16 * int(rng.integers(1, 9))
     n = 8 * int(rng.integers(1, 60)) if not big else 1032
-    if op == "gemm_rs_fp8":
-        m = p * int(rng.integers(1, 120)) if not big else p * 300
-    else:
-        m = int(rng.integers(1, 400)) if not big else 8 * 300 + 5
+    m = _fp8_rows(op, p, rng, big, blockwise=True)
     nb = -(-n // 128)
     if exact:
         keep = np.isin(np.arange(k) % 128, (5, 100))
@@ -158,8 +152,28 @@ def _fp8_block_case(op, p, rng, *, size, formats, exact) -> ops.Case:
         wts = [rng.standard_normal((n, k)) for _ in range(p)]
         x_scales = [rng.uniform(0.25, 2.0, (m, kb)) for _ in range(p)]
         w_scales = [rng.uniform(0.25, 2.0, (kb, nb)) for _ in range(p)]
+    return _fp8_make(op, xs, wts, x_scales, w_scales, xf, wf, None, exact)
+
+
+def _fp8_rows(op, p, rng, big, *, blockwise) -> int:
+    """x's rows: M (gemm_rs_fp8: P x an odd count; gemm_ar_fp8: any), or ag_gemm_fp8's Mp
+    (odd per tensor, where row blocks straddle owners; blockwise a multiple of 4)."""
+    if op == "gemm_rs_fp8":
+        return p * int(rng.integers(1, 120)) if not big else p * 300
+    if op == "ag_gemm_fp8":
+        if blockwise:
+            return 4 * int(rng.integers(1, 60)) if not big else 300
+        return int(rng.integers(1, 150)) if not big else 301
+    return int(rng.integers(1, 400)) if not big else 8 * 300 + 5
+
+
+def _fp8_make(op, xs, wts, x_scales, w_scales, xf, wf, config, exact) -> ops.Case:
+    if op == "ag_gemm_fp8":
+        return ops.ag_gemm_fp8(xs, wts, x_scales, w_scales, x_format=xf, w_format=wf,
+                               config=config, exact=exact)
     make = ops.gemm_rs_fp8 if op == "gemm_rs_fp8" else ops.gemm_ar_fp8
-    return make(xs, wts, x_scales, w_scales, x_format=xf, w_format=wf, exact=exact)
+    return make(xs, wts, x_scales, w_scales, x_format=xf, w_format=wf, config=config,
+                exact=exact)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The fused TP GEMMs in fp8 (gemm_rs_fp8, gemm_ar_fp8: cuda/kernels/gemm_rs_fp8.cuh) under true
+"""The fused TP GEMMs in fp8 (gemm_rs_fp8, gemm_ar_fp8: cuda/kernels/gemm_rs_fp8.cuh;
+ag_gemm_fp8: cuda/kernels/ag_gemm_fp8.cuh) under true
 concurrency: P = 2, 4, 8 emulated ranks on disjoint SM partitions of one GPU
 (pk_jax.testing.World), started through the launch functions the FFI handlers call.
 
@@ -117,10 +118,10 @@ def test_back_to_back_with_skew(worlds, op, p):
 
 @pytest.mark.parametrize("p", WORLDS)
 def test_interleaved_with_the_bf16_ops(worlds, p):
-    """gemm_rs_fp8 and gemm_ar_fp8 share gemm_rs's and gemm_ar's slot ranges and epoch
-    counters: calls of all four in one batch, skewed, all exact."""
+    """gemm_rs_fp8, gemm_ar_fp8 and ag_gemm_fp8 share gemm_rs's, gemm_ar's and ag_gemm's slot
+    ranges and epoch counters: calls of all six in one batch, skewed, all exact."""
     rng = _rng(p, "interleaved")
     w = worlds(p)
-    order = ["gemm_rs", "gemm_rs_fp8", "gemm_ar_fp8", "gemm_ar"] * 3
+    order = ["gemm_rs", "gemm_rs_fp8", "ag_gemm", "gemm_ar_fp8", "ag_gemm_fp8", "gemm_ar"] * 3
     cases = [emu_cases.case(op, p, rng) for op in order]
     assert emu_cases.run_calls(w, cases, rng, skew_ns=SKEW_NS) == []
