@@ -1,8 +1,8 @@
 """The tensor-parallel GEMM ops with fp8 operands across P processes, as a user calls them:
 pk.gemm_reduce_scatter and pk.gemm_all_reduce (the fused fp8 kernels and the serial form, the
 fp8 GEMM then the pk collective, each forced with pk_jax.cost_model.override) and
-pk.all_gather_gemm (its one form at P > 1: the pk all_gather of the fp8 rows and their scales,
-then the fp8 GEMM).
+pk.all_gather_gemm (its fused fp8 kernel and its serial form, the pk all_gather of the fp8 rows
+and their scales, then the fp8 GEMM; forced the same way).
 
     python -m pk_jax.launch -n 2 --share-gpu tests/gpu/tp_fp8_mp.py
 
@@ -143,9 +143,10 @@ def main() -> None:
         for mode in ("fused", "serial"):
             case(op, rows, max(16, k_tensor), 72, e4m3, e5m2, False, 1, mode)
             case(op, rows, k_block, 136, e5m2, e4m3, True, 2, mode)
-    case("all_gather_gemm", 100, 128, 136, e4m3, e4m3, False, 3)
-    case("all_gather_gemm", 37, 64, 40, e5m2, e4m3, False, 4)
-    case("all_gather_gemm", 100, 400, 136, e4m3, e5m2, True, 5)
+    for mode in ("fused", "serial"):
+        case("all_gather_gemm", 100, 128, 136, e4m3, e4m3, False, 3, mode)
+        case("all_gather_gemm", 37, 64, 40, e5m2, e4m3, False, 4, mode)
+        case("all_gather_gemm", 100, 400, 136, e4m3, e5m2, True, 5, mode)
     print(f"tp_fp8_mp OK: P={n}, {count} cases in {time.time() - t0:.1f} s", flush=True)
 
 
