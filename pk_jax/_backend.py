@@ -38,13 +38,9 @@ TP_GEMMS = ("gemm_rs", "ag_gemm", "gemm_ar")
 # The fp8 forms of the TP GEMMs: routed as their bf16 ops, with the fp8 rates (cost_model).
 TP_GEMMS_FP8 = cost_model.FP8_OPS
 # all_gather_gemm's fp8 form: "local" (P = 1: the fp8 GEMM), "serial" (the pk all_gather of the
-# fp8 rows and their scales, then the fp8 GEMM) or "fused" (pk_ag_gemm_fp8), as ag_gemm's model
-# picks with the fp8 rates.
+# fp8 rows and their scales, then the fp8 GEMM) or "fused" (pk_ag_gemm_fp8), as cost_model.plan
+# picks (cost_model.FP8_GATHER_FUSED).
 GATHER_GEMM_FP8 = "ag_gemm_fp8"
-# Whether "auto" may pick pk_ag_gemm_fp8 where the model prefers it. False until the kernel has
-# run on a GPU (bench/results/fp8_notes.md, "The fused fp8 all_gather_gemm"): until then only a
-# forced fused mode (cost_model.override, PK_JAX_TP_MODE=fused) runs it.
-GATHER_GEMM_FP8_AUTO = False
 _warned: set[str] = set()
 
 
@@ -182,8 +178,7 @@ def route(stem: str, axis_name: str | None = None, *, supported: bool = True,
             return REFERENCE
         m, n, k, _ = gemm
         pl = cost_model.plan("ag_gemm", m, n, k, p, gpu=_gpu(), fp8=fp8)
-        allowed = GATHER_GEMM_FP8_AUTO or cost_model.overrides()[0] == "fused"
-        if pl.mode == "fused" and allowed and supported and use_kernel(stem, axis_name):
+        if pl.mode == "fused" and supported and use_kernel(stem, axis_name):
             return Route("fused", pl.num_comm_sms)
         if p == 1:
             return Route("local")

@@ -110,6 +110,16 @@ def test_ag_gemm_fp8_gathers_fp8_bytes_at_the_fp8_rate():
             else:
                 assert f8.terms["comm"] == pytest.approx(bf16.terms["comm"] / 2)
     assert cm.plan("ag_gemm", m, n, k, 1, fp8="tensor").mode == "local"
+    # at P > 1 the fused kernel (FP8_GATHER_FUSED), also where the model predicts serial faster
+    for scaling in cm.FP8_SPEEDUP:
+        fused = cm.predict("ag_gemm", m, n, k, p, mode="fused", num_comm_sms=8, fp8=scaling)
+        serial = cm.predict("ag_gemm", m, n, k, p, mode="serial", fp8=scaling)
+        assert fused.predicted_us > serial.predicted_us
+        pl = cm.plan("ag_gemm", m, n, k, p, fp8=scaling)
+        assert pl.mode == "fused" and pl.num_comm_sms > 0
+        assert cm.plan("ag_gemm", m, n, k, p).mode == "serial"  # bf16: the model's pick
+        with cm.override(mode="serial"):
+            assert cm.plan("ag_gemm", m, n, k, p, fp8=scaling).mode == "serial"
 
 
 def test_terms_add_up():

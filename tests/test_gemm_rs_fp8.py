@@ -789,24 +789,23 @@ def test_ag_public_op_fused_route(monkeypatch, p, scaling, m):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
-def test_ag_auto_route_runs_the_fused_fp8_kernel_only_when_allowed(monkeypatch):
-    """At sizes where the model prefers the fused fp8 kernel, "auto" runs the serial form while
-    _backend.GATHER_GEMM_FP8_AUTO is off (the kernel not yet run on a GPU) and the fused kernel
-    once it is on; a forced fused mode runs it either way (test_ag_public_op_fused_route)."""
-    from pk_jax import _backend, cost_model
-
-    assert cost_model.plan("ag_gemm", 10, 24, 32, 2, fp8="tensor").mode == "fused"
-    rng = np.random.default_rng(5)
-    xs, wts, sx, sw = _ag_inputs(False, rng, 2, 5, 32, 24, E4M3, E4M3)
-    in_specs, out_spec = _ag_specs(False)
-    for auto, first in ((False, "pk_all_gather"), (True, "pk_ag_gemm_fp8")):
+def test_ag_auto_route_runs_the_fused_fp8_kernel(monkeypatch):
+    """"auto" at P > 1 runs the fused fp8 kernel (cost_model.FP8_GATHER_FUSED), and the serial
+    form where the kernel does not take the operands (blockwise M/P not a multiple of 4)."""
+    for blockwise, m, first in ((False, 5, "pk_ag_gemm_fp8"), (True, 8, "pk_ag_gemm_fp8"),
+                                (True, 6, "pk_all_gather")):
         calls = stand_in_kernels(monkeypatch)
         monkeypatch.setattr(matmul, "_fp8_kernel", lambda x, w, a, b, out_dtype=None, **kw:
                             matmul.fp8_reference(x, w, a, b, out_dtype))
-        monkeypatch.setattr(_backend, "GATHER_GEMM_FP8_AUTO", auto)
-        run(_ag_body(pk.all_gather_gemm), cpu_mesh((2,), ("tp",)), in_specs, out_spec,
-            *_ag_global(xs, wts, sx, sw))
+        rng = np.random.default_rng(5 + m)
+        xs, wts, sx, sw = _ag_inputs(blockwise, rng, 2, m, 272 if blockwise else 32, 24, E4M3,
+                                     E4M3)
+        in_specs, out_spec = _ag_specs(blockwise)
+        y = run(_ag_body(pk.all_gather_gemm), cpu_mesh((2,), ("tp",)), in_specs, out_spec,
+                *_ag_global(xs, wts, sx, sw))
         assert calls[0]["target"] == first
+        want = np.concatenate(_ag_model(xs, wts, sx, sw), axis=1).astype(np.float64)
+        np.testing.assert_array_equal(np.asarray(y, np.float64), want)
 
 
 def test_ag_public_op_errors():
