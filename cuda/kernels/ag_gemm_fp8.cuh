@@ -236,15 +236,8 @@ struct kernel_def : matmul_fp8::kernel_def<C> {
   }
 };
 
-/** @brief The configurations: matmul_fp8's (per tensor by tile id, blockwise 128x128). */
-template <typename XT, typename WT>
-using config_128x256 = matmul_fp8::config_128x256<XT, WT, __nv_bfloat16>;
-template <typename XT, typename WT>
-using config_128x128 = matmul_fp8::config_128x128<XT, WT, __nv_bfloat16>;
-template <typename XT, typename WT>
-using config_block = matmul_fp8::config_block<XT, WT, __nv_bfloat16>;
-
-/** @brief Launches the LCSC grid of one call (after the caller's epoch kernel). */
+/** @brief Launches configuration C (matmul_fp8's, bf16 y: ffi/tp.h WithConfigFp8 picks it),
+ * the LCSC grid of one call (after the caller's epoch kernel). */
 template <class C>
 inline cudaError_t launch(const globals& g, cudaStream_t stream, int device, int num_sms,
                           int comm_blocks) {

@@ -138,16 +138,6 @@ struct kernel_def : matmul_fp8::kernel_def<C> {
   }
 };
 
-/** @brief The configurations: per tensor by the op table's tile ids (kTile128x256 or
- *  kTile128x128: matmul_fp8's stage counts), and blockwise. */
-template <typename XT, typename WT>
-using config_128x256 = matmul_fp8::config_128x256<XT, WT, __nv_bfloat16>;
-template <typename XT, typename WT>
-using config_128x128 = matmul_fp8::config_128x128<XT, WT, __nv_bfloat16>;
-/** @brief Blockwise scales (x 1 x 128, w 128 x 128, matmul_fp8's promotion): 128x128 only. */
-template <typename XT, typename WT>
-using config_block = matmul_fp8::config_block<XT, WT, __nv_bfloat16>;
-
 /**
  * @brief The enter and GEMM kernels of one call (gemm_rs_fp8 and gemm_ar_fp8), after the
  * caller's epoch kernel; the caller then launches its leave kernel with `a` unless `g.direct`

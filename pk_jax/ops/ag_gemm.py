@@ -202,7 +202,7 @@ def _gather_rows(a: jax.Array, axis_name: str) -> jax.Array:
     return jax.lax.bitcast_convert_type(full, a.dtype).reshape(-1, a.shape[1])
 
 
-def fused_fp8(x, w, x_scale, w_scale, axis_name: str, num_comm_sms: int):
+def _fused_fp8(x, w, x_scale, w_scale, axis_name: str, num_comm_sms: int):
     """The fused fp8 kernel pk_ag_gemm_fp8 on checked operands (w [K, N]): returns (y [M, N]
     bf16, x_full [M, K] in x's format, xs_full: the gathered x scales, [P] per tensor or
     [ceil(K / 128), M] blockwise, transposed as the kernel reads them)."""
@@ -226,14 +226,14 @@ def fused_fp8(x, w, x_scale, w_scale, axis_name: str, num_comm_sms: int):
 def _fp8_forward(x, w, x_scale, w_scale, *, path: str, num_comm_sms: int, axis_name: str,
                  axes: frozenset) -> jax.Array:
     """"fused": pk_ag_gemm_fp8. "local" (P = 1): the fp8 GEMM. "serial": the pk all_gather of
-    the fp8 rows and of their
-    x scales, then the fp8 GEMM of the gathered rows. A blockwise scale gives every gathered row
-    its own x scales ([M, KB]; a device's scalar broadcast to its rows' blocks). With both
-    scales per tensor the devices' x scales differ by rows, which the per-tensor kernel's one
-    scale cannot express: it runs with x's scale 1 into float32, and each device's rows are
-    scaled by its x scale in the rounding to bf16 (one elementwise pass over y in XLA)."""
+    the fp8 rows and of their x scales, then the fp8 GEMM of the gathered rows. A blockwise
+    scale gives every gathered row its own x scales ([M, KB]; a device's scalar broadcast to its
+    rows' blocks). With both scales per tensor the devices' x scales differ by rows, which the
+    per-tensor kernel's one scale cannot express: it runs with x's scale 1 into float32, and
+    each device's rows are scaled by its x scale in the rounding to bf16 (one elementwise pass
+    over y in XLA)."""
     if path == "fused":
-        return _vjp.vary(fused_fp8(x, w, x_scale, w_scale, axis_name, num_comm_sms)[0], axes)
+        return _vjp.vary(_fused_fp8(x, w, x_scale, w_scale, axis_name, num_comm_sms)[0], axes)
     if path == "local":
         return _vjp.vary(_mm._fp8_kernel(x, w, x_scale, w_scale, jnp.bfloat16), axes)
     p, mp, kb = jax.lax.axis_size(axis_name), x.shape[0], -(-x.shape[1] // 128)
