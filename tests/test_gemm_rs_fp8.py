@@ -668,6 +668,53 @@ def _ag_inputs(blockwise, rng, p, m, k, n, fx, fw):
     return xs, wts, sx, sw
 
 
+def _ag_stand_ins(monkeypatch, seen: list | None = None) -> list[dict]:
+    """stand_in_kernels, with the fp8 GEMM's reference standing in for pk_matmul_fp8 (its calls
+    recorded among the others; `seen` receives (x's dtype, x_scale's shape, out_dtype) of
+    each)."""
+    calls = stand_in_kernels(monkeypatch)
+
+    def fp8_gemm(x, w, a, b, out_dtype=None, **kw):
+        calls.append({"target": "pk_matmul_fp8"})
+        if seen is not None:
+            seen.append((x.dtype, a.shape, out_dtype))
+        return matmul.fp8_reference(x, w, a, b, out_dtype)
+
+    monkeypatch.setattr(matmul, "_fp8_kernel", fp8_gemm)
+    return calls
+
+
+def _ag_problem(rng, p, m, scaling, fw):
+    """One all_gather_gemm fp8 problem on a CPU mesh of p: (xs, wts, sx, sw), mesh, in_specs,
+    out_spec, the global arguments. scaling "tensor", "block" or "mixed" (x per tensor beside
+    blockwise w: x's scalar broadcast to its blocks); m rows per device, e4m3 x, w in fw."""
+    blockwise = scaling != "tensor"
+    xs, wts, sx, sw = _ag_inputs(blockwise, rng, p, m, 272 if blockwise else 32, 24, E4M3, fw)
+    in_specs, out_spec = _ag_specs(blockwise)
+    if scaling == "mixed":
+        sx = np.array([s[0, 0] for s in sx], np.float32)
+        in_specs = (in_specs[0], in_specs[1], P("tp"), in_specs[3])
+    return ((xs, wts, sx, sw), cpu_mesh((p,), ("tp",)), in_specs, out_spec,
+            _ag_global(xs, wts, sx, sw))
+
+
+def _ag_grads(body, mesh, in_specs, args):
+    """The gradients of sum(body(x, w, sx, sw)^2) in float32 with respect to all four."""
+    loss = lambda *a: jnp.sum(body(*a).astype(jnp.float32) ** 2)
+    return run(jax.grad(loss, argnums=(0, 1, 2, 3)), mesh, in_specs, in_specs, *args)
+
+
+def _assert_reference_grads(ours, mesh, in_specs, args) -> None:
+    """`ours` (_ag_grads of the public op) equal the fp8 reference's, dtype, shape and value."""
+    from pk_jax.ops import ag_gemm
+
+    ref = _ag_grads(lambda x, w, c, d: ag_gemm.fp8_reference(x, w, _local(c), _local(d), "tp"),
+                    mesh, in_specs, args)
+    for a, b in zip(ours, ref):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 @pytest.mark.parametrize("p,blockwise", [(1, False), (2, False), (4, True), (2, True)])
 def test_ag_public_op_is_the_model_without_kernels(p, blockwise):
     """On a CPU (the reference): exactly the model on exact inputs."""
@@ -698,34 +745,13 @@ def test_ag_public_op_routes_and_takes_the_references_gradient(monkeypatch, p, s
     its gradients (x, w, both scales) are the reference's."""
     from pk_jax import cost_model
 
-    calls = stand_in_kernels(monkeypatch)
     seen = []
-
-    def fp8_gemm(x, w, a, b, out_dtype=None, **kw):
-        calls.append({"target": "pk_matmul_fp8"})
-        seen.append((x.dtype, a.shape, out_dtype))
-        return matmul.fp8_reference(x, w, a, b, out_dtype)
-
-    monkeypatch.setattr(matmul, "_fp8_kernel", fp8_gemm)
-    rng = np.random.default_rng(90 + p)
-    blockwise = scaling != "tensor"
-    xs, wts, sx, sw = _ag_inputs(blockwise, rng, p, 5, 272 if blockwise else 32, 24, E4M3, E4M3)
-    if scaling == "mixed":  # x per tensor beside blockwise w: x's scalar broadcast to its blocks
-        sx = np.array([s[0, 0] for s in sx], np.float32)
-    mesh = cpu_mesh((p,), ("tp",))
-    in_specs, out_spec = _ag_specs(blockwise)
-    if scaling == "mixed":
-        in_specs = (in_specs[0], in_specs[1], P("tp"), in_specs[3])
-    args = _ag_global(xs, wts, sx, sw)
-
-    def grads(body):
-        loss = lambda *a: jnp.sum(body(*a).astype(jnp.float32) ** 2)
-        return jax.grad(loss, argnums=(0, 1, 2, 3))
-
+    calls = _ag_stand_ins(monkeypatch, seen)
+    (xs, wts, sx, sw), mesh, in_specs, out_spec, args = _ag_problem(
+        np.random.default_rng(90 + p), p, 5, scaling, E4M3)
     with cost_model.override(mode="serial"):
         y = run(_ag_body(pk.all_gather_gemm), mesh, in_specs, out_spec, *args)
-        ours = run(lambda *a: grads(_ag_body(pk.all_gather_gemm))(*a), mesh, in_specs,
-                   in_specs, *args)
+        ours = _ag_grads(_ag_body(pk.all_gather_gemm), mesh, in_specs, args)
     assert [c["target"] for c in calls][:len(targets)] == targets
     assert seen[0][0] == E4M3  # the gathered rows stay fp8
     if p > 1:
@@ -733,12 +759,7 @@ def test_ag_public_op_routes_and_takes_the_references_gradient(monkeypatch, p, s
         assert seen[0][2] == (jnp.float32 if scaling == "tensor" else jnp.bfloat16)
     want = np.concatenate(_ag_model(xs, wts, sx, sw), axis=1).astype(np.float64)
     np.testing.assert_array_equal(np.asarray(y, np.float64), want)
-    from pk_jax.ops import ag_gemm
-    ref = run(lambda *a: grads(lambda x, w, c, d: ag_gemm.fp8_reference(
-        x, w, _local(c), _local(d), "tp"))(*a), mesh, in_specs, in_specs, *args)
-    for a, b in zip(ours, ref):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    _assert_reference_grads(ours, mesh, in_specs, args)
 
 
 @pytest.mark.parametrize("p,scaling,m", [(2, "tensor", 5), (4, "block", 8), (2, "mixed", 4),
@@ -749,29 +770,13 @@ def test_ag_public_op_fused_route(monkeypatch, p, scaling, m):
     reference's gradients. Blockwise with M/P not a multiple of 4 (6), which the kernel does
     not take, runs the serial form instead."""
     from pk_jax import cost_model
-    from pk_jax.ops import ag_gemm
 
-    calls = stand_in_kernels(monkeypatch)
-
-    def fp8_gemm(x, w, a, b, out_dtype=None, **kw):
-        calls.append({"target": "pk_matmul_fp8"})
-        return matmul.fp8_reference(x, w, a, b, out_dtype)
-
-    monkeypatch.setattr(matmul, "_fp8_kernel", fp8_gemm)
-    rng = np.random.default_rng(70 + p + m)
-    blockwise = scaling != "tensor"
-    xs, wts, sx, sw = _ag_inputs(blockwise, rng, p, m, 272 if blockwise else 32, 24, E4M3, E5M2)
-    if scaling == "mixed":
-        sx = np.array([s[0, 0] for s in sx], np.float32)
-    mesh = cpu_mesh((p,), ("tp",))
-    in_specs, out_spec = _ag_specs(blockwise)
-    if scaling == "mixed":
-        in_specs = (in_specs[0], in_specs[1], P("tp"), in_specs[3])
-    args = _ag_global(xs, wts, sx, sw)
-    loss = lambda *a: jnp.sum(_ag_body(pk.all_gather_gemm)(*a).astype(jnp.float32) ** 2)
+    calls = _ag_stand_ins(monkeypatch)
+    (xs, wts, sx, sw), mesh, in_specs, out_spec, args = _ag_problem(
+        np.random.default_rng(70 + p + m), p, m, scaling, E5M2)
     with cost_model.override(mode="fused", num_comm_sms=3):
         y = run(_ag_body(pk.all_gather_gemm), mesh, in_specs, out_spec, *args)
-        ours = run(jax.grad(loss, argnums=(0, 1, 2, 3)), mesh, in_specs, in_specs, *args)
+        ours = _ag_grads(_ag_body(pk.all_gather_gemm), mesh, in_specs, args)
     targets = [c["target"] for c in calls]
     if scaling == "tensor" or m % 4 == 0:
         assert targets[0] == "pk_ag_gemm_fp8" and calls[0]["num_comm_sms"] == 3
@@ -781,28 +786,18 @@ def test_ag_public_op_fused_route(monkeypatch, p, scaling, m):
         assert "pk_ag_gemm_fp8" not in targets
     want = np.concatenate(_ag_model(xs, wts, sx, sw), axis=1).astype(np.float64)
     np.testing.assert_array_equal(np.asarray(y, np.float64), want)
-    ref_loss = lambda x, w, c, d: jnp.sum(ag_gemm.fp8_reference(
-        x, w, _local(c), _local(d), "tp").astype(jnp.float32) ** 2)
-    ref = run(jax.grad(ref_loss, argnums=(0, 1, 2, 3)), mesh, in_specs, in_specs, *args)
-    for a, b in zip(ours, ref):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    _assert_reference_grads(ours, mesh, in_specs, args)
 
 
 def test_ag_auto_route_runs_the_fused_fp8_kernel(monkeypatch):
     """"auto" at P > 1 runs the fused fp8 kernel (cost_model.FP8_GATHER_FUSED), and the serial
     form where the kernel does not take the operands (blockwise M/P not a multiple of 4)."""
-    for blockwise, m, first in ((False, 5, "pk_ag_gemm_fp8"), (True, 8, "pk_ag_gemm_fp8"),
-                                (True, 6, "pk_all_gather")):
-        calls = stand_in_kernels(monkeypatch)
-        monkeypatch.setattr(matmul, "_fp8_kernel", lambda x, w, a, b, out_dtype=None, **kw:
-                            matmul.fp8_reference(x, w, a, b, out_dtype))
-        rng = np.random.default_rng(5 + m)
-        xs, wts, sx, sw = _ag_inputs(blockwise, rng, 2, m, 272 if blockwise else 32, 24, E4M3,
-                                     E4M3)
-        in_specs, out_spec = _ag_specs(blockwise)
-        y = run(_ag_body(pk.all_gather_gemm), cpu_mesh((2,), ("tp",)), in_specs, out_spec,
-                *_ag_global(xs, wts, sx, sw))
+    for scaling, m, first in (("tensor", 5, "pk_ag_gemm_fp8"), ("block", 8, "pk_ag_gemm_fp8"),
+                              ("block", 6, "pk_all_gather")):
+        calls = _ag_stand_ins(monkeypatch)
+        (xs, wts, sx, sw), mesh, in_specs, out_spec, args = _ag_problem(
+            np.random.default_rng(5 + m), 2, m, scaling, E4M3)
+        y = run(_ag_body(pk.all_gather_gemm), mesh, in_specs, out_spec, *args)
         assert calls[0]["target"] == first
         want = np.concatenate(_ag_model(xs, wts, sx, sw), axis=1).astype(np.float64)
         np.testing.assert_array_equal(np.asarray(y, np.float64), want)
