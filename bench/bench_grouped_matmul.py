@@ -17,12 +17,21 @@ call has at most FEW_MAX_ROWS rows (decode), the dense GEMM of equal FLOPs, ragg
 fits in memory), and the HBM floor: the bytes the call must move (x, the w of every nonempty
 group, y) at the rate of a device copy measured in the same run (issue 40 section 5).
 
-Run on the GPU machine: python bench/bench_grouped_matmul.py [--quick] [--vjp] [--specs]
+With --schedules the tiled kernel's two forward schedules (cooperative 128 x 256 tiles, FWD;
+ping-pong 128 x 128 tiles, FWD_PP) are each checked, then timed interleaved, with the dense GEMM
+of equal FLOPs after them, at the spec shapes of more than FEW_MAX_ROWS rows, or at the cases of
+--cases FILE (a JSON list of [name, rows, experts, K, N], uniform sizes): the rows that choose
+and judge grouped_matmul.PINGPONG_MAX_K.
+
+Run on the GPU machine:
+python bench/bench_grouped_matmul.py [--quick] [--vjp] [--specs] [--schedules [--cases FILE]]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import math
 import sys
 
@@ -195,6 +204,46 @@ def run_specs(dtype, reps: int) -> int:
     return 0
 
 
+def run_schedules(dtype, reps: int, cases) -> int:
+    """The cooperative and ping-pong forward schedules at `cases` (name, rows, experts, K, N):
+    see the module docstring."""
+    fns = {"cooperative": jax.jit(functools.partial(gm.tiled_forward, pingpong=False)),
+           "pingpong": jax.jit(functools.partial(gm.tiled_forward, pingpong=True))}
+    dense = jax.jit(lambda x, w: x @ w)
+    ratios = []
+    for name, m, e, k, n in cases:
+        gs_np = sizes("uniform", m, e)
+        gs = jnp.asarray(gs_np)
+        sets = _inputs(m, e, k, n, dtype, sets=1 if (m * k + e * k * n) * 2 > 2**30 else 3)
+        args_sets = [(x, w, gs) for x, w, _ in sets]
+        for impl, fn in fns.items():
+            _check_groups(f"{name} ({impl})", fn(*args_sets[0]), *args_sets[0][:2], gs_np)
+        flop = 2.0 * m * k * n
+        t = common.time_us_interleaved(fns, args_sets, iters=_iters(max(flop / 600e12, 2e-5)),
+                                       reps=reps)
+        wd = jax.random.normal(jax.random.key(5), (k, n), jnp.float32).astype(dtype)
+        t_dense = common.time_us_interleaved({"dense": dense}, [(a, wd) for a, _, _ in sets],
+                                             iters=_iters(max(flop / 650e12, 2e-5)),
+                                             reps=reps)["dense"][0]
+        shape = {"tokens": m, "experts": e, "k": k, "n": n, "name": name, "dist": "uniform"}
+        coop, pp = t["cooperative"][0], t["pingpong"][0]
+        for impl, (us, _) in t.items():
+            common.record(
+                op="grouped_matmul", shape=shape, dtype=dtype.name, world=1, processes=1,
+                median_us=us, tflops=flop / us / 1e6, baseline="dense",
+                baseline_median_us=t_dense,
+                kernel="tiled_pingpong" if impl == "pingpong" else "tiled",
+                pingpong_vs_cooperative=round(coop / pp, 4), reps=reps)
+        ratios.append(coop / pp)
+        print(f"{name:>14} {m:>7}x{k:<5}->{n:<6} E {e:<4} cooperative {coop:9.1f} us "
+              f"({t_dense / coop:.3f}x of dense)  pingpong {pp:9.1f} us ({t_dense / pp:.3f}x of "
+              f"dense)  dense {t_dense:9.1f} us: pingpong {coop / pp:.3f}x of cooperative",
+              flush=True)
+        del sets, args_sets
+    print(f"geometric mean: pingpong {common.geomean(ratios):.3f}x of cooperative")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run)")
@@ -203,6 +252,11 @@ def main() -> int:
     ap.add_argument("--specs", action="store_true",
                     help="tokamax's ragged_dot spec shapes, with the few-rows kernel and the "
                          "HBM floor")
+    ap.add_argument("--schedules", action="store_true",
+                    help="the tiled forward's cooperative and ping-pong schedules, side by side")
+    ap.add_argument("--cases", default=None,
+                    help="--schedules: a JSON list of [name, rows, experts, K, N] (default: "
+                         "the spec shapes of more than FEW_MAX_ROWS rows)")
     args = ap.parse_args()
     dtype = jnp.dtype(args.dtype)
     reps = 5 if args.quick else 11
@@ -212,6 +266,11 @@ def main() -> int:
                          "extension")
     if args.specs:
         return run_specs(dtype, reps)
+    if args.schedules:
+        cases = ([tuple(c) for c in json.load(open(args.cases))] if args.cases else
+                 [(name, m, e, k, n) for name, m, e, k, n, gsz in SPECS
+                  if gsz is None and m > gm.FEW_MAX_ROWS])
+        return run_schedules(dtype, reps, cases)
     ours = jax.jit(pk.grouped_matmul)
     base = jax.jit(jax.lax.ragged_dot)  # what a JAX user writes (bf16 out)
     dense = jax.jit(lambda x, w: x @ w)

@@ -30,6 +30,8 @@ cudaError_t Launch(int64_t mode, const gm::globals& g, cudaStream_t stream, int 
       return gm::launch<gm::config<T, gm::DX>>(g, stream, device, num_sms, max_tiles);
     case gm::DW:
       return gm::launch<gm::config<T, gm::DW>>(g, stream, device, num_sms, max_tiles);
+    case gm::FWD_PP:
+      return gm::launch<gm::config_pingpong<T>>(g, stream, device, num_sms, max_tiles);
     default:
       return gm::launch<gm::config<T, gm::FWD>>(g, stream, device, num_sms, max_tiles);
   }
@@ -62,7 +64,7 @@ ffi::Error GroupedMatmulCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer
   } else {  // b = w [E, K, N]; FWD: a = x [M, K], out [M, N]; DX: a = dy [M, N], out [M, K]
     ok = bd.size() == 3 && bd[0] == e && od.size() == 2 && od[0] == m;
     k = ad[1];
-    const bool fwd = mode == gm::FWD || mode == gm::FEW;
+    const bool fwd = mode == gm::FWD || mode == gm::FEW || mode == gm::FWD_PP;
     n = fwd ? (ok ? bd[2] : -1) : (ok ? bd[1] : -1);
     ok = ok && (fwd ? bd[1] == k : bd[2] == k) && od[1] == n;
   }
@@ -112,7 +114,9 @@ ffi::Error GroupedMatmulCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer
   g.groups = static_cast<int>(e);
   g.group_m = static_cast<int>(group_m < 1 ? 1 : (group_m > 1024 ? 1024 : group_m));
   const char* op = "grouped_matmul";
-  constexpr int BM = 128, BN = 256;
+  constexpr int BM = 128;
+  // Output tile width: 128 for the ping-pong forward, else 256 (the grid's upper bound below).
+  const int BN = mode == gm::FWD_PP ? 128 : 256;
   long long max_tiles;
   if (mode == gm::DW) {
     if (Status st = TensorMap(op, {a.untyped_data(), uint64_t(m), uint64_t(k), 64, 64, type},
@@ -138,7 +142,7 @@ ffi::Error GroupedMatmulCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer
     }
     // w [E, K, N]: FWD reads {64 n, 64 k} boxes, DX {64 n (its contraction), 256 k} boxes.
     const uint64_t wk = bd[1], wn = bd[2];
-    if (ffi::Error err = TensorMap3d(b.untyped_data(), e, wk, wn, mode == gm::FWD ? 64 : BN,
+    if (ffi::Error err = TensorMap3d(b.untyped_data(), e, wk, wn, mode == gm::DX ? 256 : 64,
                                      type, &g.b);
         err.failure()) {
       return err;
@@ -211,7 +215,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkGroupedMatmul, pk_ffi::GroupedMatmulCuda,
                                   .Arg<xla::ffi::AnyBuffer>()    // b: w [E, K, N] or dy [M, N]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // group_sizes [E]
                                   .Ret<xla::ffi::AnyBuffer>()    // y [M, N], dx [M, K], dw
-                                  .Attr<int64_t>("mode")         // 0 FWD, 1 DX, 2 DW, 3 FEW
+                                  .Attr<int64_t>("mode")         // 0 FWD, 1 DX, 2 DW, 3 FEW, 4 FWD_PP
                                   .Attr<int64_t>("group_m"),     // block-rows per band
                               PK_FFI_CUDA_TRAITS);
 PK_FFI_REGISTER(pk_ffi::kOpGroupedMatmul, "CUDA", PkGroupedMatmul);

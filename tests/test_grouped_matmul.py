@@ -1,8 +1,11 @@
 """grouped_matmul against its reference `jax.lax.ragged_dot`: exact on integer inputs, empty
 groups, rows past sum(group_sizes), group sizes as traced values (no recompile), inside
 shard_map, the VJP against ragged_dot's, sizes outside the contract (negative, summing past M)
-against a numpy model of the kernel's rule, the error messages; on the GPU the kernel (forward,
-dx and dw modes) with boundaries anywhere, poisoned outputs, two calls in a row, under jit."""
+against a numpy model of the kernel's rule, the error messages; on the GPU the kernel (forward
+by both schedules, dx and dw modes) with boundaries anywhere, poisoned outputs, two calls in a
+row, under jit."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -360,6 +363,25 @@ def test_decode_sizes_take_the_few_rows_kernel(monkeypatch, m, e, mode):
     assert [dict(e_.params["attributes"])["mode"] for e_ in calls] == [mode, gm._DX, gm._DW]
 
 
+@pytest.mark.parametrize("m,k,mode", [(256, 64, gm._FWD_PP), (256, 512, gm._FWD_PP),
+                                      (256, 520, gm._FWD), (8, 64, gm._FEW)])
+def test_small_k_takes_the_pingpong_schedule(monkeypatch, m, k, mode):
+    """With the kernels forced (the CPU has none): the tiled forward runs its ping-pong schedule
+    where K <= PINGPONG_MAX_K, its cooperative one above; decode sizes keep the few-rows
+    kernel, and the VJP the dx and dw kernels."""
+    from test_ring_attn import ffi_calls
+
+    from pk_jax import _backend
+
+    monkeypatch.setattr(_backend, "use_kernel", lambda stem, axis_name=None: True)
+    monkeypatch.setattr(gm, "PINGPONG_MAX_K", 512)
+    x, w = jnp.zeros((m, k), jnp.bfloat16), jnp.zeros((8, k, 48), jnp.bfloat16)
+    gs = jnp.zeros((8,), jnp.int32)
+    loss = lambda x, w: jnp.sum(pk.grouped_matmul(x, w, gs).astype(jnp.float32))
+    calls = ffi_calls(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, w))
+    assert [dict(e_.params["attributes"])["mode"] for e_ in calls] == [mode, gm._DX, gm._DW]
+
+
 def test_few_rows_entry_refuses_what_it_cannot_take():
     """The few-rows kernel's entry checks at trace time: more rows than it takes, and
     operands no kernel takes (fp32)."""
@@ -418,3 +440,43 @@ def test_gpu_few_rows_exact_on_integers(dtype):
         gs = jnp.asarray(sizes, jnp.int32)
         want = jnp.asarray(_exact(x, w, gs), jnp.float32).astype(dtype)
         assert_same(jax.jit(gm.few_rows_forward)(x, w, gs), want)
+
+
+# The tiled forward's ping-pong schedule (mode FWD_PP: 128 x 128 tiles, each consumer a whole
+# tile, the two taking turns): GPU_CASES, K below one 64-wide k step, and many tiles per block
+# (every block through several turns).
+PINGPONG_CASES = GPU_CASES + ((1025, 24, 136, 4), (8192, 256, 2048, 8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,dtype", product(PINGPONG_CASES, MATMUL_DTYPES), ids=str)
+def test_gpu_pingpong_forward(case, dtype):
+    m, k, n, e = case
+    f = jax.jit(functools.partial(gm.tiled_forward, pingpong=True))
+    xla = jax.jit(_ragged_dot)
+    for i, kind in enumerate(GPU_KINDS):  # new sizes every call, into poisoned memory
+        x, w, _ = _operands(m, k, n, e, dtype, seed=40 + i)
+        gs = _sizes(kind, m, e, seed=i)
+        poison((m, n), dtype)
+        y = f(x, w, gs)
+        assert not bool(jnp.any(jnp.isnan(y))), f"{kind}: output not fully written"
+        total = int(gs.sum())
+        assert not bool(jnp.any(y[total:] != 0)), f"{kind}: rows past sum(group_sizes) not zero"
+        exact = _exact(x, w, gs)
+        assert_error_within_xla(y, xla(x, w, gs), exact, atol=1e-3 * np.sqrt(k))
+        assert_same(f(x, w, gs), y)  # a second call on the same inputs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", MATMUL_DTYPES)
+def test_gpu_pingpong_exact_on_integers(dtype):
+    """fp32 sums of small integers are exact: both schedules equal the float64 product after
+    one rounding, at every row and column, whatever the group boundaries."""
+    m, k, n, e = 3000, 320, 392, 9
+    x, w = small_ints(KEYS[2], (m, k), dtype), small_ints(KEYS[3], (e, k, n), dtype)
+    for kind in ("random", "empty", "short", "one"):
+        gs = _sizes(kind, m, e, seed=7)
+        want = jnp.asarray(_exact(x, w, gs), jnp.float32).astype(dtype)
+        for pingpong in (True, False):
+            assert_same(jax.jit(functools.partial(gm.tiled_forward, pingpong=pingpong))(x, w, gs),
+                        want)

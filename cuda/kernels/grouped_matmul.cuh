@@ -35,6 +35,11 @@
  *   1, 2      | consumers: rows 0..63 / 64..127 of the tile, 4 x wgmma m64n256k16 per stage,
  *             | then storer (fp32 -> T -> swizzled smem -> TMA store, or masked stores)
  *
+ *   FWD_PP (config_pingpong, 128 x 128 tiles): consumer c computes whole tiles, the block's
+ *   tiles c, c + 2, ..; 2 x 4 wgmma m64n128k16 per stage; the consumers take turns at the
+ *   MMAs (named barriers), so one stores while the other computes. Each stage is consumed by
+ *   one consumer (empty[s] counts 1).
+ *
  * Signals: none (no peers).
  *
  * Pitfalls: TMA loads of a row tile may read rows of the next group (FWD/DX: those output rows
@@ -70,8 +75,8 @@ namespace pk::grouped_matmul {
 constexpr int MAX_GROUPS = 1024;
 
 // FEW: FWD for calls of at most FEW_MAX_ROWS rows in all (decode), by the few_rows kernel
-// below instead of the tiled GEMM.
-enum mode_id : int { FWD = 0, DX = 1, DW = 2, FEW = 3, NUM_MODES = 4 };
+// below instead of the tiled GEMM. FWD_PP: FWD by the ping-pong schedule (config_pingpong).
+enum mode_id : int { FWD = 0, DX = 1, DW = 2, FEW = 3, FWD_PP = 4, NUM_MODES = 5 };
 
 /** @brief Kernel arguments (see the mode table above for a, b, out). */
 struct globals {
@@ -88,12 +93,29 @@ struct globals {
   int group_m;      // block-rows per band of the tile order
 };
 
-/** @brief One tile configuration: BM = 128, BN = 256, BK = 64, 3 stages, whole-tile staging. */
+/** @brief One tile configuration: BM = 128, BN = 256, BK = 64, 3 stages, whole-tile staging;
+ *  the two consumers split each tile's rows (cooperative). */
 template <typename T, int MODE>
 struct config {
   using dtype = T;
   static constexpr int mode = MODE;
   static constexpr int BM = 128, BN = 256, BK = 64, STAGES = 3;
+  static constexpr bool PINGPONG = false;
+};
+
+/**
+ * @brief FWD by the ping-pong schedule: each consumer computes whole 128 x 128 tiles, the two
+ * taking turns (a block's tiles 0, 2, 4, .. and 1, 3, 5, ..), so that one consumer's epilogue
+ * runs while the other's MMAs keep the tensor cores busy. For small K, where a tile's epilogue
+ * is a large part of its time (bench/results/grouped_matmul_notes.md). 5 stages of 32 KiB and
+ * one 128 x 64 staging panel per consumer (two store rounds a tile).
+ */
+template <typename T>
+struct config_pingpong {
+  using dtype = T;
+  static constexpr int mode = FWD;
+  static constexpr int BM = 128, BN = 128, BK = 64, STAGES = 5;
+  static constexpr bool PINGPONG = true;
 };
 
 /** @brief A unit of work: an output tile and the rows of its group. */
@@ -114,6 +136,15 @@ struct kernel_def {
   static constexpr int BM = C::BM, BN = C::BN, BK = C::BK, STAGES = C::STAGES;
   static constexpr int CONSUMERS = 2;
   static constexpr int THREADS = (CONSUMERS + 1) * WARPGROUP_THREADS;
+  static constexpr bool PINGPONG = C::PINGPONG;
+  static_assert(!PINGPONG || (MODE == FWD && BM == 128),
+                "grouped_matmul: the ping-pong schedule runs FWD, one 128-row tile a consumer");
+  // Rows of a tile one consumer computes: half the tile (cooperative) or all of it (ping-pong).
+  static constexpr int CONSUMER_ROWS = PINGPONG ? BM : BM / CONSUMERS;
+  static constexpr int ACC = CONSUMER_ROWS / 64 * (BN / 2);  // fp32 accumulators per thread
+  // Named barriers: 1 + c the storers' (lcsc::storer_sync), 3 DW's tail zeroing, TURN + c the
+  // ping-pong consumers' turns at the tensor cores.
+  static constexpr int TURN = 4;
 
   // A: FWD/DX one K-major panel of BM rows; DW two MN-major panels of BK rows x 64.
   using a_tile = std::conditional_t<MODE == DW, st_panels<T, BK, BM>, st_panels<T, BM, BK>>;
@@ -123,8 +154,9 @@ struct kernel_def {
     a_tile a;
     b_tile b;
   };
-  using out_t = st_panels<T, 64, BN>;
-  using acc_t = float[BN / 2];
+  // Staging of a consumer's stores: its 64 rows whole, or (ping-pong) 64 columns of its 128 rows.
+  using out_t = std::conditional_t<PINGPONG, st_panels<T, BM, 64>, st_panels<T, 64, BN>>;
+  using acc_t = float[ACC];
   static constexpr uint32_t STAGE_BYTES = a_tile::BYTES + b_tile::BYTES;
 
   struct shared_storage {
@@ -144,7 +176,7 @@ struct kernel_def {
     block_wait_bound() = bound;
     for (int i = 0; i < STAGES; ++i) {
       mbar_init(&s.full[i], 1);
-      mbar_init(&s.empty[i], CONSUMERS);
+      mbar_init(&s.empty[i], PINGPONG ? 1 : CONSUMERS);  // ping-pong: one consumer per stage
     }
     fence_mbar_init();
     tma::prefetch(&g.a);
@@ -195,7 +227,7 @@ struct kernel_def {
     // NOTES: zeroed on every tile (not only for empty DW groups): a write of the accumulator
     // under a data-dependent branch makes ptxas serialize every wgmma of the kernel.
 #pragma unroll
-    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+    for (int i = 0; i < ACC; ++i) acc[i] = 0.f;
     int prev = 0;
     for (int k = 0; k < w.k_iters; ++k) {
       mbar_wait(&s.full[pipe.stage], pipe.phase);
@@ -222,11 +254,36 @@ struct kernel_def {
   __device__ static void consume_tiles(const globals& g, shared_storage& s, int num_tiles, int c,
                                        bool leader, Epilogue&& epilogue) {
     pipeline_state<STAGES> pipe;
-    for (int id = blockIdx.x; id < num_tiles; id += gridDim.x) {
-      const work w = tile(g, s, id);
-      acc_t acc;
-      mainloop(acc, s, w, pipe, c, leader);
-      epilogue(acc, w);
+    if constexpr (PINGPONG) {
+      // Consumer c takes the block's tiles c, c + 2, ..; the ring holds every tile's k steps in
+      // order, so it skips the other consumer's (FWD: k_iters steps a tile). Turns: consumer c
+      // starts a tile's MMAs only once the other finished its previous tile's (the first tile
+      // goes to consumer 0 at once), so that one's epilogue overlaps the other's mainloop
+      // rather than both computing together and then both storing.
+      const int k_iters = ceil_div(g.k, BK);
+      const int step = CONSUMERS * gridDim.x;
+      if (c == 1) {
+        for (int j = 0; j < k_iters; ++j) pipe.advance();
+      }
+      for (int id = blockIdx.x + c * gridDim.x; id < num_tiles; id += step) {
+        const work w = tile(g, s, id);
+        acc_t acc;
+        if (id >= step || c == 1) warpgroup::sync(TURN + c, CONSUMERS * WARPGROUP_THREADS);
+        mainloop(acc, s, w, pipe, c, leader);
+        // The other consumer's next tile (id + gridDim.x) waits for this turn.
+        if (id + gridDim.x < num_tiles) {
+          warpgroup::arrive(TURN + 1 - c, CONSUMERS * WARPGROUP_THREADS);
+        }
+        epilogue(acc, w);
+        for (int j = 0; j < k_iters; ++j) pipe.advance();
+      }
+    } else {
+      for (int id = blockIdx.x; id < num_tiles; id += gridDim.x) {
+        const work w = tile(g, s, id);
+        acc_t acc;
+        mainloop(acc, s, w, pipe, c, leader);
+        epilogue(acc, w);
+      }
     }
   }
 
@@ -312,6 +369,11 @@ struct kernel_def {
     warpgroup::sync(3, CONSUMERS * WARPGROUP_THREADS);
   }
 
+  /** @brief The accumulators of rows [64 h, 64 h + 64) of a consumer's tile (ping-pong). */
+  __device__ static float (&acc_rows(acc_t& acc, int h))[BN / 2] {
+    return *reinterpret_cast<float(*)[BN / 2]>(acc + h * (BN / 2));
+  }
+
   __device__ static void consumer(acc_t& acc, const stage_t& st, int c, int k) {
     wgmma::fence_regs(acc);
     wgmma::fence();
@@ -325,6 +387,14 @@ struct kernel_def {
           wgmma::ta::mma_m64n256k16_bf16<1, 1>(acc, da, db, scale);
         } else {
           wgmma::ta::mma_m64n256k16_f16<1, 1>(acc, da, db, scale);
+        }
+      } else if constexpr (PINGPONG) {
+        // The consumer's whole tile: an m64 MMA per 64 rows, both on the same B.
+        const uint64_t db = wgmma::desc_mn_major(st.b.data, kk * 16, b_tile::PANEL_BYTES);
+#pragma unroll
+        for (int h = 0; h < BM / 64; ++h) {
+          const uint64_t da = wgmma::desc_k_major(st.a.data + h * 64 * BK, kk * 16);
+          wgmma::mma<T, BN, 1>(acc_rows(acc, h), da, db, scale);
         }
       } else {
         const uint64_t da = wgmma::desc_k_major(st.a.data + c * 64 * BK, kk * 16);
@@ -365,8 +435,68 @@ struct kernel_def {
     }
   }
 
+  /**
+   * @brief Ping-pong: columns [64 q, 64 q + 64) of the consumer's 128 x BN accumulator -> T in
+   * its one-panel staging buffer (all 128 rows).
+   */
+  __device__ static void stage_out_panel(const acc_t& acc, out_t& out, int q) {
+    const int lane = threadIdx.x % 32;
+    const int r = 16 * ((threadIdx.x % WARPGROUP_THREADS) / 32) + lane / 4;
+#pragma unroll
+    for (int h = 0; h < BM / 64; ++h) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int jj = q * 8 + j, col = 8 * j + 2 * (lane % 4);
+        const float* a = acc + h * (BN / 2);
+        store_pair(out.at(64 * h + r, col), a[4 * jj], a[4 * jj + 1]);
+        store_pair(out.at(64 * h + r + 8, col), a[4 * jj + 2], a[4 * jj + 3]);
+      }
+    }
+  }
+
+  /**
+   * @brief Ping-pong storer: the consumer's 128 x BN tile in BN / 64 rounds of one 64-column
+   * panel; whole tiles by two TMA boxes of 64 rows a round, a tile past its group's end by
+   * 16-byte stores of the group's rows.
+   */
+  __device__ static void store_tile(const globals& g, const acc_t& acc, out_t& out,
+                                    const work& w, const lcsc::storer_sync& sync) {
+    const int valid = min(BM, w.row_end - w.row0);
+#pragma unroll
+    for (int q = 0; q < BN / 64; ++q) {
+      const int col0 = w.nt * BN + q * 64;
+      if (col0 >= g.n) break;
+      sync.acquire();
+      stage_out_panel(acc, out, q);
+      if (valid == BM) {
+        if (sync.publish()) {
+#pragma unroll
+          for (int h = 0; h < BM / 64; ++h) {
+            tma::store_2d(&g.out, out.data + h * 64 * 64, col0, w.row0 + 64 * h);
+          }
+          tma::store_commit();
+        }
+      } else {
+        warpgroup::sync(sync.barrier_id);
+        T* y = static_cast<T*>(g.y);
+        for (int i = warpgroup::thread(); i < valid * 8; i += WARPGROUP_THREADS) {
+          const int r = i / 8, col = (i % 8) * 8;
+          if (col0 + col < g.n) {
+            const uint4 v = *reinterpret_cast<const uint4*>(out.at(r, col));
+            *reinterpret_cast<uint4*>(y + static_cast<size_t>(w.row0 + r) * g.n + col0 + col) =
+                v;
+          }
+        }
+      }
+    }
+  }
+
   __device__ static void storer(const globals& g, const acc_t& acc, out_t& out, int c,
                                 const work& w, const lcsc::storer_sync& sync) {
+    if constexpr (PINGPONG) {
+      store_tile(g, acc, out, w, sync);
+      return;
+    }
     const int col0 = w.nt * BN;
     if constexpr (MODE == DW) {
       const int row0 = w.mt * BM + c * 64;

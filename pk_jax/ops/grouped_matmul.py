@@ -22,8 +22,13 @@ __all__ = ["grouped_matmul"]  # exported by pk_jax/__init__.py
 STEM = "grouped_matmul"
 
 # Kernel modes (cuda/kernels/grouped_matmul.cuh, enum mode_id). _FEW: the forward of calls of
-# at most FEW_MAX_ROWS rows (decode) by the few-rows kernel.
-_FWD, _DX, _DW, _FEW = 0, 1, 2, 3
+# at most FEW_MAX_ROWS rows (decode) by the few-rows kernel. _FWD_PP: the forward by the tiled
+# kernel's ping-pong schedule (128 x 128 tiles; one consumer stores while the other computes).
+_FWD, _DX, _DW, _FEW, _FWD_PP = 0, 1, 2, 3, 4
+# The largest K (contraction) whose forward takes the ping-pong schedule (`forward_mode`): where
+# a tile's few k steps leave its epilogue a large share of its time
+# (bench/results/grouped_matmul_notes.md says how it was chosen). 0: never.
+PINGPONG_MAX_K = 0
 FEW_MAX_ROWS = _op_table.GROUPED_FEW_MAX_ROWS
 # Most groups one kernel call takes (the op table's); more run the reference.
 MAX_GROUPS = _op_table.MAX_GROUPS
@@ -166,23 +171,39 @@ def forward_mode(x: jax.Array, w: jax.Array) -> int:
     """The forward kernel of a call the kernels take: the few-rows kernel (FEW) at decode
     sizes, at most one row per expert on average (M <= E) and at most FEW_MAX_ROWS rows, where
     it streams each expert's w once (the tiled kernel's 128-row tiles are mostly padding
-    there; bench/results/grouped_matmul_notes.md); else the tiled one (FWD)."""
-    return _FEW if x.shape[0] <= min(FEW_MAX_ROWS, w.shape[0]) else _FWD
+    there; bench/results/grouped_matmul_notes.md); else the tiled one, by its ping-pong
+    schedule (FWD_PP) for K <= PINGPONG_MAX_K, by its cooperative one (FWD) above."""
+    if x.shape[0] <= min(FEW_MAX_ROWS, w.shape[0]):
+        return _FEW
+    return _FWD_PP if x.shape[1] <= PINGPONG_MAX_K else _FWD
+
+
+def _forced_forward(x, w, group_sizes, mode: int, kernel: str) -> jax.Array:
+    check(x, w, group_sizes)
+    if not _kernel_applies(x, w):
+        raise ValueError(f"pk.{STEM}: the kernels do not take these operands (x {x.shape} "
+                         f"{x.dtype}, w {w.shape} {w.dtype}).")
+    _backend.require_kernel(STEM, f"pk.{STEM}: {kernel} (pk_{STEM})")
+    return _forward(x, w, group_sizes, mode)
 
 
 def few_rows_forward(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """The forward of `grouped_matmul` by the few-rows kernel (mode FEW), for calls of at most
     FEW_MAX_ROWS rows, whatever `forward_mode` would pick (the GPU tests' and
     bench/bench_grouped_matmul.py --specs' entry)."""
-    check(x, w, group_sizes)
     if x.shape[0] > FEW_MAX_ROWS:
         raise ValueError(f"pk.{STEM}: the few-rows kernel takes at most {FEW_MAX_ROWS} rows, got "
                          f"x of shape {x.shape}.")
-    if not _kernel_applies(x, w):
-        raise ValueError(f"pk.{STEM}: the kernels do not take these operands (x {x.shape} "
-                         f"{x.dtype}, w {w.shape} {w.dtype}).")
-    _backend.require_kernel(STEM, f"pk.{STEM}: the few-rows kernel (pk_{STEM})")
-    return _forward(x, w, group_sizes, _FEW)
+    return _forced_forward(x, w, group_sizes, _FEW, "the few-rows kernel")
+
+
+def tiled_forward(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
+                  pingpong: bool) -> jax.Array:
+    """The forward of `grouped_matmul` by the tiled kernel, by its ping-pong schedule (mode
+    FWD_PP) or its cooperative one (FWD), whatever `forward_mode` would pick (the GPU tests'
+    and bench/bench_grouped_matmul.py's entry)."""
+    return _forced_forward(x, w, group_sizes, _FWD_PP if pingpong else _FWD,
+                           "the tiled kernel")
 
 
 def _dx(dy, w, group_sizes):
