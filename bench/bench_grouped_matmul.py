@@ -267,9 +267,12 @@ def main() -> int:
     if args.specs:
         return run_specs(dtype, reps)
     if args.schedules:
-        cases = ([tuple(c) for c in json.load(open(args.cases))] if args.cases else
-                 [(name, m, e, k, n) for name, m, e, k, n, gsz in SPECS
-                  if gsz is None and m > gm.FEW_MAX_ROWS])
+        if args.cases:
+            with open(args.cases) as f:
+                cases = [tuple(c) for c in json.load(f)]
+        else:
+            cases = [(name, m, e, k, n) for name, m, e, k, n, gsz in SPECS
+                     if gsz is None and m > gm.FEW_MAX_ROWS]
         return run_schedules(dtype, reps, cases)
     ours = jax.jit(pk.grouped_matmul)
     base = jax.jit(jax.lax.ragged_dot)  # what a JAX user writes (bf16 out)
