@@ -17,11 +17,11 @@ call has at most FEW_MAX_ROWS rows (decode), the dense GEMM of equal FLOPs, ragg
 fits in memory), and the HBM floor: the bytes the call must move (x, the w of every nonempty
 group, y) at the rate of a device copy measured in the same run (issue 40 section 5).
 
-With --schedules the tiled kernel's two forward schedules (cooperative 128 x 256 tiles, FWD;
-ping-pong 128 x 128 tiles, FWD_PP) are each checked, then timed interleaved, with the dense GEMM
-of equal FLOPs after them, at the spec shapes of more than FEW_MAX_ROWS rows, or at the cases of
---cases FILE (a JSON list of [name, rows, experts, K, N], uniform sizes): the rows that choose
-and judge grouped_matmul.PINGPONG_MAX_K.
+With --schedules the tiled kernel's two schedules (cooperative 128 x 256 tiles, FWD / DX;
+ping-pong 128 x 128 tiles, FWD_PP / DX_PP) of the forward and of dx are each checked, then timed
+interleaved, with the dense GEMM of equal FLOPs after them, at the spec shapes of more than
+FEW_MAX_ROWS rows, or at the cases of --cases FILE (a JSON list of [name, rows, experts, K, N],
+uniform sizes): the rows that choose and judge grouped_matmul.PINGPONG_MAX_K.
 
 Run on the GPU machine:
 python bench/bench_grouped_matmul.py [--quick] [--vjp] [--specs] [--schedules [--cases FILE]]
@@ -205,19 +205,28 @@ def run_specs(dtype, reps: int) -> int:
 
 
 def run_schedules(dtype, reps: int, cases) -> int:
-    """The cooperative and ping-pong forward schedules at `cases` (name, rows, experts, K, N):
-    see the module docstring."""
-    fns = {"cooperative": jax.jit(functools.partial(gm.tiled_forward, pingpong=False)),
-           "pingpong": jax.jit(functools.partial(gm.tiled_forward, pingpong=True))}
+    """The cooperative and ping-pong schedules of the forward (contraction K) and of dx
+    (contraction N) at `cases` (name, rows, experts, K, N): see the module docstring."""
+    fns = {}
+    for pp in (False, True):
+        fwd = functools.partial(gm.tiled_forward, pingpong=pp)
+        dx = functools.partial(gm._dx, pingpong=pp)
+        sched = "pingpong" if pp else "cooperative"
+        fns[f"fwd {sched}"] = jax.jit(lambda x, w, gs, dy, f=fwd: f(x, w, gs))
+        fns[f"dx {sched}"] = jax.jit(lambda x, w, gs, dy, f=dx: f(dy, w, gs))
     dense = jax.jit(lambda x, w: x @ w)
-    ratios = []
+    ratios = {"fwd": [], "dx": []}
     for name, m, e, k, n in cases:
         gs_np = sizes("uniform", m, e)
         gs = jnp.asarray(gs_np)
         sets = _inputs(m, e, k, n, dtype, sets=1 if (m * k + e * k * n) * 2 > 2**30 else 3)
-        args_sets = [(x, w, gs) for x, w, _ in sets]
+        args_sets = [(x, w, gs, dy) for x, w, dy in sets]
+        x, w, dy = sets[0]
+        wt = jnp.swapaxes(w, 1, 2)  # dx's product per group: dy_e @ w[e]^T
         for impl, fn in fns.items():
-            _check_groups(f"{name} ({impl})", fn(*args_sets[0]), *args_sets[0][:2], gs_np)
+            a, b = (x, w) if impl.startswith("fwd") else (dy, wt)
+            _check_groups(f"{name} ({impl})", fn(*args_sets[0]), a, b, gs_np)
+        del wt
         flop = 2.0 * m * k * n
         t = common.time_us_interleaved(fns, args_sets, iters=_iters(max(flop / 600e12, 2e-5)),
                                        reps=reps)
@@ -225,22 +234,26 @@ def run_schedules(dtype, reps: int, cases) -> int:
         t_dense = common.time_us_interleaved({"dense": dense}, [(a, wd) for a, _, _ in sets],
                                              iters=_iters(max(flop / 650e12, 2e-5)),
                                              reps=reps)["dense"][0]
-        shape = {"tokens": m, "experts": e, "k": k, "n": n, "name": name, "dist": "uniform"}
-        coop, pp = t["cooperative"][0], t["pingpong"][0]
-        for impl, (us, _) in t.items():
-            common.record(
-                op="grouped_matmul", shape=shape, dtype=dtype.name, world=1, processes=1,
-                median_us=us, tflops=flop / us / 1e6, baseline="dense",
-                baseline_median_us=t_dense,
-                kernel="tiled_pingpong" if impl == "pingpong" else "tiled",
-                pingpong_vs_cooperative=round(coop / pp, 4), reps=reps)
-        ratios.append(coop / pp)
-        print(f"{name:>14} {m:>7}x{k:<5}->{n:<6} E {e:<4} cooperative {coop:9.1f} us "
-              f"({t_dense / coop:.3f}x of dense)  pingpong {pp:9.1f} us ({t_dense / pp:.3f}x of "
-              f"dense)  dense {t_dense:9.1f} us: pingpong {coop / pp:.3f}x of cooperative",
-              flush=True)
-        del sets, args_sets
-    print(f"geometric mean: pingpong {common.geomean(ratios):.3f}x of cooperative")
+        line = []
+        for mode in ("fwd", "dx"):
+            shape = {"tokens": m, "experts": e, "k": k, "n": n, "name": name, "dist": "uniform"}
+            coop, pp = t[f"{mode} cooperative"][0], t[f"{mode} pingpong"][0]
+            for sched, us in (("cooperative", coop), ("pingpong", pp)):
+                common.record(
+                    op="grouped_matmul", shape=shape, dtype=dtype.name, world=1, processes=1,
+                    median_us=us, tflops=flop / us / 1e6, baseline="dense",
+                    baseline_median_us=t_dense, direction=mode,
+                    kernel="tiled_pingpong" if sched == "pingpong" else "tiled",
+                    contraction=k if mode == "fwd" else n,
+                    pingpong_vs_cooperative=round(coop / pp, 4), reps=reps)
+            ratios[mode].append(coop / pp)
+            line.append(f"{mode} {coop:8.1f} / {pp:8.1f} us = {coop / pp:.3f}x "
+                        f"({t_dense / coop:.3f} -> {t_dense / pp:.3f} of dense)")
+        print(f"{name:>14} {m:>7}x{k:<5}->{n:<6} E {e:<4} cooperative / pingpong: "
+              f"{'; '.join(line)}; dense {t_dense:.1f} us", flush=True)
+        del sets, args_sets, x, w, dy
+    print(f"geometric mean, pingpong over cooperative: fwd {common.geomean(ratios['fwd']):.3f}x, "
+          f"dx {common.geomean(ratios['dx']):.3f}x")
     return 0
 
 

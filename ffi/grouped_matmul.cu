@@ -31,7 +31,9 @@ cudaError_t Launch(int64_t mode, const gm::globals& g, cudaStream_t stream, int 
     case gm::DW:
       return gm::launch<gm::config<T, gm::DW>>(g, stream, device, num_sms, max_tiles);
     case gm::FWD_PP:
-      return gm::launch<gm::config_pingpong<T>>(g, stream, device, num_sms, max_tiles);
+      return gm::launch<gm::config_pingpong<T, gm::FWD>>(g, stream, device, num_sms, max_tiles);
+    case gm::DX_PP:
+      return gm::launch<gm::config_pingpong<T, gm::DX>>(g, stream, device, num_sms, max_tiles);
     default:
       return gm::launch<gm::config<T, gm::FWD>>(g, stream, device, num_sms, max_tiles);
   }
@@ -116,7 +118,8 @@ ffi::Error GroupedMatmulCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer
   const char* op = "grouped_matmul";
   constexpr int BM = 128;
   // Output tile width: 128 for the ping-pong forward, else 256 (the grid's upper bound below).
-  const int BN = mode == gm::FWD_PP ? 128 : 256;
+  const bool pingpong = mode == gm::FWD_PP || mode == gm::DX_PP;
+  const int BN = pingpong ? 128 : 256;
   long long max_tiles;
   if (mode == gm::DW) {
     if (Status st = TensorMap(op, {a.untyped_data(), uint64_t(m), uint64_t(k), 64, 64, type},
@@ -140,9 +143,10 @@ ffi::Error GroupedMatmulCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer
         !st.ok()) {
       return ToError(st);
     }
-    // w [E, K, N]: FWD reads {64 n, 64 k} boxes, DX {64 n (its contraction), 256 k} boxes.
+    // w [E, K, N]: FWD reads {64 n, 64 k} boxes, DX {64 n (its contraction), BN k} boxes.
     const uint64_t wk = bd[1], wn = bd[2];
-    if (ffi::Error err = TensorMap3d(b.untyped_data(), e, wk, wn, mode == gm::DX ? 256 : 64,
+    const bool dx = mode == gm::DX || mode == gm::DX_PP;
+    if (ffi::Error err = TensorMap3d(b.untyped_data(), e, wk, wn, dx ? BN : 64,
                                      type, &g.b);
         err.failure()) {
       return err;
@@ -215,7 +219,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkGroupedMatmul, pk_ffi::GroupedMatmulCuda,
                                   .Arg<xla::ffi::AnyBuffer>()    // b: w [E, K, N] or dy [M, N]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // group_sizes [E]
                                   .Ret<xla::ffi::AnyBuffer>()    // y [M, N], dx [M, K], dw
-                                  .Attr<int64_t>("mode")         // 0 FWD, 1 DX, 2 DW, 3 FEW, 4 FWD_PP
+                                  .Attr<int64_t>("mode")  // enum mode_id (grouped_matmul.cuh)
                                   .Attr<int64_t>("group_m"),     // block-rows per band
                               PK_FFI_CUDA_TRAITS);
 PK_FFI_REGISTER(pk_ffi::kOpGroupedMatmul, "CUDA", PkGroupedMatmul);

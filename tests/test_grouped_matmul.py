@@ -363,23 +363,25 @@ def test_decode_sizes_take_the_few_rows_kernel(monkeypatch, m, e, mode):
     assert [dict(e_.params["attributes"])["mode"] for e_ in calls] == [mode, gm._DX, gm._DW]
 
 
-@pytest.mark.parametrize("m,k,mode", [(256, 64, gm._FWD_PP), (256, 512, gm._FWD_PP),
-                                      (256, 520, gm._FWD), (8, 64, gm._FEW)])
-def test_small_k_takes_the_pingpong_schedule(monkeypatch, m, k, mode):
-    """With the kernels forced (the CPU has none): the tiled forward runs its ping-pong schedule
-    where K <= PINGPONG_MAX_K, its cooperative one above; decode sizes keep the few-rows
-    kernel, and the VJP the dx and dw kernels."""
+@pytest.mark.parametrize("m,k,n,modes", [(256, 64, 48, (gm._FWD_PP, gm._DX_PP)),
+                                         (256, 512, 520, (gm._FWD_PP, gm._DX)),
+                                         (256, 520, 512, (gm._FWD, gm._DX_PP)),
+                                         (8, 64, 1000, (gm._FEW, gm._DX))])
+def test_small_contractions_take_the_pingpong_schedule(monkeypatch, m, k, n, modes):
+    """With the kernels forced (the CPU has none): the tiled forward and dx run their ping-pong
+    schedule where their contraction (K, N) is at most PINGPONG_MAX_K, their cooperative one
+    above; decode sizes keep the few-rows kernel, dw its own."""
     from test_ring_attn import ffi_calls
 
     from pk_jax import _backend
 
     monkeypatch.setattr(_backend, "use_kernel", lambda stem, axis_name=None: True)
     monkeypatch.setattr(gm, "PINGPONG_MAX_K", 512)
-    x, w = jnp.zeros((m, k), jnp.bfloat16), jnp.zeros((8, k, 48), jnp.bfloat16)
+    x, w = jnp.zeros((m, k), jnp.bfloat16), jnp.zeros((8, k, n), jnp.bfloat16)
     gs = jnp.zeros((8,), jnp.int32)
     loss = lambda x, w: jnp.sum(pk.grouped_matmul(x, w, gs).astype(jnp.float32))
     calls = ffi_calls(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, w))
-    assert [dict(e_.params["attributes"])["mode"] for e_ in calls] == [mode, gm._DX, gm._DW]
+    assert [dict(e_.params["attributes"])["mode"] for e_ in calls] == [*modes, gm._DW]
 
 
 def test_few_rows_entry_refuses_what_it_cannot_take():
@@ -480,3 +482,25 @@ def test_gpu_pingpong_exact_on_integers(dtype):
         for pingpong in (True, False):
             assert_same(jax.jit(functools.partial(gm.tiled_forward, pingpong=pingpong))(x, w, gs),
                         want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,dtype", product(PINGPONG_CASES, MATMUL_DTYPES), ids=str)
+def test_gpu_pingpong_dx(case, dtype):
+    """dx by the ping-pong schedule (mode DX_PP, contraction N) against ragged_dot's dx and the
+    float64 one, into poisoned memory, twice."""
+    m, k, n, e = case
+    f = jax.jit(functools.partial(gm._dx, pingpong=True))
+    for i, kind in enumerate(("random", "empty", "short", "zipf")):
+        x, w, dy = _operands(m, k, n, e, dtype, seed=50 + i)
+        gs = _sizes(kind, m, e, seed=i)
+        poison((m, k), dtype)
+        dx = f(dy, w, gs)
+        _, pullr = jax.vjp(lambda a, b, gs=gs: _ragged_dot(a, b, gs), x, w)
+        rx, _ = jax.jit(pullr)(dy)
+        ex, _ = _exact_grads(x, w, gs, dy)
+        assert dx.dtype == dtype and dx.shape == (m, k)
+        assert not bool(jnp.any(jnp.isnan(dx))), f"{kind}: dx not fully written"
+        assert not bool(jnp.any(dx[int(gs.sum()):] != 0)), kind
+        assert_error_within_xla(dx, rx, ex, atol=1e-3 * np.sqrt(max(m, n)))
+        assert_same(f(dy, w, gs), dx)

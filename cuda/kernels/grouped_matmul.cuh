@@ -35,10 +35,10 @@
  *   1, 2      | consumers: rows 0..63 / 64..127 of the tile, 4 x wgmma m64n256k16 per stage,
  *             | then storer (fp32 -> T -> swizzled smem -> TMA store, or masked stores)
  *
- *   FWD_PP (config_pingpong, 128 x 128 tiles): consumer c computes whole tiles, the block's
- *   tiles c, c + 2, ..; 2 x 4 wgmma m64n128k16 per stage; the consumers take turns at the
- *   MMAs (named barriers), so one stores while the other computes. Each stage is consumed by
- *   one consumer (empty[s] counts 1).
+ *   FWD_PP, DX_PP (config_pingpong, 128 x 128 tiles): consumer c computes whole tiles, the
+ *   block's tiles c, c + 2, ..; 2 x 4 wgmma m64n128k16 per stage; the consumers take turns at
+ *   the MMAs (named barriers), so one stores while the other computes. Each stage is consumed
+ *   by one consumer (empty[s] counts 1).
  *
  * Signals: none (no peers).
  *
@@ -75,13 +75,14 @@ namespace pk::grouped_matmul {
 constexpr int MAX_GROUPS = 1024;
 
 // FEW: FWD for calls of at most FEW_MAX_ROWS rows in all (decode), by the few_rows kernel
-// below instead of the tiled GEMM. FWD_PP: FWD by the ping-pong schedule (config_pingpong).
-enum mode_id : int { FWD = 0, DX = 1, DW = 2, FEW = 3, FWD_PP = 4, NUM_MODES = 5 };
+// below instead of the tiled GEMM. FWD_PP, DX_PP: FWD and DX by the ping-pong schedule
+// (config_pingpong).
+enum mode_id : int { FWD = 0, DX = 1, DW = 2, FEW = 3, FWD_PP = 4, DX_PP = 5, NUM_MODES = 6 };
 
 /** @brief Kernel arguments (see the mode table above for a, b, out). */
 struct globals {
   CUtensorMap a;    // FWD/DX: dims {K', M}, box {64, 128}; DW: x dims {K, M}, box {64, 64}
-  CUtensorMap b;    // FWD: w {N, K, E} box {64, 64, 1}; DX: w {N, K, E} box {64, 256, 1};
+  CUtensorMap b;    // FWD: w {N, K, E} box {64, 64, 1}; DX: w {N, K, E} box {64, BN, 1};
                     // DW: dy {N, M} box {64, 64}
   CUtensorMap out;  // FWD/DX: y {N', M} box {64, 64}; DW: dw {N, K, E} box {64, 64, 1}
   void* y;          // FWD/DX: the output (masked stores and zeroed tail rows)
@@ -104,16 +105,16 @@ struct config {
 };
 
 /**
- * @brief FWD by the ping-pong schedule: each consumer computes whole 128 x 128 tiles, the two
+ * @brief FWD or DX by the ping-pong schedule: each consumer computes whole 128 x 128 tiles, the two
  * taking turns (a block's tiles 0, 2, 4, .. and 1, 3, 5, ..), so that one consumer's epilogue
  * runs while the other's MMAs keep the tensor cores busy. For small K, where a tile's epilogue
  * is a large part of its time (bench/results/grouped_matmul_notes.md). 5 stages of 32 KiB and
  * one 128 x 64 staging panel per consumer (two store rounds a tile).
  */
-template <typename T>
+template <typename T, int MODE>
 struct config_pingpong {
   using dtype = T;
-  static constexpr int mode = FWD;
+  static constexpr int mode = MODE;
   static constexpr int BM = 128, BN = 128, BK = 64, STAGES = 5;
   static constexpr bool PINGPONG = true;
 };
@@ -137,8 +138,9 @@ struct kernel_def {
   static constexpr int CONSUMERS = 2;
   static constexpr int THREADS = (CONSUMERS + 1) * WARPGROUP_THREADS;
   static constexpr bool PINGPONG = C::PINGPONG;
-  static_assert(!PINGPONG || (MODE == FWD && BM == 128),
-                "grouped_matmul: the ping-pong schedule runs FWD, one 128-row tile a consumer");
+  static_assert(!PINGPONG || (MODE != DW && BM == 128),
+                "grouped_matmul: the ping-pong schedule runs FWD or DX, one 128-row tile a "
+                "consumer");
   // Rows of a tile one consumer computes: half the tile (cooperative) or all of it (ping-pong).
   static constexpr int CONSUMER_ROWS = PINGPONG ? BM : BM / CONSUMERS;
   static constexpr int ACC = CONSUMER_ROWS / 64 * (BN / 2);  // fp32 accumulators per thread
@@ -256,10 +258,12 @@ struct kernel_def {
     pipeline_state<STAGES> pipe;
     if constexpr (PINGPONG) {
       // Consumer c takes the block's tiles c, c + 2, ..; the ring holds every tile's k steps in
-      // order, so it skips the other consumer's (FWD: k_iters steps a tile). Turns: consumer c
+      // order, so it skips the other consumer's (FWD, DX: k_iters steps a tile). Turns: consumer c
       // starts a tile's MMAs only once the other finished its previous tile's (the first tile
       // goes to consumer 0 at once), so that one's epilogue overlaps the other's mainloop
-      // rather than both computing together and then both storing.
+      // rather than both computing together and then both storing. The turns also keep the
+      // parity waits right: a consumer waits on a stage's full barrier only after every earlier
+      // use of that stage completed (a wait two phases ahead would pass at once).
       const int k_iters = ceil_div(g.k, BK);
       const int step = CONSUMERS * gridDim.x;
       if (c == 1) {
@@ -390,11 +394,14 @@ struct kernel_def {
         }
       } else if constexpr (PINGPONG) {
         // The consumer's whole tile: an m64 MMA per 64 rows, both on the same B.
-        const uint64_t db = wgmma::desc_mn_major(st.b.data, kk * 16, b_tile::PANEL_BYTES);
+        constexpr int TRANS_B = MODE == DX ? 0 : 1;
+        const uint64_t db = MODE == DX
+                                ? wgmma::desc_k_major(st.b.data, kk * 16)
+                                : wgmma::desc_mn_major(st.b.data, kk * 16, b_tile::PANEL_BYTES);
 #pragma unroll
         for (int h = 0; h < BM / 64; ++h) {
           const uint64_t da = wgmma::desc_k_major(st.a.data + h * 64 * BK, kk * 16);
-          wgmma::mma<T, BN, 1>(acc_rows(acc, h), da, db, scale);
+          wgmma::mma<T, BN, TRANS_B>(acc_rows(acc, h), da, db, scale);
         }
       } else {
         const uint64_t da = wgmma::desc_k_major(st.a.data + c * 64 * BK, kk * 16);

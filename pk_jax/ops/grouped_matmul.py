@@ -22,11 +22,12 @@ __all__ = ["grouped_matmul"]  # exported by pk_jax/__init__.py
 STEM = "grouped_matmul"
 
 # Kernel modes (cuda/kernels/grouped_matmul.cuh, enum mode_id). _FEW: the forward of calls of
-# at most FEW_MAX_ROWS rows (decode) by the few-rows kernel. _FWD_PP: the forward by the tiled
-# kernel's ping-pong schedule (128 x 128 tiles; one consumer stores while the other computes).
-_FWD, _DX, _DW, _FEW, _FWD_PP = 0, 1, 2, 3, 4
-# The largest K (contraction) whose forward takes the ping-pong schedule (`forward_mode`): where
-# a tile's few k steps leave its epilogue a large share of its time
+# at most FEW_MAX_ROWS rows (decode) by the few-rows kernel. _FWD_PP, _DX_PP: the forward and
+# dx by the tiled kernel's ping-pong schedule (128 x 128 tiles; one consumer stores while the
+# other computes).
+_FWD, _DX, _DW, _FEW, _FWD_PP, _DX_PP = 0, 1, 2, 3, 4, 5
+# The largest contraction (the forward's K, dx's N) whose product takes the ping-pong schedule:
+# where a tile's few k steps leave its epilogue a large share of its time
 # (bench/results/grouped_matmul_notes.md says how it was chosen). 0: never.
 PINGPONG_MAX_K = 0
 FEW_MAX_ROWS = _op_table.GROUPED_FEW_MAX_ROWS
@@ -206,11 +207,15 @@ def tiled_forward(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
                            "the tiled kernel")
 
 
-def _dx(dy, w, group_sizes):
-    """dx [M, K] = dy_e @ w[e]^T per group; zero past sum(group_sizes)."""
+def _dx(dy, w, group_sizes, pingpong: bool | None = None):
+    """dx [M, K] = dy_e @ w[e]^T per group; zero past sum(group_sizes). `pingpong`: the
+    schedule (None: the ping-pong one for N <= PINGPONG_MAX_K; the tests force either)."""
     m, k, n = dy.shape[0], w.shape[1], w.shape[2]
     n_pad = -(-n // 8) * 8
-    return _call(_DX, _pad_cols(dy, n_pad), _pad_cols(w, n_pad), group_sizes, (m, k), dy.dtype)
+    if pingpong is None:
+        pingpong = n_pad <= PINGPONG_MAX_K
+    return _call(_DX_PP if pingpong else _DX, _pad_cols(dy, n_pad), _pad_cols(w, n_pad),
+                 group_sizes, (m, k), dy.dtype)
 
 
 def _dw(x, dy, group_sizes, e):
