@@ -21,7 +21,8 @@ With --schedules the tiled kernel's two schedules (cooperative 128 x 256 tiles, 
 ping-pong 128 x 128 tiles, FWD_PP / DX_PP) of the forward and of dx are each checked, then timed
 interleaved, with the dense GEMM of equal FLOPs after them, at the spec shapes of more than
 FEW_MAX_ROWS rows, or at the cases of --cases FILE (a JSON list of [name, rows, experts, K, N],
-uniform sizes): the rows that choose and judge grouped_matmul.PINGPONG_MAX_K.
+uniform sizes), tagged for bench/check_pingpong.py, which scores grouped_matmul's choice of
+schedule (pingpong_width) on them.
 
 Run on the GPU machine:
 python bench/bench_grouped_matmul.py [--quick] [--vjp] [--specs] [--schedules [--cases FILE]]
@@ -270,6 +271,9 @@ def main() -> int:
     ap.add_argument("--cases", default=None,
                     help="--schedules: a JSON list of [name, rows, experts, K, N] (default: "
                          "the spec shapes of more than FEW_MAX_ROWS rows)")
+    ap.add_argument("--tag", default=None,
+                    help="--schedules: the rows' tag (default: schedule-fit for the spec "
+                         "shapes, schedule-judge for --cases; bench/check_pingpong.py)")
     args = ap.parse_args()
     dtype = jnp.dtype(args.dtype)
     reps = 5 if args.quick else 11
@@ -286,10 +290,8 @@ def main() -> int:
         else:
             cases = [(name, m, e, k, n) for name, m, e, k, n, gsz in SPECS
                      if gsz is None and m > gm.FEW_MAX_ROWS]
-        # Rows of the spec shapes choose PINGPONG_MAX_K, those of --cases judge it
-        # (bench/fit_pingpong.py).
-        return run_schedules(dtype, reps, cases,
-                             "schedule-judge" if args.cases else "schedule-fit")
+        tag = args.tag or ("schedule-judge" if args.cases else "schedule-fit")
+        return run_schedules(dtype, reps, cases, tag)
     ours = jax.jit(pk.grouped_matmul)
     base = jax.jit(jax.lax.ragged_dot)  # what a JAX user writes (bf16 out)
     dense = jax.jit(lambda x, w: x @ w)

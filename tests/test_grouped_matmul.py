@@ -355,7 +355,8 @@ def test_decode_sizes_take_the_few_rows_kernel(monkeypatch, m, e, mode):
     from pk_jax import _backend
 
     monkeypatch.setattr(_backend, "use_kernel", lambda stem, axis_name=None: True)
-    x, w = jnp.zeros((m, 64), jnp.bfloat16), jnp.zeros((e, 64, 48), jnp.bfloat16)
+    # Widths of whole 256-column tiles (K, N = 256): the cooperative schedule where tiled.
+    x, w = jnp.zeros((m, 256), jnp.bfloat16), jnp.zeros((e, 256, 256), jnp.bfloat16)
     gs = jnp.zeros((e,), jnp.int32)
     loss = lambda x, w: jnp.sum(pk.grouped_matmul(x, w, gs).astype(jnp.float32))
     calls = ffi_calls(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, w))
@@ -364,19 +365,20 @@ def test_decode_sizes_take_the_few_rows_kernel(monkeypatch, m, e, mode):
 
 
 @pytest.mark.parametrize("m,k,n,modes", [(256, 64, 48, (gm._FWD_PP, gm._DX_PP)),
-                                         (256, 512, 520, (gm._FWD_PP, gm._DX)),
-                                         (256, 520, 512, (gm._FWD, gm._DX_PP)),
-                                         (8, 64, 1000, (gm._FEW, gm._DX))])
-def test_small_contractions_take_the_pingpong_schedule(monkeypatch, m, k, n, modes):
+                                         (256, 2048, 1408, (gm._FWD_PP, gm._DX)),
+                                         (256, 640, 2880, (gm._FWD, gm._DX_PP)),
+                                         (256, 1024, 7168, (gm._FWD, gm._DX)),
+                                         (8, 384, 1000, (gm._FEW, gm._DX_PP))])
+def test_padded_widths_take_the_pingpong_schedule(monkeypatch, m, k, n, modes):
     """With the kernels forced (the CPU has none): the tiled forward and dx run their ping-pong
-    schedule where their contraction (K, N) is at most PINGPONG_MAX_K, their cooperative one
-    above; decode sizes keep the few-rows kernel, dw its own."""
+    schedule (128-wide tiles) where their output width (N, K) pads 256-wide tiles by more than
+    PINGPONG_WASTE (48, 64, 384, 640, 1408), their cooperative one elsewhere (1024, 2048,
+    2880: 4.4%, 7168); decode sizes keep the few-rows kernel, dw its own."""
     from test_ring_attn import ffi_calls
 
     from pk_jax import _backend
 
     monkeypatch.setattr(_backend, "use_kernel", lambda stem, axis_name=None: True)
-    monkeypatch.setattr(gm, "PINGPONG_MAX_K", 512)
     x, w = jnp.zeros((m, k), jnp.bfloat16), jnp.zeros((8, k, n), jnp.bfloat16)
     gs = jnp.zeros((8,), jnp.int32)
     loss = lambda x, w: jnp.sum(pk.grouped_matmul(x, w, gs).astype(jnp.float32))

@@ -26,10 +26,12 @@ STEM = "grouped_matmul"
 # dx by the tiled kernel's ping-pong schedule (128 x 128 tiles; one consumer stores while the
 # other computes).
 _FWD, _DX, _DW, _FEW, _FWD_PP, _DX_PP = 0, 1, 2, 3, 4, 5
-# The largest contraction (the forward's K, dx's N) whose product takes the ping-pong schedule:
-# where a tile's few k steps leave its epilogue a large share of its time
-# (bench/results/grouped_matmul_notes.md says how it was chosen). 0: never.
-PINGPONG_MAX_K = 0
+# Output widths (the forward's N, dx's K) that take the ping-pong schedule's 128-wide tiles:
+# those where 256-wide tiles compute more than PINGPONG_WASTE of the width in extra padding
+# columns (1408: 9%, 640: 20%), which is where the measured ping-pong runs won; elsewhere its
+# 128 x 128 tiles lose (0.74-0.98x; bench/results/grouped_matmul_notes.md). Chosen on those
+# rows, in sample; bench/results/grouped_schedule_cases_2.json judges it.
+PINGPONG_WASTE = 0.08
 FEW_MAX_ROWS = _op_table.GROUPED_FEW_MAX_ROWS
 # Most groups one kernel call takes (the op table's); more run the reference.
 MAX_GROUPS = _op_table.MAX_GROUPS
@@ -168,15 +170,25 @@ def _forward(x, w, group_sizes, mode=_FWD):
     return y[:, :n] if n_pad != n else y
 
 
+def pingpong_width(width: int) -> bool:
+    """Whether a tiled product of `width` output columns takes the ping-pong schedule (128-wide
+    tiles): where 256-wide ones pad it by more than PINGPONG_WASTE of it beyond what 128-wide
+    ones do."""
+    w8 = -(-width // 8) * 8
+    pad = -(-w8 // 256) * 256 - -(-w8 // 128) * 128
+    return pad > PINGPONG_WASTE * w8
+
+
 def forward_mode(x: jax.Array, w: jax.Array) -> int:
     """The forward kernel of a call the kernels take: the few-rows kernel (FEW) at decode
     sizes, at most one row per expert on average (M <= E) and at most FEW_MAX_ROWS rows, where
     it streams each expert's w once (the tiled kernel's 128-row tiles are mostly padding
     there; bench/results/grouped_matmul_notes.md); else the tiled one, by its ping-pong
-    schedule (FWD_PP) for K <= PINGPONG_MAX_K, by its cooperative one (FWD) above."""
+    schedule (FWD_PP) at the widths of `pingpong_width`, by its cooperative one (FWD) at the
+    rest."""
     if x.shape[0] <= min(FEW_MAX_ROWS, w.shape[0]):
         return _FEW
-    return _FWD_PP if x.shape[1] <= PINGPONG_MAX_K else _FWD
+    return _FWD_PP if pingpong_width(w.shape[2]) else _FWD
 
 
 def _forced_forward(x, w, group_sizes, mode: int, kernel: str) -> jax.Array:
@@ -209,11 +221,11 @@ def tiled_forward(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
 
 def _dx(dy, w, group_sizes, pingpong: bool | None = None):
     """dx [M, K] = dy_e @ w[e]^T per group; zero past sum(group_sizes). `pingpong`: the
-    schedule (None: the ping-pong one for N <= PINGPONG_MAX_K; the tests force either)."""
+    schedule (None: `pingpong_width` of K; the tests and the benchmark force either)."""
     m, k, n = dy.shape[0], w.shape[1], w.shape[2]
     n_pad = -(-n // 8) * 8
     if pingpong is None:
-        pingpong = n_pad <= PINGPONG_MAX_K
+        pingpong = pingpong_width(k)
     return _call(_DX_PP if pingpong else _DX, _pad_cols(dy, n_pad), _pad_cols(w, n_pad),
                  group_sizes, (m, k), dy.dtype)
 
