@@ -105,10 +105,11 @@ struct config {
 };
 
 /**
- * @brief FWD or DX by the ping-pong schedule: each consumer computes whole 128 x 128 tiles, the two
- * taking turns (a block's tiles 0, 2, 4, .. and 1, 3, 5, ..), so that one consumer's epilogue
- * runs while the other's MMAs keep the tensor cores busy. For small K, where a tile's epilogue
- * is a large part of its time (bench/results/grouped_matmul_notes.md). 5 stages of 32 KiB and
+ * @brief FWD or DX by the ping-pong schedule: each consumer computes whole 128 x 128 tiles, the
+ * two taking turns (a block's tiles 0, 2, 4, .. and 1, 3, 5, ..), so that one consumer's
+ * epilogue runs while the other's MMAs keep the tensor cores busy. The op takes it for output
+ * widths that 256-wide tiles would pad (pk_jax grouped_matmul.pingpong_width; elsewhere the
+ * 128 x 256 tiles are faster: bench/results/grouped_matmul_notes.md). 5 stages of 32 KiB and
  * one 128 x 64 staging panel per consumer (two store rounds a tile).
  */
 template <typename T, int MODE>
