@@ -117,7 +117,7 @@ ffi::Error GroupedMatmulCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer
   g.group_m = static_cast<int>(group_m < 1 ? 1 : (group_m > 1024 ? 1024 : group_m));
   const char* op = "grouped_matmul";
   constexpr int BM = 128;
-  // Output tile width: 128 for the ping-pong forward, else 256 (the grid's upper bound below).
+  // Output tile width: 128 for the ping-pong schedules, else 256 (the grid's upper bound below).
   const bool pingpong = mode == gm::FWD_PP || mode == gm::DX_PP;
   const int BN = pingpong ? 128 : 256;
   long long max_tiles;
