@@ -94,31 +94,27 @@ struct globals {
   int group_m;      // block-rows per band of the tile order
 };
 
-/** @brief One tile configuration: BM = 128, BN = 256, BK = 64, 3 stages, whole-tile staging;
- *  the two consumers split each tile's rows (cooperative). */
-template <typename T, int MODE>
+/**
+ * @brief One tile configuration. Cooperative (PINGPONG false): BM = 128, BN = 256, BK = 64, 3
+ * stages, whole-tile staging; the two consumers split each tile's rows.
+ *
+ * Ping-pong (FWD or DX, config_pingpong): each consumer computes whole 128 x 128 tiles, the two
+ * taking turns (a block's tiles 0, 2, 4, .. and 1, 3, 5, ..), so that one consumer's epilogue
+ * runs while the other's MMAs keep the tensor cores busy; 5 stages of 32 KiB and one 128 x 64
+ * staging panel per consumer (two store rounds a tile). The op takes it for output widths that
+ * 256-wide tiles would pad (pk_jax grouped_matmul.pingpong_width; elsewhere the 128 x 256 tiles
+ * are faster: bench/results/grouped_matmul_notes.md).
+ */
+template <typename T, int MODE, bool PINGPONG_ = false>
 struct config {
   using dtype = T;
   static constexpr int mode = MODE;
-  static constexpr int BM = 128, BN = 256, BK = 64, STAGES = 3;
-  static constexpr bool PINGPONG = false;
+  static constexpr bool PINGPONG = PINGPONG_;
+  static constexpr int BM = 128, BN = PINGPONG ? 128 : 256, BK = 64, STAGES = PINGPONG ? 5 : 3;
 };
 
-/**
- * @brief FWD or DX by the ping-pong schedule: each consumer computes whole 128 x 128 tiles, the
- * two taking turns (a block's tiles 0, 2, 4, .. and 1, 3, 5, ..), so that one consumer's
- * epilogue runs while the other's MMAs keep the tensor cores busy. The op takes it for output
- * widths that 256-wide tiles would pad (pk_jax grouped_matmul.pingpong_width; elsewhere the
- * 128 x 256 tiles are faster: bench/results/grouped_matmul_notes.md). 5 stages of 32 KiB and
- * one 128 x 64 staging panel per consumer (two store rounds a tile).
- */
 template <typename T, int MODE>
-struct config_pingpong {
-  using dtype = T;
-  static constexpr int mode = MODE;
-  static constexpr int BM = 128, BN = 128, BK = 64, STAGES = 5;
-  static constexpr bool PINGPONG = true;
-};
+using config_pingpong = config<T, MODE, true>;
 
 /** @brief A unit of work: an output tile and the rows of its group. */
 struct work {
