@@ -447,6 +447,9 @@ section_bench() {
   step "$PY" bench/bench_emulated.py
   step "$PY" bench/bench_grouped_matmul.py --vjp
   step "$PY" bench/bench_grouped_matmul.py --specs
+  # The two schedules side by side at the judging cases of pingpong_width (bench/check_pingpong.py)
+  step "$PY" bench/bench_grouped_matmul.py --schedules --quick \
+    --cases bench/results/grouped_schedule_cases_2.json --tag schedule-judge-2
   step "$PY" bench/bench_grouped_matmul_fp8.py
   step "$PY" bench/bench_attention.py
   step "$PY" bench/bench_attention_masks.py
