@@ -127,7 +127,7 @@ section_tp_mp() {
 # The grouped GEMM of MoE experts (issue 12, item 1): forward, dx and dw kernels at P = 1; the
 # fp8 forward (issue 40 section 2).
 section_grouped() {
-  # Both schedules of the tiled kernel: about 130 s for 50 of its tests on an H100.
+  # Both schedules of the tiled kernel are tested here: more than the default step limit.
   LIMIT=600 step "$PY" -m pytest -q -p no:cacheprovider -m "gpu and not large" \
     tests/test_grouped_matmul.py
   step "$PY" -m pytest -q -p no:cacheprovider -m "gpu and not large" \
