@@ -307,7 +307,8 @@ def test_gpu_in_shard_map_and_grad():
 @pytest.mark.gpu
 def test_gpu_small_all_modes():
     """One small case through the forward, dx and dw kernels (also the compute-sanitizer
-    target): empty groups, rows past the sum, K not a multiple of 64, N padded to 8."""
+    target): empty groups, rows past the sum, K not a multiple of 64, N padded to 8. Widths
+    this narrow take the ping-pong forward and dx (pingpong_width)."""
     m, k, n = 300, 72, 61
     gs = jnp.array([0, 50, 0, 130, 7, 20], jnp.int32)  # sum 207 < 300
     x, w, dy = _operands(m, k, n, 6, jnp.bfloat16, seed=21)
