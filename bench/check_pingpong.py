@@ -15,13 +15,17 @@ Run here (no GPU): python bench/check_pingpong.py
 from __future__ import annotations
 
 import json
+import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
 import common
+import fit_decider
 
 from pk_jax.ops import grouped_matmul as gm
 
-TIE = 0.03
+TIE = fit_decider.TIE
 TAGS = ("schedule-fit", "schedule-judge", "schedule-judge-2")
 
 
@@ -49,13 +53,10 @@ def load() -> dict[str, list[dict]]:
 
 
 def score(rows: list[dict], rule) -> dict:
-    judged = [p for p in rows if abs(p["coop"] / p["pp"] - 1) > TIE]
-    correct = sum((p["pp"] < p["coop"]) == rule(p["width"]) for p in judged)
-    best = sum(min(p["pp"], p["coop"]) for p in rows)
-    lost = sum(p["pp"] if rule(p["width"]) else p["coop"] for p in rows) / best - 1
-    return {"cases": len(rows), "ties": len(rows) - len(judged), "correct": correct,
-            "accuracy": round(correct / len(judged), 3) if judged else None,
-            "time_lost": round(lost, 4)}
+    """The decider's score (fit_decider.score: ties, accuracy, time lost), the ping-pong
+    schedule in the place of "fused" and the cooperative one of "serial"."""
+    pairs = [{"fused_us": p["pp"], "serial_us": p["coop"]} for p in rows]
+    return fit_decider.score(pairs, ["fused" if rule(p["width"]) else "serial" for p in rows])
 
 
 def main() -> int:
