@@ -125,40 +125,6 @@ __device__ inline int2 span(const globals& g, int owner, int lo, int hi) {
 
 enum tile_kind : int { HIDDEN = 0, FULL_TILE = 1, PARTIAL = 2 };
 
-/** @brief w_ch of a compute thread that found every chunk of step w_t landed (acquire_chunk). */
-constexpr int WHOLE_STEP = -2;
-
-/**
- * @brief A compute block's issuing thread, before its TMA reads of chunk `ch` of slot `step`
- * (> 0): FULL[step][ch] acquired, once per chunk and thread (w_t, w_ch: the thread's last), or
- * once per step when at the thread's first look every chunk of the step had landed, the common
- * case where the ring's exchange is short beside the attention (then w_ch = WHOLE_STEP).
- * That look reads each comm block's last chunk of the step: a comm block signals its chunks in
- * order, each after its copy, so its last FULL covers its earlier ones. Relaxed loads side by
- * side, then one fence for the acquire, instead of an acquire per chunk on the thread that
- * also computes (the issuer is a consumer: fwd_block's refills come from the last releaser).
- */
-__device__ inline void acquire_chunk(const globals& g, int step, int ch, int& w_t, int& w_ch,
-                                     int prev) {
-  if (step == w_t && (ch == w_ch || w_ch == WHOLE_STEP)) return;
-  const tp::comm& cm = g.c;
-  const uint64_t e = cm.epoch();
-  const uint64_t* full = cm.sig[cm.rank] + FULL + uint64_t(step) * MAX_CHUNKS;
-  bool landed = false;
-  if (step != w_t) {
-    landed = true;
-    for (int cb = 0; cb < min(g.comm_blocks, g.n_chunks); ++cb) {
-      const int last = cb + (g.n_chunks - 1 - cb) / g.comm_blocks * g.comm_blocks;
-      landed &= *reinterpret_cast<volatile const uint64_t*>(full + last) >= e;
-    }
-    if (landed) __threadfence_system();
-  }
-  if (!landed) wait(full + ch, e, cm.timeout_ns + cm.timeout_ns / 8, cm.fail(), prev);
-  fence_proxy_async_global();  // the acquire before the TMA reads of the slot
-  w_t = step;
-  w_ch = landed ? WHOLE_STEP : ch;
-}
-
 /** @brief One communication block (see the schedule): thread 0 moves its chunks with bulk
  * copies through the block's shared memory. */
 template <class C>
@@ -302,7 +268,14 @@ struct ring_keys : attn::step_stream<ring_keys<C, CAUSAL>> {
     const int step = item(g, j, &kt);
     if (step > 0) {
       const int ch = kt / g.chunk_tiles;
-      acquire_chunk(g, step, ch, w_t, w_ch, owner(g, 1));
+      if (step != w_t || ch != w_ch) {
+        const tp::comm& cm = g.c;
+        wait(cm.sig[cm.rank] + FULL + uint64_t(step) * MAX_CHUNKS + ch, cm.epoch(),
+             cm.timeout_ns + cm.timeout_ns / 8, cm.fail(), owner(g, 1));
+        fence_proxy_async_global();  // the acquire before the TMA reads of the slot
+        w_t = step;
+        w_ch = ch;
+      }
     }
     const CUtensorMap* map = step == 0 ? (v ? &g.v : &g.k) : (v ? &g.vs : &g.ks);
     attn::load_rows(t, map, bar, step == 0 ? b : (step - 1) * g.d.b + b, kt * C::BN, hk);
@@ -551,7 +524,14 @@ struct masked_keys {
     const int step = item(g, j, &kt);
     if (step > 0) {
       const int ch = kt / g.chunk_tiles;
-      acquire_chunk(g, step, ch, w_t, w_ch, owner(1));
+      if (step != w_t || ch != w_ch) {
+        const tp::comm& cm = g.c;
+        wait(cm.sig[cm.rank] + FULL + uint64_t(step) * MAX_CHUNKS + ch, cm.epoch(),
+             cm.timeout_ns + cm.timeout_ns / 8, cm.fail(), owner(1));
+        fence_proxy_async_global();  // the acquire before the TMA reads of the slot
+        w_t = step;
+        w_ch = ch;
+      }
     }
     const CUtensorMap* map = step == 0 ? (v ? &g.v : &g.k) : (v ? &g.vs : &g.ks);
     attn::load_rows(t, map, bar, step == 0 ? b : (step - 1) * g.d.b + b, kt * C::BN, hk);
