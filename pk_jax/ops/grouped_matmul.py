@@ -30,7 +30,7 @@ _FWD, _DX, _DW, _FEW, _FWD_PP, _DX_PP = 0, 1, 2, 3, 4, 5
 # those where 256-wide tiles compute more than PINGPONG_WASTE of the width in extra padding
 # columns (1408: 128 of them, 9%), which is where the ping-pong runs won; elsewhere its
 # 128 x 128 tiles lose to the 128 x 256 ones (bench/results/grouped_matmul_notes.md). Chosen on
-# those rows, in sample; bench/results/grouped_schedule_cases_2.json judges it.
+# those rows, in sample; judged on bench/results/grouped_schedule_cases_2.json (the notes).
 PINGPONG_WASTE = 0.08
 FEW_MAX_ROWS = _op_table.GROUPED_FEW_MAX_ROWS
 # Most groups one kernel call takes (the op table's); more run the reference.
