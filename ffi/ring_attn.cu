@@ -51,9 +51,14 @@ Status LaunchRingAttn(const Where& at, const RingAttnArgs& a, const CommView& v)
   g.zigzag = (a.causal || a.masked) && a.zigzag ? 1 : 0;
   if (a.masked) g.m = MaskArgs(a, a.s * P);
   g.comm_blocks = static_cast<int>(a.num_comm_sms);
-  g.q_tiles = static_cast<int>((a.s + 127) / 128);
-  g.chunk_tiles = (g.q_tiles + ra::MAX_CHUNKS - 1) / ra::MAX_CHUNKS;
-  g.n_chunks = (g.q_tiles + g.chunk_tiles - 1) / g.chunk_tiles;
+  // The kernel's query rows and keys per tile (ra::block_rows, ra::block_keys; the masked
+  // kernel: 128 and 128), the maps' boxes.
+  const uint32_t rows = a.masked ? 128 : ra::block_rows(int(a.d), a.causal);
+  const uint32_t keys = a.masked ? 128 : ra::block_keys(int(a.d), a.causal);
+  g.q_tiles = static_cast<int>((a.s + rows - 1) / rows);
+  const int tiles = static_cast<int>((a.s + ra::CHUNK_TILE_ROWS - 1) / ra::CHUNK_TILE_ROWS);
+  g.chunk_tiles = (tiles + ra::MAX_CHUNKS - 1) / ra::MAX_CHUNKS;
+  g.n_chunks = (tiles + g.chunk_tiles - 1) / g.chunk_tiles;
   g.block_bytes = block_bytes;
   g.o = a.o;
   g.lse = a.lse;
@@ -62,15 +67,14 @@ Status LaunchRingAttn(const Where& at, const RingAttnArgs& a, const CommView& v)
   char* ws = static_cast<char*>(v.workspace[v.rank]);
   const int64_t slots = P > 1 ? int64_t(P - 1) * a.b : a.b;
   const int type = sp::MapType(a.dtype);
-  // Panels of 128 positions. At P = 1 there are no slots: their maps are never used, and any
-  // valid map will do.
+  // At P = 1 there are no slots: their maps are never used, and any valid map will do.
   if (Status s = sp::EncodeMaps(
           kOp, a.s, a.d,
-          {{a.q, a.b, a.h, 128, type, &g.q},
-           {a.k, a.b, a.hkv, 128, type, &g.k},
-           {a.v, a.b, a.hkv, 128, type, &g.v},
-           {P > 1 ? ws : a.k, slots, a.hkv, 128, type, &g.ks},
-           {P > 1 ? ws + uint64_t(P - 1) * block_bytes : a.v, slots, a.hkv, 128, type, &g.vs}});
+          {{a.q, a.b, a.h, rows, type, &g.q},
+           {a.k, a.b, a.hkv, keys, type, &g.k},
+           {a.v, a.b, a.hkv, keys, type, &g.v},
+           {P > 1 ? ws : a.k, slots, a.hkv, keys, type, &g.ks},
+           {P > 1 ? ws + uint64_t(P - 1) * block_bytes : a.v, slots, a.hkv, keys, type, &g.vs}});
       !s.ok()) {
     return s;
   }

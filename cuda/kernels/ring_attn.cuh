@@ -9,7 +9,7 @@
  *
  * Schedule. One grid per call (after the epoch kernel): C communication blocks first (so they
  * are resident before any compute block spins on them), then one compute block per (q tile of
- * 128 rows, head, batch), the attention forward's block (attn::fwd_block,
+ * block_rows rows, head, batch), the attention forward's block (attn::fwd_block,
  * pk/attn/fwd_mainloop.cuh). At step t rank r holds the K/V block of rank j = (r - t) mod P:
  *
  *     step t    comm block cb of rank r (its chunks     compute block (any tile of rank r)
@@ -25,7 +25,7 @@
  *               block landed: after this kernel
  *               nobody writes my workspace)
  *
- * A chunk is CT consecutive 128-row key tiles of a K/V block (all heads, every batch), CT the
+ * A chunk is CT consecutive 128-row tiles of a K/V block (all heads, every batch), CT the
  * smallest that gives at most MAX_CHUNKS chunks: a chunk is forwarded as soon as it has landed,
  * so a hop costs one chunk's copy, not a block's, and a compute block waits only for the
  * chunks of the tiles it loads.
@@ -73,6 +73,9 @@ namespace masks = attn::masks;
 
 constexpr int MAX_PEERS = tp::MAX_PEERS;
 constexpr int MAX_COMM = 16;    // communication blocks at most
+// Rows of the tile that chunks are counted in (globals::chunk_tiles): the q tile's, also the
+// key tile of every kernel but the non-causal forward at D = 128 (176 keys, block_keys).
+constexpr int CHUNK_TILE_ROWS = 128;
 // Chunks of a K/V block (signal granularity). 16 keeps FULL (and the backward's DKV,
 // kernels/ring_attn_bwd.cuh) within 640 slots, the ring's range once Ulysses attention's slots
 // follow it (kernels/ulysses_attn.cuh, branch uly).
@@ -92,7 +95,8 @@ static_assert(EPOCH < ENTER && END <= OP_SLOTS, "ring_attn: slot layout");
 static_assert(SLOT_BASE >= coll::SLOTS && SLOTS_NEEDED <= tp::SLOT_BASE,
               "ring_attn: the slot range must lie between the collectives' and the GEMMs'");
 
-/** @brief Kernel arguments. Maps: {D, heads, Sl, batch} with boxes {64, 1, 128, 1}. */
+/** @brief Kernel arguments. Maps: {D, heads, Sl, batch} with boxes {64, 1, rows, 1}: rows
+ * block_rows for q, block_keys for k, v, ks and vs (128 and 128 in the masked kernel). */
 struct globals {
   CUtensorMap q, k, v;  // local operands
   CUtensorMap ks, vs;   // my workspace's slots: batch index (t - 1) B + b
@@ -104,9 +108,9 @@ struct globals {
   attn::dims d;          // s = Sl
   int zigzag;            // causal with the zigzag layout
   int comm_blocks;       // C
-  int q_tiles;           // ceil(Sl / 128)
-  int chunk_tiles;       // CT: 128-row key tiles per chunk
-  int n_chunks;          // ceil(q_tiles / CT)
+  int q_tiles;           // ceil(Sl / BM): query tiles of the kernel's BM rows
+  int chunk_tiles;       // CT: 128-row tiles (CHUNK_TILE_ROWS) per chunk
+  int n_chunks;          // ceil(ceil(Sl / 128) / CT)
   uint64_t block_bytes;  // of one K (or V) block: B Sl Hkv D sizeof(T)
 };
 
@@ -124,6 +128,48 @@ __device__ inline int2 span(const globals& g, int owner, int lo, int hi) {
 }
 
 enum tile_kind : int { HIDDEN = 0, FULL_TILE = 1, PARTIAL = 2 };
+
+/**
+ * @brief A compute block's issuing thread, before its TMA reads of rows [r0, r1) of slot
+ * `step` (> 0): FULL[step][ch] acquired for every chunk ch those rows touch. Chunks are counted
+ * in 128-row tiles (CHUNK_TILE_ROWS) whatever the kernel's key tile, so a 176-key tile may
+ * straddle two or three chunks. (w_t, w_ch): the thread's step and the last chunk it acquired
+ * there; a step's tiles are streamed in key order, so chunks up to w_ch were acquired before.
+ * At its first look at a step the thread reads each comm block's last chunk of the step (a comm
+ * block signals its chunks in order, each after its copy, so that FULL covers its earlier
+ * ones): where all had landed, the usual case once the exchange runs ahead of the attention,
+ * one fence acquires the whole step, instead of 1-3 acquires per tile on a thread that also
+ * computes (the issuer is a consumer: fwd_block's refills come from the last releaser).
+ */
+__device__ inline void acquire_rows(const globals& g, int step, int r0, int r1, int& w_t,
+                                    int& w_ch, int prev) {
+  const int rows = g.chunk_tiles * CHUNK_TILE_ROWS;
+  const int c1 = (r1 - 1) / rows;
+  if (step == w_t && c1 <= w_ch) return;
+  const tp::comm& cm = g.c;
+  const uint64_t e = cm.epoch();
+  const uint64_t* full = cm.sig[cm.rank] + FULL + uint64_t(step) * MAX_CHUNKS;
+  if (step != w_t) {
+    w_t = step;
+    w_ch = -1;
+    bool landed = true;
+    for (int cb = 0; cb < min(g.comm_blocks, g.n_chunks); ++cb) {
+      const int last = cb + (g.n_chunks - 1 - cb) / g.comm_blocks * g.comm_blocks;
+      landed &= ld_relaxed_sys(full + last) >= e;
+    }
+    if (landed) {
+      fence_acq_rel_sys();
+      fence_proxy_async_global();  // the acquire before the TMA reads of the slot
+      w_ch = g.n_chunks - 1;
+      return;
+    }
+  }
+  for (int ch = max(r0 / rows, w_ch + 1); ch <= c1; ++ch) {
+    wait(full + ch, e, cm.timeout_ns + cm.timeout_ns / 8, cm.fail(), prev);
+  }
+  fence_proxy_async_global();  // the acquire before the TMA reads of the slot
+  w_ch = c1;
+}
 
 /** @brief One communication block (see the schedule): thread 0 moves its chunks with bulk
  * copies through the block's shared memory. */
@@ -145,7 +191,7 @@ __device__ void communicate(const globals& g, int cb, void* smem) {
   if (!lead) return;
   const uint64_t bb = g.block_bytes;
   const uint64_t row_bytes = uint64_t(g.d.hkv) * C::HEAD_DIM * sizeof(typename C::dtype);
-  const int s = g.d.s, batch = g.d.b, chunk_rows = g.chunk_tiles * C::BN;
+  const int s = g.d.s, batch = g.d.b, chunk_rows = g.chunk_tiles * CHUNK_TILE_ROWS;
   char* const mine = static_cast<char*>(c.ws[r]);
   char* const theirs = static_cast<char*>(c.ws[next]);
   const uint64_t v_off = uint64_t(P - 1) * bb;
@@ -205,7 +251,7 @@ struct ring_keys : attn::step_stream<ring_keys<C, CAUSAL>> {
   using attn::step_stream<ring_keys>::owner;
   int h, hk, b, q0, n_kv;
   int2 qspan;                        // smallest and largest global position of the block's rows
-  mutable int w_t = 0, w_ch = -1;    // the last FULL[t][ch] this thread acquired
+  mutable int w_t = 0, w_ch = -1;    // acquire_rows: the step and last chunk acquired
   mutable int it_t = 0, it_j = 0;    // causal: item's cursor (step it_t starts at tile it_j)
 
   __device__ explicit ring_keys(const globals& g) {
@@ -267,15 +313,7 @@ struct ring_keys : attn::step_stream<ring_keys<C, CAUSAL>> {
     int kt;
     const int step = item(g, j, &kt);
     if (step > 0) {
-      const int ch = kt / g.chunk_tiles;
-      if (step != w_t || ch != w_ch) {
-        const tp::comm& cm = g.c;
-        wait(cm.sig[cm.rank] + FULL + uint64_t(step) * MAX_CHUNKS + ch, cm.epoch(),
-             cm.timeout_ns + cm.timeout_ns / 8, cm.fail(), owner(g, 1));
-        fence_proxy_async_global();  // the acquire before the TMA reads of the slot
-        w_t = step;
-        w_ch = ch;
-      }
+      acquire_rows(g, step, kt * C::BN, min((kt + 1) * C::BN, g.d.s), w_t, w_ch, owner(g, 1));
     }
     const CUtensorMap* map = step == 0 ? (v ? &g.v : &g.k) : (v ? &g.vs : &g.ks);
     attn::load_rows(t, map, bar, step == 0 ? b : (step - 1) * g.d.b + b, kt * C::BN, hk);
@@ -462,7 +500,7 @@ struct masked_keys {
   int h, hk, b, q0, n, rank, world;
   masks::positions p;
   masks::span keys;                    // the global keys the block's rows may see
-  mutable int w_t = 0, w_ch = -1;      // the last FULL[t][ch] this thread acquired
+  mutable int w_t = 0, w_ch = -1;      // acquire_rows: the step and last chunk acquired
   mutable int it_t = 0, it_j = 0, it_lo, it_n;          // loads: step it_t from stream tile it_j
   mutable int at_t = 0, at_kt = 0, at_o, at_lo, at_n;   // softmax: step, its tile, owner, range
 
@@ -523,15 +561,7 @@ struct masked_keys {
     int kt;
     const int step = item(g, j, &kt);
     if (step > 0) {
-      const int ch = kt / g.chunk_tiles;
-      if (step != w_t || ch != w_ch) {
-        const tp::comm& cm = g.c;
-        wait(cm.sig[cm.rank] + FULL + uint64_t(step) * MAX_CHUNKS + ch, cm.epoch(),
-             cm.timeout_ns + cm.timeout_ns / 8, cm.fail(), owner(1));
-        fence_proxy_async_global();  // the acquire before the TMA reads of the slot
-        w_t = step;
-        w_ch = ch;
-      }
+      acquire_rows(g, step, kt * C::BN, min((kt + 1) * C::BN, g.d.s), w_t, w_ch, owner(1));
     }
     const CUtensorMap* map = step == 0 ? (v ? &g.v : &g.k) : (v ? &g.vs : &g.ks);
     attn::load_rows(t, map, bar, step == 0 ? b : (step - 1) * g.d.b + b, kt * C::BN, hk);
@@ -619,13 +649,25 @@ __global__ void __launch_bounds__(C::THREADS, 1)
   attn::comm_or_compute<C, Src>(g, [&](void* smem) { communicate<C>(g, blockIdx.x, smem); });
 }
 
+/** @brief The unmasked kernel's keys per streamed tile, also the rows of the k, v, ks and vs
+ * maps' boxes: pk.attention's (attention::fwd_block_keys: 176 at D = 128 without a causal
+ * mask), where a tile's fixed costs spread over more keys. The masked kernel keeps 128.
+ * measured: ring_attention_notes.md, "176-key tiles at every P". */
+constexpr int block_keys(int d, bool causal) { return attention::fwd_block_keys(d, causal); }
+
+/** @brief The unmasked kernel's query rows per block, also the rows of the q map's box: 128
+ * (two consumer warpgroups), but pk.attention's three (192 rows) at D = 64 without a causal
+ * mask; with it, three spill (28 bytes at 168 registers, nvcc 13.0). The masked kernel keeps
+ * 128. measured: ring_attention_notes.md, "176-key tiles at every P". */
+constexpr int block_rows(int d, bool causal) {
+  return d == 64 && !causal ? attention::fwd_block_rows(d) : 128;
+}
+
 /** @brief Launches the grid of one call (after the caller's epoch kernel): C comm blocks,
- * then ceil(Sl / 128) H B compute blocks. Key tiles of 128 at both head dims: pk.attention's
- * 176-key tiles (D = 128, no causal mask; K and V freed apart) made this kernel slower here.
- * measured: ring_attention_notes.md, "Measurements moved from code comments (issue 37)". */
+ * then q_tiles H B compute blocks (q_tiles = ceil(Sl / block_rows(D, CAUSAL))). */
 template <typename T, int D, bool CAUSAL>
 inline cudaError_t launch_as(const globals& g, cudaStream_t stream, int device) {
-  using C = attention::fwd_config<T, D>;
+  using C = attention::fwd_config<T, D, block_rows(D, CAUSAL) / 64, block_keys(D, CAUSAL)>;
   static_assert(C::SMEM + sizeof(wait_bound) <= 232448,
                 "ring_attn: shared memory over the sm_90 limit of 227 KiB");
   const void* fn = reinterpret_cast<const void*>(&kernel<C, CAUSAL>);

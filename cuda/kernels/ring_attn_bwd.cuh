@@ -144,7 +144,8 @@ __device__ void lane(const globals& g, int ln) {
   using CB = typename C::CB;
   using T = typename C::dtype;
   constexpr int D = C::HEAD_DIM, BN = CB::BN, BQ = CB::BQ, STAGES = CB::STAGES;
-  static_assert(BN == C::BN, "ring_attn_bwd: the lanes' key tile is the ring's chunk tile");
+  static_assert(BN == C::BN && BN == ring_attn::CHUNK_TILE_ROWS,
+                "ring_attn_bwd: the lanes' key tile is the ring's chunk tile");
   auto& s = dynamic_smem<typename CB::storage_t>();
   const ring_attn::globals& f = g.f;
   const attn::dims& dm = f.d;

@@ -44,7 +44,8 @@ def _run(world, cases, rng, *, skew_ns: int = 0, poison: int = 0xFF) -> list[str
 @pytest.mark.parametrize("p,layout", list(itertools.product(PS, LAYOUTS)))
 def test_random_against_the_float32_reference(worlds, p, layout):
     """Random inputs, causal or not, zigzag or contiguous, D 64 and 128, bf16 and fp16, S/P a
-    multiple of the tile and not; every case called twice in a row on poisoned outputs."""
+    multiple of the tile and not (non-causal D = 64 runs 192-row blocks: S/P 200 and 256 end
+    in a partial one); every case called twice in a row on poisoned outputs."""
     causal, zigzag = layout
     rng = np.random.default_rng(100 * p + 10 * causal + zigzag)
     w = worlds(p)
@@ -82,9 +83,10 @@ def test_tiny_and_comm_block_counts(worlds, p):
 
 
 def test_chunks_of_several_tiles(worlds):
-    """S/P = 8500 (67 key tiles): chunks of 5 tiles (at most 16 chunks per K/V block), the last
-    one of 2 tiles, the last tile partial; causal zigzag and not, GQA, D = 64 and 128; and
-    S/P = 2048 (16 chunks of one tile) at D = 128."""
+    """S/P = 8500 (67 128-row tiles): chunks of 5 tiles (at most 16 chunks per K/V block), the
+    last one of 2 tiles, the last tile partial; causal zigzag and not, GQA, D = 64 and 128; and
+    S/P = 2048 (16 chunks of one tile) at D = 128. Non-causal at D = 128 the kernel streams
+    176-key tiles, which straddle two or three 128-row chunks (ring_attn::acquire_rows)."""
     rng = np.random.default_rng(17)
     w = worlds(2)
     cases = [emu_cases.ring_case(2, rng, s_local=8500, h=2, hkv=1, d=64, b=1, causal=True,

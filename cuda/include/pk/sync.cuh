@@ -73,6 +73,17 @@ __device__ inline uint64_t ld_acquire_sys(const uint64_t* p) {
   return v;
 }
 
+/** @brief Relaxed load of a signal slot at system scope: several side by side, then one
+ * fence_acq_rel_sys, make one acquire of them all. */
+__device__ inline uint64_t ld_relaxed_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+/** @brief Fence at system scope: after relaxed loads that saw a release, an acquire. */
+__device__ inline void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+
 /**
  * @brief Raises `slot` (in any peer's pad) to at least `epoch`, releasing this thread's earlier
  * writes (and, through a preceding __syncthreads, its block's) at system scope.
