@@ -56,9 +56,7 @@ Status LaunchRingAttn(const Where& at, const RingAttnArgs& a, const CommView& v)
   const uint32_t rows = a.masked ? 128 : ra::block_rows(int(a.d), a.causal);
   const uint32_t keys = a.masked ? 128 : ra::block_keys(int(a.d), a.causal);
   g.q_tiles = static_cast<int>((a.s + rows - 1) / rows);
-  const int tiles = static_cast<int>((a.s + ra::CHUNK_TILE_ROWS - 1) / ra::CHUNK_TILE_ROWS);
-  g.chunk_tiles = (tiles + ra::MAX_CHUNKS - 1) / ra::MAX_CHUNKS;
-  g.n_chunks = (tiles + g.chunk_tiles - 1) / g.chunk_tiles;
+  ra::set_chunks(g, a.s);
   g.block_bytes = block_bytes;
   g.o = a.o;
   g.lse = a.lse;

@@ -53,8 +53,7 @@ Status LaunchRingAttnBwd(const Where& at, const RingAttnBwdArgs& a, const CommVi
   f.zigzag = a.causal && a.zigzag ? 1 : 0;
   f.comm_blocks = static_cast<int>(a.num_comm_sms);
   f.q_tiles = static_cast<int>(q_tiles);
-  f.chunk_tiles = (f.q_tiles + ra::MAX_CHUNKS - 1) / ra::MAX_CHUNKS;
-  f.n_chunks = (f.q_tiles + f.chunk_tiles - 1) / f.chunk_tiles;
+  ra::set_chunks(f, a.s);
   f.block_bytes = block_bytes;
   f.k_local = a.k;
   f.v_local = a.v;

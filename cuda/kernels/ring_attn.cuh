@@ -114,6 +114,14 @@ struct globals {
   uint64_t block_bytes;  // of one K (or V) block: B Sl Hkv D sizeof(T)
 };
 
+/** @brief The launchers' (forward and backward) chunking of a K/V block of Sl = s rows: CT,
+ * the fewest 128-row tiles per chunk that give at most MAX_CHUNKS chunks, and the chunks. */
+inline void set_chunks(globals& g, int64_t s) {
+  const int tiles = static_cast<int>((s + CHUNK_TILE_ROWS - 1) / CHUNK_TILE_ROWS);
+  g.chunk_tiles = (tiles + MAX_CHUNKS - 1) / MAX_CHUNKS;
+  g.n_chunks = (tiles + g.chunk_tiles - 1) / g.chunk_tiles;
+}
+
 /** @brief Global position of local row `i` of rank `owner`'s shard. */
 __device__ inline int global_pos(const globals& g, int owner, int i) {
   const int s = g.d.s;
