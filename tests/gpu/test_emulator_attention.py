@@ -22,6 +22,7 @@ pytestmark = pytest.mark.gpu
 sys.path.insert(0, os.path.dirname(__file__))
 import emu_cases
 
+from pk_jax.runtime import vmm
 from pk_jax.testing import ops
 
 CALLS = int(os.environ.get("PK_JAX_EMU_RING_CALLS", "100"))  # back-to-back calls per P
@@ -95,6 +96,53 @@ def test_chunks_of_several_tiles(worlds):
              emu_cases.ring_case(2, rng, s_local=8500, h=2, hkv=1, d=128, b=1, causal=False),
              emu_cases.ring_case(2, rng, s_local=2048, h=2, hkv=2, d=128, b=1, causal=False)]
     assert _run(w, cases, rng) == []
+
+
+def _step_group_flags(world, prm: dict) -> tuple[int, int]:
+    """Where the flags of the states that step group 0 saves lie in each rank's workspace (one
+    per compute item and warp), as (offset, count), at ring_attn.cu's layout recomputed here:
+    the states follow the 2 (P - 1) K/V slots (rounded up to 256 bytes), D / 8 + 1 float4 per
+    lane of each warp's record, then the flags."""
+    p, d = world.world, prm["d"]
+    rows = 192 if d == 64 and not prm["causal"] else 128
+    warps = rows // 16
+    items = -(-prm["s"] // rows) * prm["h"] * prm["b"]
+    block = prm["b"] * prm["s"] * prm["hkv"] * d * 2
+    states_at = -(-2 * (p - 1) * block // 256) * 256
+    return states_at + items * warps * (d // 8 + 1) * 32 * 16, items * warps
+
+
+@pytest.mark.parametrize("p", PS)
+def test_step_groups(worlds, p):
+    """Non-causal calls with enough query tiles for step groups (two waves of compute blocks
+    per group: ring_attn.cu): group 0 of every tile streams steps [0, P/2) and saves its
+    softmax state, group 1 the rest and folds it in. Against float32, D 64 (192-row blocks)
+    and 128, GQA, batch 2, S/P tails; the flags prove the grouped path ran (poisoned before
+    each call, every one raised after it); twice, then back to back with skew."""
+    rng = np.random.default_rng(900 + p)
+    w = worlds(p)
+    cases = [emu_cases.ring_case(p, rng, causal=False, zigzag=False, num_comm_sms=2,
+                                 s_local=sl, h=h, hkv=hkv, d=d, b=b, dtype=dt)
+             for sl, h, hkv, d, b, dt in ((1100, 16, 4, 128, 1, "bfloat16"),
+                                          (600, 32, 8, 64, 1, "float16"),
+                                          (1000, 8, 8, 128, 2, "float16"))]
+    for case in cases:
+        at, n = _step_group_flags(w, case.params)
+        for poison in (0xFF, 0x7F):
+            c = ops.Call(w, case, poison=poison)
+            try:
+                for r in range(p):
+                    vmm.memset_d8(w.workspace_ptr(r) + at, 0xAB, n * 8)
+                c.launch()
+                w.synchronize()
+                assert c.check() == []
+                for r in range(p):
+                    flags = np.frombuffer(vmm.copy_to_host(w.workspace_ptr(r) + at, n * 8),
+                                          np.uint64)
+                    assert np.all(flags == 1), (r, np.unique(flags)[:4])
+            finally:
+                c.free()
+    assert _run(w, cases * 3, rng, skew_ns=SKEW_NS) == []
 
 
 def test_a_late_rank(worlds):
