@@ -238,8 +238,11 @@ def kernel_supports(q: jax.Array, k: jax.Array, p: int) -> bool:
 
 
 def workspace_need(k: jax.Array, p: int) -> int:
-    """Bytes of symmetric workspace the kernel uses: P - 1 K blocks and P - 1 V blocks
-    (ffi/launch.h WorkspaceNeed, which the launch function checks too)."""
+    """Bytes of symmetric workspace the kernel needs: P - 1 K blocks and P - 1 V blocks
+    (ffi/launch.h WorkspaceNeed, which the launch function checks too). Without a mask, the
+    forward also uses about B S/P H D float32 more where the workspace has it (its step groups,
+    cuda/kernels/ring_attn.cuh: more of the exchange under the attention), and runs without
+    them where it does not."""
     b, s, hkv, d = k.shape
     return _ffi.workspace_need("ring_attn", p, b=b, s=s, hkv=hkv, d=d)
 
