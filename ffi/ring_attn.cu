@@ -78,6 +78,10 @@ Status LaunchRingAttn(const Where& at, const RingAttnArgs& a, const CommView& v)
   const uint64_t states_at = (slots_end + 255) / 256 * 256;
   const ra::state_sizes st = ra::state_bytes(g.groups, items, int(a.d), a.causal);
   if (states_at + st.records + st.flags > v.workspace_bytes) g.groups = 1;
+  g.o = a.o;
+  g.lse = a.lse;
+  g.k_local = a.k;
+  g.v_local = a.v;
   g.items = static_cast<int>(items);
   for (int i = 0; i <= g.groups; ++i) g.first_step[i] = i * P / g.groups;
   if (g.groups > 1) {
