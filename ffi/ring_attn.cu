@@ -62,19 +62,15 @@ Status LaunchRingAttn(const Where& at, const RingAttnArgs& a, const CommView& v)
   }
   ra::set_chunks(g, a.s);
   g.block_bytes = block_bytes;
-  // Step groups where the kernel takes them, a group's blocks start a wave after the group
-  // before's (at least two waves of compute blocks per group: else the later group's blocks
-  // would wait at their start, ring_attn.cuh acquire_states), and the workspace holds their
-  // states past the K/V slots; else one group (the same result, less overlap).
+  // Step groups where ra::step_groups takes them (its rule says why) and the workspace holds
+  // their states past the K/V slots; else one group (the same result, less overlap).
   int sms = at.num_sms;
   if (sms <= 0 && cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, at.device) !=
                       cudaSuccess) {
     sms = 0;
   }
   const uint64_t slots_end = uint64_t(P > 1 ? 2 * (P - 1) : 0) * block_bytes;
-  g.groups = a.masked || sms <= 0 || items < 2 * int64_t(sms - a.num_comm_sms)
-                 ? 1
-                 : ra::step_groups(P, a.causal);
+  g.groups = a.masked ? 1 : ra::step_groups(P, a.causal, items, sms - int(a.num_comm_sms));
   const uint64_t states_at = (slots_end + 255) / 256 * 256;
   const ra::state_sizes st = ra::state_bytes(g.groups, items, int(a.d), a.causal);
   if (states_at + st.records + st.flags > v.workspace_bytes) g.groups = 1;

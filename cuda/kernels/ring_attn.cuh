@@ -829,9 +829,20 @@ constexpr int block_rows(int d, bool causal) {
   return d == 64 && !causal ? attention::fwd_block_rows(d) : 128;
 }
 
-/** @brief Step groups G of the unmasked kernel (see "Step groups"): 2 for a non-causal call
- * at P >= 2, else 1. */
-inline int step_groups(int world, bool causal) { return world >= 2 && !causal ? 2 : 1; }
+/** @brief Step groups G of the unmasked kernel (see "Step groups") for `items` compute items
+ * on `compute_sms` SMs (the rank's SMs less its comm blocks): 2 for a non-causal call at P >= 4
+ * whose items make 2 to 16 waves, else 1.
+ * - At least 2 waves per group: else a group 1 block is resident while its tile's group 0 is
+ *   not yet, and waits at its start.
+ * - P >= 4, at most 16 waves: the saved and folded state costs 5-8% (P = 2, where the exchange
+ *   is one step, lost that much), and the exchange the groups hide shrinks against the
+ *   attention as waves grow (about 50 waves: -2% at P = 4, +3% at P = 8); at 4-6 waves, P = 4
+ *   and 8 gained 1.04-1.22x. Fit on the H100 scale model, ring_attention_notes.md "Step
+ *   groups, measured". */
+inline int step_groups(int world, bool causal, int64_t items, int compute_sms) {
+  const int64_t lo = 2 * int64_t(compute_sms), hi = 16 * int64_t(compute_sms);
+  return world >= 4 && !causal && compute_sms > 0 && items >= lo && items <= hi ? 2 : 1;
+}
 
 /** @brief Workspace bytes of G step groups' states beyond the K/V slots (0 for G = 1): the
  * records, (G - 1) per item and warp of state_vecs(d) x 32 float4 each, then their flags. */

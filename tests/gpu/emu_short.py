@@ -5,7 +5,7 @@ Exits non-zero on a wrong result.
     python tests/gpu/emu_short.py [OPS] [WORLDS]    e.g. gemm_rs,ag_gemm 2,4
 
 An op may name its case's size after a colon (emu_cases.case): ring_attn:groups is the ring
-forward with step groups.
+forward with step groups (at P >= 4; ring_attn.cuh step_groups).
 
 PK_JAX_EMU_SCALE_MODEL=1 runs the ranks as the scale model (World(P, scale_model=True)): the
 link throttled and asynchronous (cuda/include/pk/link.cuh), so the sanitizers see the paced
