@@ -239,10 +239,10 @@ def kernel_supports(q: jax.Array, k: jax.Array, p: int) -> bool:
 
 def workspace_need(k: jax.Array, p: int) -> int:
     """Bytes of symmetric workspace the kernel needs: P - 1 K blocks and P - 1 V blocks
-    (ffi/launch.h WorkspaceNeed, which the launch function checks too). Without a mask, the
-    forward also uses about B S/P H D float32 more where the workspace has it (its step groups,
-    cuda/kernels/ring_attn.cuh: more of the exchange under the attention), and runs without
-    them where it does not."""
+    (ffi/launch.h WorkspaceNeed, which the launch function checks too). The non-causal forward
+    without a mask at P >= 4 may also use about B S/P H D float32 more where the workspace has
+    it (its step groups, cuda/kernels/ring_attn.cuh step_groups: more of the exchange under the
+    attention), and runs without them where it does not."""
     b, s, hkv, d = k.shape
     return _ffi.workspace_need("ring_attn", p, b=b, s=s, hkv=hkv, d=d)
 
