@@ -84,6 +84,7 @@ Status LaunchRingAttn(const Where& at, const RingAttnArgs& a, const CommView& v)
     char* const base = static_cast<char*>(v.workspace[v.rank]) + states_at;
     g.states = reinterpret_cast<float4*>(base);
     g.state_full = reinterpret_cast<uint64_t*>(base + st.records);
+    g.state_flags = static_cast<int64_t>(st.flags / sizeof(uint64_t));
   }
   char* ws = static_cast<char*>(v.workspace[v.rank]);
   const int64_t slots = P > 1 ? int64_t(P - 1) * a.b : a.b;

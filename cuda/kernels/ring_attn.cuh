@@ -51,7 +51,10 @@
  * ENTER[cb][s] (barrier of comm block cb with every peer: every peer's earlier kernels are over,
  * so none still reads a workspace I am about to write); FULL[t][ch], written by rank r-1's comm
  * block ch % C after chunk ch of slot t landed in my workspace (release at system scope), read
- * by my comm block ch % C and by the compute blocks that load a tile of chunk ch (acquire).
+ * by my comm block ch % C and by the compute blocks that load a tile of chunk ch (acquire);
+ * with step groups, STATES_CLEAR (local), raised by comm block 0 past its ENTER barrier once
+ * this call's state flags are zeroed, acquired by every compute block before it raises or
+ * reads one.
  * Every wait is bounded and names the peer; compute blocks wait 1/8 longer than the comm
  * blocks, whose timeouts name a dead rank.
  *
@@ -92,11 +95,13 @@ constexpr int MAX_CHUNKS = 16;
 constexpr uint64_t SLOT_BASE = 6400;
 constexpr uint64_t OP_SLOTS = 640;
 constexpr uint64_t EPOCH = tp::EPOCH;                          // local: calls so far
+constexpr uint64_t STATES_CLEAR = 1;  // local: this call's step-group flags are zeroed
 constexpr uint64_t ENTER = 16;                                 // [cb][s]
 constexpr uint64_t FULL = ENTER + uint64_t(MAX_COMM) * MAX_PEERS;  // [t][ch]
 constexpr uint64_t END = FULL + uint64_t(MAX_PEERS) * MAX_CHUNKS;
 constexpr uint64_t SLOTS_NEEDED = SLOT_BASE + OP_SLOTS;
-static_assert(EPOCH < ENTER && END <= OP_SLOTS, "ring_attn: slot layout");
+static_assert(EPOCH < STATES_CLEAR && STATES_CLEAR < ENTER && END <= OP_SLOTS,
+              "ring_attn: slot layout");
 static_assert(SLOT_BASE >= coll::SLOTS && SLOTS_NEEDED <= tp::SLOT_BASE,
               "ring_attn: the slot range must lie between the collectives' and the GEMMs'");
 
@@ -123,7 +128,8 @@ struct globals {
   int items;             // q_tiles H B: compute blocks per group
   int first_step[MAX_PEERS + 1];  // group i streams steps [first_step[i], first_step[i + 1])
   float4* states;        // G > 1: group i < G - 1's softmax states (state_slot), in my workspace
-  uint64_t* state_full;  // G > 1: one flag per state, zeroed before the kernel (launch_as)
+  uint64_t* state_full;  // G > 1: one flag per state, zeroed by the kernel (clear_state_flags)
+  int64_t state_flags;   // G > 1: how many
 };
 
 /** @brief The launchers' (forward and backward) chunking of a K/V block of Sl = s rows: CT,
@@ -191,6 +197,20 @@ __device__ inline void acquire_rows(const globals& g, int step, int r0, int r1, 
   w_ch = c1;
 }
 
+/** @brief Comm block 0, every thread, past its ENTER barrier (with step groups, "Step groups"
+ * below): zeroes this call's state flags in my workspace, then raises STATES_CLEAR, which every
+ * compute block acquires before it raises or reads a flag. Here and not before the launch: a
+ * peer's kernel of the op before may read my workspace until that peer has entered this call,
+ * and the barrier proves it has; stale flags of the call before read as not raised. */
+__device__ inline void clear_state_flags(const globals& g, uint64_t e) {
+  for (int64_t i = threadIdx.x; i < g.state_flags; i += blockDim.x) g.state_full[i] = 0;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    signal(g.c.sig[g.c.rank] + STATES_CLEAR, e);
+  }
+}
+
 /** @brief One communication block (see the schedule): thread 0 moves its chunks with bulk
  * copies through the block's shared memory. */
 template <class C>
@@ -208,6 +228,7 @@ __device__ void communicate(const globals& g, int cb, void* smem) {
     ring.link = c.link.peer(next, r);  // the emulator's link throttle paces the pushes
   }
   barrier<MAX_PEERS>(c.sig, P, r, ENTER + uint64_t(cb) * MAX_PEERS, e, c.timeout_ns, c.fail());
+  if (cb == 0 && g.groups > 1) clear_state_flags(g, e);
   if (!lead) return;
   const uint64_t bb = g.block_bytes;
   const uint64_t row_bytes = uint64_t(g.d.hkv) * C::HEAD_DIM * sizeof(typename C::dtype);
@@ -309,17 +330,18 @@ __device__ inline int64_t state_slot(const globals& g, int i, int item, int w) {
 }
 
 /** @brief Every consumer thread: saves its rows' state into `slot` and, per warp, raises the
- * slot's flag (release) once every lane's stores are done. The records lie in my workspace past
- * the K/V slots, where a peer's earlier kernel (a pull of the op before this one) may still
- * read until that peer has entered this call: so first every peer's ENTER of comm block 0's
- * barrier (see the schedule) is acquired. */
+ * slot's flag (release) once every lane's stores are done. The records and flags lie in my
+ * workspace past the K/V slots, where a peer's earlier kernel (a pull of the op before this
+ * one) may still read until that peer has entered this call: so first STATES_CLEAR is acquired
+ * (clear_state_flags, after every peer's ENTER of comm block 0's barrier). */
 template <class C>
 __device__ inline void save_state(const globals& g, const attn::fwd_rows<C>& r, int64_t slot) {
   constexpr int D = C::HEAD_DIM;
   const int lane = thread_index() % 32;
   const tp::comm& c = g.c;
-  for (int s = lane; s < c.world; s += 32) {
-    wait(c.sig[c.rank] + ENTER + s, c.epoch(), c.timeout_ns + c.timeout_ns / 8, c.fail(), s);
+  if (lane == 0) {
+    wait(c.sig[c.rank] + STATES_CLEAR, c.epoch(), c.timeout_ns + c.timeout_ns / 8, c.fail(),
+         c.rank);
   }
   __syncwarp();
   float4* rec = g.states + slot * state_vecs(D) * 32 + lane;
@@ -342,6 +364,11 @@ __device__ inline void save_state(const globals& g, const attn::fwd_rows<C>& r, 
 template <class C>
 __device__ inline void acquire_states(const globals& g, int i, int item) {
   const int64_t slot = state_slot<C>(g, i, item, 0);
+  const tp::comm& c = g.c;
+  // this call's flags are zeroed first (clear_state_flags): a flag raised by the call before
+  // is not taken for this call's
+  wait(c.sig[c.rank] + STATES_CLEAR, c.epoch(), c.timeout_ns + c.timeout_ns / 8, c.fail(),
+       c.rank);
   for (int w = 0; w < C::THREADS / 32; ++w) {
     wait(g.state_full + slot + w, 1, g.c.timeout_ns + g.c.timeout_ns / 8, g.c.fail(), g.c.rank);
   }
@@ -867,12 +894,6 @@ inline cudaError_t launch_as(const globals& g, cudaStream_t stream, int device) 
     return err;
   }
   const int groups = CAUSAL ? 1 : g.groups;
-  if (groups > 1) {  // the states' flags: raised by this call's blocks only
-    const size_t flags = state_bytes(groups, g.items, D, CAUSAL).flags;
-    if (cudaError_t err = cudaMemsetAsync(g.state_full, 0, flags, stream); err != cudaSuccess) {
-      return err;
-    }
-  }
   const int64_t blocks = int64_t(g.comm_blocks) + int64_t(groups) * g.items;
   kernel<C, CAUSAL><<<static_cast<unsigned>(blocks), C::THREADS, C::SMEM, stream>>>(g);
   return cudaGetLastError();

@@ -183,12 +183,14 @@ def test_back_to_back_with_skew(worlds, p):
 @pytest.mark.parametrize("p", PS)
 def test_interleaved_with_the_other_ops_on_one_workspace(worlds, p):
     """Ring attention mixed with the collectives and the fused GEMMs on the same workspace and
-    pads (each op's entry barrier keeps the others' deferred reads safe), with skew."""
+    pads (each op's entry barrier keeps the others' deferred reads safe), with skew; the
+    forward with step groups among them (its states and flags lie where the others stage)."""
     rng = np.random.default_rng(77 + p)
     w = worlds(p)
-    every = ops.ATTENTION + ops.OPS
-    seq = [str(rng.choice(every)) for _ in range(BATCH)]
-    assert _run(w, [emu_cases.case(op, p, rng) for op in seq], rng, skew_ns=SKEW_NS) == []
+    every = ops.ATTENTION + ops.OPS + ("ring_attn:groups",) * 3
+    seq = [str(rng.choice(every)).partition(":") for _ in range(BATCH)]
+    cases = [emu_cases.case(op, p, rng, size=size or "small") for op, _, size in seq]
+    assert _run(w, cases, rng, skew_ns=SKEW_NS) == []
 
 
 _failure = emu_cases.failure
