@@ -861,11 +861,11 @@ constexpr int block_rows(int d, bool causal) {
  * whose items make 2 to 16 waves, else 1.
  * - At least 2 waves per group: else a group 1 block is resident while its tile's group 0 is
  *   not yet, and waits at its start.
- * - P >= 4, at most 16 waves: the saved and folded state costs 5-8% (P = 2, where the exchange
- *   is one step, lost that much), and the exchange the groups hide shrinks against the
- *   attention as waves grow (about 50 waves: -2% at P = 4, +3% at P = 8); at 4-6 waves, P = 4
- *   and 8 gained 1.04-1.22x. Fit on the H100 scale model, ring_attention_notes.md "Step
- *   groups, measured". */
+ * - P >= 4 and at most 16 waves: saving and folding the state has a cost, and what the groups
+ *   hide is the exchange, which is short at P = 2 (one step travels) and small against the
+ *   attention at many waves. Fit on the scale model; on held-out shapes it was right less often
+ *   than its test asked, while faster than no groups (ring_attention_notes.md, "Step groups,
+ *   measured"). */
 inline int step_groups(int world, bool causal, int64_t items, int compute_sms) {
   const int64_t lo = 2 * int64_t(compute_sms), hi = 16 * int64_t(compute_sms);
   return world >= 4 && !causal && compute_sms > 0 && items >= lo && items <= hi ? 2 : 1;
