@@ -355,7 +355,7 @@ def ring_bench(world: World, shape: dict, rng, backward: bool) -> Bench:
     ks = [normal(rng, (b, sl, hkv, d)) for _ in range(p)]
     vs = [normal(rng, (b, sl, hkv, d)) for _ in range(p)]
     scale = float(1.0 / np.sqrt(d))
-    comm_node = ring_attn.NUM_COMM_SMS if backward else ring_attn.FWD_COMM_SMS
+    comm_node = ring_attn.NUM_COMM_SMS if backward else ring_attn.fwd_comm_sms(causal, False)
     params = {"b": b, "s": sl, "h": h, "hkv": hkv, "d": d, "scale": scale,
               "causal": int(causal), "zigzag": 0, "num_comm_sms": comm_node}
     sp = -(-sl // 128) * 128

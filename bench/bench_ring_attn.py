@@ -5,7 +5,7 @@ the same run.
 Per shape (per rank: B = 1, S/P local positions, H = 8 heads, D = 128, bf16; causal contiguous
 and not):
 - fused: one pk_ring_attn call on every rank (K/V pushed around the ring by communication
-  blocks, the op's FWD_COMM_SMS unless --num-comm-sms, while the compute blocks fold each
+  blocks, the op's (ring_attn.fwd_comm_sms) unless --num-comm-sms, while the compute blocks fold each
   arriving block into their online softmax);
 - baseline (unfused, no overlap): the pk all_gather kernel of every rank's [k | v] (the same
   P - 1 blocks each rank receives in the ring), then, serially on each rank's stream, one
@@ -52,7 +52,7 @@ MACHINE = "h200-emulated"
 LINK = "shared HBM (unthrottled)"
 BF16 = "bfloat16"
 B, H, HKV, D = 1, 8, 8, 128
-FWD_COMM_SMS = ring_attn.FWD_COMM_SMS  # the op's (--num-comm-sms)
+FWD_COMM_SMS = None  # the op's per shape (ring_attn.fwd_comm_sms) unless --num-comm-sms
 NUM_COMM_SMS = ring_attn.NUM_COMM_SMS  # the fused backward's (--bwd-comm-sms)
 
 
@@ -71,8 +71,9 @@ def run_shape(world: World, p: int, sl: int, causal: bool, rng, rows: list) -> N
     ks = [rng.standard_normal((B, sl, HKV, D)).astype(np.float32).astype(dt) for _ in range(p)]
     vs = [rng.standard_normal((B, sl, HKV, D)).astype(np.float32).astype(dt) for _ in range(p)]
     scale = float(1.0 / np.sqrt(D))
+    comm = FWD_COMM_SMS or ring_attn.fwd_comm_sms(causal, False)
     params = {"b": B, "s": sl, "h": H, "hkv": HKV, "d": D, "scale": scale,
-              "causal": int(causal), "zigzag": 0, "num_comm_sms": FWD_COMM_SMS}
+              "causal": int(causal), "zigzag": 0, "num_comm_sms": comm}
     # Expected outputs are placeholders (shapes for the poisoned buffers); the check below
     # computes the reference for the rows it compares.
     case = ops.Case("ring_attn", BF16, [{"q": qs[r], "k": ks[r], "v": vs[r]} for r in range(p)],
@@ -123,7 +124,7 @@ def run_shape(world: World, p: int, sl: int, causal: bool, rng, rows: list) -> N
     s_total = sl * p
     flops = 4 * B * H * D * s_total * s_total * (0.5 if causal else 1.0)  # all ranks
     shape = {"b": B, "s": s_total, "s_local": sl, "h": H, "hkv": HKV, "d": D,
-             "causal": causal, "layout": "contiguous", "num_comm_sms": FWD_COMM_SMS}
+             "causal": causal, "layout": "contiguous", "num_comm_sms": comm}
     rows.append(common.record(
         op="ring_attention", shape=shape, dtype=BF16, world=p, processes=1,
         median_us=t_fused, tflops=flops / t_fused / 1e6,

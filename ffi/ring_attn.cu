@@ -56,12 +56,36 @@ Status LaunchRingAttn(const Where& at, const RingAttnArgs& a, const CommView& v)
   const uint32_t rows = a.masked ? 128 : ra::block_rows(int(a.d), a.causal);
   const uint32_t keys = a.masked ? 128 : ra::block_keys(int(a.d), a.causal);
   g.q_tiles = static_cast<int>((a.s + rows - 1) / rows);
+  const int64_t items = int64_t(g.q_tiles) * a.h * a.b;
+  if (items > (INT32_MAX - ra::MAX_COMM) / 2) {  // the grid: C + G items blocks, G <= 2
+    return sp::Invalid(kOp, "sizes too large (query tiles x heads x batch below 2^30).");
+  }
   ra::set_chunks(g, a.s);
   g.block_bytes = block_bytes;
+  // Step groups where ra::step_groups takes them (its rule says why) and the workspace holds
+  // their states past the K/V slots; else one group (the same result, less overlap).
+  int sms = at.num_sms;
+  if (sms <= 0 && cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, at.device) !=
+                      cudaSuccess) {
+    sms = 0;
+  }
+  const uint64_t slots_end = uint64_t(P > 1 ? 2 * (P - 1) : 0) * block_bytes;
+  g.groups = a.masked ? 1 : ra::step_groups(P, a.causal, items, sms - int(a.num_comm_sms));
+  const uint64_t states_at = (slots_end + 255) / 256 * 256;
+  const ra::state_sizes st = ra::state_bytes(g.groups, items, int(a.d), a.causal);
+  if (states_at + st.records + st.flags > v.workspace_bytes) g.groups = 1;
   g.o = a.o;
   g.lse = a.lse;
   g.k_local = a.k;
   g.v_local = a.v;
+  g.items = static_cast<int>(items);
+  for (int i = 0; i <= g.groups; ++i) g.first_step[i] = i * P / g.groups;
+  if (g.groups > 1) {
+    char* const base = static_cast<char*>(v.workspace[v.rank]) + states_at;
+    g.states = reinterpret_cast<float4*>(base);
+    g.state_full = reinterpret_cast<uint64_t*>(base + st.records);
+    g.state_flags = static_cast<int64_t>(st.flags / sizeof(uint64_t));
+  }
   char* ws = static_cast<char*>(v.workspace[v.rank]);
   const int64_t slots = P > 1 ? int64_t(P - 1) * a.b : a.b;
   const int type = sp::MapType(a.dtype);

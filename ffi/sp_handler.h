@@ -159,7 +159,10 @@ ffi::Error Run(const Call& call, int op_id, const char* name, const char* shapes
                Status (*launch)(const Where&, const Args&, const CommView&), Bind&& bind,
                const Args& init = Args{}) {
   const CommView* view = nullptr;
-  if (ffi::Error e = BindComm(name, call.state, call.device, &view); e.failure()) return e;
+  int num_sms = 0;
+  if (ffi::Error e = BindComm(name, call.state, call.device, &view, &num_sms); e.failure()) {
+    return e;
+  }
   Args a = init;
   MarkFields(op_id, &a);
   if (!bind(*view, &a)) return ffi::Error::InvalidArgument(shapes);
@@ -168,7 +171,7 @@ ffi::Error Run(const Call& call, int op_id, const char* name, const char* shapes
   a.causal = call.causal != 0;
   a.num_comm_sms = call.num_comm_sms;
   if (ffi::Error e = CheckFilled(op_id, a); e.failure()) return e;
-  return ToError(launch(Where{call.stream, call.device, 0}, a, *view));
+  return ToError(launch(Where{call.stream, call.device, num_sms}, a, *view));
 }
 
 }  // namespace pk_ffi::sp

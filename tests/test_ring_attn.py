@@ -391,8 +391,9 @@ def test_fused_kernel_takes_what_it_compiles():
 @pytest.mark.parametrize("causal,layout", [(False, "contiguous"), (True, "zigzag")])
 def test_fused_path_traces_to_the_kernels_with_their_attributes(monkeypatch, causal, layout):
     """Where the fused path runs (forced here on a CPU mesh of 2, traced only): the gradient is
-    one pk_ring_attn forward on q, k, v as given (FWD_COMM_SMS communication blocks) and one
-    pk_ring_attn_bwd (NUM_COMM_SMS), each with the mask, the layout and the scale."""
+    one pk_ring_attn forward on q, k, v as given (FWD_COMM_SMS_UNMASKED communication blocks
+    without a mask, FWD_COMM_SMS with the causal one) and one pk_ring_attn_bwd (NUM_COMM_SMS),
+    each with the mask, the layout and the scale."""
     from pk_jax.ops import ring_attn
 
     monkeypatch.setattr(ring_attn, "forward_path", lambda *a, **kw: "fused")
@@ -403,8 +404,9 @@ def test_fused_path_traces_to_the_kernels_with_their_attributes(monkeypatch, cau
     calls = ffi_calls(jaxpr)
     assert [e.params["target_name"] for e in calls] == ["pk_ring_attn", "pk_ring_attn_bwd"]
     attrs = [dict(e.params["attributes"]) for e in calls]
-    assert [a["num_comm_sms"] for a in attrs] == [ring_attn.FWD_COMM_SMS,
-                                                  ring_attn.NUM_COMM_SMS]
+    fwd = ring_attn.FWD_COMM_SMS if causal else ring_attn.FWD_COMM_SMS_UNMASKED
+    assert [a["num_comm_sms"] for a in attrs] == [fwd, ring_attn.NUM_COMM_SMS]
+    assert ring_attn.FWD_COMM_SMS_UNMASKED == 16 and ring_attn.FWD_COMM_SMS == 8
     assert all(a["causal"] == causal and a["zigzag"] == (layout == "zigzag")
                and np.isclose(a["scale"], 0.3) for a in attrs), attrs
     assert [x.aval.shape for x in calls[0].invars[:3]] == [(1, 4, 4, 64), (1, 4, 2, 64),

@@ -31,13 +31,18 @@
  * chunks of the tiles it loads.
  *
  * The compute block keeps Q, the running max and sum and the O accumulator in registers over
- * all P steps: the K/V tiles of all steps form one stream through its mbarrier ring, and the
- * online softmax just continues. With causal masking a (query tile, key tile) pair is full,
- * partial (masked element by element on global positions) or hidden; hidden pairs are never
- * loaded, so a block never waits for a step it does not need (the block is still forwarded).
+ * its steps: the K/V tiles of all steps form one stream through its mbarrier ring, and the
+ * online softmax just continues. Without any mask (not causal), where each half has two
+ * waves of compute blocks or more, a query tile is two blocks (step groups, below): the first
+ * streams steps [0, P/2) and saves its softmax state, the second the rest and folds it in, and
+ * the grid holds every first half before any second, so the first wave needs only the first
+ * half of the exchange. With causal masking a (query tile, key tile) pair is full, partial
+ * (masked element by element on global positions) or hidden; hidden pairs are never loaded,
+ * so a block never waits for a step it does not need (the block is still forwarded).
  *
  * Workspace: P - 1 slots for K then P - 1 for V, each one K/V block [B, Sl, Hkv, D]: slot t
- * (t = 1..P-1) holds the block of rank (r - t) mod P. All P - 1 blocks are kept (a full ring,
+ * (t = 1..P-1) holds the block of rank (r - t) mod P; with step groups, the first groups' saved
+ * states and their flags after them (state_bytes). All P - 1 blocks are kept (a full ring,
  * 2 (P-1) B Sl Hkv D sizeof(T) bytes), not double-buffered: a compute block keeps its O in
  * registers across every step, so a slot cannot be refilled before every compute block of the
  * rank has passed that step, and compute blocks that are not yet resident would never pass it.
@@ -46,7 +51,10 @@
  * ENTER[cb][s] (barrier of comm block cb with every peer: every peer's earlier kernels are over,
  * so none still reads a workspace I am about to write); FULL[t][ch], written by rank r-1's comm
  * block ch % C after chunk ch of slot t landed in my workspace (release at system scope), read
- * by my comm block ch % C and by the compute blocks that load a tile of chunk ch (acquire).
+ * by my comm block ch % C and by the compute blocks that load a tile of chunk ch (acquire);
+ * with step groups, STATES_CLEAR (local), raised by comm block 0 past its ENTER barrier once
+ * this call's state flags are zeroed, acquired by every compute block before it raises or
+ * reads one.
  * Every wait is bounded and names the peer; compute blocks wait 1/8 longer than the comm
  * blocks, whose timeouts name a dead rank.
  *
@@ -87,11 +95,13 @@ constexpr int MAX_CHUNKS = 16;
 constexpr uint64_t SLOT_BASE = 6400;
 constexpr uint64_t OP_SLOTS = 640;
 constexpr uint64_t EPOCH = tp::EPOCH;                          // local: calls so far
+constexpr uint64_t STATES_CLEAR = 1;  // local: this call's step-group flags are zeroed
 constexpr uint64_t ENTER = 16;                                 // [cb][s]
 constexpr uint64_t FULL = ENTER + uint64_t(MAX_COMM) * MAX_PEERS;  // [t][ch]
 constexpr uint64_t END = FULL + uint64_t(MAX_PEERS) * MAX_CHUNKS;
 constexpr uint64_t SLOTS_NEEDED = SLOT_BASE + OP_SLOTS;
-static_assert(EPOCH < ENTER && END <= OP_SLOTS, "ring_attn: slot layout");
+static_assert(EPOCH < STATES_CLEAR && STATES_CLEAR < ENTER && END <= OP_SLOTS,
+              "ring_attn: slot layout");
 static_assert(SLOT_BASE >= coll::SLOTS && SLOTS_NEEDED <= tp::SLOT_BASE,
               "ring_attn: the slot range must lie between the collectives' and the GEMMs'");
 
@@ -112,6 +122,14 @@ struct globals {
   int chunk_tiles;       // CT: 128-row tiles (CHUNK_TILE_ROWS) per chunk
   int n_chunks;          // ceil(ceil(Sl / 128) / CT)
   uint64_t block_bytes;  // of one K (or V) block: B Sl Hkv D sizeof(T)
+  // Step groups (the unmasked non-causal kernel; 1 elsewhere): each query tile is G compute
+  // blocks, group i streaming steps [i P / G, (i + 1) P / G); see "Step groups" below.
+  int groups;            // G
+  int items;             // q_tiles H B: compute blocks per group
+  int first_step[MAX_PEERS + 1];  // group i streams steps [first_step[i], first_step[i + 1])
+  float4* states;        // G > 1: group i < G - 1's softmax states (state_slot), in my workspace
+  uint64_t* state_full;  // G > 1: one flag per state, zeroed by the kernel (clear_state_flags)
+  int64_t state_flags;   // G > 1: how many
 };
 
 /** @brief The launchers' (forward and backward) chunking of a K/V block of Sl = s rows: CT,
@@ -179,6 +197,20 @@ __device__ inline void acquire_rows(const globals& g, int step, int r0, int r1, 
   w_ch = c1;
 }
 
+/** @brief Comm block 0, every thread, past its ENTER barrier (with step groups, "Step groups"
+ * below): zeroes this call's state flags in my workspace, then raises STATES_CLEAR, which every
+ * compute block acquires before it raises or reads a flag. Here and not before the launch: a
+ * peer's kernel of the op before may read my workspace until that peer has entered this call,
+ * and the barrier proves it has; stale flags of the call before read as not raised. */
+__device__ inline void clear_state_flags(const globals& g, uint64_t e) {
+  for (int64_t i = threadIdx.x; i < g.state_flags; i += blockDim.x) g.state_full[i] = 0;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    signal(g.c.sig[g.c.rank] + STATES_CLEAR, e);
+  }
+}
+
 /** @brief One communication block (see the schedule): thread 0 moves its chunks with bulk
  * copies through the block's shared memory. */
 template <class C>
@@ -196,6 +228,7 @@ __device__ void communicate(const globals& g, int cb, void* smem) {
     ring.link = c.link.peer(next, r);  // the emulator's link throttle paces the pushes
   }
   barrier<MAX_PEERS>(c.sig, P, r, ENTER + uint64_t(cb) * MAX_PEERS, e, c.timeout_ns, c.fail());
+  if (cb == 0 && g.groups > 1) clear_state_flags(g, e);
   if (!lead) return;
   const uint64_t bb = g.block_bytes;
   const uint64_t row_bytes = uint64_t(g.d.hkv) * C::HEAD_DIM * sizeof(typename C::dtype);
@@ -217,7 +250,7 @@ __device__ void communicate(const globals& g, int cb, void* smem) {
       // Rows [r0, r1) of K, then of V, of every batch: 2 B contiguous pieces of `span` bytes.
       int part = 0;
       uint64_t done = 0;
-      bulk_move(ring, [&](bulk_piece* pc) {
+      bulk_move<false, 2>(ring, [&](bulk_piece* pc) {
         if (done >= span) {
           ++part;
           done = 0;
@@ -246,6 +279,133 @@ __device__ void communicate(const globals& g, int cb, void* smem) {
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Step groups. A compute block that streams every step needs the last step's K/V before it
+// can finish, so the first wave of blocks waits for the whole exchange, and the attention
+// overlaps it by one wave only (many waves per call). With G groups, the grid holds every
+// query tile's group 0 (steps [0, P / G)) first, then every group 1, and so on: the early
+// groups run while the later steps are still travelling. Group i < G - 1 ends by saving its
+// online-softmax state (row max m, row sum l, unnormalised O: each thread's registers) to the
+// workspace and raising a flag per warp; group i + 1 of the same tile, a later block, folds
+// that state into its own before its epilogue (or its own save), so the last group writes o
+// and lse from the state of all P steps, in fp32 throughout.
+// measured: ring_attention_notes.md, "Step groups".
+
+/** @brief A warp's saved state: 32 lanes x state_vecs(D) float4 (m, l; then O), interleaved
+ * by lane. */
+constexpr int state_vecs(int d) { return d / 8 + 1; }
+
+/** @brief This block's index past the comm blocks, and the thread's lane and warp, read again
+ * where they are needed: an asm volatile read is not merged with an earlier one, whose value
+ * would otherwise be held in a register across the mainloop (the 176-key kernel has none to
+ * spare: 255, and a spill). */
+__device__ inline int compute_index(const globals& g) {
+  unsigned x;
+  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(x));
+  return static_cast<int>(x) - g.comm_blocks;
+}
+__device__ inline int thread_index() {
+  unsigned x;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(x));
+  return static_cast<int>(x);
+}
+
+/** @brief The step group of compute block `*idx` (its index past the comm blocks), which
+ * becomes the block's item within the group (q tile, head, batch). By subtraction: a
+ * division's setup would be hoisted out of the mainloop into a register the loop lacks. */
+__device__ inline int group_of(const globals& g, int* idx) {
+  int grp = 0;
+  while (*idx >= g.items) {
+    *idx -= g.items;
+    ++grp;
+  }
+  return grp;
+}
+
+/** @brief Group i < G - 1 of compute item `item` (a query tile, head and batch), warp w's state
+ * (warps of C::THREADS / 32 per block). */
+template <class C>
+__device__ inline int64_t state_slot(const globals& g, int i, int item, int w) {
+  return (int64_t(i) * g.items + item) * (C::THREADS / 32) + w;
+}
+
+/** @brief Every consumer thread: saves its rows' state into `slot` and, per warp, raises the
+ * slot's flag (release) once every lane's stores are done. The records and flags lie in my
+ * workspace past the K/V slots, where a peer's earlier kernel (a pull of the op before this
+ * one) may still read until that peer has entered this call: so first STATES_CLEAR is acquired
+ * (clear_state_flags, after every peer's ENTER of comm block 0's barrier). */
+template <class C>
+__device__ inline void save_state(const globals& g, const attn::fwd_rows<C>& r, int64_t slot) {
+  constexpr int D = C::HEAD_DIM;
+  const int lane = thread_index() % 32;
+  const tp::comm& c = g.c;
+  if (lane == 0) {
+    wait(c.sig[c.rank] + STATES_CLEAR, c.epoch(), c.timeout_ns + c.timeout_ns / 8, c.fail(),
+         c.rank);
+  }
+  __syncwarp();
+  float4* rec = g.states + slot * state_vecs(D) * 32 + lane;
+  rec[0] = make_float4(r.m[0], r.m[1], r.l[0], r.l[1]);
+#pragma unroll
+  for (int v = 0; v < D / 8; ++v) {
+    rec[(v + 1) * 32] = make_float4(r.o[4 * v], r.o[4 * v + 1], r.o[4 * v + 2], r.o[4 * v + 3]);
+  }
+  __threadfence();
+  __syncwarp();
+  if (lane == 0) signal(g.state_full + slot, 1);
+}
+
+/** @brief The issuing thread, before the block's first __syncthreads (load_q): acquires the
+ * flags of group i's states of `item`, every warp's (their writers are earlier blocks of this
+ * grid); the barrier then orders every thread's fold after them. Here and not at the fold: any
+ * loop after the mainloop costs the 176-key kernel a spill (255 registers). The host picks step
+ * groups only where a group's blocks start a wave after the group before's (ring_attn.cu), so
+ * this rarely waits. */
+template <class C>
+__device__ inline void acquire_states(const globals& g, int i, int item) {
+  const int64_t slot = state_slot<C>(g, i, item, 0);
+  const tp::comm& c = g.c;
+  // this call's flags are zeroed first (clear_state_flags): a flag raised by the call before
+  // is not taken for this call's
+  wait(c.sig[c.rank] + STATES_CLEAR, c.epoch(), c.timeout_ns + c.timeout_ns / 8, c.fail(),
+       c.rank);
+  for (int w = 0; w < C::THREADS / 32; ++w) {
+    wait(g.state_full + slot + w, 1, g.c.timeout_ns + g.c.timeout_ns / 8, g.c.fail(), g.c.rank);
+  }
+}
+
+/** @brief Every consumer thread, after acquire_states: folds the saved state of the same
+ * rows into its own: one online-softmax step, with the saved (m, l, O) as the other operand.
+ * Rows that saw no key (m = -inf) weigh 0. */
+template <class C>
+__device__ inline void fold_state(const globals& g, attn::fwd_rows<C>& r, int64_t slot) {
+  constexpr int D = C::HEAD_DIM;
+  const int lane = thread_index() % 32;
+  const float4* rec = g.states + slot * state_vecs(D) * 32 + lane;
+  const float4 ml = rec[0];
+  const float m_in[2] = {ml.x, ml.y}, l_in[2] = {ml.z, ml.w};
+  // exp((m - max) scale), not the mainloop's exp2 of scale log2(e): that product, merged with
+  // the mainloop's, would stay live past the loop, where the 176-key kernel has no register left.
+  const float scale = g.d.scale;
+  float a_in[2], a_own[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float mx = fmaxf(m_in[i], r.m[i]);
+    a_in[i] = m_in[i] == -INFINITY ? 0.f : expf((m_in[i] - mx) * scale);
+    a_own[i] = r.m[i] == -INFINITY ? 0.f : expf((r.m[i] - mx) * scale);
+    r.l[i] = r.l[i] * a_own[i] + l_in[i] * a_in[i];
+    r.m[i] = mx;
+  }
+#pragma unroll
+  for (int v = 0; v < D / 8; ++v) {
+    const float4 x = rec[(v + 1) * 32];
+    r.o[4 * v] = r.o[4 * v] * a_own[0] + x.x * a_in[0];
+    r.o[4 * v + 1] = r.o[4 * v + 1] * a_own[0] + x.y * a_in[0];
+    r.o[4 * v + 2] = r.o[4 * v + 2] * a_own[1] + x.z * a_in[1];
+    r.o[4 * v + 3] = r.o[4 * v + 3] * a_own[1] + x.w * a_in[1];
+  }
+}
+
 /**
  * @brief attn::fwd_block's source in a compute block (see the schedule): the local query
  * tile (q tile, head, batch from the block index), its K/V stream over the steps t = 0..P-1
@@ -264,7 +424,13 @@ struct ring_keys : attn::step_stream<ring_keys<C, CAUSAL>> {
 
   __device__ explicit ring_keys(const globals& g) {
     const attn::dims& dm = g.d;
-    const int idx = blockIdx.x - g.comm_blocks;
+    int idx = blockIdx.x - g.comm_blocks;
+    int t_lo = 0, t_hi = g.c.world;
+    if constexpr (!CAUSAL) {  // step groups: group-major items (see "Step groups")
+      const int grp = group_of(g, &idx);
+      t_lo = g.first_step[grp];
+      t_hi = g.first_step[grp + 1];
+    }
     h = idx % dm.h;
     const int qb_raw = (idx / dm.h) % g.q_tiles;
     b = idx / (dm.h * g.q_tiles);
@@ -275,8 +441,9 @@ struct ring_keys : attn::step_stream<ring_keys<C, CAUSAL>> {
     n_kv = ceil_div(dm.s, C::BN);
     qspan = span(g, g.c.rank, q0, min(q0 + C::BM, dm.s));
     this->n = 0;
-    for (int t = 0; t < g.c.world; ++t) this->n += count(g, t);
-    this->at_n = count(g, 0);
+    for (int t = t_lo; t < t_hi; ++t) this->n += count(g, t);
+    this->at_t = t_lo;
+    this->at_n = count(g, t_lo);
     while (this->at_n == 0) this->at_n = count(g, ++this->at_t);
     this->at_o = owner(g, this->at_t);
   }
@@ -300,10 +467,11 @@ struct ring_keys : attn::step_stream<ring_keys<C, CAUSAL>> {
    * (the first tile of step it_t is stream tile it_j), which only moves forward, as the tiles a
    * thread loads do; so a step's count is computed once per thread, not once per load. */
   __device__ int item(const globals& g, int j, int* kt) const {
-    if (!CAUSAL) {
+    if (!CAUSAL) {  // the group's first step from the block index, not held in a register
+      int idx = compute_index(g);
       const int t = j / n_kv;
       *kt = j - t * n_kv;
-      return t;
+      return g.first_step[group_of(g, &idx)] + t;
     }
     if (j < it_j) it_t = it_j = 0;  // not reached (loads are in stream order); kept exact
     for (int c = count(g, it_t); j - it_j >= c; c = count(g, ++it_t)) it_j += c;
@@ -311,7 +479,13 @@ struct ring_keys : attn::step_stream<ring_keys<C, CAUSAL>> {
     return it_t;
   }
   __device__ int row0() const { return q0; }
+  /** @brief The issuing thread, first: with step groups, the group before's states acquired. */
   __device__ void load_q(const globals& g, typename C::q_tile& t, mbarrier* bar) const {
+    if constexpr (!CAUSAL) {
+      int item = compute_index(g);
+      const int grp = group_of(g, &item);
+      if (grp > 0) acquire_states<C>(g, grp - 1, item);
+    }
     attn::load_rows(t, &g.q, bar, b, q0, h);
   }
   /** @brief K (v = false) or V of stream tile j: the local k, v at step 0, else slot t once
@@ -348,8 +522,19 @@ struct ring_keys : attn::step_stream<ring_keys<C, CAUSAL>> {
     r.softmax(sl2);
     this->next(g);
   }
+  /** @brief With step groups, the earlier group's state folded in first; a group before the
+   * last saves its state instead of storing. */
   __device__ void store(const globals& g, attn::fwd_rows<C>& r, int wg_row0) const {
     const attn::dims& dm = g.d;
+    if constexpr (!CAUSAL) {  // (group, item) again from the block index: no registers held
+      int item = compute_index(g);
+      const int grp = group_of(g, &item), w = thread_index() / 32;
+      if (grp > 0) fold_state<C>(g, r, state_slot<C>(g, grp - 1, item, w));
+      if (grp + 1 < g.groups) {
+        save_state<C>(g, r, state_slot<C>(g, grp, item, w));
+        return;
+      }
+    }
     r.store(g.o, g.lse + (int64_t(b) * dm.h + h) * dm.s, b, wg_row0, h, dm.h, dm.s, dm.scale);
   }
 };
@@ -671,6 +856,32 @@ constexpr int block_rows(int d, bool causal) {
   return d == 64 && !causal ? attention::fwd_block_rows(d) : 128;
 }
 
+/** @brief Step groups G of the unmasked kernel (see "Step groups") for `items` compute items
+ * on `compute_sms` SMs (the rank's SMs less its comm blocks): 2 for a non-causal call at P >= 4
+ * whose items make 2 to 16 waves, else 1.
+ * - At least 2 waves per group: else a group 1 block is resident while its tile's group 0 is
+ *   not yet, and waits at its start.
+ * - P >= 4 and at most 16 waves: saving and folding the state has a cost, and what the groups
+ *   hide is the exchange, which is short at P = 2 (one step travels) and small against the
+ *   attention at many waves. Fit on the scale model; on held-out shapes it was right less often
+ *   than its test asked, while faster than no groups (ring_attention_notes.md, "Step groups,
+ *   measured"). */
+inline int step_groups(int world, bool causal, int64_t items, int compute_sms) {
+  const int64_t lo = 2 * int64_t(compute_sms), hi = 16 * int64_t(compute_sms);
+  return world >= 4 && !causal && compute_sms > 0 && items >= lo && items <= hi ? 2 : 1;
+}
+
+/** @brief Workspace bytes of G step groups' states beyond the K/V slots (0 for G = 1): the
+ * records, (G - 1) per item and warp of state_vecs(d) x 32 float4 each, then their flags. */
+struct state_sizes {
+  uint64_t records, flags;
+};
+inline state_sizes state_bytes(int groups, int64_t items, int d, bool causal) {
+  if (groups <= 1) return {0, 0};
+  const uint64_t recs = uint64_t(groups - 1) * items * (block_rows(d, causal) / 16);  // warps
+  return {recs * uint64_t(state_vecs(d)) * 32 * sizeof(float4), recs * sizeof(uint64_t)};
+}
+
 /** @brief Launches the grid of one call (after the caller's epoch kernel): C comm blocks,
  * then q_tiles H B compute blocks (q_tiles = ceil(Sl / block_rows(D, CAUSAL))). */
 template <typename T, int D, bool CAUSAL>
@@ -682,7 +893,8 @@ inline cudaError_t launch_as(const globals& g, cudaStream_t stream, int device) 
   if (cudaError_t err = opt_in_smem(fn, device, static_cast<int>(C::SMEM)); err != cudaSuccess) {
     return err;
   }
-  const int64_t blocks = int64_t(g.comm_blocks) + int64_t(g.q_tiles) * g.d.h * g.d.b;
+  const int groups = CAUSAL ? 1 : g.groups;
+  const int64_t blocks = int64_t(g.comm_blocks) + int64_t(groups) * g.items;
   kernel<C, CAUSAL><<<static_cast<unsigned>(blocks), C::THREADS, C::SMEM, stream>>>(g);
   return cudaGetLastError();
 }

@@ -225,8 +225,17 @@ HEAD_DIMS = (64, 128)
 # Communication blocks of the fused forward and of the fused backward (the same on every rank;
 # each moves 1/C of a K/V block): 8 beat 2 in both at emulated P = 2, 4, 8 (measured:
 # bench/results/ring_attention_notes.md, "Measurements moved from code comments (issue 37)").
+# The forward without any mask takes 16: with step groups and 2 stores in flight, 1.04x faster
+# than 8 (geomean of 15 held-out shapes at emulated P = 2, 4, 8; ring_attention_notes.md "Step
+# groups, measured"); the causal and the masked forward were not measured at 16 and keep 8.
 FWD_COMM_SMS = 8
+FWD_COMM_SMS_UNMASKED = 16
 NUM_COMM_SMS = 8
+
+
+def fwd_comm_sms(causal: bool, masked: bool) -> int:
+    """Communication blocks of the fused forward on a GPU of the node."""
+    return FWD_COMM_SMS if causal or masked else FWD_COMM_SMS_UNMASKED
 
 
 def kernel_supports(q: jax.Array, k: jax.Array, p: int) -> bool:
@@ -238,8 +247,11 @@ def kernel_supports(q: jax.Array, k: jax.Array, p: int) -> bool:
 
 
 def workspace_need(k: jax.Array, p: int) -> int:
-    """Bytes of symmetric workspace the kernel uses: P - 1 K blocks and P - 1 V blocks
-    (ffi/launch.h WorkspaceNeed, which the launch function checks too)."""
+    """Bytes of symmetric workspace the kernel needs: P - 1 K blocks and P - 1 V blocks
+    (ffi/launch.h WorkspaceNeed, which the launch function checks too). The non-causal forward
+    without a mask at P >= 4 may also use about B S/P H D float32 more where the workspace has
+    it (its step groups, cuda/kernels/ring_attn.cuh step_groups: more of the exchange under the
+    attention), and runs without them where it does not."""
     b, s, hkv, d = k.shape
     return _ffi.workspace_need("ring_attn", p, b=b, s=s, hkv=hkv, d=d)
 
@@ -264,7 +276,7 @@ def _kernel_call(q, k, v, axis_name, causal, scale, zigzag, *, p: int = 1,
         q, k, v, _backend.rank_operand(axis_name), *extra,
         comm_id=np.int64(state.comm_id(axis_name)),
         scale=np.float32(scale), causal=np.int64(causal), zigzag=np.int64(zigzag),
-        num_comm_sms=np.int64(FWD_COMM_SMS),
+        num_comm_sms=np.int64(fwd_comm_sms(bool(causal), km is not None)),
         **_attention_op.mask_attributes(s * p, window=window, softcap=softcap,
                                         segments=km is not None and km.segmented,
                                         masked=km is not None))

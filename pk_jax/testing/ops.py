@@ -477,13 +477,13 @@ def ring_attn(qs, ks, vs, dtype: str, *, causal: bool, zigzag: bool = False,
         lse = np.zeros((b, h, sl), np.float32)
         for hh in range(h):
             kk, vv = k_all[:, :, hh // group], v_all[:, :, hh // group]  # [B, S, D]
-            sc = np.einsum("bqd,bkd->bqk", q[:, :, hh], kk) * scale
+            sc = q[:, :, hh] @ kk.transpose(0, 2, 1) * scale
             if causal:
                 sc = np.where(k_pos[None, None, :] > pos[r][None, :, None], -np.inf, sc)
             mx = sc.max(axis=-1, keepdims=True)
             e = np.exp(sc - mx)
             den = e.sum(axis=-1, keepdims=True)
-            o[:, :, hh] = np.einsum("bqk,bkd->bqd", e / den, vv)
+            o[:, :, hh] = (e / den) @ vv
             lse[:, hh] = (mx + np.log(den))[..., 0]
         expected.append({"o": _cast(o, dtype), "lse": lse})
     params = {"b": b, "s": sl, "h": h, "hkv": hkv, "d": d, "scale": scale,
@@ -561,7 +561,7 @@ def ring_attn_masked(qs, ks, vs, dtype: str, *, causal: bool, zigzag: bool = Fal
         lse = np.full((b, h, sl), np.inf, np.float32)
         for hh in range(h):
             kk, vv = k_all[:, :, hh // group], v_all[:, :, hh // group]
-            sc = np.einsum("bqd,bkd->bqk", q[:, :, hh], kk) * scale
+            sc = q[:, :, hh] @ kk.transpose(0, 2, 1) * scale
             if softcap is not None:
                 sc = softcap * np.tanh(sc / softcap)
             sc = np.where(vis, sc, -np.inf)
@@ -569,7 +569,7 @@ def ring_attn_masked(qs, ks, vs, dtype: str, *, causal: bool, zigzag: bool = Fal
             live = np.isfinite(mx)
             e = np.where(vis, np.exp(sc - np.where(live, mx, 0)), 0)
             den = e.sum(axis=-1, keepdims=True)
-            o[:, :, hh] = np.einsum("bqk,bkd->bqd", e / np.where(den > 0, den, 1), vv)
+            o[:, :, hh] = (e / np.where(den > 0, den, 1)) @ vv
             lse[:, hh] = np.where(live, mx + np.log(np.where(den > 0, den, 1)), np.inf)[..., 0]
         expected.append({"o": _cast(o, dtype), "lse": lse})
     left, right = (s, s) if window is None else (min(window[0], s), min(window[1], s))
@@ -626,20 +626,20 @@ def ring_attn_bwd(qs, ks, vs, dos, dtype: str, *, causal: bool, zigzag: bool = F
         for hh in range(h):
             kv = hh // group
             kk, vv = k_all[:, :, kv], v_all[:, :, kv]  # [B, S, D]
-            sc = np.einsum("bqd,bkd->bqk", q[:, :, hh], kk, optimize=True) * scale
+            sc = q[:, :, hh] @ kk.transpose(0, 2, 1) * scale
             if causal:
                 sc = np.where(k_pos[None, None, :] > pos[r][None, :, None], -np.inf, sc)
             mx = sc.max(axis=-1, keepdims=True)
             e = np.exp(sc - mx)
             den = e.sum(axis=-1, keepdims=True)
             pr = e / den
-            o = np.einsum("bqk,bkd->bqd", pr, vv, optimize=True)
+            o = pr @ vv
             dl = np.sum(do[:, :, hh] * o, axis=-1)  # [B, Sl]
-            dp = np.einsum("bqd,bkd->bqk", do[:, :, hh], vv, optimize=True)
+            dp = do[:, :, hh] @ vv.transpose(0, 2, 1)
             ds = pr * (dp - dl[..., None])
-            dq[:, :, hh] = scale * np.einsum("bqk,bkd->bqd", ds, kk, optimize=True)
-            dk_all[:, :, kv] += scale * np.einsum("bqk,bqd->bkd", ds, q[:, :, hh], optimize=True)
-            dv_all[:, :, kv] += np.einsum("bqk,bqd->bkd", pr, do[:, :, hh], optimize=True)
+            dq[:, :, hh] = scale * (ds @ kk)
+            dk_all[:, :, kv] += scale * (ds.transpose(0, 2, 1) @ q[:, :, hh])
+            dv_all[:, :, kv] += pr.transpose(0, 2, 1) @ do[:, :, hh]
             lse[:, hh, :sl] = (mx + np.log(den))[..., 0]
             delta[:, hh, :sl] = dl
         inputs.append({"q": qs[r], "k": ks[r], "v": vs[r], "do": dos[r], "lse": lse,

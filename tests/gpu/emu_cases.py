@@ -231,7 +231,13 @@ def ring_case(p: int, rng: np.random.Generator, *, dtype: str | None = None,
               d: int | None = None, b: int | None = None, num_comm_sms: int | None = None,
               backward: bool = False) -> ops.Case:
     """A random ring attention case at world p: normal inputs, S/P often not a multiple of the
-    128-row tile (even, so zigzag applies), GQA or not, causal or not, zigzag or contiguous."""
+    128-row tile (even, so zigzag applies), GQA or not, causal or not, zigzag or contiguous.
+    size "groups": a non-causal forward of 2-16 waves of compute blocks on a default partition
+    at P = 4 and 8 (128 items, two communication blocks), so it takes step groups there
+    (ring_attn.cuh step_groups; P = 2 takes none), and fits the default 16 MiB workspace."""
+    if size == "groups" and not backward:
+        return ring_case(p, rng, dtype=dtype, s_local=512, causal=False, zigzag=False, h=32,
+                         hkv=2, d=128, b=1, num_comm_sms=2)
     big = size == "big"
     dt = dtype or str(rng.choice(["bfloat16", "float16"]))
     d = d or int(rng.choice([64, 128]))

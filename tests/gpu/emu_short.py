@@ -4,6 +4,9 @@ Exits non-zero on a wrong result.
 
     python tests/gpu/emu_short.py [OPS] [WORLDS]    e.g. gemm_rs,ag_gemm 2,4
 
+An op may name its case's size after a colon (emu_cases.case): ring_attn:groups is the ring
+forward with step groups (at P >= 4; ring_attn.cuh step_groups).
+
 PK_JAX_EMU_SCALE_MODEL=1 runs the ranks as the scale model (World(P, scale_model=True)): the
 link throttled and asynchronous (cuda/include/pk/link.cuh), so the sanitizers see the paced
 stores, their drains and the per-stage deadlines as well.
@@ -36,7 +39,8 @@ if __name__ == "__main__":
                    scale_model=scale) as w:
             print(f"P={p}: World({p}, scale_model={scale})", flush=True)
             for op in only:
-                c = ops.Call(w, emu_cases.case(op, p, rng))
+                name, _, size = op.partition(":")
+                c = ops.Call(w, emu_cases.case(name, p, rng, size=size or "small"))
                 c.launch()
                 w.synchronize(timeout_s=120.0)
                 bad += c.check()

@@ -354,7 +354,7 @@ section_ulysses_bwd() {
 # (host-side cuGetProcAddress probes are reported as CUDA_ERROR_INVALID_VALUE: ignored).
 # Every cross-rank op but the fused MoE kernels (one call each at P = 2, 4 and 8; P = 8 needs
 # the hardware work queues that emu_sanitized sets).
-SANITIZE_OPS=all_reduce,all_gather,reduce_scatter,all_to_all,gemm_rs,ag_gemm,gemm_ar,moe_dispatch,moe_combine,ring_attn,ring_attn_bwd,ulysses_attn,ulysses_attn_bwd
+SANITIZE_OPS=all_reduce,all_gather,reduce_scatter,all_to_all,gemm_rs,ag_gemm,gemm_ar,moe_dispatch,moe_combine,ring_attn,ring_attn:groups,ring_attn_bwd,ulysses_attn,ulysses_attn_bwd
 section_sanitize() {
   export CUDA_MODULE_LOADING=EAGER  # the emulated attention step (pk_jax.testing needs it)
   local log=${PK_JAX_LOG_DIR:-/tmp}/pk_jax_sanitize
@@ -377,7 +377,7 @@ section_sanitize() {
 # memcheck and synccheck over the ops whose stores the scale model paces (issue 36: the
 # asynchronous link of cuda/include/pk/link.cuh, its drains and per-stage deadlines), one call
 # each at P = 2, 4 and 8 in World(P, scale_model=True). Part of section sanitize.
-SCALE_SANITIZE_OPS=gemm_rs,gemm_ar,ag_gemm,ring_attn,ring_attn_bwd,ulysses_attn,ulysses_attn_bwd,moe_dispatch_gemm,moe_gemm_combine
+SCALE_SANITIZE_OPS=gemm_rs,gemm_ar,ag_gemm,ring_attn,ring_attn:groups,ring_attn_bwd,ulysses_attn,ulysses_attn_bwd,moe_dispatch_gemm,moe_gemm_combine
 section_sanitize_scale() {
   export CUDA_MODULE_LOADING=EAGER
   local log=${PK_JAX_LOG_DIR:-/tmp}/pk_jax_sanitize

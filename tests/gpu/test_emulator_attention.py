@@ -22,6 +22,7 @@ pytestmark = pytest.mark.gpu
 sys.path.insert(0, os.path.dirname(__file__))
 import emu_cases
 
+from pk_jax.runtime import vmm
 from pk_jax.testing import ops
 
 CALLS = int(os.environ.get("PK_JAX_EMU_RING_CALLS", "100"))  # back-to-back calls per P
@@ -97,6 +98,56 @@ def test_chunks_of_several_tiles(worlds):
     assert _run(w, cases, rng) == []
 
 
+def _step_group_flags(world, prm: dict) -> tuple[int, int]:
+    """Where the flags of the states that step group 0 saves lie in each rank's workspace (one
+    per compute item and warp), as (offset, count), at ring_attn.cu's layout recomputed here:
+    the states follow the 2 (P - 1) K/V slots (rounded up to 256 bytes), D / 8 + 1 float4 per
+    lane of each warp's record, then the flags."""
+    p, d = world.world, prm["d"]
+    rows = 192 if d == 64 and not prm["causal"] else 128
+    warps = rows // 16
+    items = -(-prm["s"] // rows) * prm["h"] * prm["b"]
+    block = prm["b"] * prm["s"] * prm["hkv"] * d * 2
+    states_at = -(-2 * (p - 1) * block // 256) * 256
+    return states_at + items * warps * (d // 8 + 1) * 32 * 16, items * warps
+
+
+@pytest.mark.parametrize("p", PS)
+def test_step_groups(worlds, p):
+    """Non-causal calls of 2-16 waves of compute blocks: at P = 4 and 8 step groups
+    (ring_attn.cuh step_groups) split each query tile, group 0 streaming steps [0, P/2) and
+    saving its softmax state, group 1 the rest and folding it in; at P = 2 one group. Against
+    float32, D 64 (192-row blocks) and 128, GQA, batch 2, S/P tails; the flags say which path
+    ran (poisoned before each call: at P >= 4 every one raised after it, at P = 2 none
+    touched); twice, then back to back with skew."""
+    rng = np.random.default_rng(900 + p)
+    w = worlds(p)
+    grouped = p >= 4
+    cases = [emu_cases.ring_case(p, rng, causal=False, zigzag=False, num_comm_sms=2,
+                                 s_local=sl, h=h, hkv=hkv, d=d, b=b, dtype=dt)
+             for sl, h, hkv, d, b, dt in ((520, 16, 4, 128, 1, "bfloat16"),
+                                          (600, 16, 8, 64, 1, "float16"),
+                                          (400, 8, 8, 128, 2, "float16"))]
+    for case in cases:
+        at, n = _step_group_flags(w, case.params)
+        for poison in (0xFF, 0x7F):
+            c = ops.Call(w, case, poison=poison)
+            try:
+                for r in range(p):
+                    vmm.memset_d8(w.workspace_ptr(r) + at, 0xAB, n * 8)
+                c.launch()
+                w.synchronize()
+                assert c.check() == []
+                want = 1 if grouped else int.from_bytes(b"\xab" * 8, "little")
+                for r in range(p):
+                    flags = np.frombuffer(vmm.copy_to_host(w.workspace_ptr(r) + at, n * 8),
+                                          np.uint64)
+                    assert np.all(flags == want), (r, np.unique(flags)[:4])
+            finally:
+                c.free()
+    assert _run(w, cases * 3, rng, skew_ns=SKEW_NS) == []
+
+
 def test_a_late_rank(worlds):
     """One rank starts 200 ms after the others (well inside the timeout): still correct."""
     rng = np.random.default_rng(5)
@@ -132,12 +183,14 @@ def test_back_to_back_with_skew(worlds, p):
 @pytest.mark.parametrize("p", PS)
 def test_interleaved_with_the_other_ops_on_one_workspace(worlds, p):
     """Ring attention mixed with the collectives and the fused GEMMs on the same workspace and
-    pads (each op's entry barrier keeps the others' deferred reads safe), with skew."""
+    pads (each op's entry barrier keeps the others' deferred reads safe), with skew; the
+    forward with step groups among them (its states and flags lie where the others stage)."""
     rng = np.random.default_rng(77 + p)
     w = worlds(p)
-    every = ops.ATTENTION + ops.OPS
-    seq = [str(rng.choice(every)) for _ in range(BATCH)]
-    assert _run(w, [emu_cases.case(op, p, rng) for op in seq], rng, skew_ns=SKEW_NS) == []
+    every = ops.ATTENTION + ops.OPS + ("ring_attn:groups",) * 3
+    seq = [str(rng.choice(every)).partition(":") for _ in range(BATCH)]
+    cases = [emu_cases.case(op, p, rng, size=size or "small") for op, _, size in seq]
+    assert _run(w, cases, rng, skew_ns=SKEW_NS) == []
 
 
 _failure = emu_cases.failure

@@ -84,9 +84,11 @@ __device__ inline void bulk_wait_all() {
   asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
-/** @brief Waits until every bulk group of this thread has finished reading shared memory. */
-__device__ inline void bulk_wait_read_all() {
-  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+/** @brief Waits until all but the N newest bulk groups of this thread have finished reading
+ * shared memory. */
+template <int N>
+__device__ inline void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
 }
 
 /** @brief Orders generic-proxy shared-memory writes before later bulk-copy reads of them. */
@@ -154,14 +156,19 @@ __device__ inline uint32_t advance_phase(uint32_t phase, int n) {
 
 /**
  * @brief One thread: copies every piece `next(&piece)` yields, global -> shared -> global,
- * STAGES - 1 loads ahead of the stores. Returns with every store complete (not yet fenced
- * for generic-proxy readers: see fence_proxy_async_global). Pieces marked `paced` cross the
- * link asynchronously (pk/link.cuh): each reserves its link time as it is issued, a stage is
- * reused only once its piece has crossed, and on return every paced piece has crossed.
+ * with STORES stores in flight and STAGES - STORES loads ahead of them. Returns with every
+ * store complete (not yet fenced for generic-proxy readers: see fence_proxy_async_global).
+ * Pieces marked `paced` cross the link asynchronously (pk/link.cuh): each reserves its link
+ * time as it is issued, a stage is reused only once its piece has crossed, and on return every
+ * paced piece has crossed.
  * ROWS: pieces of strided rows (bulk_piece::rows), one bulk copy per row each way.
+ * STORES: with 1, a stage is refilled as soon as its own store has read it, so one store is in
+ * flight at a time and the copy runs at one store's latency per piece; a block that moves a
+ * stream on its own (the ring's communication blocks) keeps more in flight.
  */
-template <bool ROWS = false, class Next>
+template <bool ROWS = false, int STORES = 1, class Next>
 __device__ inline void bulk_move(bulk_ring& ring, Next next, const link_throttle& link = {}) {
+  static_assert(STORES >= 1 && STORES < bulk_ring::STAGES, "bulk_move: 1 <= STORES < STAGES");
   uint32_t phase = ring.phase;
   int issued = 0;
   bool more = true;
@@ -205,8 +212,10 @@ __device__ inline void bulk_move(bulk_ring& ring, Next next, const link_throttle
       store_async(ring.dst[s], ring.buf[s], ring.bytes[s]);
     }
     bulk_commit();
-    if (more) {
-      bulk_wait_read_all();  // stage s is free once its store has read it
+    // Refill the stage of store i - STORES + 1 (issue() takes stage issued % STAGES, which is
+    // that one) once it has read it: the STORES - 1 newer stores may still be reading.
+    if (more && i >= STORES - 1) {
+      bulk_wait_read<STORES - 1>();
       more = issue();
     }
   }
