@@ -5,8 +5,8 @@ the same run.
 Per shape (per rank: B = 1, S/P local positions, H = 8 heads, D = 128, bf16; causal contiguous
 and not):
 - fused: one pk_ring_attn call on every rank (K/V pushed around the ring by communication
-  blocks, the op's (ring_attn.fwd_comm_sms) unless --num-comm-sms, while the compute blocks fold each
-  arriving block into their online softmax);
+  blocks, the op's count (ring_attn.fwd_comm_sms) unless --num-comm-sms, while the compute
+  blocks fold each arriving block into their online softmax);
 - baseline (unfused, no overlap): the pk all_gather kernel of every rank's [k | v] (the same
   P - 1 blocks each rank receives in the ring), then, serially on each rank's stream, one
   pk.attention forward per K/V block that causal masking does not hide (the diagonal block
