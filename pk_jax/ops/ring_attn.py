@@ -225,9 +225,9 @@ HEAD_DIMS = (64, 128)
 # Communication blocks of the fused forward and of the fused backward (the same on every rank;
 # each moves 1/C of a K/V block): 8 beat 2 in both at emulated P = 2, 4, 8 (measured:
 # bench/results/ring_attention_notes.md, "Measurements moved from code comments (issue 37)").
-# The forward without any mask takes 16: with step groups and 2 stores in flight, 1.04x faster
-# than 8 (geomean of 15 held-out shapes at emulated P = 2, 4, 8; ring_attention_notes.md "Step
-# groups, measured"); the causal and the masked forward were not measured at 16 and keep 8.
+# The forward without any mask takes 16, faster than 8 on held-out shapes at the scale model
+# (ring_attention_notes.md, "Step groups, measured"); the causal and the masked forward were
+# not measured at 16 and keep 8.
 FWD_COMM_SMS = 8
 FWD_COMM_SMS_UNMASKED = 16
 NUM_COMM_SMS = 8
