@@ -62,15 +62,11 @@ Status LaunchRingAttn(const Where& at, const RingAttnArgs& a, const CommView& v)
   }
   ra::set_chunks(g, a.s);
   g.block_bytes = block_bytes;
-  // Step groups where ra::step_groups takes them (its rule says why) and the workspace holds
-  // their states past the K/V slots; else one group (the same result, less overlap).
-  int sms = at.num_sms;
-  if (sms <= 0 && cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, at.device) !=
-                      cudaSuccess) {
-    sms = 0;
-  }
+  // Step groups where ra::step_groups takes them (its rule says why; at.num_sms is the device's
+  // or the emulated rank's, cached by the caller) and the workspace holds their states past the
+  // K/V slots; else one group (the same result, less overlap).
   const uint64_t slots_end = uint64_t(P > 1 ? 2 * (P - 1) : 0) * block_bytes;
-  g.groups = a.masked ? 1 : ra::step_groups(P, a.causal, items, sms - int(a.num_comm_sms));
+  g.groups = a.masked ? 1 : ra::step_groups(P, a.causal, items, at.num_sms - int(a.num_comm_sms));
   const uint64_t states_at = (slots_end + 255) / 256 * 256;
   const ra::state_sizes st = ra::state_bytes(g.groups, items, int(a.d), a.causal);
   if (states_at + st.records + st.flags > v.workspace_bytes) g.groups = 1;

@@ -359,7 +359,7 @@ __device__ inline void save_state(const globals& g, const attn::fwd_rows<C>& r, 
  * flags of group i's states of `item`, every warp's (their writers are earlier blocks of this
  * grid); the barrier then orders every thread's fold after them. Here and not at the fold: any
  * loop after the mainloop costs the 176-key kernel a spill (255 registers). The host picks step
- * groups only where a group's blocks start a wave after the group before's (ring_attn.cu), so
+ * groups only where a group's blocks start a wave after the group before's (step_groups), so
  * this rarely waits. */
 template <class C>
 __device__ inline void acquire_states(const globals& g, int i, int item) {
@@ -893,6 +893,8 @@ inline cudaError_t launch_as(const globals& g, cudaStream_t stream, int device) 
   if (cudaError_t err = opt_in_smem(fn, device, static_cast<int>(C::SMEM)); err != cudaSuccess) {
     return err;
   }
+  static_assert(C::THREADS / 32 == block_rows(D, CAUSAL) / 16,
+                "ring_attn: state_slot's warps per item are state_bytes'");
   const int groups = CAUSAL ? 1 : g.groups;
   const int64_t blocks = int64_t(g.comm_blocks) + int64_t(groups) * g.items;
   kernel<C, CAUSAL><<<static_cast<unsigned>(blocks), C::THREADS, C::SMEM, stream>>>(g);
