@@ -33,12 +33,13 @@ launch() {
 failed=()
 passed=0
 
+# Each PASSED/FAILED line gives the step's wall seconds, to plan runs within a device call.
 step() {
   echo "=== $*"
-  local run=(timeout "$LIMIT")
+  local run=(timeout "$LIMIT") t0=$SECONDS
   declare -F "$1" > /dev/null && run=()  # a shell function (launch) bounds itself (--timeout)
-  if "${run[@]}" "$@"; then passed=$((passed + 1)); echo "PASSED: $*"
-  else failed+=("$*"); echo "FAILED: $*"; fi
+  if "${run[@]}" "$@"; then passed=$((passed + 1)); echo "PASSED ($((SECONDS - t0)) s): $*"
+  else failed+=("$*"); echo "FAILED ($((SECONDS - t0)) s): $*"; fi
 }
 
 # Every cross-rank op of tests/gpu/emu_short.py (emu_cases builds each).
