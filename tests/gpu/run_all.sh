@@ -10,6 +10,7 @@
 # of passing with every GPU test skipped (tests/conftest.py).
 # The P = 1 sections (install unit collectives tp examples) may run side by side in separate
 # invocations; the multi-process ones and bench want the GPU alone.
+# PK_JAX_SUITE_BUDGET_S: the run's wall-clock budget in seconds (below, at BUDGET).
 # Prints one PASSED/FAILED line per step and a summary; exits non-zero if any step failed.
 # Each pytest step is its own process: a kernel that times out traps, and a trapped CUDA
 # context is unusable for the rest of that process.
@@ -28,15 +29,33 @@ launch() {
   local n=$1; shift
   local share=(--share-gpu)
   [ "${GPUS:-0}" -ge "$n" ] && share=()
+  # a budget (below) lowers the launcher's own bound: it stops every process it started
+  if [ "$1" = --timeout ] && [ -n "$BUDGET" ]; then
+    local t=$2; shift 2
+    set -- --timeout "$(( t < $(left) ? t : $(left) ))" "$@"
+  fi
   "$PY" -m pk_jax.launch -n "$n" "${share[@]}" "$@"
 }
 failed=()
+skipped=()
 passed=0
+
+# PK_JAX_SUITE_BUDGET_S: no step runs past this many seconds after the script starts, so that a
+# run fits a device call and leaves nothing running behind it. A step is bounded by what is
+# left; one that cannot get 30 s is SKIPPED, and skipped steps fail the run like failed ones.
+BUDGET=${PK_JAX_SUITE_BUDGET_S:-}
+left() { echo $(( BUDGET - SECONDS )); }
 
 # Each PASSED/FAILED line gives the step's wall seconds, to plan runs within a device call.
 step() {
   echo "=== $*"
-  local run=(timeout "$LIMIT") t0=$SECONDS
+  local limit=$LIMIT t0=$SECONDS
+  if [ -n "$BUDGET" ]; then
+    [ "$(left)" -lt 30 ] && { skipped+=("$*"); echo "SKIPPED (budget): $*"; return; }
+    [ "$limit" -gt "$(left)" ] && limit=$(left)
+  fi
+  # timeout runs the step in a process group of its own and signals all of it when time is up
+  local run=(timeout -k 10 "$limit")
   declare -F "$1" > /dev/null && run=()  # a shell function (launch) bounds itself (--timeout)
   if "${run[@]}" "$@"; then passed=$((passed + 1)); echo "PASSED ($((SECONDS - t0)) s): $*"
   else failed+=("$*"); echo "FAILED ($((SECONDS - t0)) s): $*"; fi
@@ -459,10 +478,14 @@ section_bench() {
   CUDA_MODULE_LOADING=EAGER step "$PY" bench/bench_moe.py
 }
 
+# Which build and GPU ran: passes on one build may be combined across runs only by this md5.
+echo "=== extension md5 $(md5sum pk_jax/_pk_ffi.abi3.so 2>/dev/null | cut -c1-32) on \
+$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)"
 sections=("$@")
 [ ${#sections[@]} -eq 0 ] && sections=(install sass unit runtime collectives collectives_mp tp tp_mp \
   grouped attention emulator moe ring ulysses sanitize examples users state large)
 for s in "${sections[@]}"; do "section_$s"; done
-echo "=== summary: $passed passed, ${#failed[@]} failed"
+echo "=== summary: $passed passed, ${#failed[@]} failed, ${#skipped[@]} skipped (budget)"
 for f in "${failed[@]}"; do echo "failed: $f"; done
-[ ${#failed[@]} -eq 0 ]
+for f in "${skipped[@]}"; do echo "skipped: $f"; done
+[ ${#failed[@]} -eq 0 ] && [ ${#skipped[@]} -eq 0 ]
