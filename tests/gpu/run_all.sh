@@ -9,7 +9,8 @@
 # need an sm_90 GPU or the extension fails at collection when this machine has neither, instead
 # of passing with every GPU test skipped (tests/conftest.py).
 # The P = 1 sections (install unit collectives tp examples) may run side by side in separate
-# invocations; the multi-process ones and bench want the GPU alone.
+# invocations, slowing one another (bench/results/gpu_suite_notes.md); the multi-process ones
+# and bench want the GPU alone.
 # PK_JAX_SUITE_BUDGET_S: the run's wall-clock budget in seconds (below, at BUDGET).
 # Prints one PASSED/FAILED line per step and a summary; exits non-zero if any step failed.
 # Each pytest step is its own process: a kernel that times out traps, and a trapped CUDA
