@@ -58,9 +58,28 @@ step() {
   # timeout runs the step in a process group of its own and signals all of it when time is up
   local run=(timeout -k 10 "$limit")
   declare -F "$1" > /dev/null && run=()  # a shell function (launch) bounds itself (--timeout)
-  if "${run[@]}" "$@"; then passed=$((passed + 1)); echo "PASSED ($((SECONDS - t0)) s): $*"
+  # in the background, so that a signal to this script is handled at once (stop_step)
+  "${run[@]}" "$@" &
+  STEP_PID=$!
+  if wait "$STEP_PID"; then passed=$((passed + 1)); echo "PASSED ($((SECONDS - t0)) s): $*"
   else failed+=("$*"); echo "FAILED ($((SECONDS - t0)) s): $*"; fi
+  STEP_PID=
 }
+
+# timeout puts its step in a process group of its own, which a signal to this script's group
+# does not reach: stopping the script (Ctrl-C, kill, a driver's deadline) stops the running
+# step too (timeout passes the signal on to its group; a launch's subshell, to the launcher).
+STEP_PID=
+stop_step() {
+  if [ -n "$STEP_PID" ]; then
+    pkill -TERM -P "$STEP_PID" 2>/dev/null
+    kill -TERM "$STEP_PID" 2>/dev/null
+    wait "$STEP_PID" 2>/dev/null
+  fi
+  echo "=== stopped by a signal; summary so far: $passed passed, ${#failed[@]} failed"
+  exit 130
+}
+trap stop_step INT TERM
 
 # Every cross-rank op of tests/gpu/emu_short.py (emu_cases builds each).
 EMU_ALL_OPS=all_reduce,all_gather,reduce_scatter,all_to_all,gemm_rs,ag_gemm,gemm_ar,\
