@@ -1,0 +1,115 @@
+"""The GPU suite's driver, tests/gpu/run_all.sh, on a CPU: with a stand-in interpreter in place
+of Python (PYTHON=...), its step numbering, its step selection (PK_JAX_SUITE_STEPS), its budget
+(PK_JAX_SUITE_BUDGET_S) and its stopping of the running step on a signal. The GPU steps
+themselves run on the device (bench/results/gpu_suite_notes.md)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "gpu" / "run_all.sh"
+DEFAULT_STEPS = 77  # the default sections' steps; a new step changes this count on purpose
+
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("timeout") is None,
+                                reason="needs bash and GNU timeout")
+
+
+def _env(**env: str) -> dict[str, str]:
+    """This process's environment without the suite's own settings, then `env`."""
+    out = {k: v for k, v in os.environ.items() if not k.startswith("PK_JAX_SUITE_")}
+    return {**out, "PYTHON": "true", **env}
+
+
+def _run(env: dict[str, str], *sections: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), *sections], env=_env(**env), check=False,
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+def _numbers(out: str) -> list[int]:
+    return [int(n) for n in re.findall(r"^=== \[(\d+)\] ", out, re.MULTILINE)]
+
+
+def test_the_listing_numbers_every_default_step_and_runs_none():
+    r = _run({"PK_JAX_SUITE_BUDGET_S": "1"})
+    assert _numbers(r.stdout) == list(range(1, DEFAULT_STEPS + 1))
+    assert r.stdout.count("SKIPPED (budget): ") == DEFAULT_STEPS
+    assert "PASSED" not in r.stdout
+    assert f"summary: 0 passed, 0 failed, {DEFAULT_STEPS} skipped (budget)" in r.stdout
+    assert r.returncode != 0  # skipped steps fail the run
+
+
+def test_selected_steps_run_alone_by_their_listed_numbers():
+    listing = _run({"PK_JAX_SUITE_BUDGET_S": "1"}).stdout
+    commands = dict(re.findall(r"^=== \[(\d+)\] (.*)$", listing, re.MULTILINE))
+    r = _run({"PK_JAX_SUITE_STEPS": "4 30"})
+    assert _numbers(r.stdout) == [4, 30]
+    for n in ("4", "30"):
+        assert f"=== [{n}] {commands[n]}" in r.stdout
+        assert re.search(rf"^PASSED \(\d+ s\): {re.escape(commands[n])}$", r.stdout, re.MULTILINE)
+    assert "summary: 2 passed, 0 failed, 0 skipped (budget)" in r.stdout
+    assert r.returncode == 0
+
+
+def test_a_failing_selected_step_fails_the_run():
+    r = _run({"PK_JAX_SUITE_STEPS": "3", "PYTHON": "false"})
+    assert _numbers(r.stdout) == [3]
+    assert "FAILED (" in r.stdout and "summary: 0 passed, 1 failed" in r.stdout
+    assert r.returncode != 0
+
+
+def test_numbers_follow_the_sections_named():
+    r = _run({"PK_JAX_SUITE_BUDGET_S": "1"}, "tp", "unit")
+    assert _numbers(r.stdout) == list(range(1, 7))  # tp's four steps, then unit's two
+    assert "test_gemm_rs.py" in r.stdout.splitlines()[1]
+
+
+def _alive(marker: str) -> list[int]:
+    pids = []
+    for proc in pathlib.Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if marker in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/self/cmdline").exists(), reason="needs /proc")
+def test_a_signal_to_the_script_stops_the_step_it_runs(tmp_path):
+    """timeout runs the step in a process group of its own, out of reach of a signal to the
+    script's group: the script must pass TERM on, or the step outlives it."""
+    stand_in = tmp_path / "stand_in_python"
+    stand_in.write_text("#!/bin/bash\nwhile :; do sleep 0.1; done\n")
+    stand_in.chmod(0o755)
+    env = _env(PYTHON=str(stand_in), PK_JAX_SUITE_STEPS="4")
+    p = subprocess.Popen(["bash", str(SCRIPT)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not _alive(str(stand_in)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _alive(str(stand_in)), "the step never started"
+        os.killpg(p.pid, signal.SIGTERM)
+        out, _ = p.communicate(timeout=30)
+        assert p.returncode == 130
+        assert "stopped by a signal" in out
+        deadline = time.monotonic() + 10
+        while _alive(str(stand_in)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _alive(str(stand_in)) == []
+    finally:
+        for pid in _alive(str(stand_in)):
+            os.kill(pid, signal.SIGKILL)
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
