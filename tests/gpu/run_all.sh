@@ -419,6 +419,9 @@ section_sanitize() {
     $PY -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_emulator_ulysses.py \
     -k 'backward and 2 and not fused' > $log/attention.log 2>&1; rc=\$?;
     tail -5 $log/attention.log;
+    n=\$(grep -c 'on CUDA API call to' $log/attention.log);
+    g=\$(grep -c 'on CUDA API call to cuGetProcAddress' $log/attention.log);
+    echo \"host API errors: \$n, of them cuGetProcAddress: \$g\";
     ! grep -E 'Invalid (__global__|__shared__|__local__)|Out of bounds|Misaligned' \
     $log/attention.log && [ \$rc = 0 ]"
 }
