@@ -481,8 +481,11 @@ section_hazards() {
 # the TP GEMMs, ring and Ulysses attention on 8 host devices; not a default section, and it
 # needs no GPU: any machine runs it).
 section_large() {
-  LIMIT=1200 PK_JAX_TIMEOUT_S=20 step "$PY" -m pytest -q -p no:cacheprovider -m "gpu and large" \
-    tests/test_matmul.py tests/test_gemm_rs.py tests/test_ag_gemm.py tests/test_gemm_ar.py
+  # one step per file (180 cases in all): each fits a 10-minute device call
+  for f in matmul gemm_rs ag_gemm gemm_ar; do
+    LIMIT=600 PK_JAX_TIMEOUT_S=20 step "$PY" -m pytest -q -p no:cacheprovider \
+      -m "gpu and large" "tests/test_$f.py"
+  done
   LIMIT=600 step "$PY" -m pytest -q -p no:cacheprovider -m "gpu and large" \
     tests/gpu/test_runtime_mp.py
 }
