@@ -481,7 +481,7 @@ section_hazards() {
 # the TP GEMMs, ring and Ulysses attention on 8 host devices; not a default section, and it
 # needs no GPU: any machine runs it).
 section_large() {
-  # one step per file (180 cases in all): each fits a 10-minute device call
+  # one step per file (180 cases in all), each limited to a device call's 10 minutes
   for f in matmul gemm_rs ag_gemm gemm_ar; do
     LIMIT=600 PK_JAX_TIMEOUT_S=20 step "$PY" -m pytest -q -p no:cacheprovider \
       -m "gpu and large" "tests/test_$f.py"
