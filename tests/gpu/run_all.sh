@@ -40,6 +40,10 @@ launch() {
   fi
   "$PY" -m pk_jax.launch -n "$n" "${share[@]}" "$@"
 }
+# The launch bound of the ring and Ulysses runs through JAX: four processes time-slicing the GPU
+# need most of 250 s alone, more beside other work (bench/results/gpu_suite_notes.md).
+sp_bound() { echo $(( $1 > 2 ? 400 : 250 )); }
+
 failed=()
 skipped=()
 passed=0
@@ -312,7 +316,7 @@ section_ring() {
   # the masked forward (issue 38 section 3): P = 2, 4, 8 emulated, every mask, both layouts
   step "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_emulator_ring_masks.py
   for n in 2 4; do  # through JAX: FFI handler, lowering (processes share the GPU)
-    PK_JAX_TIMEOUT_S=30 step launch "$n" --timeout $((n > 2 ? 400 : 250)) tests/gpu/ring_mp.py
+    PK_JAX_TIMEOUT_S=30 step launch "$n" --timeout "$(sp_bound "$n")" tests/gpu/ring_mp.py
     # the masked entry ring_attn._kernel_ring_masked through JAX, both layouts
     for layout in ring ring-zigzag; do
       PK_JAX_TIMEOUT_S=30 step launch "$n" --timeout 250 tests/gpu/sp_masked_mp.py "$layout"
@@ -359,18 +363,16 @@ section_moe_fused() {
 section_ulysses() {
   export CUDA_MODULE_LOADING=EAGER  # pk_jax.testing.require_eager_loading says why
   step "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_emulator_ulysses.py
-  # four processes time-slicing the GPU need most of 250 s alone, more beside other work
-  # (bench/results/gpu_suite_notes.md): 400 s at P = 4
   for n in 2 4; do  # through JAX: FFI handler, lowering (processes share the GPU)
-    PK_JAX_TIMEOUT_S=30 step launch "$n" --timeout $((n > 2 ? 400 : 250)) tests/gpu/ulysses_mp.py
+    PK_JAX_TIMEOUT_S=30 step launch "$n" --timeout "$(sp_bound "$n")" tests/gpu/ulysses_mp.py
   done
   # the fused forward, forced: its forward cases and one gradient case
   PK_JAX_ULYSSES_FUSED=1 PK_JAX_TIMEOUT_S=30 step launch 2 --timeout 250 tests/gpu/ulysses_mp.py
-  # the fused backward, forced: the forward cases and every gradient case (P = 4 as above;
+  # the fused backward, forced: the forward cases and every gradient case (P = 4: sp_bound;
   # measured: bench/results/ulysses_attention_notes.md, "Measurements moved from code comments
   # (issue 37)")
   for n in 2 4; do
-    PK_JAX_ULYSSES_FUSED=bwd PK_JAX_TIMEOUT_S=60 step launch "$n" --timeout $((n > 2 ? 400 : 250)) \
+    PK_JAX_ULYSSES_FUSED=bwd PK_JAX_TIMEOUT_S=60 step launch "$n" --timeout "$(sp_bound "$n")" \
       tests/gpu/ulysses_mp.py
   done
   # the composed path with masks (private entry ulysses_attn._composed_masked, issue 38
