@@ -3,6 +3,7 @@
 import importlib.metadata
 import os
 import pathlib
+import re
 
 _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
@@ -86,8 +87,32 @@ def no_hopper_reason(*, short: bool = False) -> str:
     return f"the GPUs here are {', '.join(kinds)}, not sm_90"
 
 
+# PK_JAX_TEST_SHARD=i/n: run only every n-th selected test, starting at the i-th (1-based), so
+# that n runs (e.g. lanes of tests/gpu/run_all.sh, or device calls) share one file's tests,
+# each test in exactly one of them.
+SHARD = "PK_JAX_TEST_SHARD"
+_SHARD_DROPPED = pytest.StashKey[int]()
+
+
+def shard_of(spec: str, count: int) -> list[int]:
+    """Indices of the tests that shard `spec` ("i/n") keeps of `count`; a clear error otherwise."""
+    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", spec)
+    if not m or not 1 <= int(m[1]) <= int(m[2]):
+        raise pytest.UsageError(f"pk_jax tests: {SHARD}={spec!r}: expected i/n with 1 <= i <= n, "
+                                "e.g. 2/3 for the second of three shards")
+    i, n = int(m[1]), int(m[2])
+    return list(range(i - 1, count, n))
+
+
 @pytest.hookimpl(trylast=True)  # after -m / -k deselected what will not run
 def pytest_collection_modifyitems(config, items):
+    spec = os.environ.get(SHARD, "")
+    if spec:
+        keep = set(shard_of(spec, len(items)))
+        dropped = [item for k, item in enumerate(items) if k not in keep]
+        items[:] = [item for k, item in enumerate(items) if k in keep]
+        config.hook.pytest_deselected(items=dropped)
+        config.stash[_SHARD_DROPPED] = len(dropped)
     skip_gpu = pytest.mark.skip(reason=GPU_REASON)
     skip_ext = pytest.mark.skip(reason=EXT_REASON)
     needing = [i for i in items if ("gpu" in i.keywords and not HAS_HOPPER)
@@ -127,8 +152,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
                                                                  ("k", keyword)) if expr)
         why = [(f"{large} marked large (the large parametrisation, deselected by pyproject's "
                 "addopts -m 'not large'; -m large runs them)")] if large else []
-        if len(deselected) > large:
-            why.append(f"{len(deselected) - large} by {how or 'the command line'}")
+        sharded = config.stash.get(_SHARD_DROPPED, 0)
+        if sharded:
+            why.append(f"{sharded} by {SHARD}={os.environ.get(SHARD)}")
+        if len(deselected) > large + sharded:
+            why.append(f"{len(deselected) - large - sharded} by {how or 'the command line'}")
         parts.append(f"{len(deselected)} deselected: {', '.join(why)}")
     if parts:
         terminalreporter.write_line("pk_jax: " + "; ".join(parts))

@@ -15,6 +15,8 @@
 # PK_JAX_SUITE_STEPS="4 37 ...": run only these steps, numbered in this run's order as every
 # "=== [n]" line shows (`PYTHON=true PK_JAX_SUITE_BUDGET_S=1 tests/gpu/run_all.sh` lists the
 # default sections' numbers without running anything); the others are left out unreported.
+# PK_JAX_TEST_SHARD=i/n: every pytest step runs only the i-th of n shares of its tests
+# (tests/conftest.py), so that a step longer than a device call runs as n lanes or calls.
 # Prints one PASSED/FAILED line per step and a summary; exits non-zero if any step failed.
 # Each pytest step is its own process: a kernel that times out traps, and a trapped CUDA
 # context is unusable for the rest of that process.
