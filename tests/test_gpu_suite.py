@@ -116,35 +116,40 @@ def test_a_signal_to_the_script_stops_the_step_it_runs(tmp_path):
             os.killpg(p.pid, signal.SIGKILL)
 
 
-def _collected(path: str, shard: str | None) -> subprocess.CompletedProcess:
+def _collected(path: str, shard: str | None, cwd: pathlib.Path) -> subprocess.CompletedProcess:
+    """pytest --collect-only of the GPU tests of `path` (relative to the root), with the shard
+    given. Run from `cwd`, outside the tree: `python -m pytest` puts its working directory on
+    sys.path, and the root's pk_jax need not be the one under test (tests/conftest.py)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PK_JAX_TEST_SHARD",
                                                             "PK_JAX_REQUIRE_GPU")}
     if shard is not None:
         env["PK_JAX_TEST_SHARD"] = shard
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           "--collect-only", "-m", "gpu", path], env=env, check=False,
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+                           "--rootdir", str(ROOT), "--collect-only", "-m", "gpu",
+                           str(ROOT / path)], env=env, check=False, capture_output=True,
+                          text=True, timeout=300, cwd=cwd)
 
 
 def _ids(out: str) -> list[str]:
     return [line for line in out.splitlines() if "::" in line]
 
 
-def test_shards_split_a_files_tests_without_overlap():
+def test_shards_split_a_files_tests_without_overlap(tmp_path):
     """PK_JAX_TEST_SHARD=i/n (tests/conftest.py), how a step too long for one device call is
     shared by lanes or calls: the shards of a file's selected tests are disjoint, together are
     all of them, and keep their order."""
     path = "tests/test_attention_masks.py"
-    everything = _ids(_collected(path, None).stdout)
-    assert len(everything) > 10
-    shards = [_ids(_collected(path, f"{i}/3").stdout) for i in (1, 2, 3)]
+    collected = _collected(path, None, tmp_path)
+    everything = _ids(collected.stdout)
+    assert len(everything) > 10, collected.stdout + collected.stderr
+    shards = [_ids(_collected(path, f"{i}/3", tmp_path).stdout) for i in (1, 2, 3)]
     assert [len(s) for s in shards] == [len(everything[i::3]) for i in range(3)]
     assert sorted(i for s in shards for i in s) == sorted(everything)
     assert shards[1] == everything[1::3]
 
 
 @pytest.mark.parametrize("spec", ["0/3", "4/3", "2", "a/b"])
-def test_a_bad_shard_is_a_clear_error(spec):
-    p = _collected("tests/test_attention_masks.py", spec)
+def test_a_bad_shard_is_a_clear_error(spec, tmp_path):
+    p = _collected("tests/test_attention_masks.py", spec, tmp_path)
     assert p.returncode == 4, p.stdout + p.stderr  # pytest's usage error
     assert "PK_JAX_TEST_SHARD" in p.stdout + p.stderr and "i/n" in p.stdout + p.stderr
