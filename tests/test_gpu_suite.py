@@ -1,7 +1,8 @@
 """The GPU suite's driver, tests/gpu/run_all.sh, on a CPU: with a stand-in interpreter in place
 of Python (PYTHON=...), its step numbering, its step selection (PK_JAX_SUITE_STEPS), its budget
-(PK_JAX_SUITE_BUDGET_S) and its stopping of the running step on a signal. The GPU steps
-themselves run on the device (bench/results/gpu_suite_notes.md)."""
+(PK_JAX_SUITE_BUDGET_S), its stopping of the running step on a signal, its lanes
+(tests/gpu/lanes.sh) and the shares of a step's tests (PK_JAX_TEST_SHARD, tests/conftest.py).
+The GPU steps themselves run on the device (bench/results/gpu_suite_notes.md)."""
 
 from __future__ import annotations
 
@@ -65,6 +66,47 @@ def test_a_failing_selected_step_fails_the_run():
     assert _numbers(r.stdout) == [3]
     assert "FAILED (" in r.stdout and "summary: 0 passed, 1 failed" in r.stdout
     assert r.returncode != 0
+
+
+def test_commas_select_steps_as_spaces_do():
+    spaces, commas = _run({"PK_JAX_SUITE_STEPS": "4 30"}), _run({"PK_JAX_SUITE_STEPS": "4,30"})
+    assert _numbers(commas.stdout) == _numbers(spaces.stdout) == [4, 30]
+
+
+LANES = ROOT / "tests" / "gpu" / "lanes.sh"
+
+
+def _lanes(tmp_path, python: str, *lanes: str) -> subprocess.CompletedProcess:
+    env = _env(PYTHON=python, LANES_DIR=str(tmp_path / "logs"))
+    return subprocess.run(["bash", str(LANES), "60", *lanes], env=env, check=False,
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+def test_lanes_run_their_own_steps_with_their_settings_and_the_budget(tmp_path):
+    """tests/gpu/lanes.sh: each lane one run_all.sh with its settings, the budget as its run's
+    budget and step limit, its log in LANES_DIR; the lanes' step lines printed at the end."""
+    stand_in = tmp_path / "stand_in_python"
+    stand_in.write_text("#!/bin/bash\necho \"shard=${PK_JAX_TEST_SHARD:-none} "
+                        "budget=$PK_JAX_SUITE_BUDGET_S limit=$PK_JAX_STEP_TIMEOUT\"\n")
+    stand_in.chmod(0o755)
+    r = _lanes(tmp_path, str(stand_in), "a:PK_JAX_SUITE_STEPS=3,4",
+               "b:PK_JAX_SUITE_STEPS=4 PK_JAX_TEST_SHARD=2/3")
+    assert r.returncode == 0, r.stdout + r.stderr
+    a, b = ((tmp_path / "logs" / f"{n}.log").read_text() for n in "ab")
+    assert _numbers(a) == [3, 4] and _numbers(b) == [4]
+    assert a.count("shard=none budget=60 limit=60") == 2
+    assert b.count("shard=2/3 budget=60 limit=60") == 1
+    assert r.stdout.count("##### lane ") == 2 and r.stdout.count("PASSED (") == 3
+
+
+def test_a_failing_lane_fails_the_call_and_a_bad_lane_is_refused(tmp_path):
+    r = _lanes(tmp_path, "true", "a:PK_JAX_SUITE_STEPS=3", "b:PK_JAX_SUITE_STEPS=4")
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = _lanes(tmp_path, "false", "a:PK_JAX_SUITE_STEPS=3")
+    assert r.returncode == 1 and "FAILED (" in r.stdout
+    for bad in ("no_settings", "a:lower=1", "a b:X=1"):
+        r = _lanes(tmp_path, "true", bad)
+        assert r.returncode == 2 and "lanes.sh" in r.stderr, (bad, r.stderr)
 
 
 def test_numbers_follow_the_sections_named():

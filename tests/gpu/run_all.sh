@@ -12,9 +12,10 @@
 # invocations, slowing one another (bench/results/gpu_suite_notes.md); the multi-process ones
 # and bench want the GPU alone.
 # PK_JAX_SUITE_BUDGET_S: the run's wall-clock budget in seconds (below, at BUDGET).
-# PK_JAX_SUITE_STEPS="4 37 ...": run only these steps, numbered in this run's order as every
-# "=== [n]" line shows (`PYTHON=true PK_JAX_SUITE_BUDGET_S=1 tests/gpu/run_all.sh` lists the
-# default sections' numbers without running anything); the others are left out unreported.
+# PK_JAX_SUITE_STEPS="4 37 ..." (or 4,37,...): run only these steps, numbered in this run's
+# order as every "=== [n]" line shows (`PYTHON=true PK_JAX_SUITE_BUDGET_S=1 tests/gpu/run_all.sh`
+# lists the default sections' numbers without running anything); the others are left out
+# unreported. tests/gpu/lanes.sh runs several such runs side by side in one device call.
 # PK_JAX_TEST_SHARD=i/n: every pytest step runs only the i-th of n shares of its tests
 # (tests/conftest.py), so that a step longer than a device call runs as n lanes or calls.
 # Prints one PASSED/FAILED line per step and a summary; exits non-zero if any step failed.
@@ -50,7 +51,8 @@ failed=()
 skipped=()
 passed=0
 nstep=0
-only=" ${PK_JAX_SUITE_STEPS:-} "
+only=${PK_JAX_SUITE_STEPS:-}
+only=" ${only//,/ } "  # numbers apart by spaces or commas
 
 # PK_JAX_SUITE_BUDGET_S: no step runs past this many seconds after the script starts, so that a
 # run fits a device call and leaves nothing running behind it. A step is bounded by what is
