@@ -3,25 +3,28 @@
 #   tests/gpu/lanes.sh BUDGET_S "NAME:VAR=value VAR=value" ...
 # e.g. tests/gpu/lanes.sh 555 "u1:PK_JAX_SUITE_STEPS=46 PK_JAX_TEST_SHARD=1/3" \
 #        "u2:PK_JAX_SUITE_STEPS=46 PK_JAX_TEST_SHARD=2/3" "m:PK_JAX_SUITE_STEPS=27"
-# Each lane is one run_all.sh with its settings, PK_JAX_SUITE_BUDGET_S and PK_JAX_STEP_TIMEOUT set
-# to BUDGET_S (so no step outlives the call), its output in $LANES_DIR/NAME.log ($OUT where the
-# device machine sets it, else a new temporary folder). Processes on one GPU time-slice it: lanes
-# overlap their CPU work (compiles, references) and share the GPU's time, so a step's time in a
-# lane is longer than alone (bench/results/gpu_suite_notes.md). Prints each lane's step lines and
-# summary; exits non-zero if any lane failed.
+# Each lane is one run_all.sh with its settings, PK_JAX_SUITE_BUDGET_S and PK_JAX_STEP_TIMEOUT
+# set to BUDGET_S (so no step outlives the call), its output in $LANES_DIR/NAME.log ($OUT where
+# the device machine sets it, else a new temporary folder). Processes on one GPU time-slice it:
+# lanes overlap their CPU work (compiles, references) and share the GPU's time, so a step takes
+# longer in a lane than alone (bench/results/gpu_suite_notes.md). Prints each lane's step lines
+# and summary; exits non-zero if any lane failed.
 set -u
 cd "$(dirname "$0")/../.."
-[ $# -ge 2 ] && [[ "$1" =~ ^[0-9]+$ ]] || { echo "usage: $0 BUDGET_S 'NAME:VAR=value ...' ..." >&2; exit 2; }
+usage() {
+  echo "lanes.sh: $1; usage: tests/gpu/lanes.sh BUDGET_S 'NAME:VAR=value ...' ..." >&2
+  exit 2
+}
+[ $# -ge 2 ] && [[ "$1" =~ ^[0-9]+$ ]] || usage "a budget in seconds and one lane or more"
 budget=$1; shift
 dir=${LANES_DIR:-${OUT:-$(mktemp -d)}}
 mkdir -p "$dir"
 names=() pids=()
 for spec in "$@"; do
   name=${spec%%:*} settings=${spec#*:}
-  [[ "$name" =~ ^[A-Za-z0-9_-]+$ ]] && [ "$name" != "$spec" ] ||
-    { echo "lanes.sh: lane '$spec': expected NAME:VAR=value ..." >&2; exit 2; }
+  [[ "$name" =~ ^[A-Za-z0-9_-]+$ ]] && [ "$name" != "$spec" ] || usage "lane '$spec'"
   for s in $settings; do
-    [[ "$s" =~ ^[A-Z_][A-Z0-9_]*=.*$ ]] || { echo "lanes.sh: lane $name: '$s' is not VAR=value" >&2; exit 2; }
+    [[ "$s" =~ ^[A-Z_][A-Z0-9_]*=.*$ ]] || usage "lane $name: '$s' is not VAR=value"
   done
   # shellcheck disable=SC2086  # the settings are words VAR=value, checked above
   env $settings PK_JAX_SUITE_BUDGET_S="$budget" PK_JAX_STEP_TIMEOUT="$budget" \
