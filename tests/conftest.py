@@ -94,23 +94,22 @@ SHARD = "PK_JAX_TEST_SHARD"
 _SHARD_DROPPED = pytest.StashKey[int]()
 
 
-def shard_of(spec: str, count: int) -> list[int]:
-    """Indices of the tests that shard `spec` ("i/n") keeps of `count`; a clear error otherwise."""
+def shard_of(spec: str) -> tuple[int, int]:
+    """(i, n) of a shard `spec` "i/n"; a clear error otherwise."""
     m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", spec)
     if not m or not 1 <= int(m[1]) <= int(m[2]):
         raise pytest.UsageError(f"pk_jax tests: {SHARD}={spec!r}: expected i/n with 1 <= i <= n, "
                                 "e.g. 2/3 for the second of three shards")
-    i, n = int(m[1]), int(m[2])
-    return list(range(i - 1, count, n))
+    return int(m[1]), int(m[2])
 
 
 @pytest.hookimpl(trylast=True)  # after -m / -k deselected what will not run
 def pytest_collection_modifyitems(config, items):
     spec = os.environ.get(SHARD, "")
     if spec:
-        keep = set(shard_of(spec, len(items)))
-        dropped = [item for k, item in enumerate(items) if k not in keep]
-        items[:] = [item for k, item in enumerate(items) if k in keep]
+        i, n = shard_of(spec)
+        dropped = [item for k, item in enumerate(items) if k % n != i - 1]
+        items[:] = items[i - 1::n]
         config.hook.pytest_deselected(items=dropped)
         config.stash[_SHARD_DROPPED] = len(dropped)
     skip_gpu = pytest.mark.skip(reason=GPU_REASON)

@@ -26,9 +26,19 @@ pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("ti
 
 
 def _env(**env: str) -> dict[str, str]:
-    """This process's environment without the suite's own settings, then `env`."""
-    out = {k: v for k, v in os.environ.items() if not k.startswith("PK_JAX_SUITE_")}
+    """This process's environment without the suite's own settings (steps, budget, shares, the
+    GPU requirement), then `env`."""
+    out = {k: v for k, v in os.environ.items() if not k.startswith("PK_JAX_SUITE_")
+           and k not in ("PK_JAX_TEST_SHARD", "PK_JAX_REQUIRE_GPU")}
     return {**out, "PYTHON": "true", **env}
+
+
+def _stand_in(tmp_path: pathlib.Path, body: str) -> str:
+    """An executable bash script `body`, put where run_all.sh expects Python (PYTHON=...)."""
+    path = tmp_path / "stand_in_python"
+    path.write_text(f"#!/bin/bash\n{body}\n")
+    path.chmod(0o755)
+    return str(path)
 
 
 def _run(env: dict[str, str], *sections: str) -> subprocess.CompletedProcess:
@@ -85,11 +95,9 @@ def _lanes(tmp_path, python: str, *lanes: str) -> subprocess.CompletedProcess:
 def test_lanes_run_their_own_steps_with_their_settings_and_the_budget(tmp_path):
     """tests/gpu/lanes.sh: each lane one run_all.sh with its settings, the budget as its run's
     budget and step limit, its log in LANES_DIR; the lanes' step lines printed at the end."""
-    stand_in = tmp_path / "stand_in_python"
-    stand_in.write_text("#!/bin/bash\necho \"shard=${PK_JAX_TEST_SHARD:-none} "
-                        "budget=$PK_JAX_SUITE_BUDGET_S limit=$PK_JAX_STEP_TIMEOUT\"\n")
-    stand_in.chmod(0o755)
-    r = _lanes(tmp_path, str(stand_in), "a:PK_JAX_SUITE_STEPS=3,4",
+    stand_in = _stand_in(tmp_path, 'echo "shard=${PK_JAX_TEST_SHARD:-none} '
+                         'budget=$PK_JAX_SUITE_BUDGET_S limit=$PK_JAX_STEP_TIMEOUT"')
+    r = _lanes(tmp_path, stand_in, "a:PK_JAX_SUITE_STEPS=3,4",
                "b:PK_JAX_SUITE_STEPS=4 PK_JAX_TEST_SHARD=2/3")
     assert r.returncode == 0, r.stdout + r.stderr
     a, b = ((tmp_path / "logs" / f"{n}.log").read_text() for n in "ab")
@@ -132,27 +140,25 @@ def _alive(marker: str) -> list[int]:
 def test_a_signal_to_the_script_stops_the_step_it_runs(tmp_path):
     """timeout runs the step in a process group of its own, out of reach of a signal to the
     script's group: the script must pass TERM on, or the step outlives it."""
-    stand_in = tmp_path / "stand_in_python"
-    stand_in.write_text("#!/bin/bash\nwhile :; do sleep 0.1; done\n")
-    stand_in.chmod(0o755)
-    env = _env(PYTHON=str(stand_in), PK_JAX_SUITE_STEPS="4")
+    stand_in = _stand_in(tmp_path, "while :; do sleep 0.1; done")
+    env = _env(PYTHON=stand_in, PK_JAX_SUITE_STEPS="4")
     p = subprocess.Popen(["bash", str(SCRIPT)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 30
-        while not _alive(str(stand_in)) and time.monotonic() < deadline:
+        while not _alive(stand_in) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert _alive(str(stand_in)), "the step never started"
+        assert _alive(stand_in), "the step never started"
         os.killpg(p.pid, signal.SIGTERM)
         out, _ = p.communicate(timeout=30)
         assert p.returncode == 130
         assert "stopped by a signal" in out
         deadline = time.monotonic() + 10
-        while _alive(str(stand_in)) and time.monotonic() < deadline:
+        while _alive(stand_in) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert _alive(str(stand_in)) == []
+        assert _alive(stand_in) == []
     finally:
-        for pid in _alive(str(stand_in)):
+        for pid in _alive(stand_in):
             os.kill(pid, signal.SIGKILL)
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
@@ -162,10 +168,7 @@ def _collected(path: str, shard: str | None, cwd: pathlib.Path) -> subprocess.Co
     """pytest --collect-only of the GPU tests of `path` (relative to the root), with the shard
     given. Run from `cwd`, outside the tree: `python -m pytest` puts its working directory on
     sys.path, and the root's pk_jax need not be the one under test (tests/conftest.py)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PK_JAX_TEST_SHARD",
-                                                            "PK_JAX_REQUIRE_GPU")}
-    if shard is not None:
-        env["PK_JAX_TEST_SHARD"] = shard
+    env = _env() if shard is None else _env(PK_JAX_TEST_SHARD=shard)
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            "--rootdir", str(ROOT), "--collect-only", "-m", "gpu",
                            str(ROOT / path)], env=env, check=False, capture_output=True,

@@ -19,20 +19,24 @@ usage() {
 budget=$1; shift
 dir=${LANES_DIR:-${OUT:-$(mktemp -d)}}
 mkdir -p "$dir"
-names=() pids=()
+# every lane checked before any starts, so that a bad one leaves nothing running
 for spec in "$@"; do
   name=${spec%%:*} settings=${spec#*:}
   [[ "$name" =~ ^[A-Za-z0-9_-]+$ ]] && [ "$name" != "$spec" ] || usage "lane '$spec'"
   for s in $settings; do
     [[ "$s" =~ ^[A-Z_][A-Z0-9_]*=.*$ ]] || usage "lane $name: '$s' is not VAR=value"
   done
+done
+names=() pids=()
+# a signal stops every lane started (run_all.sh stops the step it runs)
+trap 'kill -TERM "${pids[@]}" 2>/dev/null; wait; exit 130' INT TERM
+for spec in "$@"; do
+  name=${spec%%:*} settings=${spec#*:}
   # shellcheck disable=SC2086  # the settings are words VAR=value, checked above
   env $settings PK_JAX_SUITE_BUDGET_S="$budget" PK_JAX_STEP_TIMEOUT="$budget" \
     bash tests/gpu/run_all.sh > "$dir/$name.log" 2>&1 &
   names+=("$name") pids+=($!)
 done
-# a signal stops every lane (run_all.sh stops the step it runs)
-trap 'kill -TERM "${pids[@]}" 2>/dev/null; wait; exit 130' INT TERM
 rc=0
 for i in "${!pids[@]}"; do
   wait "${pids[$i]}" || rc=1
